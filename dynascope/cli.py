@@ -1,0 +1,209 @@
+"""The ``dynascope`` command line: demo, runs, sql, report, diff, dashboard, import, export, compact.
+
+Every command turns a user error into one line on stderr and a non-zero exit; ``--debug`` shows the
+traceback instead. Heavy modules are imported inside each command so ``dynascope --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Callable, Optional
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="dynascope: parameter-update dynamics and cluster bottlenecks of LLM training.")
+import_app = typer.Typer(no_args_is_help=True, help="Import external data (profiler traces, wandb runs) into a run.")
+app.add_typer(import_app, name="import")
+
+console = Console()
+err_console = Console(stderr=True)
+_state = {"debug": False}
+
+
+class UserError(Exception):
+    """A problem with the user's input: printed as one line, exit code 2."""
+
+
+def guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn known errors into one clear line on stderr and exit 2 (tracebacks only with --debug)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except typer.Exit:
+            raise
+        except KeyboardInterrupt:
+            err_console.print("interrupted")
+            raise typer.Exit(130) from None
+        except Exception as exc:
+            if _state["debug"]:
+                raise
+            from dynascope.store import StoreError
+
+            known = isinstance(exc, (UserError, StoreError, FileNotFoundError, ValueError, PermissionError))
+            msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            prefix = "error" if known else f"error ({type(exc).__name__})"
+            err_console.print(f"[bold red]{prefix}:[/] {msg}", markup=True, highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+
+    return wrapper
+
+
+@app.callback()
+def main(debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks.")] = False) -> None:
+    _state["debug"] = debug
+
+
+@app.command()
+@guarded
+def sql(
+    path: Annotated[Path, typer.Argument(help="Run directory or store root.")],
+    query: Annotated[str, typer.Argument(help="A read-only SQL query over the store's tables.")],
+    format: Annotated[str, typer.Option("--format", "-f", help="table | csv | json | parquet")] = "table",
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the result to this file.")] = None,
+    max_rows: Annotated[int, typer.Option("--max-rows", help="Row cap for the result.")] = 100_000,
+) -> None:
+    """Run read-only SQL over a run (tables: runs, tensor_stats, spectra, timings, samples, scalars, events, system)."""
+    from dynascope.store import open_store, run_sql
+    from dynascope.store.export import write_result
+
+    if format not in ("table", "csv", "json", "parquet"):
+        raise UserError(f"unknown --format {format!r} (table, csv, json or parquet)")
+    if format == "parquet" and out is None:
+        raise UserError("--format parquet needs --out FILE")
+    with open_store(path) as store:
+        result = run_sql(store, query, max_rows=max_rows)
+    write_result(result, format, out, console)
+
+
+@app.command()
+@guarded
+def runs(root: Annotated[Path, typer.Argument(help="Store root or run directory.")]) -> None:
+    """List runs with status, steps, ranks, size and last write."""
+    from dynascope.store.catalog import print_runs
+
+    print_runs(root, console)
+
+
+@app.command()
+@guarded
+def export(
+    run: Annotated[Path, typer.Argument(help="Run directory (or store root).")],
+    out: Annotated[Optional[Path], typer.Argument(help="Output .duckdb file.")] = None,
+    parquet: Annotated[Optional[Path], typer.Option("--parquet", help="Write one Parquet file per table here instead.")] = None,
+) -> None:
+    """Write a self-contained DuckDB file (or Parquet files) for sharing."""
+    from dynascope.store.export import export_store
+
+    if (out is None) == (parquet is None):
+        raise UserError("give exactly one of OUT.duckdb or --parquet DIR")
+    export_store(run, duckdb_path=out, parquet_dir=parquet)
+    console.print(f"wrote {out or parquet}")
+
+
+@app.command()
+@guarded
+def compact(
+    path: Annotated[Path, typer.Argument(help="Run directory or store root.")],
+    grace_s: Annotated[float, typer.Option(help="Keep merged-away segments this long for open readers.")] = 60.0,
+) -> None:
+    """Merge small segments; never loses or duplicates a row and is safe while readers are open."""
+    from dynascope.store.compact import compact_store
+
+    stats = compact_store(path, grace_s=grace_s)
+    console.print(f"merged {stats.merged_segments} segments into {stats.new_segments}; removed {stats.removed_segments}")
+
+
+@app.command()
+@guarded
+def report(
+    run: Annotated[Path, typer.Argument(help="Run directory or store root.")],
+    format: Annotated[str, typer.Option("--format", "-f", help="text | markdown | html")] = "text",
+    out: Annotated[Optional[Path], typer.Option("--out", "-o")] = None,
+) -> None:
+    """Findings in plain sentences, ranked by time at stake, each with its numbers and SQL."""
+    from dynascope.report import report_command
+
+    report_command(run, format=format, out=out, console=console)
+
+
+@app.command()
+@guarded
+def diff(
+    base: Annotated[Path, typer.Argument(help="Base checkpoint (θ₀): safetensors, sharded HF folder, .pt/.bin.")],
+    checkpoints: Annotated[list[Path], typer.Argument(help="Checkpoints to compare against BASE, in order.")],
+    run: Annotated[Path, typer.Option("--run", help="Run directory to write.")],
+    tensors: Annotated[Optional[str], typer.Option("--tensors", help="Only tensors whose name matches this regex.")] = None,
+    allow_missing: Annotated[bool, typer.Option("--allow-missing", help="Skip (and list) names missing on one side.")] = False,
+    spectral_k: Annotated[int, typer.Option("--k", help="Top-k for the randomized SVD of ΔW.")] = 8,
+) -> None:
+    """Offline checkpoint diff: parameter-update statistics of each checkpoint against BASE, into a run."""
+    from dynascope.importers.checkpoint_diff import diff_command
+
+    diff_command(base, checkpoints, run, tensors=tensors, allow_missing=allow_missing, k=spectral_k, console=console)
+
+
+@app.command()
+@guarded
+def dashboard(
+    path: Annotated[Path, typer.Argument(help="Run directory or store root.")],
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8501,
+    host: Annotated[str, typer.Option(help="Interface to bind; anything but loopback exposes an unauthenticated app.")] = "127.0.0.1",
+) -> None:
+    """Start the Streamlit dashboard over a run or a store root."""
+    from dynascope.dashboard import launch
+
+    launch(path, host=host, port=port)
+
+
+@import_app.command("trace")
+@guarded
+def import_trace(
+    paths: Annotated[list[Path], typer.Argument(help="Kineto/PyTorch-profiler trace files (.json or .json.gz) or directories.")],
+    run: Annotated[Path, typer.Option("--run", help="Run directory to write.")],
+) -> None:
+    """Import PyTorch-profiler (Kineto) traces, one file per rank, as timing rows."""
+    from dynascope.importers.trace import import_command
+
+    import_command(paths, run, console=console)
+
+
+@import_app.command("wandb")
+@guarded
+def import_wandb(
+    path: Annotated[Path, typer.Argument(help="Offline wandb run directory (run-*.wandb inside) or an exported history file.")],
+    run: Annotated[Path, typer.Option("--run", help="Run directory to write.")],
+) -> None:
+    """Import a wandb run's history into the run's scalars."""
+    from dynascope.importers.wandb_history import import_command
+
+    import_command(path, run, console=console)
+
+
+@app.command()
+@guarded
+def demo(
+    quick: Annotated[bool, typer.Option("--quick", help="A < 60 s version for tests.")] = False,
+    run: Annotated[Path, typer.Option("--run", help="Run directory to write.")] = Path("runs/demo"),
+    ranks: Annotated[int, typer.Option("--ranks", help="Run the RL phase under torchrun with this many gloo ranks.")] = 1,
+    slow_rank: Annotated[Optional[int], typer.Option("--slow-rank", help="Make this rank slower by real extra compute.")] = None,
+    slow_factor: Annotated[float, typer.Option("--slow-factor", help="How much slower the slow rank is.")] = 2.0,
+    long_tail: Annotated[bool, typer.Option("--long-tail", help="Skew response lengths for a long rollout tail.")] = False,
+    async_: Annotated[bool, typer.Option("--async", help="Asynchronous RL on Ray: rollout actors + trainer actor.")] = False,
+    seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
+) -> None:
+    """A real RL post-training run (SFT then GRPO) on CPU, probed end to end, then a short report."""
+    from dynascope.demo import run_demo
+
+    run_demo(run_dir=run, quick=quick, ranks=ranks, slow_rank=slow_rank, slow_factor=slow_factor,
+             long_tail=long_tail, use_async=async_, seed=seed, console=console)
+
+
+def entry() -> None:  # pragma: no cover - console script shim
+    app()
+    sys.exit(0)

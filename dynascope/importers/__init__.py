@@ -1,0 +1,1 @@
+"""Importers: bring external data (profiler traces, checkpoints, wandb runs) into a run."""

@@ -1,0 +1,83 @@
+"""Export a store to one self-contained DuckDB file or to Parquet, and write query results."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dynascope.store.layout import StoreError
+from dynascope.store.reader import open_store, quote_ident, quote_literal
+from dynascope.store.schema import TABLES
+
+
+def export_store(path: str | os.PathLike, duckdb_path: str | os.PathLike | None = None,
+                 parquet_dir: str | os.PathLike | None = None) -> None:
+    """Copy every table of a run (or root) into ``duckdb_path`` or one Parquet file per table."""
+    store = open_store(path, read_only=False)
+    try:
+        if duckdb_path is not None:
+            out = Path(duckdb_path)
+            if out.exists():
+                raise StoreError(f"{out}: already exists; refusing to overwrite")
+            tmp = out.with_name(f".{out.name}.tmp")
+            tmp.unlink(missing_ok=True)
+            store.execute(f"ATTACH {quote_literal(str(tmp))} AS export_db")
+            for table in TABLES:
+                store.execute(f"CREATE TABLE export_db.{quote_ident(table)} AS SELECT * FROM {quote_ident(table)}")
+            store.execute("DETACH export_db")
+            os.replace(tmp, out)
+        if parquet_dir is not None:
+            d = Path(parquet_dir)
+            d.mkdir(parents=True, exist_ok=True)
+            for table in TABLES:
+                store.execute(f"COPY (SELECT * FROM {quote_ident(table)}) TO "
+                              f"{quote_literal(str(d / (table + '.parquet')))} (FORMAT parquet)")
+    finally:
+        store.close()
+
+
+def write_result(result: pa.Table, fmt: str, out: Path | None, console) -> None:
+    """Print or save a query result as a rich table, CSV, JSON lines or Parquet."""
+    if fmt == "parquet":
+        pq.write_table(result, out)
+        return
+    if fmt == "csv":
+        import pyarrow.csv as pacsv
+
+        if out is None:
+            import io
+
+            buf = io.BytesIO()
+            pacsv.write_csv(result, buf)
+            console.file.write(buf.getvalue().decode())
+        else:
+            pacsv.write_csv(result, out)
+        return
+    if fmt == "json":
+        import json
+
+        text = "\n".join(json.dumps(row, default=str) for row in result.to_pylist())
+        if out is None:
+            console.file.write(text + "\n")
+        else:
+            Path(out).write_text(text + "\n")
+        return
+    from rich.table import Table
+
+    table = Table(show_lines=False)
+    for name in result.column_names:
+        table.add_column(name)
+    for row in result.to_pylist()[:1000]:
+        table.add_row(*["" if v is None else str(v) for v in row.values()])
+    if out is not None:
+        from rich.console import Console
+
+        with open(out, "w") as fh:
+            Console(file=fh, width=200).print(table)
+    else:
+        console.print(table)
+        if result.num_rows > 1000:
+            console.print(f"… {result.num_rows - 1000} more rows (use --format csv/json/parquet --out FILE)")

@@ -1,0 +1,141 @@
+"""Where things live on disk.
+
+    <root>/<run>/dynascope.json                          marker: schema version, run id (created once, O_EXCL)
+    <root>/<run>/<table>/writer=<writer_id>/<lo>-<hi>.parquet   immutable segments
+
+A writer numbers its segments 0, 1, 2, … and names each ``<seq>-<seq>.parquet``. Compaction merges a
+writer's segments lo..hi into ``<lo>-<hi>.parquet``; readers ignore any segment whose [lo, hi] range is
+covered by another segment of the same writer, so a merged file and its sources are never both read.
+Segments are written to a ``.tmp`` name and renamed, so a reader never sees a half-written file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from dynascope.store.schema import SCHEMA_VERSION, TABLE_NAMES
+
+MARKER = "dynascope.json"
+SEGMENT_RE = re.compile(r"^(\d{12})-(\d{12})\.parquet$")
+_SAFE_ID = re.compile(r"[^A-Za-z0-9_.-]+")
+
+
+class StoreError(Exception):
+    """A path, file or query the store cannot use; the message is one line meant for the user."""
+
+
+class SchemaVersionError(StoreError):
+    """The run was written by a newer dynascope whose schema this version cannot read."""
+
+
+def safe_id(text: str) -> str:
+    """A file-name-safe form of ``text`` (writer ids, run ids derived from paths)."""
+    return _SAFE_ID.sub("_", text).strip("._") or "run"
+
+
+def segment_name(lo: int, hi: int) -> str:
+    return f"{lo:012d}-{hi:012d}.parquet"
+
+
+def writer_dir(run_dir: Path, table: str, writer_id: str) -> Path:
+    return run_dir / table / f"writer={writer_id}"
+
+
+def read_marker(run_dir: Path) -> dict:
+    """The run's marker, checked for a schema this version can read."""
+    path = Path(run_dir) / MARKER
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise StoreError(f"{run_dir}: not a dynascope run (no {MARKER})") from None
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise StoreError(f"{path}: unreadable run marker ({type(exc).__name__})") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("schema_version"), int):
+        raise StoreError(f"{path}: run marker has no integer schema_version")
+    if meta["schema_version"] > SCHEMA_VERSION:
+        raise SchemaVersionError(
+            f"{run_dir}: written with store schema v{meta['schema_version']}, this dynascope reads up to "
+            f"v{SCHEMA_VERSION}; upgrade dynascope"
+        )
+    return meta
+
+
+def create_marker(run_dir: Path, meta: dict) -> bool:
+    """Create the run marker atomically; returns False when another process created it first."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / f".{MARKER}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(meta, indent=1), encoding="utf-8")
+    try:
+        os.link(tmp, run_dir / MARKER)  # atomic and fails if it exists: exactly one creator wins
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+@dataclass(frozen=True)
+class StoreLocation:
+    """A run directory or a store root, resolved."""
+
+    path: Path
+    is_root: bool
+    run_dirs: tuple[Path, ...]
+
+    def table_glob(self, table: str) -> str:
+        runs = "*" if self.is_root else ""
+        base = self.path / runs if runs else self.path
+        return str(base / table / "*" / "*.parquet")
+
+
+def locate(path: str | os.PathLike) -> StoreLocation:
+    """Resolve ``path`` to a run directory (has a marker) or a root (sub-directories with markers)."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise StoreError(f"{p}: no such file or directory")
+    if not p.is_dir():
+        raise StoreError(f"{p}: not a directory (expected a run directory or a store root)")
+    p = p.resolve()
+    if (p / MARKER).exists():
+        read_marker(p)
+        return StoreLocation(p, False, (p,))
+    runs = tuple(sorted(d for d in p.iterdir() if d.is_dir() and (d / MARKER).exists()))
+    if not runs:
+        raise StoreError(f"{p}: not a dynascope run directory or store root (no {MARKER} found)")
+    for d in runs:
+        read_marker(d)
+    return StoreLocation(p, True, runs)
+
+
+def list_segments(run_dir: Path, table: str) -> dict[Path, list[tuple[int, int, Path]]]:
+    """Segments per writer directory, as (lo, hi, path), sorted; temp files are ignored."""
+    out: dict[Path, list[tuple[int, int, Path]]] = {}
+    tdir = run_dir / table
+    if not tdir.is_dir():
+        return out
+    for wdir in sorted(tdir.iterdir()):
+        if not wdir.is_dir():
+            continue
+        segs = []
+        for f in wdir.iterdir():
+            m = SEGMENT_RE.match(f.name)
+            if m:
+                segs.append((int(m.group(1)), int(m.group(2)), f))
+        out[wdir] = sorted(segs)
+    return out
+
+
+def live_segments(segs: list[tuple[int, int, Path]]) -> list[tuple[int, int, Path]]:
+    """Segments not covered by a wider segment of the same writer (the reader's rule, in Python)."""
+    return [
+        s for s in segs
+        if not any(o is not s and o[0] <= s[0] and o[1] >= s[1] and (o[0], o[1]) != (s[0], s[1]) for o in segs)
+    ]
+
+
+def all_tables() -> tuple[str, ...]:
+    return TABLE_NAMES

@@ -1,0 +1,36 @@
+"""Tensor names → layer index and module kind, shared by the live probes and the offline diff."""
+
+from __future__ import annotations
+
+import re
+
+KINDS = ("q", "k", "v", "o", "qkv", "mlp", "embed", "head", "norm", "bias", "other")
+
+_LAYER = re.compile(r"(?:^|\.)(?:layers?|h|blocks?|block|decoder\.layers|encoder\.layer)\.(\d+)(?:\.|$)")
+_ANY_INDEX = re.compile(r"\.(\d+)\.")
+# Order matters: the first match wins, so specific names come before generic ones.
+_KIND_RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("norm", re.compile(r"(norm|ln_?\d*|ln_f|layernorm|rmsnorm)(\.|$)", re.I)),
+    ("embed", re.compile(r"(embed|wte|wpe|tok_emb|pos_emb|embeddings)", re.I)),
+    ("head", re.compile(r"(lm_head|score|classifier|output_layer)(\.|$)", re.I)),
+    ("qkv", re.compile(r"(qkv|c_attn|in_proj|query_key_value|Wqkv)", re.I)),
+    ("q", re.compile(r"(q_proj|\.query|\.wq|\.q)(\.|$)", re.I)),
+    ("k", re.compile(r"(k_proj|\.key|\.wk|\.k)(\.|$)", re.I)),
+    ("v", re.compile(r"(v_proj|\.value|\.wv|\.v)(\.|$)", re.I)),
+    ("o", re.compile(r"(o_proj|out_proj|attn\.c_proj|attention\.output|\.wo|\.o|dense)(\.|$)", re.I)),
+    ("mlp", re.compile(r"(mlp|ffn|feed_forward|fc\d?|c_fc|gate_proj|up_proj|down_proj|w[123])(\.|$)", re.I)),
+)
+
+
+def tensor_layer(name: str) -> int | None:
+    """Transformer block index in a parameter name (``model.layers.3.mlp.up_proj.weight`` → 3)."""
+    m = _LAYER.search(name) or _ANY_INDEX.search(name)
+    return int(m.group(1)) if m else None
+
+
+def tensor_kind(name: str) -> str:
+    """Module kind of a parameter: q, k, v, o, qkv, mlp, embed, head, norm, bias or other."""
+    for kind, pattern in _KIND_RULES:
+        if pattern.search(name):
+            return kind
+    return "bias" if name.endswith(".bias") else "other"

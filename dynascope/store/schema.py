@@ -1,0 +1,94 @@
+"""Schema v1 of the dynascope store: one Arrow schema per table, long format, typed columns.
+
+Every table carries ``run_id``; per-step tables carry ``step`` and ``rank``; rows that happen at a
+moment carry ``time_us`` (wall clock, µs since the epoch). Units live in column names.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+SCHEMA_VERSION = 1
+
+_f64, _i64, _i32, _str, _bool = pa.float64(), pa.int64(), pa.int32(), pa.string(), pa.bool_()
+
+# Columns every table starts with, filled in by the writer (the caller never passes them).
+WRITER_COLUMNS = ("run_id", "rank", "role")
+
+TABLES: dict[str, pa.Schema] = {
+    "runs": pa.schema([
+        ("run_id", _str), ("rank", _i32), ("role", _str),
+        ("name", _str), ("start_us", _i64), ("host", _str), ("world_size", _i32),
+        ("framework", _str), ("config_json", _str), ("dynascope_version", _str), ("schema_version", _i32),
+    ]),
+    # One row per tensor per recorded step per rank. Under FSDP/DTensor a row describes the local shard:
+    # numel is the shard's element count and the *_sq / *_count columns combine exactly across ranks.
+    "tensor_stats": pa.schema([
+        ("run_id", _str), ("rank", _i32), ("role", _str),
+        ("step", _i64), ("time_us", _i64), ("stage", _str),
+        ("tensor", _str), ("layer", _i32), ("kind", _str), ("shape", _str), ("dtype", _str),
+        ("numel", _i64), ("sharded", _bool),
+        # weights and the step update ΔW = W_t − W_{t−1}
+        ("w_norm", _f64), ("dw_norm", _f64), ("update_ratio", _f64),
+        ("changed_count", _i64), ("changed_frac", _f64),            # bit-exact in the param's dtype
+        ("changed_bf16_count", _i64), ("changed_bf16_frac", _f64),  # |ŵ−w| > η·max(|w|,|ŵ|)
+        ("sign_flip_count", _i64), ("sign_flip_frac", _f64),
+        ("w_nan", _i64), ("w_inf", _i64),
+        # drift against the reference weights θ₀ (null when this tensor's θ₀ is not held)
+        ("ref_covered", _bool), ("drift_norm", _f64), ("drift_ratio", _f64),
+        ("drift_changed_count", _i64), ("drift_changed_frac", _f64),
+        ("drift_changed_bf16_count", _i64), ("drift_changed_bf16_frac", _f64),
+        # gradient at the step (null when the param had no grad)
+        ("grad_norm", _f64), ("grad_zero_count", _i64), ("grad_zero_frac", _f64),
+        ("grad_near_zero_count", _i64), ("grad_near_zero_frac", _f64),
+        ("grad_max_abs", _f64), ("grad_nan", _i64), ("grad_inf", _i64),
+    ]),
+    # Low-rank summary of the cumulative ΔW = W_t − W_0 for one 2-D tensor at one record.
+    "spectra": pa.schema([
+        ("run_id", _str), ("rank", _i32), ("role", _str),
+        ("step", _i64), ("time_us", _i64), ("stage", _str),
+        ("tensor", _str), ("layer", _i32), ("kind", _str), ("rows", _i64), ("cols", _i64), ("k", _i32),
+        ("dw_fro", _f64), ("sigma", pa.list_(_f64)),
+        ("rank1_energy", _f64), ("topk_energy", _f64), ("stable_rank", _f64), ("effective_rank", _f64),
+        ("u1", pa.list_(pa.float32())), ("v1", pa.list_(pa.float32())),
+        ("angle_left_deg", _f64), ("angle_right_deg", _f64),
+        ("off_principal_energy", _f64), ("spectral_drift", _f64), ("compute_ms", _f64),
+    ]),
+    "timings": pa.schema([
+        ("run_id", _str), ("rank", _i32), ("role", _str),
+        ("step", _i64), ("phase", _str), ("parent", _str),
+        ("start_us", _i64), ("dur_us", _i64), ("device", _str),
+        ("category", _str),  # phase | kernel | memcpy | comm | annotation | cpu_op (trace import)
+        ("stream", _i64),
+    ]),
+    "samples": pa.schema([
+        ("run_id", _str), ("rank", _i32), ("role", _str),
+        ("step", _i64), ("time_us", _i64),
+        ("sample_id", _i64), ("group_id", _i64), ("prompt_len", _i32), ("response_len", _i32),
+        ("reward", _f64), ("gen_start_us", _i64), ("gen_end_us", _i64), ("gen_ms", _f64),
+        ("policy_version", _i64), ("trainer_version", _i64),
+    ]),
+    "scalars": pa.schema([
+        ("run_id", _str), ("rank", _i32), ("role", _str),
+        ("step", _i64), ("time_us", _i64), ("stage", _str), ("key", _str), ("value", _f64),
+    ]),
+    "events": pa.schema([
+        ("run_id", _str), ("rank", _i32), ("role", _str),
+        ("step", _i64), ("time_us", _i64), ("kind", _str), ("severity", _str),
+        ("message", _str), ("dur_us", _i64), ("fields_json", _str),
+    ]),
+    "system": pa.schema([
+        ("run_id", _str), ("rank", _i32), ("role", _str),
+        ("time_us", _i64), ("device", _str),
+        ("gpu_util_pct", _f64), ("mem_used_bytes", _i64), ("mem_total_bytes", _i64),
+        ("power_w", _f64), ("temp_c", _f64), ("sm_clock_mhz", _f64),
+        ("cpu_pct", _f64), ("rss_bytes", _i64),
+    ]),
+}
+
+TABLE_NAMES = tuple(TABLES)
+
+
+def columns(table: str) -> list[str]:
+    """Column names of ``table`` in schema order."""
+    return TABLES[table].names

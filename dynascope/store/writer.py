@@ -1,0 +1,331 @@
+"""The store writer: buffer rows in memory, flush immutable Parquet segments from a background thread.
+
+One ``RunWriter`` per process. ``append`` only extends in-memory column lists under a lock and never
+touches the disk, so it cannot block training. A daemon thread turns the buffers into Arrow tables and
+writes them every ``flush_rows`` rows or ``flush_secs`` seconds, and at ``close``/atexit.
+
+Failures never propagate into the caller: a failed flush keeps its rows (bounded by ``max_buffer_rows``,
+oldest dropped first and counted), warns once, and is retried; the run directory is recreated if it
+vanished. Dropped rows and write errors become rows in ``events``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+import warnings
+import weakref
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dynascope.store.layout import (
+    create_marker,
+    read_marker,
+    safe_id,
+    segment_name,
+    writer_dir,
+)
+from dynascope.store.schema import SCHEMA_VERSION, TABLES
+
+_LIVE_WRITERS: weakref.WeakSet[RunWriter] = weakref.WeakSet()
+
+
+def now_us() -> int:
+    return time.time_ns() // 1000
+
+
+class _TableBuffer:
+    """Column lists for one table; batches are kept whole so the oldest can be dropped under pressure."""
+
+    __slots__ = ("batches", "rows")
+
+    def __init__(self) -> None:
+        self.batches: deque[tuple[int, dict[str, Any]]] = deque()
+        self.rows = 0
+
+
+class RunWriter:
+    """Append-only writer for one process of one run.
+
+    Args:
+        run_dir: the run directory (created with its marker if missing).
+        rank, role: identify this process; every row carries them.
+        flush_rows / flush_secs: flush when either is reached.
+        max_buffer_rows: rows held in memory at most; beyond it the oldest batches are dropped and counted.
+        run_name, world_size, framework, config: recorded in ``runs`` by the process that creates the run.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        *,
+        rank: int = 0,
+        role: str = "trainer",
+        flush_rows: int = 200_000,
+        flush_secs: float = 2.0,
+        max_buffer_rows: int = 5_000_000,
+        run_name: str | None = None,
+        world_size: int = 1,
+        framework: str = "pytorch",
+        config: dict | None = None,
+        compression: str = "zstd",
+    ) -> None:
+        self.run_dir = Path(run_dir).expanduser().resolve()
+        self.rank, self.role = int(rank), str(role)
+        self.flush_rows, self.flush_secs = int(flush_rows), float(flush_secs)
+        self.max_buffer_rows = int(max_buffer_rows)
+        self.compression = compression
+        self.writer_id = safe_id(f"r{self.rank}-{self.role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+        self.rows_written = 0
+        self.rows_dropped = 0
+        self.write_errors = 0
+        self._seq = 0
+        self._buffers: dict[str, _TableBuffer] = {t: _TableBuffer() for t in TABLES}
+        self._buffered = 0
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._flush_lock = threading.Lock()  # one flush at a time (thread, close, explicit flush)
+        self._closed = False
+        self._warned: set[str] = set()
+        self._pending_events: list[dict[str, Any]] = []
+        self.run_id = self._init_run(run_name, world_size, framework, config or {})
+        self._thread = threading.Thread(target=self._loop, name=f"dynascope-writer-{self.rank}", daemon=True)
+        self._thread.start()
+        _LIVE_WRITERS.add(self)
+
+    # ---- run creation -------------------------------------------------------------------------------
+    def _init_run(self, name: str | None, world_size: int, framework: str, config: dict) -> str:
+        run_id = safe_id(self.run_dir.name)
+        meta = {"schema_version": SCHEMA_VERSION, "run_id": run_id, "created_us": now_us()}
+        if create_marker(self.run_dir, meta):
+            from dynascope import __version__
+
+            self._write_empty_segments()
+            self.append("runs", {
+                "name": name or self.run_dir.name, "start_us": meta["created_us"], "host": socket.gethostname(),
+                "world_size": world_size, "framework": framework,
+                "config_json": json.dumps(config, default=str, sort_keys=True),
+                "dynascope_version": __version__, "schema_version": SCHEMA_VERSION,
+            })
+            return run_id
+        return str(read_marker(self.run_dir).get("run_id", run_id))
+
+    def _write_empty_segments(self) -> None:
+        # One zero-row segment per table, so every view has a typed file to read before any data lands.
+        for table, schema in TABLES.items():
+            d = writer_dir(self.run_dir, table, "_schema")
+            d.mkdir(parents=True, exist_ok=True)
+            self._atomic_write(schema.empty_table(), d / segment_name(0, 0))
+
+    # ---- the hot path -------------------------------------------------------------------------------
+    def append(self, table: str, columns: dict[str, Any]) -> None:
+        """Buffer a batch: ``columns`` maps column → list/array (all one length) or a scalar to broadcast.
+
+        Never raises for bad data on the training thread's behalf: unknown tables or ragged columns are
+        reported as an ``events`` row and a warning.
+        """
+        try:
+            n = _batch_len(columns)
+        except ValueError as exc:
+            self._problem("bad_batch", f"{table}: {exc}")
+            return
+        if table not in TABLES:
+            self._problem("bad_batch", f"unknown table {table!r}")
+            return
+        if n == 0:
+            return
+        with self._lock:
+            if self._closed:
+                return
+            buf = self._buffers[table]
+            buf.batches.append((n, columns))
+            buf.rows += n
+            self._buffered += n
+            if self._buffered > self.max_buffer_rows:
+                self._drop_oldest_locked()
+            if self._buffered >= self.flush_rows:
+                self._wake.notify()
+
+    def append_row(self, table: str, **fields: Any) -> None:
+        """Buffer one row (convenience for low-rate tables such as events)."""
+        self.append(table, fields)
+
+    def event(self, kind: str, message: str = "", *, step: int | None = None, severity: str = "info",
+              dur_us: int | None = None, **fields: Any) -> None:
+        """Record an event row (checkpoint, fault, restart, warning...)."""
+        self.append("events", {
+            "step": step, "time_us": now_us(), "kind": kind, "severity": severity, "message": message,
+            "dur_us": dur_us, "fields_json": json.dumps(fields, default=str) if fields else None,
+        })
+
+    def _drop_oldest_locked(self) -> None:
+        dropped = 0
+        while self._buffered > self.max_buffer_rows:
+            victim = max(self._buffers.values(), key=lambda b: b.rows)
+            if not victim.batches:
+                break
+            n, _ = victim.batches.popleft()
+            victim.rows -= n
+            self._buffered -= n
+            dropped += n
+        self.rows_dropped += dropped
+        self._pending_events.append({"kind": "rows_dropped", "severity": "warning", "dropped": dropped,
+                                     "message": f"writer buffer full ({self.max_buffer_rows} rows): dropped oldest"})
+
+    # ---- flushing -----------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                if not self._closed and self._buffered < self.flush_rows:
+                    self._wake.wait(self.flush_secs)
+                if self._closed:
+                    return
+            try:
+                self.flush()
+            except Exception as exc:  # never let the thread die silently
+                self._problem("writer_error", f"flush failed: {type(exc).__name__}: {exc}")
+
+    def flush(self) -> None:
+        """Write everything buffered now (called by the thread; safe to call from anywhere)."""
+        with self._flush_lock:
+            with self._lock:
+                taken = {t: b for t, b in self._buffers.items() if b.rows}
+                for t in taken:
+                    self._buffers[t] = _TableBuffer()
+                self._buffered -= sum(b.rows for b in taken.values())
+                pending, self._pending_events = self._pending_events, []
+            for ev in pending:
+                taken.setdefault("events", _TableBuffer())
+                b = taken["events"]
+                b.batches.append((1, {"time_us": now_us(), "kind": ev.pop("kind"), "severity": ev.pop("severity"),
+                                      "message": ev.pop("message"), "fields_json": json.dumps(ev)}))
+                b.rows += 1
+            for table, buf in taken.items():
+                try:
+                    arrow = self._to_arrow(table, buf)
+                except Exception as exc:
+                    self._problem("bad_batch", f"{table}: rows could not be typed ({type(exc).__name__}: {exc})")
+                    continue
+                if not self._write_segment(table, arrow):
+                    self._requeue(table, buf)
+
+    def _to_arrow(self, table: str, buf: _TableBuffer) -> pa.Table:
+        schema = TABLES[table]
+        merged: dict[str, list] = {name: [] for name in schema.names}
+        for n, cols in buf.batches:
+            for name in schema.names:
+                v = cols.get(name)
+                if name == "run_id":
+                    v = self.run_id
+                elif name == "rank":
+                    v = self.rank if v is None else v
+                elif name == "role":
+                    v = self.role if v is None else v
+                if isinstance(v, (list, tuple)):
+                    merged[name].extend(v)
+                elif hasattr(v, "tolist") and getattr(v, "ndim", 0) > 0:
+                    merged[name].extend(v.tolist())
+                else:
+                    merged[name].extend([v] * n)
+        return pa.table({name: pa.array(merged[name], type=schema.field(name).type) for name in schema.names},
+                        schema=schema)
+
+    def _write_segment(self, table: str, arrow: pa.Table) -> bool:
+        d = writer_dir(self.run_dir, table, self.writer_id)
+        try:
+            if not (self.run_dir / "dynascope.json").exists():
+                self._recreate_run_dir()
+            d.mkdir(parents=True, exist_ok=True)
+            self._atomic_write(arrow, d / segment_name(self._seq, self._seq))
+        except Exception as exc:
+            self.write_errors += 1
+            self._problem("write_error", f"{table}: segment write failed ({type(exc).__name__}: {exc}); "
+                                         "rows kept in memory and retried", emit_event=False)
+            return False
+        self._seq += 1
+        self.rows_written += arrow.num_rows
+        return True
+
+    def _atomic_write(self, arrow: pa.Table, final: Path) -> None:
+        tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex[:8]}.tmp")
+        try:
+            pq.write_table(arrow, tmp, compression=self.compression)
+            os.replace(tmp, final)  # readers see the whole segment or nothing
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _recreate_run_dir(self) -> None:
+        self._problem("run_dir_missing", f"{self.run_dir} vanished; recreating it", emit_event=False)
+        meta = {"schema_version": SCHEMA_VERSION, "run_id": self.run_id, "created_us": now_us(), "recreated": True}
+        if create_marker(self.run_dir, meta):
+            self._write_empty_segments()
+        self._pending_events.append({"kind": "run_dir_recreated", "severity": "warning",
+                                     "message": f"{self.run_dir} was deleted during the run and recreated"})
+
+    def _requeue(self, table: str, buf: _TableBuffer) -> None:
+        with self._lock:
+            cur = self._buffers[table]
+            buf.batches.extend(cur.batches)
+            buf.rows += cur.rows
+            self._buffers[table] = buf
+            self._buffered += buf.rows - cur.rows
+            if self._buffered > self.max_buffer_rows:
+                self._drop_oldest_locked()
+
+    def _problem(self, kind: str, message: str, emit_event: bool = True) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            warnings.warn(f"dynascope: {message}", RuntimeWarning, stacklevel=3)
+        if emit_event:
+            with self._lock:
+                self._pending_events.append({"kind": kind, "severity": "warning", "message": message})
+
+    # ---- shutdown -----------------------------------------------------------------------------------
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Flush what is buffered and stop the thread. Idempotent."""
+        if self._closed:
+            return
+        with self._lock:
+            self._closed = True
+            self._wake.notify_all()
+        self._thread.join(timeout_s)
+        for _ in range(2):  # a second pass writes events produced by the first
+            self.flush()
+            if not self._pending_events and not any(b.rows for b in self._buffers.values()):
+                break
+        _LIVE_WRITERS.discard(self)
+
+    def __enter__(self) -> RunWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _batch_len(columns: dict[str, Any]) -> int:
+    n = None
+    for name, v in columns.items():
+        if isinstance(v, (list, tuple)) or (hasattr(v, "__len__") and getattr(v, "ndim", 1) > 0 and not isinstance(v, (str, bytes))):
+            if n is None:
+                n = len(v)
+            elif len(v) != n:
+                raise ValueError(f"column {name!r} has {len(v)} values, expected {n}")
+    return 1 if n is None else n
+
+
+@atexit.register
+def _close_all() -> None:
+    for w in list(_LIVE_WRITERS):
+        try:
+            w.close(timeout_s=10)
+        except Exception:
+            pass
