@@ -43,12 +43,16 @@ def guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
         except Exception as exc:
             if _state["debug"]:
                 raise
+            from rich.text import Text
+
             from dynascope.store import StoreError
 
             known = isinstance(exc, (UserError, StoreError, FileNotFoundError, ValueError, PermissionError))
             msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            # User data (paths, names) may hold invalid UTF-8 (surrogate escapes) or rich markup: print it inert.
+            msg = msg.encode("utf-8", "backslashreplace").decode("utf-8")
             prefix = "error" if known else f"error ({type(exc).__name__})"
-            err_console.print(f"[bold red]{prefix}:[/] {msg}", markup=True, highlight=False, soft_wrap=True)
+            err_console.print(Text.assemble((f"{prefix}: ", "bold red"), msg), highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
 
     return wrapper
@@ -76,8 +80,13 @@ def sql(
         raise UserError(f"unknown --format {format!r} (table, csv, json or parquet)")
     if format == "parquet" and out is None:
         raise UserError("--format parquet needs --out FILE")
+    if max_rows < 1:
+        raise UserError("--max-rows must be at least 1")
     with open_store(path) as store:
-        result = run_sql(store, query, max_rows=max_rows)
+        result = run_sql(store, query, max_rows=max_rows + 1)  # one extra row tells us the cap was hit
+    if result.num_rows > max_rows:
+        result = result.slice(0, max_rows)
+        err_console.print(f"note: result capped at {max_rows} rows (--max-rows)", highlight=False)
     write_result(result, format, out, console)
 
 
@@ -102,8 +111,8 @@ def export(
 
     if (out is None) == (parquet is None):
         raise UserError("give exactly one of OUT.duckdb or --parquet DIR")
-    export_store(run, duckdb_path=out, parquet_dir=parquet)
-    console.print(f"wrote {out or parquet}")
+    counts = export_store(run, duckdb_path=out, parquet_dir=parquet)
+    console.print(f"wrote {out or parquet}: " + ", ".join(f"{t} {n}" for t, n in counts.items() if n), highlight=False)
 
 
 @app.command()
@@ -111,12 +120,23 @@ def export(
 def compact(
     path: Annotated[Path, typer.Argument(help="Run directory or store root.")],
     grace_s: Annotated[float, typer.Option(help="Keep merged-away segments this long for open readers.")] = 60.0,
+    settle_s: Annotated[float, typer.Option(help="A merged segment takes effect this long after it is written.")] = 2.0,
+    wait: Annotated[bool, typer.Option("--wait", help="Wait out the grace period and delete merged-away segments now.")] = False,
 ) -> None:
-    """Merge small segments; never loses or duplicates a row and is safe while readers are open."""
+    """Merge small segments; never loses or duplicates a row and is safe while readers are open.
+
+    Merged-away segments are deleted once the merged file has been in effect for --grace-s: by a later
+    `compact`, or by this one with --wait.
+    """
     from dynascope.store.compact import compact_store
 
-    stats = compact_store(path, grace_s=grace_s)
-    console.print(f"merged {stats.merged_segments} segments into {stats.new_segments}; removed {stats.removed_segments}")
+    if grace_s < 0 or settle_s < 0:
+        raise UserError("--grace-s and --settle-s must be >= 0")
+    stats = compact_store(path, grace_s=grace_s, settle_s=settle_s, wait=wait)
+    console.print(f"merged {stats.merged_segments} segments ({stats.rows_merged} rows) into {stats.new_segments}; "
+                  f"removed {stats.removed_segments} merged-away or stale files", highlight=False)
+    for line in stats.skipped:
+        err_console.print(f"warning: skipped {line}", highlight=False, markup=False)
 
 
 @app.command()
@@ -136,16 +156,19 @@ def report(
 @guarded
 def diff(
     base: Annotated[Path, typer.Argument(help="Base checkpoint (θ₀): safetensors, sharded HF folder, .pt/.bin.")],
-    checkpoints: Annotated[list[Path], typer.Argument(help="Checkpoints to compare against BASE, in order.")],
+    checkpoints: Annotated[list[Path], typer.Argument(help="Checkpoints to compare against BASE (in the step order their names give, else as listed).")],
     run: Annotated[Path, typer.Option("--run", help="Run directory to write.")],
     tensors: Annotated[Optional[str], typer.Option("--tensors", help="Only tensors whose name matches this regex.")] = None,
     allow_missing: Annotated[bool, typer.Option("--allow-missing", help="Skip (and list) names missing on one side.")] = False,
-    spectral_k: Annotated[int, typer.Option("--k", help="Top-k for the randomized SVD of ΔW.")] = 8,
+    spectral_k: Annotated[int, typer.Option("--k", help="Top-k for the randomized SVD of ΔW (0: no spectra).")] = 8,
+    stage: Annotated[str | None, typer.Option("--stage", help="Stage label for the rows (e.g. sft, rl).")] = None,
+    device: Annotated[str, typer.Option("--device", help="Where to compute: auto (GPU if any), cpu, cuda:N.")] = "auto",
 ) -> None:
     """Offline checkpoint diff: parameter-update statistics of each checkpoint against BASE, into a run."""
     from dynascope.importers.checkpoint_diff import diff_command
 
-    diff_command(base, checkpoints, run, tensors=tensors, allow_missing=allow_missing, k=spectral_k, console=console)
+    diff_command(base, checkpoints, run, tensors=tensors, allow_missing=allow_missing, k=spectral_k, stage=stage,
+                 device=device, console=console)
 
 
 @app.command()
@@ -178,11 +201,12 @@ def import_trace(
 def import_wandb(
     path: Annotated[Path, typer.Argument(help="Offline wandb run directory (run-*.wandb inside) or an exported history file.")],
     run: Annotated[Path, typer.Option("--run", help="Run directory to write.")],
+    step_key: Annotated[str, typer.Option("--step-key", help="Logged key to use as the step (e.g. train/global_step).")] = "_step",
 ) -> None:
     """Import a wandb run's history into the run's scalars."""
     from dynascope.importers.wandb_history import import_command
 
-    import_command(path, run, console=console)
+    import_command(path, run, console=console, step_key=step_key)
 
 
 @app.command()

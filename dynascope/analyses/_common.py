@@ -6,7 +6,7 @@ import os
 
 import polars as pl
 
-from dynascope.store import StoreConnection, open_store, quote_literal
+from dynascope.store import StoreConnection, open_store, quote_literal, retry_vanished
 
 StoreLike = StoreConnection | str | os.PathLike
 
@@ -23,4 +23,4 @@ def run_clause(run: str | None, column: str = "run_id") -> str:
 
 def frame(store: StoreConnection, sql: str) -> pl.DataFrame:
     """Run an analysis query (the toolkit's own SQL, not the user's) and return polars."""
-    return store._con.sql(sql).pl()
+    return retry_vanished(lambda: store._con.sql(sql).pl())  # a compaction may delete a segment mid-query

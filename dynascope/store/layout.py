@@ -2,11 +2,19 @@
 
     <root>/<run>/dynascope.json                          marker: schema version, run id (created once, O_EXCL)
     <root>/<run>/<table>/writer=<writer_id>/<lo>-<hi>.parquet   immutable segments
+    <root>/<run>/_writers/<writer_id>.json                writer heartbeat (mtime = last sign of life)
 
 A writer numbers its segments 0, 1, 2, … and names each ``<seq>-<seq>.parquet``. Compaction merges a
 writer's segments lo..hi into ``<lo>-<hi>.parquet``; readers ignore any segment whose [lo, hi] range is
 covered by another segment of the same writer, so a merged file and its sources are never both read.
 Segments are written to a ``.tmp`` name and renamed, so a reader never sees a half-written file.
+
+A merged segment is named ``<lo>-<hi>.v<valid_from_us>.parquet``: it counts (and covers its sources) only
+for queries that start at or after ``valid_from_us``, a few seconds after it was written. DuckDB lists the
+files of a query twice (binding ``read_parquet``, then running ``glob``), so a merged file that took effect
+the instant it appeared could cover sources for a query whose first listing missed it; with a future
+``valid_from`` every query that honours the file also listed it. Nothing is renamed or deleted while a
+reader may still open it (see ``compact``).
 """
 
 from __future__ import annotations
@@ -14,13 +22,15 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from dynascope.store.schema import SCHEMA_VERSION, TABLE_NAMES
 
 MARKER = "dynascope.json"
-SEGMENT_RE = re.compile(r"^(\d{12})-(\d{12})\.parquet$")
+HEARTBEATS = "_writers"  # <run>/_writers/<writer_id>.json; not a table, so no view globs it
+SEGMENT_RE = re.compile(r"^(\d{12})-(\d{12})(?:\.v(\d{1,20}))?\.parquet$")
 _SAFE_ID = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
@@ -37,12 +47,25 @@ def safe_id(text: str) -> str:
     return _SAFE_ID.sub("_", text).strip("._") or "run"
 
 
-def segment_name(lo: int, hi: int) -> str:
-    return f"{lo:012d}-{hi:012d}.parquet"
+def segment_name(lo: int, hi: int, valid_from_us: int | None = None) -> str:
+    """A segment's file name; merged segments carry the wall-clock µs from which they count."""
+    valid = "" if valid_from_us is None else f".v{valid_from_us}"
+    return f"{lo:012d}-{hi:012d}{valid}.parquet"
+
+
+def valid_from_us(path: Path) -> int:
+    """When a segment starts to count (0 for a writer's own segments, which count at once)."""
+    m = SEGMENT_RE.match(path.name)
+    return int(m.group(3)) if m and m.group(3) else 0
 
 
 def writer_dir(run_dir: Path, table: str, writer_id: str) -> Path:
     return run_dir / table / f"writer={writer_id}"
+
+
+def heartbeat_path(run_dir: Path, writer_id: str) -> Path:
+    """A writer's heartbeat file: created at start, touched every flush interval, describes the writer."""
+    return run_dir / HEARTBEATS / f"{writer_id}.json"
 
 
 def read_marker(run_dir: Path) -> dict:
@@ -129,12 +152,19 @@ def list_segments(run_dir: Path, table: str) -> dict[Path, list[tuple[int, int, 
     return out
 
 
-def live_segments(segs: list[tuple[int, int, Path]]) -> list[tuple[int, int, Path]]:
-    """Segments not covered by a wider segment of the same writer (the reader's rule, in Python)."""
-    return [
-        s for s in segs
-        if not any(o is not s and o[0] <= s[0] and o[1] >= s[1] and (o[0], o[1]) != (s[0], s[1]) for o in segs)
-    ]
+def live_segments(segs: list[tuple[int, int, Path]], at_us: int | None = None) -> list[tuple[int, int, Path]]:
+    """Segments a query starting at ``at_us`` (default now) reads: those in effect and not covered by another.
+
+    In (lo, hi descending, name) order a segment is covered exactly when an earlier one reaches at least as
+    far; the name breaks ties between two merges of the same range, so exactly one of them counts.
+    """
+    at = time.time_ns() // 1000 if at_us is None else at_us
+    live, reach = [], -1
+    for s in sorted((s for s in segs if valid_from_us(s[2]) <= at), key=lambda s: (s[0], -s[1], s[2].name)):
+        if s[1] > reach:
+            live.append(s)
+            reach = s[1]
+    return live
 
 
 def all_tables() -> tuple[str, ...]:

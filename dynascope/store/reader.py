@@ -11,14 +11,21 @@ locked, and statements other than queries are refused before they reach DuckDB.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+import shutil
+import tempfile
+import time
+import weakref
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import duckdb
+import pyarrow as pa
 
 from dynascope.store.layout import StoreError, StoreLocation, locate
 from dynascope.store.schema import TABLES
+
+T = TypeVar("T")
 
 # Statement types a user may run on a read-only connection.
 _ALLOWED_STATEMENTS = {duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN}
@@ -36,24 +43,56 @@ def quote_ident(name: str) -> str:
 def _view_sql(loc: StoreLocation, table: str) -> str:
     pattern = quote_literal(loc.table_glob(table))
     cols = ", ".join(quote_ident(c) for c in TABLES[table].names)
-    # Live segments: drop any file whose [lo, hi] is covered by a wider file in the same writer dir.
+    typed = ", ".join(f"CAST(NULL AS {_sql_type(f.type)}) AS {quote_ident(f.name)}" for f in TABLES[table])
+    # The rule in ``layout``: a segment counts when it is in effect (merged ones carry a valid-from time,
+    # compared with the query's start) and no earlier segment in (lo, hi desc, name) order of the same
+    # writer dir reaches as far. A window, not a self-join: writer dirs can hold thousands of segments.
     return f"""
     CREATE OR REPLACE VIEW {quote_ident(table)} AS
     WITH seg AS (
-        SELECT file,
-               regexp_extract(file, '^(.*)/(\\d{{12}})-(\\d{{12}})\\.parquet$', ['dir', 'lo', 'hi']) AS s
+        SELECT file, regexp_extract(file, '^(.*)/(\\d{{12}})-(\\d{{12}})(?:\\.v(\\d{{1,20}}))?\\.parquet$',
+                                    ['dir', 'lo', 'hi', 'valid']) AS s
         FROM glob({pattern})
+    ), fin AS (
+        SELECT file, s.dir AS dir, CAST(s.lo AS BIGINT) AS lo, CAST(s.hi AS BIGINT) AS hi FROM seg
+        WHERE s.dir <> '' AND (s.valid = '' OR CAST(s.valid AS HUGEINT) <= epoch_us(get_current_timestamp()))
     ), live AS (
-        SELECT a.file FROM seg a
-        WHERE a.s.dir <> '' AND NOT EXISTS (
-            SELECT 1 FROM seg b
-            WHERE b.s.dir = a.s.dir AND b.file <> a.file
-              AND CAST(b.s.lo AS BIGINT) <= CAST(a.s.lo AS BIGINT)
-              AND CAST(b.s.hi AS BIGINT) >= CAST(a.s.hi AS BIGINT))
+        SELECT file FROM (
+            SELECT file, hi, max(hi) OVER (PARTITION BY dir ORDER BY lo, hi DESC, file
+                                           ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS reach
+            FROM fin)
+        WHERE reach IS NULL OR reach < hi
     )
-    SELECT {cols} FROM read_parquet({pattern}, union_by_name = true, filename = '_segment_file')
-    WHERE _segment_file IN (SELECT file FROM live)
+    SELECT {cols} FROM (
+        SELECT * FROM read_parquet({pattern}, union_by_name = true, filename = '_segment_file')
+        WHERE _segment_file IN (SELECT file FROM live)
+        UNION ALL BY NAME  -- columns added to the schema after a run's segments were written read as NULL
+        SELECT {typed} WHERE false)
     """
+
+
+def retry_vanished(fetch: Callable[[], T], attempts: int = 8) -> T:
+    """Run ``fetch`` (a query and its fetch), again if a segment vanished between listing and reading it.
+
+    DuckDB lists a query's files when it binds and opens them while it runs; a compaction that deletes a
+    merged-away segment in between fails that query with "No such file". Running it again lists the
+    files anew and reads the merged segment instead, so the rows are the same.
+    """
+    for attempt in range(attempts):
+        try:
+            return fetch()
+        except duckdb.IOException as exc:
+            if "No such file" not in str(exc) or attempt == attempts - 1:
+                raise
+            time.sleep(0.02 * (attempt + 1))  # let a compaction that is deleting a batch of segments finish
+    raise AssertionError("unreachable")
+
+
+def _sql_type(t: pa.DataType) -> str:
+    if pa.types.is_list(t):
+        return _sql_type(t.value_type) + "[]"
+    return {pa.int64(): "BIGINT", pa.int32(): "INTEGER", pa.float64(): "DOUBLE", pa.float32(): "FLOAT",
+            pa.string(): "VARCHAR", pa.bool_(): "BOOLEAN"}[t]
 
 
 class StoreConnection:
@@ -123,6 +162,11 @@ def open_store(path: str | os.PathLike, read_only: bool = True, threads: int | N
         for table in TABLES:
             con.execute(_view_sql(loc, table))
         if read_only:
+            # DuckDB also allows its spill directory, by default ./.tmp under the caller's working directory;
+            # point it at a private empty directory so queries cannot read whatever sits there.
+            spill = tempfile.mkdtemp(prefix="dynascope-duckdb-")
+            weakref.finalize(con, shutil.rmtree, spill, True)
+            con.execute(f"SET temp_directory = {quote_literal(spill)}")
             con.execute("SET allowed_directories = [" + quote_literal(str(loc.path) + os.sep) + "]")
             con.execute("SET autoinstall_known_extensions = false")
             con.execute("SET autoload_known_extensions = false")
@@ -140,22 +184,23 @@ def run_sql(store: StoreConnection, query: str, max_rows: int | None = None):
     Errors come back as ``StoreError`` with a one-line message.
     """
     store.check(query)
-    try:
+
+    def fetch() -> pa.Table:
         rel = store._con.sql(query)
         if rel is None:
             raise StoreError("SQL error: statement returned no result")
         reader = rel.fetch_record_batch(rows_per_batch=min(max_rows or 100_000, 100_000))
         batches, n = [], 0
-        for batch in reader:
+        for batch in reader:  # stop reading at the cap: a huge LIMIT never materialises
             if max_rows is not None and n + batch.num_rows > max_rows:
                 batches.append(batch.slice(0, max_rows - n))
-                n = max_rows
                 break
             batches.append(batch)
             n += batch.num_rows
-        import pyarrow as pa
-
         return pa.Table.from_batches(batches, schema=reader.schema)
+
+    try:
+        return retry_vanished(fetch)
     except duckdb.Error as exc:
         raise StoreError(f"SQL error: {_first_line(exc)}") from None
 

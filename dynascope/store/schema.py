@@ -60,6 +60,8 @@ TABLES: dict[str, pa.Schema] = {
         ("start_us", _i64), ("dur_us", _i64), ("device", _str),
         ("category", _str),  # phase | kernel | memcpy | comm | annotation | cpu_op (trace import)
         ("stream", _i64),
+        # Exact times of imported profiler traces (ns-resolution Kineto traces); NULL for probe rows.
+        ("start_ns", _i64), ("dur_ns", _i64),
     ]),
     "samples": pa.schema([
         ("run_id", _str), ("rank", _i32), ("role", _str),

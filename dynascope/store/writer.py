@@ -27,8 +27,10 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dynascope.store._columns import build_column, classify
 from dynascope.store.layout import (
     create_marker,
+    heartbeat_path,
     read_marker,
     safe_id,
     segment_name,
@@ -61,6 +63,8 @@ class RunWriter:
         rank, role: identify this process; every row carries them.
         flush_rows / flush_secs: flush when either is reached.
         max_buffer_rows: rows held in memory at most; beyond it the oldest batches are dropped and counted.
+        max_block_s: how long ``append`` may wait for the writer thread to make room before dropping;
+            0 (the default) never blocks the training step.
         run_name, world_size, framework, config: recorded in ``runs`` by the process that creates the run.
     """
 
@@ -73,6 +77,7 @@ class RunWriter:
         flush_rows: int = 200_000,
         flush_secs: float = 2.0,
         max_buffer_rows: int = 5_000_000,
+        max_block_s: float = 0.0,
         run_name: str | None = None,
         world_size: int = 1,
         framework: str = "pytorch",
@@ -83,6 +88,7 @@ class RunWriter:
         self.rank, self.role = int(rank), str(role)
         self.flush_rows, self.flush_secs = int(flush_rows), float(flush_secs)
         self.max_buffer_rows = int(max_buffer_rows)
+        self.max_block_s = float(max_block_s)
         self.compression = compression
         self.writer_id = safe_id(f"r{self.rank}-{self.role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
         self.rows_written = 0
@@ -92,12 +98,17 @@ class RunWriter:
         self._buffers: dict[str, _TableBuffer] = {t: _TableBuffer() for t in TABLES}
         self._buffered = 0
         self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
+        self._wake = threading.Condition(self._lock)  # the thread waits here for rows
+        self._room = threading.Condition(self._lock)  # a blocked append waits here for space
         self._flush_lock = threading.Lock()  # one flush at a time (thread, close, explicit flush)
         self._closed = False
+        self._failing = False  # inside a streak of failed segment writes
         self._warned: set[str] = set()
         self._pending_events: list[dict[str, Any]] = []
+        self._unreported_drops: dict[str, int] = {}
         self.run_id = self._init_run(run_name, world_size, framework, config or {})
+        self._heartbeat_path = heartbeat_path(self.run_dir, self.writer_id)
+        self._heartbeat()
         self._thread = threading.Thread(target=self._loop, name=f"dynascope-writer-{self.rank}", daemon=True)
         self._thread.start()
         _LIVE_WRITERS.add(self)
@@ -146,6 +157,10 @@ class RunWriter:
         with self._lock:
             if self._closed:
                 return
+            if self.max_block_s > 0 and self._buffered + n > self.max_buffer_rows:
+                self._wake.notify()
+                self._room.wait_for(lambda: self._closed or self._buffered + n <= self.max_buffer_rows,
+                                    timeout=self.max_block_s)
             buf = self._buffers[table]
             buf.batches.append((n, columns))
             buf.rows += n
@@ -168,18 +183,17 @@ class RunWriter:
         })
 
     def _drop_oldest_locked(self) -> None:
-        dropped = 0
+        # Oldest batches of the largest table go first; the count becomes one events row per table at the
+        # next flush (not one per drop: a writer far behind drops on every append).
         while self._buffered > self.max_buffer_rows:
-            victim = max(self._buffers.values(), key=lambda b: b.rows)
+            table, victim = max(self._buffers.items(), key=lambda kv: kv[1].rows)
             if not victim.batches:
                 break
             n, _ = victim.batches.popleft()
             victim.rows -= n
             self._buffered -= n
-            dropped += n
-        self.rows_dropped += dropped
-        self._pending_events.append({"kind": "rows_dropped", "severity": "warning", "dropped": dropped,
-                                     "message": f"writer buffer full ({self.max_buffer_rows} rows): dropped oldest"})
+            self.rows_dropped += n
+            self._unreported_drops[table] = self._unreported_drops.get(table, 0) + n
 
     # ---- flushing -----------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -189,6 +203,7 @@ class RunWriter:
                     self._wake.wait(self.flush_secs)
                 if self._closed:
                     return
+            self._heartbeat()
             try:
                 self.flush()
             except Exception as exc:  # never let the thread die silently
@@ -202,7 +217,14 @@ class RunWriter:
                 for t in taken:
                     self._buffers[t] = _TableBuffer()
                 self._buffered -= sum(b.rows for b in taken.values())
+                self._room.notify_all()
                 pending, self._pending_events = self._pending_events, []
+                drops, self._unreported_drops = self._unreported_drops, {}
+            for table, n in drops.items():
+                msg = f"writer buffer full ({self.max_buffer_rows} rows): dropped the oldest {n} {table} rows"
+                self._problem("rows_dropped", msg, emit_event=False)
+                pending.append({"kind": "rows_dropped", "severity": "warning", "message": msg, "table": table,
+                                "dropped": n})
             for ev in pending:
                 taken.setdefault("events", _TableBuffer())
                 b = taken["events"]
@@ -213,31 +235,38 @@ class RunWriter:
                 try:
                     arrow = self._to_arrow(table, buf)
                 except Exception as exc:
-                    self._problem("bad_batch", f"{table}: rows could not be typed ({type(exc).__name__}: {exc})")
+                    self.rows_dropped += buf.rows
+                    self._problem("bad_batch", f"{table}: {buf.rows} rows could not be typed and were dropped "
+                                               f"({type(exc).__name__}: {exc})")
                     continue
                 if not self._write_segment(table, arrow):
                     self._requeue(table, buf)
 
     def _to_arrow(self, table: str, buf: _TableBuffer) -> pa.Table:
         schema = TABLES[table]
-        merged: dict[str, list] = {name: [] for name in schema.names}
+        parts: dict[str, list] = {name: [] for name in schema.names}
+        off = 0
         for n, cols in buf.batches:
-            for name in schema.names:
-                v = cols.get(name)
-                if name == "run_id":
-                    v = self.run_id
-                elif name == "rank":
-                    v = self.rank if v is None else v
-                elif name == "role":
-                    v = self.role if v is None else v
-                if isinstance(v, (list, tuple)):
-                    merged[name].extend(v)
-                elif hasattr(v, "tolist") and getattr(v, "ndim", 0) > 0:
-                    merged[name].extend(v.tolist())
-                else:
-                    merged[name].extend([v] * n)
-        return pa.table({name: pa.array(merged[name], type=schema.field(name).type) for name in schema.names},
-                        schema=schema)
+            for name, v in cols.items():
+                if name in parts and name != "run_id":
+                    t = type(v)  # inline the common cases: this loop runs once per batch per column
+                    if t is list or t is tuple:
+                        parts[name].append((off, "l", v, n))
+                    elif v is None or t is int or t is float or t is str or t is bool:
+                        parts[name].append((off, "s", v, n))
+                    else:
+                        parts[name].append(classify(off, v, n))
+            off += n
+        # The writer's own columns: run_id always, rank/role wherever the batch did not give them.
+        parts["run_id"] = [(0, "s", self.run_id, off)]
+        for name, default in (("rank", self.rank), ("role", self.role)):
+            given = parts[name]
+            if not given:
+                parts[name] = [(0, "s", default, off)]
+            elif len(given) < len(buf.batches) or any(p[1] == "s" and p[2] is None for p in given):
+                parts[name] = _fill_default(given, default, buf.batches)
+        return pa.Table.from_arrays([build_column(parts[f.name], f.type, off) for f in schema],
+                                    names=schema.names)
 
     def _write_segment(self, table: str, arrow: pa.Table) -> bool:
         d = writer_dir(self.run_dir, table, self.writer_id)
@@ -248,9 +277,17 @@ class RunWriter:
             self._atomic_write(arrow, d / segment_name(self._seq, self._seq))
         except Exception as exc:
             self.write_errors += 1
+            # One events row per streak of failures (it lands once writing works again), not one per retry.
             self._problem("write_error", f"{table}: segment write failed ({type(exc).__name__}: {exc}); "
-                                         "rows kept in memory and retried", emit_event=False)
+                                         "rows kept in memory and retried", emit_event=not self._failing)
+            self._failing = True
             return False
+        if self._failing:
+            self._failing = False
+            with self._lock:
+                self._pending_events.append({"kind": "write_recovered", "severity": "info",
+                                             "message": "segment writes succeed again",
+                                             "write_errors": self.write_errors})
         self._seq += 1
         self.rows_written += arrow.num_rows
         return True
@@ -258,7 +295,11 @@ class RunWriter:
     def _atomic_write(self, arrow: pa.Table, final: Path) -> None:
         tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex[:8]}.tmp")
         try:
-            pq.write_table(arrow, tmp, compression=self.compression)
+            with open(tmp, "wb") as fh:
+                # store_schema=False: string columns are dictionary arrays in memory; readers should see strings.
+                pq.write_table(arrow, fh, compression=self.compression, store_schema=False)
+                fh.flush()
+                os.fsync(fh.fileno())  # after a machine crash the renamed segment is whole, not empty
             os.replace(tmp, final)  # readers see the whole segment or nothing
         finally:
             tmp.unlink(missing_ok=True)
@@ -268,8 +309,10 @@ class RunWriter:
         meta = {"schema_version": SCHEMA_VERSION, "run_id": self.run_id, "created_us": now_us(), "recreated": True}
         if create_marker(self.run_dir, meta):
             self._write_empty_segments()
-        self._pending_events.append({"kind": "run_dir_recreated", "severity": "warning",
-                                     "message": f"{self.run_dir} was deleted during the run and recreated"})
+        self._heartbeat()
+        with self._lock:
+            self._pending_events.append({"kind": "run_dir_recreated", "severity": "warning",
+                                         "message": f"{self.run_dir} was deleted during the run and recreated"})
 
     def _requeue(self, table: str, buf: _TableBuffer) -> None:
         with self._lock:
@@ -280,6 +323,21 @@ class RunWriter:
             self._buffered += buf.rows - cur.rows
             if self._buffered > self.max_buffer_rows:
                 self._drop_oldest_locked()
+
+    def _heartbeat(self) -> None:
+        """Touch this writer's heartbeat file so ``dynascope runs`` can tell a live run from a crashed one."""
+        try:
+            os.utime(self._heartbeat_path)
+        except FileNotFoundError:
+            try:
+                self._heartbeat_path.parent.mkdir(parents=True, exist_ok=True)
+                self._heartbeat_path.write_text(json.dumps({
+                    "writer_id": self.writer_id, "rank": self.rank, "role": self.role, "pid": os.getpid(),
+                    "host": socket.gethostname(), "flush_secs": self.flush_secs}), encoding="utf-8")
+            except OSError:
+                pass  # the run dir is gone or read-only; the next segment write reports it
+        except OSError:
+            pass
 
     def _problem(self, kind: str, message: str, emit_event: bool = True) -> None:
         if kind not in self._warned:
@@ -297,11 +355,32 @@ class RunWriter:
         with self._lock:
             self._closed = True
             self._wake.notify_all()
+            self._room.notify_all()
         self._thread.join(timeout_s)
-        for _ in range(2):  # a second pass writes events produced by the first
-            self.flush()
-            if not self._pending_events and not any(b.rows for b in self._buffers.values()):
+        for attempt in range(4):  # later passes write events produced by earlier ones, and retry failed writes
+            if attempt == 1:
+                # run_end lets `dynascope runs` tell a finished run from a crashed one (one per writer).
+                with self._lock:
+                    self._pending_events.append({
+                        "kind": "run_end", "severity": "info", "message": "writer closed",
+                        "writer_id": self.writer_id, "rows_written": self.rows_written,
+                        "rows_dropped": self.rows_dropped, "write_errors": self.write_errors})
+            try:
+                self.flush()
+            except Exception as exc:
+                self._problem("writer_error", f"final flush failed: {type(exc).__name__}: {exc}", emit_event=False)
+            if attempt >= 1 and not self._pending_events and not any(b.rows for b in self._buffers.values()):
                 break
+        with self._lock:
+            lost = sum(b.rows for b in self._buffers.values())
+            self._buffers = {t: _TableBuffer() for t in TABLES}
+            self._buffered = 0
+            self._pending_events = []
+        if lost:
+            self.rows_dropped += lost
+            self._problem("rows_lost", f"{lost} rows could not be written before close and were dropped",
+                          emit_event=False)
+        self._heartbeat()
         _LIVE_WRITERS.discard(self)
 
     def __enter__(self) -> RunWriter:
@@ -309,6 +388,16 @@ class RunWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _fill_default(given: list, default: Any, batches: Any) -> list:
+    """Parts for rank/role where some batches gave the column and others leave it to the writer."""
+    by_off = {p[0]: p for p in given if not (p[1] == "s" and p[2] is None)}
+    out, off = [], 0
+    for n, _ in batches:
+        out.append(by_off.get(off, (off, "s", default, n)))
+        off += n
+    return out
 
 
 def _batch_len(columns: dict[str, Any]) -> int:

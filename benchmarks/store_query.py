@@ -1,0 +1,104 @@
+"""Dashboard-style aggregations over a large tensor_stats run: the store's views vs raw read_parquet.
+
+Builds (once, cached in --dir) a run of --rows tensor_stats rows written by 4 rank writers, then times the
+heaviest queries the dashboard issues, each through the store view (live-segment filter, schema union) and
+through a bare ``read_parquet`` over the same files (no filter: the floor DuckDB can do). Goal: every view
+query < 1 s on 2 threads, view/raw ratio near 1.
+
+    python3 benchmarks/store_query.py            # 50M rows (builds ~2 GB once)
+    python3 benchmarks/store_query.py --quick    # 2M rows, < 1 minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+
+from dynascope.store import RunWriter, open_store
+
+KINDS = ["attn_q", "attn_k", "attn_v", "attn_o", "mlp_up", "mlp_gate", "mlp_down", "norm1", "norm2", "embed"]
+RANKS = 4
+
+QUERIES = {
+    "heat map layer x step": """
+        SELECT layer, step // {bucket} AS step_bin, avg(update_ratio) AS update_ratio
+        FROM {src} WHERE kind = 'attn_q' GROUP BY ALL""",
+    "per-kind series": """
+        SELECT step, kind, avg(dw_norm) AS dw_norm, max(grad_norm) AS grad_norm, sum(changed_count) AS changed
+        FROM {src} GROUP BY ALL""",
+    "top tensors": """
+        SELECT tensor, max(update_ratio) AS peak, avg(dw_norm) AS mean_dw
+        FROM {src} GROUP BY tensor ORDER BY peak DESC LIMIT 20""",
+    "one tensor's history": """
+        SELECT step, rank, update_ratio, grad_norm FROM {src} WHERE tensor = 'layers.7.attn_q.weight' ORDER BY step""",
+    "count rows": "SELECT count(*) FROM {src}",
+}
+
+
+def build(run_dir: Path, rows: int, layers: int = 50) -> None:
+    tensors = [f"layers.{i}.{k}.weight" for i in range(layers) for k in KINDS]
+    layer_of = np.repeat(np.arange(layers, dtype=np.int32), len(KINDS))
+    kind_of = KINDS * layers
+    steps = rows // (RANKS * len(tensors))
+    rng = np.random.default_rng(0)
+    writers = [RunWriter(run_dir, rank=r, world_size=RANKS, flush_rows=2_000_000, flush_secs=60) for r in range(RANKS)]
+    n = len(tensors)
+    for step in range(steps):
+        for w in writers:
+            w.append("tensor_stats", {
+                "step": step, "time_us": 1_700_000_000_000_000 + step * 1000, "stage": "rl",
+                "tensor": tensors, "layer": layer_of, "kind": kind_of, "numel": 4096, "dtype": "bfloat16",
+                "w_norm": rng.random(n), "dw_norm": rng.random(n), "update_ratio": rng.random(n) * 1e-3,
+                "changed_count": rng.integers(0, 4096, n), "changed_frac": rng.random(n),
+                "grad_norm": rng.random(n), "grad_max_abs": rng.random(n),
+            })
+    for w in writers:
+        w.close()
+
+
+def timed(con, sql: str, repeat: int) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        con.sql(sql).fetchall()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="2M rows instead of 50M")
+    ap.add_argument("--rows", type=int, default=None)
+    ap.add_argument("--dir", type=Path, default=Path("/tmp/dynascope-bench-query"))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+    rows = args.rows or (2_000_000 if args.quick else 50_000_000)
+    run_dir = args.dir / f"tensor_stats_{rows}"
+    if not (run_dir / "dynascope.json").exists() or not (run_dir / ".complete").exists():
+        shutil.rmtree(run_dir, ignore_errors=True)
+        t0 = time.perf_counter()
+        build(run_dir, rows)
+        (run_dir / ".complete").touch()
+        print(f"built {rows:,} rows in {time.perf_counter() - t0:.1f} s -> {run_dir}")
+    store = open_store(run_dir, threads=args.threads)
+    con = store._con
+    total = con.sql("SELECT count(*), max(step) FROM tensor_stats").fetchall()[0]
+    bucket = max(1, (total[1] + 1) // 200)
+    raw = f"read_parquet('{run_dir}/tensor_stats/*/*.parquet', union_by_name = true)"
+    print(f"\n{total[0]:,} rows, {total[1] + 1} steps, threads={args.threads}, best of {args.repeat}\n")
+    print(f"{'query':<24} {'view s':>8} {'raw s':>8} {'view/raw':>9}  goal < 1 s")
+    for name, sql in QUERIES.items():
+        t_view = timed(con, sql.format(src="tensor_stats", bucket=bucket), args.repeat)
+        t_raw = timed(con, sql.format(src=raw, bucket=bucket), args.repeat)
+        ok = "ok" if t_view < 1.0 else "SLOW"
+        print(f"{name:<24} {t_view:>8.3f} {t_raw:>8.3f} {t_view / t_raw:>9.2f}  {ok}")
+    store.close()
+
+
+if __name__ == "__main__":
+    main()

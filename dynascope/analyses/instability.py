@@ -1,0 +1,170 @@
+"""Training-instability events: loss and grad-norm spikes, entropy collapse, NaN/Inf.
+
+- *Spikes*: for each (rank, key) series of the scalars ``grad_norm`` and ``loss`` (also ``…/grad_norm``,
+  ``….loss``), a value is a spike when its robust z-score against the trailing ``window`` values,
+  ``(x − median) / (1.4826 · MAD)``, exceeds ``z_threshold``. Only upward moves count (a falling loss is
+  not instability); at least ``min_history`` earlier values are needed. The scale is floored at 1% of
+  |median| so a perfectly flat history does not turn a rounding wiggle into an infinite z. Without a
+  grad_norm scalar, the global gradient norm is rebuilt from ``tensor_stats`` (√Σ grad_norm² per rank).
+- *Entropy collapse*: the first step where the scalar ``entropy`` falls below ``collapse_frac`` × its
+  initial level (median of the first ``min_history`` values); one event per series.
+- *NaN/Inf*: any non-finite scalar, or tensor_stats rows with grad_nan/grad_inf/w_nan/w_inf > 0.
+
+With ``write_to`` (a run directory) the events are also appended to that run's ``events`` table through a
+``RunWriter`` with role ``analysis``; ``fields_json`` carries ``{"detector": "dynascope.instability",
+"source", "value", "baseline", "robust_z"}`` and events already written by an earlier call are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+import polars as pl
+
+from dynascope.analyses._common import StoreLike, as_store, frame, run_clause
+
+__all__ = ["detect_instability"]
+
+DETECTOR = "dynascope.instability"
+_SCHEMA = {"run_id": pl.String, "role": pl.String, "rank": pl.Int32, "step": pl.Int64, "kind": pl.String,
+           "severity": pl.String, "source": pl.String, "value": pl.Float64, "baseline": pl.Float64,
+           "robust_z": pl.Float64, "message": pl.String}
+_SPIKE_RE = r"(^|[/.])(grad_norm|loss)$"
+_ENTROPY_RE = r"(^|[/.])entropy$"
+
+
+def _spikes(x: np.ndarray, window: int, z_threshold: float, min_history: int) -> list[tuple[int, float, float]]:
+    """Indices of upward spikes with (index, baseline median, robust z)."""
+    out = []
+    for i in range(min_history, len(x)):
+        if not math.isfinite(x[i]):
+            continue
+        hist = x[max(0, i - window):i]
+        hist = hist[np.isfinite(hist)]
+        if len(hist) < min_history:
+            continue
+        med = float(np.median(hist))
+        scale = max(1.4826 * float(np.median(np.abs(hist - med))), 0.01 * abs(med), 1e-12)
+        z = (x[i] - med) / scale
+        if z > z_threshold:
+            out.append((i, med, float(z)))
+    return out
+
+
+def _series_events(con, run: str | None, window: int, z_threshold: float, min_history: int,
+                   collapse_frac: float) -> list[dict]:
+    rc = run_clause(run)
+    series = frame(con, f"""
+        SELECT run_id, coalesce(role, '') AS role, rank, key, step, AVG(value) AS value FROM scalars
+        WHERE step IS NOT NULL AND (regexp_matches(key, '{_SPIKE_RE}') OR regexp_matches(key, '{_ENTROPY_RE}')){rc}
+        GROUP BY ALL
+        UNION ALL
+        SELECT run_id, coalesce(role, '') AS role, rank, 'grad_norm(tensor_stats)', step,
+               sqrt(SUM(grad_norm * grad_norm))
+        FROM tensor_stats
+        WHERE step IS NOT NULL AND grad_norm IS NOT NULL{rc} AND run_id NOT IN (
+            SELECT run_id FROM scalars WHERE regexp_matches(key, '(^|[/.])grad_norm$'))
+        GROUP BY ALL
+        ORDER BY run_id, role, rank, key, step""")
+    events = []
+    for (run_id, role, rank, key), g in series.group_by(["run_id", "role", "rank", "key"], maintain_order=True):
+        steps, x = g["step"].to_numpy(), g["value"].to_numpy().astype(float)
+        name = key.rsplit("/", 1)[-1].rsplit(".", 1)[-1]
+        base = {"run_id": run_id, "role": role, "rank": rank, "source": f"scalars:{key}"}
+        if name == "entropy":
+            fin = x[np.isfinite(x)]
+            if len(fin) <= min_history:
+                continue
+            level = float(np.median(fin[:min_history]))
+            below = np.flatnonzero(np.isfinite(x) & (x < collapse_frac * level))
+            below = below[below >= min_history]
+            if level > 0 and len(below):
+                i = int(below[0])
+                events.append({**base, "step": int(steps[i]), "kind": "entropy_collapse", "severity": "warning",
+                               "value": float(x[i]), "baseline": level, "robust_z": None,
+                               "message": f"{key} fell to {x[i]:.4g}, {100 * x[i] / level:.1f}% of its initial "
+                                          f"{level:.4g}"})
+            continue
+        kind = "grad_norm_spike" if "grad_norm" in key else "loss_spike"
+        if key == "grad_norm(tensor_stats)":
+            base["source"] = "tensor_stats:grad_norm"
+        for i, med, z in _spikes(x, window, z_threshold, min_history):
+            events.append({**base, "step": int(steps[i]), "kind": kind, "severity": "warning", "value": float(x[i]),
+                           "baseline": med, "robust_z": z,
+                           "message": f"{key} = {x[i]:.4g} at step {int(steps[i])}, {x[i] / med:.1f}× the trailing "
+                                      f"median {med:.4g} (robust z {z:.1f})" if med else f"{key} spiked to {x[i]:.4g}"})
+    return events
+
+
+def _nan_events(con, run: str | None) -> list[dict]:
+    rc = run_clause(run)
+    df = frame(con, f"""
+        SELECT run_id, coalesce(role, '') AS role, rank, step,
+               'scalars:' || string_agg(DISTINCT key, ',' ORDER BY key) AS source, COUNT(*)::DOUBLE AS n
+        FROM scalars WHERE step IS NOT NULL AND value IS NOT NULL AND NOT isfinite(value){rc}
+        GROUP BY ALL
+        UNION ALL
+        SELECT run_id, coalesce(role, '') AS role, rank, step,
+               'tensor_stats:' || string_agg(tensor, ',' ORDER BY tensor) AS source,
+               SUM(coalesce(grad_nan, 0) + coalesce(grad_inf, 0) + coalesce(w_nan, 0) + coalesce(w_inf, 0))::DOUBLE
+        FROM tensor_stats
+        WHERE step IS NOT NULL AND coalesce(grad_nan, 0) + coalesce(grad_inf, 0) + coalesce(w_nan, 0)
+              + coalesce(w_inf, 0) > 0{rc}
+        GROUP BY ALL ORDER BY run_id, step, rank""")
+    out = []
+    for r in df.iter_rows(named=True):
+        src = r["source"] if len(r["source"]) <= 200 else r["source"][:197] + "..."
+        what = "non-finite values" if src.startswith("scalars") else "NaN/Inf elements"
+        n = r.pop("n")
+        out.append({**r, "source": src, "kind": "nan_inf", "severity": "error", "value": n, "baseline": None,
+                    "robust_z": None, "message": f"{int(n)} {what} at step {r['step']} in {src}"})
+    return out
+
+
+def detect_instability(store: StoreLike, run: str | None = None, *, write_to: str | os.PathLike | None = None,
+                       window: int = 20, z_threshold: float = 6.0, min_history: int = 5,
+                       collapse_frac: float = 0.1) -> pl.DataFrame:
+    """Instability events, one row each (see the module docstring for the rules).
+
+    Columns: run_id, role, rank, step, kind (grad_norm_spike | loss_spike | entropy_collapse | nan_inf),
+    severity, source, value, baseline, robust_z, message. With ``write_to`` the new ones are appended to
+    that run directory's ``events`` table (the result must then come from one run).
+    """
+    con = as_store(store)
+    rows = _series_events(con, run, window, z_threshold, min_history, collapse_frac) + _nan_events(con, run)
+    df = pl.DataFrame(rows, schema=_SCHEMA).sort(["run_id", "step", "rank", "kind"])
+    if write_to is not None and not df.is_empty():
+        _write(df, write_to)
+    return df
+
+
+def _write(df: pl.DataFrame, run_dir: str | os.PathLike) -> None:
+    from dynascope.store import RunWriter, now_us, open_store
+
+    if df["run_id"].n_unique() > 1:
+        raise ValueError("detect_instability(write_to=...) needs one run: pass run=")
+    with open_store(run_dir) as target:
+        done = set(frame(target, f"""
+            SELECT rank, step, kind, json_extract_string(fields_json, '$.source') FROM events
+            WHERE json_extract_string(fields_json, '$.detector') = '{DETECTOR}'""").iter_rows())
+    new = df.filter([(r["rank"], r["step"], r["kind"], r["source"]) not in done for r in df.iter_rows(named=True)])
+    if new.is_empty():
+        return
+
+    def clean(v: float | None) -> float | str | None:
+        return v if v is None or math.isfinite(v) else str(v)
+
+    fields = [json.dumps({"detector": DETECTOR, "source": r["source"], "value": clean(r["value"]),
+                          "baseline": clean(r["baseline"]), "robust_z": clean(r["robust_z"])})
+              for r in new.iter_rows(named=True)]
+    writer = RunWriter(run_dir, role="analysis")
+    try:
+        writer.append("events", {"rank": new["rank"].to_list(), "role": "analysis", "step": new["step"].to_list(),
+                                 "time_us": now_us(), "kind": new["kind"].to_list(),
+                                 "severity": new["severity"].to_list(), "message": new["message"].to_list(),
+                                 "fields_json": fields})
+    finally:
+        writer.close()

@@ -1,0 +1,155 @@
+"""RL rollouts: the generation long tail, wasted GRPO groups, and asynchronous-RL staleness and overlap.
+
+Inputs are ``samples`` rows (one per generated response: ``gen_start_us``/``gen_end_us``, ``gen_ms``,
+``response_len``, ``reward``, ``group_id``, ``policy_version``/``trainer_version``) and, for overlap and
+weight-sync time, ``timings`` phase rows. A sample's generation time is ``gen_ms`` or, when that is NULL,
+``(gen_end_us − gen_start_us) / 1000``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import polars as pl
+
+from dynascope.analyses._common import StoreLike, as_store, frame, run_clause
+from dynascope.analyses.steps import STEP_ROW
+from dynascope.store import quote_literal
+
+__all__ = ["async_staleness", "rollout_long_tail", "rollout_train_overlap", "tail_wait_share",
+           "zero_variance_groups"]
+
+ROLLOUT_PHASES = ("rollout", "generate", "generation")
+TRAIN_PHASES = ("train", "forward", "backward", "optimizer", "update_actor", "actor_update")
+# A forward pass inside these phases is inference for rollouts/rewards, not training.
+NOT_TRAIN_PARENTS = ("rollout", "generate", "generation", "reward", "ref_logprob", "old_logprob")
+WEIGHT_SYNC_PHASES = ("weight_sync", "sync_weights", "update_weights")
+_GEN_MS = "coalesce(gen_ms, (gen_end_us - gen_start_us) / 1000.0)"
+
+
+def _in(names: Iterable[str]) -> str:
+    return "(" + ", ".join(quote_literal(n) for n in names) + ")"
+
+
+def rollout_long_tail(store: StoreLike, run: str | None = None) -> pl.DataFrame:
+    """Per step: response-length and generation-time distribution (p50/p90/p99/max).
+
+    Columns: run_id, step, samples, response_len_{p50,p90,p99,max}_tokens, gen_{p50,p90,p99,max}_ms,
+    gen_tail_x (max / p50 generation time).
+    """
+    q = ", ".join(f"quantile_cont(response_len, {p / 100}) AS response_len_p{p}_tokens" for p in (50, 90, 99))
+    g = ", ".join(f"quantile_cont({_GEN_MS}, {p / 100}) AS gen_p{p}_ms" for p in (50, 90, 99))
+    return frame(as_store(store), f"""
+        SELECT run_id, step, COUNT(*) AS samples, {q}, MAX(response_len)::DOUBLE AS response_len_max_tokens,
+               {g}, MAX({_GEN_MS}) AS gen_max_ms,
+               MAX({_GEN_MS}) / nullif(quantile_cont({_GEN_MS}, 0.5), 0) AS gen_tail_x
+        FROM samples WHERE step IS NOT NULL{run_clause(run)}
+        GROUP BY run_id, step ORDER BY run_id, step""")
+
+
+def tail_wait_share(store: StoreLike, run: str | None = None) -> pl.DataFrame:
+    """Per step: the time between the median sample finishing and the last one finishing, over step time.
+
+    Step time is the longest step row of that step (any rank or role); without step rows it falls back to
+    the rollout span (first generation start to last end), named in ``step_source``. Columns: run_id,
+    step, samples, tail_wait_ms, rollout_span_ms, step_ms, step_source, tail_wait_pct.
+    """
+    return frame(as_store(store), f"""
+        WITH s AS (
+            SELECT run_id, step, COUNT(*) AS samples,
+                   (MAX(gen_end_us) - quantile_cont(gen_end_us, 0.5)) / 1000.0 AS tail_wait_ms,
+                   (MAX(gen_end_us) - MIN(gen_start_us)) / 1000.0 AS rollout_span_ms
+            FROM samples WHERE step IS NOT NULL AND gen_end_us IS NOT NULL{run_clause(run)}
+            GROUP BY run_id, step),
+        st AS (
+            SELECT run_id, step, MAX(dur_us) / 1000.0 AS step_ms FROM timings
+            WHERE {STEP_ROW}{run_clause(run)} GROUP BY run_id, step)
+        SELECT s.run_id, s.step, s.samples, s.tail_wait_ms, s.rollout_span_ms,
+               coalesce(st.step_ms, s.rollout_span_ms) AS step_ms,
+               CASE WHEN st.step_ms IS NULL THEN 'rollout_span' ELSE 'step_rows' END AS step_source,
+               100.0 * s.tail_wait_ms / nullif(coalesce(st.step_ms, s.rollout_span_ms), 0) AS tail_wait_pct
+        FROM s LEFT JOIN st USING (run_id, step) ORDER BY s.run_id, s.step""")
+
+
+def zero_variance_groups(store: StoreLike, run: str | None = None, *, eps: float = 1e-9) -> pl.DataFrame:
+    """Per step: GRPO groups whose rewards are all equal (within ``eps``), so their advantages are all zero
+    and the rollouts taught nothing.
+
+    Only groups with at least two rewarded samples count. Columns: run_id, step, groups,
+    zero_variance_groups, zero_variance_pct, samples, wasted_samples.
+    """
+    return frame(as_store(store), f"""
+        WITH g AS (
+            SELECT run_id, step, group_id, COUNT(*) AS n, MAX(reward) - MIN(reward) <= {float(eps)} AS zero
+            FROM samples
+            WHERE step IS NOT NULL AND group_id IS NOT NULL AND reward IS NOT NULL
+              AND isfinite(reward){run_clause(run)}
+            GROUP BY run_id, step, group_id HAVING COUNT(*) >= 2)
+        SELECT run_id, step, COUNT(*) AS groups, SUM(zero::INT)::BIGINT AS zero_variance_groups,
+               100.0 * SUM(zero::INT) / COUNT(*) AS zero_variance_pct, SUM(n)::BIGINT AS samples,
+               coalesce(SUM(CASE WHEN zero THEN n END), 0)::BIGINT AS wasted_samples
+        FROM g GROUP BY run_id, step ORDER BY run_id, step""")
+
+
+def async_staleness(store: StoreLike, run: str | None = None) -> pl.DataFrame:
+    """Distribution of sample staleness = trainer_version − policy_version (in optimizer steps).
+
+    Columns: run_id, staleness_steps, samples, share_pct.
+    """
+    return frame(as_store(store), f"""
+        SELECT run_id, trainer_version - policy_version AS staleness_steps, COUNT(*) AS samples,
+               100.0 * COUNT(*) / SUM(COUNT(*)) OVER (PARTITION BY run_id) AS share_pct
+        FROM samples WHERE trainer_version IS NOT NULL AND policy_version IS NOT NULL{run_clause(run)}
+        GROUP BY run_id, trainer_version - policy_version ORDER BY run_id, staleness_steps""")
+
+
+def rollout_train_overlap(store: StoreLike, run: str | None = None, *,
+                          rollout_phases: Iterable[str] = ROLLOUT_PHASES,
+                          train_phases: Iterable[str] = TRAIN_PHASES) -> pl.DataFrame:
+    """Per run: how much rollout and training ran at the same time (asynchronous RL), and weight-sync time.
+
+    Rollout time and train time are each the union of their phase intervals over all ranks and roles
+    (a ``forward`` nested in rollout/reward/ref_logprob is not training). ``overlap_ms`` is the length of
+    the intersection of the two unions, ``overlap_pct`` its share of the wall time from the first to the
+    last of those intervals; in a synchronous run it is only the jitter between ranks. ``disaggregated``
+    is true when no actor (role, rank) ran both rollout and train phases, as in asynchronous RL with
+    separate rollout workers. Columns: run_id, wall_ms, rollout_ms, train_ms, overlap_ms, overlap_pct,
+    disaggregated, weight_syncs, weight_sync_ms.
+    """
+    rp, tp, wp, npar = _in(rollout_phases), _in(train_phases), _in(WEIGHT_SYNC_PHASES), _in(NOT_TRAIN_PARENTS)
+    return frame(as_store(store), f"""
+        WITH iv AS (
+            SELECT run_id, CASE WHEN phase IN {rp} THEN 'rollout' ELSE 'train' END AS kind,
+                   start_us AS s, start_us + dur_us AS e, coalesce(role, '') AS role, rank
+            FROM timings
+            WHERE coalesce(category, 'phase') = 'phase' AND stream IS NULL AND dur_us > 0 AND start_us IS NOT NULL
+              AND (phase IN {rp} OR (phase IN {tp} AND coalesce(parent, '') NOT IN {npar})){run_clause(run)}),
+        o AS (
+            SELECT *, MAX(e) OVER (PARTITION BY run_id, kind ORDER BY s, e
+                                   ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS prev_e FROM iv),
+        isl AS (
+            SELECT *, SUM(CASE WHEN prev_e IS NULL OR s > prev_e THEN 1 ELSE 0 END)
+                      OVER (PARTITION BY run_id, kind ORDER BY s, e) AS island FROM o),
+        u AS (SELECT run_id, kind, island, MIN(s) AS s, MAX(e) AS e FROM isl GROUP BY ALL),
+        both_ AS (SELECT run_id, COUNT(*) AS n FROM (
+                     SELECT run_id, role, rank FROM iv GROUP BY ALL HAVING COUNT(DISTINCT kind) = 2)
+                  GROUP BY run_id),
+        tot AS (
+            SELECT run_id, (MAX(e) - MIN(s)) / 1000.0 AS wall_ms,
+                   coalesce(SUM(CASE WHEN kind = 'rollout' THEN e - s END), 0) / 1000.0 AS rollout_ms,
+                   coalesce(SUM(CASE WHEN kind = 'train' THEN e - s END), 0) / 1000.0 AS train_ms
+            FROM u GROUP BY run_id),
+        ov AS (
+            SELECT r.run_id, SUM(least(r.e, t.e) - greatest(r.s, t.s)) / 1000.0 AS overlap_ms
+            FROM u r JOIN u t ON r.run_id = t.run_id AND r.kind = 'rollout' AND t.kind = 'train'
+                              AND t.s < r.e AND r.s < t.e
+            GROUP BY r.run_id),
+        ws AS (
+            SELECT run_id, COUNT(*) AS weight_syncs, SUM(dur_us) / 1000.0 AS weight_sync_ms
+            FROM timings WHERE phase IN {wp} AND stream IS NULL{run_clause(run)} GROUP BY run_id)
+        SELECT tot.run_id, tot.wall_ms, tot.rollout_ms, tot.train_ms, coalesce(ov.overlap_ms, 0) AS overlap_ms,
+               100.0 * coalesce(ov.overlap_ms, 0) / nullif(tot.wall_ms, 0) AS overlap_pct,
+               coalesce(both_.n, 0) = 0 AS disaggregated,
+               coalesce(ws.weight_syncs, 0) AS weight_syncs, coalesce(ws.weight_sync_ms, 0) AS weight_sync_ms
+        FROM tot LEFT JOIN ov USING (run_id) LEFT JOIN ws USING (run_id) LEFT JOIN both_ USING (run_id)
+        ORDER BY tot.run_id""")

@@ -1,0 +1,62 @@
+"""The dashboard's Streamlit script: ``streamlit run app.py -- PATH`` (``dynascope dashboard PATH`` does this).
+
+The sidebar holds what every page shares (the runs picked, auto-refresh); pages live in ``views/`` (not ``pages/``, which Streamlit would turn into its own page list).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import streamlit as st
+
+from dynascope.dashboard import data
+from dynascope.dashboard.views import cluster, dynamics, events, rollouts, runs, sql
+from dynascope.store import StoreError
+
+
+def _store_path() -> str:
+    args = [a for a in sys.argv[1:] if a and not a.startswith("-")]
+    return str(Path(args[0] if args else os.environ.get("DYNASCOPE_STORE", ".")).expanduser().resolve())
+
+
+def _sidebar(path: str) -> None:
+    with st.sidebar:
+        st.markdown("### dynascope")
+        st.caption(path)
+        try:
+            catalog = data.query("runs.run_list", path).sort("last_write_us", descending=True)
+        except StoreError as exc:
+            st.error(str(exc))
+            st.stop()
+        ids = catalog["run_id"].to_list()
+        # A few runs: show them all; many: start with the newest so the first render stays small.
+        default = ids if len(ids) <= 3 else ids[:1]
+        if "runs" in st.session_state:
+            st.session_state["runs"] = [r for r in st.session_state["runs"] if r in ids]
+        st.multiselect("Runs", ids, default=None if "runs" in st.session_state else default, key="runs",
+                       format_func=lambda r: f"{r} ({dict(zip(ids, catalog['status'], strict=True))[r]})")
+        st.toggle("Auto-refresh", key="auto_refresh", help=f"Re-query every few seconds (cache TTL {data.TTL_S:g} s).")
+        st.select_slider("Refresh every (s)", [2, 5, 10, 30, 60], value=5, key="refresh_s")
+        if st.button("Refresh now"):
+            st.cache_data.clear()
+
+
+def main() -> None:
+    st.set_page_config(page_title="dynascope", layout="wide")
+    path = _store_path()
+    st.session_state["store_path"] = path
+    _sidebar(path)
+    pages = [
+        st.Page(runs.page, title="Runs", url_path="runs", default=True),
+        st.Page(dynamics.page, title="Parameter dynamics", url_path="dynamics"),
+        st.Page(cluster.page, title="Cluster", url_path="cluster"),
+        st.Page(rollouts.page, title="Rollouts", url_path="rollouts"),
+        st.Page(events.page, title="Events", url_path="events"),
+        st.Page(sql.page, title="SQL", url_path="sql"),
+    ]
+    st.navigation(pages).run()
+
+
+main()

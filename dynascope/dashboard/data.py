@@ -1,0 +1,118 @@
+"""The dashboard's data access: one cached store per path, TTL-cached queries, guarded charts.
+
+Queries are cached for ``TTL_S`` seconds, so a live run's new segments show up at the next rerun after
+that without restarting the server, while a busy page never re-scans the store on every widget click.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import polars as pl
+import streamlit as st
+from streamlit.runtime.scriptrunner_utils.exceptions import ScriptControlException
+
+from dynascope.store import StoreConnection, StoreError, open_store
+
+TTL_S = 5.0
+
+
+class MissingAnalysis(LookupError):
+    """The analysis a chart prefers is not installed in this version of dynascope."""
+
+
+@st.cache_resource(show_spinner=False)
+def store(path: str) -> StoreConnection:
+    """The read-only store for ``path``, opened once per server (queries use their own cursors)."""
+    return open_store(path, read_only=True)
+
+
+@st.cache_data(ttl=TTL_S, show_spinner=False, max_entries=512)
+def query(name: str, path: str, *args: Any) -> Any:
+    """``dynascope.dashboard.queries.<module>.<fn>(store, *args)``, cached by arguments for TTL_S."""
+    module, fn = name.rsplit(".", 1)
+    func = getattr(importlib.import_module(f"dynascope.dashboard.queries.{module}"), fn)
+    return func(store(path), *args)
+
+
+@st.cache_data(ttl=TTL_S, show_spinner=False, max_entries=256)
+def analysis(name: str, path: str, **kwargs: Any) -> pl.DataFrame:
+    """``dynascope.analyses.<name>(store, **kwargs)``; raises ``MissingAnalysis`` if it does not exist."""
+    import dynascope.analyses as analyses
+
+    try:
+        func = getattr(analyses, name)
+    except (AttributeError, ImportError) as exc:
+        raise MissingAnalysis(name) from exc
+    if isinstance(func, types.ModuleType):  # a submodule named like its function shadows it once imported
+        func = getattr(func, name, None)
+        if not callable(func):
+            raise MissingAnalysis(name)
+    return func(store(path), **kwargs)
+
+
+def prefer(name: str, path: str, fallback: Callable[[], pl.DataFrame], **kwargs: Any) -> tuple[pl.DataFrame, str]:
+    """The analysis' frame when it exists, else the fallback query's; also says which was used."""
+    try:
+        return analysis(name, path, **kwargs), f"dynascope.analyses.{name}"
+    except MissingAnalysis:
+        return fallback(), "dashboard query (analysis not available)"
+
+
+def current() -> tuple[str, tuple[str, ...]]:
+    """The store path and the runs picked in the sidebar."""
+    return st.session_state["store_path"], tuple(st.session_state.get("runs") or ())
+
+
+@contextlib.contextmanager
+def guard(title: str) -> Iterator[None]:
+    """Run one chart's code; a failure becomes an ``st.info`` line instead of a Streamlit exception."""
+    try:
+        yield
+    except ScriptControlException:  # st.rerun / st.stop must pass through
+        raise
+    except MissingAnalysis as exc:
+        st.info(f"{title}: the analysis `{exc}` is not available in this dynascope.")
+    except StoreError as exc:
+        st.info(f"{title}: {exc}")
+    except Exception as exc:
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        st.info(f"{title}: not available for this run ({type(exc).__name__}: {msg[:300]})")
+
+
+def live(body: Callable[[], None]) -> None:
+    """Run a page body, as a fragment that reruns itself on a timer when auto-refresh is on."""
+    every = st.session_state.get("refresh_s") if st.session_state.get("auto_refresh") else None
+    st.fragment(body, run_every=every)()
+
+
+def empty(df: pl.DataFrame | None, what: str) -> bool:
+    """True (and say so) when a chart has no rows for the selected runs."""
+    if df is None or df.height == 0:
+        st.info(f"No {what} in the selected runs.")
+        return True
+    return False
+
+
+def per_run(name: str, path: str, runs: tuple[str, ...], **kwargs: Any) -> pl.DataFrame:
+    """An analysis run once per selected run (each cached on its own) and stacked."""
+    frames = [analysis(name, path, run=r, **kwargs) for r in runs]
+    full = [f for f in frames if f.height]
+    return pl.concat(full, how="vertical_relaxed") if full else frames[0]
+
+
+def downsample(df: pl.DataFrame, x: str, values: list[str], by: list[str], max_points: int = 400) -> pl.DataFrame:
+    """Bucket ``x`` so each group keeps at most ``max_points``; each value gets mean, ``_lo`` (min), ``_hi`` (max).
+
+    For analysis outputs that come per step; the store-side queries bucket in SQL already.
+    """
+    span = df.group_by(by or pl.lit(0)).agg((pl.col(x).max() - pl.col(x).min() + 1).alias("_span"))
+    width = max(1, -(-int(span["_span"].max() or 1) // max_points))
+    agg = [c for v in values for c in (pl.col(v).mean().alias(v), pl.col(v).min().alias(f"{v}_lo"),
+                                       pl.col(v).max().alias(f"{v}_hi"))]
+    return (df.with_columns((pl.col(x) // width * width).alias(x))
+            .group_by([*by, x], maintain_order=True).agg(agg).sort([*by, x]))

@@ -1,0 +1,97 @@
+"""Cluster aggregates: per-rank phase timeline windows, phase breakdown, stragglers and throughput.
+
+Timings follow the probe's convention: one ``phase='step', category='step'`` row per rank per step
+spanning boundary to boundary, phases inside it (``parent`` NULL or 'step' for top-level phases).
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+from dynascope.dashboard.queries import BUCKET, MAX_POINTS, bounds_cte, frame
+from dynascope.store import StoreConnection, quote_literal
+
+# Categories drawn on the Gantt unless the user asks for kernels; trace imports can hold millions.
+_COARSE = "('phase', 'wait', 'comm', 'annotation')"
+
+
+def timing_span(store: StoreConnection, run: str) -> pl.DataFrame:
+    """First and last step with timings, rank count and whether fine-grained (kernel) rows exist."""
+    return frame(store, f"""
+        SELECT min(step) AS first_step, max(step) AS last_step, count(DISTINCT rank) AS ranks,
+               count(*) FILTER (WHERE category IN ('kernel', 'memcpy', 'cpu_op')) AS fine_rows
+        FROM timings WHERE run_id = {quote_literal(run)} AND step IS NOT NULL""")
+
+
+def gantt(store: StoreConnection, run: str, lo: int, hi: int, fine: bool = False, limit: int = 4000) -> pl.DataFrame:
+    """Phase intervals of steps lo..hi for every rank, in ms since the window's first start.
+
+    When more than ``limit`` intervals fall in the window the longest are kept (``total`` says how many).
+    """
+    cats = "category <> 'step'" if fine else f"category IN {_COARSE}"
+    where = f"run_id = {quote_literal(run)} AND step BETWEEN {int(lo)} AND {int(hi)} AND start_us IS NOT NULL"
+    return frame(store, f"""
+        WITH w AS (SELECT rank, step, phase, category, parent, start_us, dur_us
+                   FROM timings WHERE {where} AND {cats}),
+             t0 AS (SELECT min(start_us) AS t0, count(*) AS total FROM w)
+        SELECT rank, step, phase, category, parent, (start_us - t0) / 1000.0 AS start_ms,
+               dur_us / 1000.0 AS dur_ms, total
+        FROM w, t0 ORDER BY dur_us DESC LIMIT {int(limit)}""")
+
+
+def phase_breakdown(store: StoreConnection, run: str) -> pl.DataFrame:
+    """Mean ms per step per rank for each top-level phase, plus the step time no phase accounts for."""
+    r = quote_literal(run)
+    return frame(store, f"""
+        WITH top AS (SELECT rank, step, phase, dur_us FROM timings
+                     WHERE run_id = {r} AND category IN ('phase', 'wait', 'comm')
+                       AND (parent IS NULL OR parent = 'step')),
+             steps AS (SELECT rank, step, dur_us FROM timings WHERE run_id = {r} AND category = 'step'),
+             n AS (SELECT rank, count(DISTINCT step) AS n FROM steps GROUP BY rank),
+             per AS (SELECT rank, step, sum(dur_us) AS ph FROM top GROUP BY ALL)
+        SELECT rank, phase, sum(dur_us) / 1000.0 / any_value(n.n) AS ms_per_step
+        FROM top JOIN n USING (rank) GROUP BY ALL
+        UNION ALL
+        SELECT s.rank, 'unattributed', sum(greatest(0, s.dur_us - coalesce(p.ph, 0))) / 1000.0 / any_value(n.n)
+        FROM steps s LEFT JOIN per p USING (rank, step) JOIN n USING (rank) GROUP BY s.rank
+        ORDER BY rank, phase""")
+
+
+def straggler_fallback(store: StoreConnection, run: str) -> pl.DataFrame:
+    """Per rank: step time against the per-step median, how often it was the slowest, and what-if savings.
+
+    What-if: the rank's step time is capped at that step's median across ranks; the step then ends at the
+    slowest of the other ranks (or the median). Saving is the summed step-time reduction.
+    """
+    return frame(store, f"""
+        WITH st AS (SELECT rank, step, max(dur_us) AS d FROM timings
+                    WHERE run_id = {quote_literal(run)} AND category = 'step' GROUP BY ALL),
+             ranked AS (SELECT *, row_number() OVER (PARTITION BY step ORDER BY d DESC, rank) AS pos FROM st),
+             per_step AS (SELECT step, median(d) AS med, max(d) AS top1,
+                                 coalesce(max(d) FILTER (WHERE pos = 2), 0) AS top2,
+                                 arg_max(rank, d) AS slowest, count(*) AS nranks
+                          FROM ranked GROUP BY step HAVING count(*) > 1),
+             whatif AS (SELECT r.rank, r.step, r.d, p.med, p.top1, p.slowest,
+                               greatest(CASE WHEN r.pos = 1 THEN p.top2 ELSE p.top1 END, least(r.d, p.med)) AS new_top
+                        FROM ranked r JOIN per_step p USING (step))
+        SELECT rank, avg(d) / 1000.0 AS mean_step_ms, 100.0 * (avg(d / nullif(med, 0)) - 1) AS score_pct,
+               100.0 * avg(CASE WHEN slowest = rank THEN 1 ELSE 0 END) AS slowest_share_pct,
+               sum(top1 - new_top) / 1e6 AS whatif_saved_s,
+               100.0 * sum(top1 - new_top) / nullif(sum(top1), 0) AS whatif_saved_pct
+        FROM whatif GROUP BY rank ORDER BY score_pct DESC""")
+
+
+def throughput_fallback(store: StoreConnection, run: str, max_points: int = MAX_POINTS) -> pl.DataFrame:
+    """Tokens/s and samples/s per step bucket: sample tokens over the slowest rank's step time."""
+    r = quote_literal(run)
+    return frame(store, f"""
+        WITH tok AS (SELECT step, sum(coalesce(prompt_len, 0) + coalesce(response_len, 0)) AS tokens,
+                            count(*) AS n FROM samples WHERE run_id = {r} GROUP BY step),
+             dur AS (SELECT step, max(dur_us) AS d FROM timings WHERE run_id = {r} AND category = 'step'
+                     GROUP BY step),
+             per_step AS (SELECT step, tokens / (d / 1e6) AS tok_s, n / (d / 1e6) AS samples_s
+                          FROM tok JOIN dur USING (step) WHERE d > 0),
+             {bounds_cte('per_step', 'TRUE', max_points)}
+        SELECT {BUCKET} AS step, avg(tok_s) AS tok_s, min(tok_s) AS tok_s_lo, max(tok_s) AS tok_s_hi,
+               avg(samples_s) AS samples_s
+        FROM per_step, bounds GROUP BY ALL ORDER BY step""")

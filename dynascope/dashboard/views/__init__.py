@@ -1,0 +1,1 @@
+"""Dashboard pages; each module exposes ``page()`` for ``st.navigation``."""

@@ -1,0 +1,133 @@
+"""Cluster page: per-rank phase timeline, phase breakdown per rank, stragglers with what-if, throughput."""
+
+from __future__ import annotations
+
+import plotly.graph_objects as go
+import polars as pl
+import streamlit as st
+
+from dynascope.dashboard import charts, data
+
+GANTT_LIMIT = 4000
+
+
+def page() -> None:
+    data.live(_body)
+
+
+def _body() -> None:
+    path, runs = data.current()
+    st.header("Cluster")
+    if not runs:
+        st.info("Pick one or more runs in the sidebar.")
+        return
+    if len(runs) > 1:  # multi-rank runs first: a timeline of one rank says little
+        ranks = dict(data.query("runs.run_list", path).select("run_id", "ranks").iter_rows())
+        run = st.selectbox("Run", sorted(runs, key=lambda r: -(ranks.get(r) or 0)), key="cl_run")
+    else:
+        run = runs[0]
+    span = data.query("cluster.timing_span", path, run)
+    if span.height == 0 or span["first_step"][0] is None:
+        st.info(f"No step timings in {run}.")
+        return
+    first, last, fine_rows = int(span["first_step"][0]), int(span["last_step"][0]), int(span["fine_rows"][0])
+
+    with data.guard("Per-rank timeline"):
+        lo, hi = (first, last) if first == last else st.slider(
+            "Steps on the timeline", first, last, (max(first, last - 2), last), key="cl_steps")
+        fine = st.toggle(f"Kernels, memcpy and CPU ops ({fine_rows:,} rows)", key="cl_fine") if fine_rows else False
+        g = data.query("cluster.gantt", path, run, lo, hi, fine, GANTT_LIMIT)
+        if not data.empty(g, "phase timings in these steps"):
+            _gantt(g, run, lo, hi)
+
+    left, right = st.columns(2)
+    with left, data.guard("Breakdown per rank"):
+        _breakdown(path, run)
+    with right, data.guard("Throughput"):
+        tp = data.query("cluster.throughput_fallback", path, run)
+        if not data.empty(tp, "samples with step timings"):
+            charts.show(charts.banded(tp, "step", "tok_s", "tok_s_lo", "tok_s_hi", [], "throughput per step",
+                                      "tokens / s (sample tokens / slowest rank's step)"), "cl_throughput")
+    with data.guard("MFU"):
+        _mfu(path, run)
+    with data.guard("Stragglers"):
+        _stragglers(path, run)
+
+
+def _breakdown(path: str, run: str) -> None:
+    """Mean ms per step of each top-level phase per rank, including the un-instrumented remainder."""
+    try:
+        sb = data.analysis("step_breakdown", path, run=run)
+        steps = sb.group_by("rank").agg(pl.col("step").n_unique().alias("n"))
+        bd = (sb.group_by("rank", "phase").agg(pl.col("dur_ms").sum()).join(steps, on="rank")
+              .with_columns((pl.col("dur_ms") / pl.col("n")).alias("ms_per_step")).sort("rank", "phase"))
+    except data.MissingAnalysis:
+        bd = data.query("cluster.phase_breakdown", path, run)
+    if data.empty(bd, "top-level phases"):
+        return
+    bd = bd.with_columns(pl.col("rank").cast(pl.String))
+    charts.show(charts.bars(bd, "rank", "ms_per_step", "phase", "mean time per step by phase", "ms / step"),
+                "cl_breakdown")
+
+
+def _mfu(path: str, run: str) -> None:
+    """Tokens/s and MFU per rank and phase; CPU or unknown devices need the peak from the user."""
+    peak = st.session_state.get("cl_peak") or None
+    try:
+        mfu = data.analysis("throughput_mfu", path, run=run, peak_tflops=peak)
+    except ValueError as exc:
+        st.info(f"MFU: {str(exc).splitlines()[0]}")
+        st.number_input("Peak TFLOP/s per device (for MFU)", min_value=0.0, value=None, key="cl_peak")
+        return
+    if data.empty(mfu, "phases with token counts"):
+        return
+    show = mfu.select("role", "rank", "phase", "steps", "tokens", "tokens_per_s", "achieved_tflops", "peak_tflops",
+                      "mfu_pct")
+    st.dataframe(show, hide_index=True, width="stretch", key="cl_mfu_table")
+
+
+def _stragglers(path: str, run: str) -> None:
+    st.subheader("Stragglers")
+    try:
+        scores = data.analysis("straggler_scores", path, run=run)
+        wif = data.analysis("what_if", path, run=run)
+    except data.MissingAnalysis:
+        sc = data.query("cluster.straggler_fallback", path, run)
+        if not data.empty(sc, "steps timed on more than one rank"):
+            st.dataframe(sc, hide_index=True, width="stretch", key="cl_straggler_table")
+        return
+    if data.empty(scores, "phases timed on two or more ranks"):
+        return
+    left, right = st.columns([3, 2])
+    with left:
+        st.caption("Score per rank and phase: reference (fastest rank) median ÷ this rank's median, per window; "
+                   "below 0.75 is flagged.")
+        st.dataframe(scores.select("rank", "phase", "status", "score", "slowdown_x", "median_ms",
+                                   "cross_rank_median_ms", "slow_steps_pct", "flagged_windows", "windows"),
+                     hide_index=True, width="stretch", key="cl_straggler_table")
+    with right:
+        if not data.empty(wif, "what-if scenarios"):
+            st.caption("What-if: that rank runs every phase at the cross-rank median; step time saved.")
+            st.dataframe(wif.select("scenario", "saved_ms", "saved_pct", "simulated_base_ms",
+                                    "reproduction_error_pct"), hide_index=True, width="stretch", key="cl_what_if")
+
+
+def _gantt(g, run: str, lo: int, hi: int) -> None:
+    """Horizontal bars per rank (base = start), one trace per phase so the legend toggles phases."""
+    fig = go.Figure()
+    for i, ((phase,), p) in enumerate(g.sort("phase").group_by("phase", maintain_order=True)):
+        fig.add_trace(go.Bar(
+            y=[f"rank {r}" for r in p["rank"].to_list()], x=p["dur_ms"].to_list(), base=p["start_ms"].to_list(),
+            orientation="h", name=str(phase), marker_color=charts.PALETTE[i % len(charts.PALETTE)],
+            customdata=p.select("step", "category").rows(),
+            hovertemplate="%{y}<br>" + str(phase) + " · step %{customdata[0]} (%{customdata[1]})<br>"
+                          "start %{base:.1f} ms · %{x:.2f} ms<extra></extra>"))
+    ranks = sorted(set(g["rank"].to_list()))
+    fig.update_layout(barmode="overlay", yaxis=dict(categoryorder="array",
+                                                    categoryarray=[f"rank {r}" for r in reversed(ranks)]))
+    fig = charts.layout(fig, f"per-rank timeline · {run} · steps {lo}–{hi}", "ms since window start", "",
+                        height=max(260, 60 + 40 * len(ranks)))
+    charts.show(fig, "cl_gantt")
+    total = int(g["total"][0])
+    if total > g.height:
+        st.caption(f"Showing the {g.height:,} longest of {total:,} intervals; narrow the step range for all.")

@@ -1,0 +1,152 @@
+"""Parameter dynamics: layer × step heat maps, SFT-vs-RL overlay, ΔW spectra, rank-1 fit, gradient health."""
+
+from __future__ import annotations
+
+import plotly.graph_objects as go
+import polars as pl
+import streamlit as st
+
+from dynascope.dashboard import charts, data
+from dynascope.dashboard.queries.params import HEAT_METRICS
+from dynascope.store.naming import KINDS
+
+
+def page() -> None:
+    data.live(_body)
+
+
+def _body() -> None:
+    path, runs = data.current()
+    st.header("Parameter dynamics")
+    if not runs:
+        st.info("Pick one or more runs in the sidebar.")
+        return
+    sk = data.query("params.stages_and_kinds", path, runs)
+    if data.empty(sk, "parameter statistics (tensor_stats)"):
+        return
+    present = set(sk["kind"].drop_nulls().to_list())
+    kinds_all = [k for k in KINDS if k in present] + sorted(present - set(KINDS))
+    stages_all = list(dict.fromkeys(sk["stage"].to_list()))
+    c1, c2, c3 = st.columns([3, 2, 2])
+    kinds = tuple(c1.multiselect("Module kinds", kinds_all, default=kinds_all, key="dyn_kinds"))
+    stages = tuple(c2.multiselect("Stages (heat maps)", stages_all, default=stages_all, key="dyn_stages"))
+    run = c3.selectbox("Run (heat maps, fit)", runs, key="dyn_run") if len(runs) > 1 else runs[0]
+    if not kinds:
+        st.info("Pick at least one module kind.")
+        return
+
+    with data.guard("Layer × step heat maps"):
+        log_z = st.toggle("log color scale", value=True, key="dyn_log")
+        hm = data.query("params.layer_heatmap", path, run, stages, kinds)
+        if not data.empty(hm, "tensor statistics for these filters"):
+            for i, name in enumerate(HEAT_METRICS):
+                if hm[name].drop_nulls().len() == 0:
+                    st.info(f"{name}: not recorded in this run.")
+                    continue
+                charts.show(charts.heatmap(hm, name, f"{name} · {run}", log_z=log_z), f"dyn_heat_{i}")
+
+    with data.guard("SFT vs RL overlay"):
+        ov = data.query("params.stage_overlay", path, runs, kinds)
+        if not data.empty(ov, "per-step updates"):
+            left, right = st.columns(2)
+            with left:
+                charts.show(charts.banded(ov, "step_in_stage", "ratio", "ratio_lo", "ratio_hi", ["run_id", "stage"],
+                                          "update ratio by stage", "‖ΔW‖/‖W‖", "steps since stage start",
+                                          log_y=True), "dyn_overlay_ratio")
+            with right:
+                charts.show(charts.banded(ov, "step_in_stage", "changed", "changed_lo", "changed_hi",
+                                          ["run_id", "stage"], "step-changed fraction by stage", "fraction",
+                                          "steps since stage start"), "dyn_overlay_changed")
+
+    with data.guard("ΔW spectra"):
+        _spectra(path, runs, kinds)
+
+    with data.guard("Rank-1 linear fit"):
+        _rank1_fit(path, run, kinds)
+
+    with data.guard("Gradient sparsity"):
+        _gradients(path, runs, kinds)
+
+
+def _spectra(path: str, runs: tuple[str, ...], kinds: tuple[str, ...]) -> None:
+    """Rank-1 energy and stable rank over steps: the analysis' energy-weighted overall value per step,
+    banded by the spread across layers; the SQL fallback honours the kind filter."""
+    try:
+        rd = data.per_run("rank1_dominance", path, runs)
+        layers = rd.filter(pl.col("level") == "layer").group_by("run_id", "step").agg(
+            pl.col("rank1_energy").min().alias("lo"), pl.col("rank1_energy").max().alias("hi"))
+        sp = (rd.filter(pl.col("level") == "overall").join(layers, on=["run_id", "step"], how="left")
+              .with_columns(pl.col("stage").fill_null("")))
+        sp = data.downsample(sp, "step", ["rank1_energy", "mean_stable_rank"], ["run_id", "stage"])
+        sp = sp.rename({"rank1_energy": "rank1", "rank1_energy_lo": "rank1_lo", "rank1_energy_hi": "rank1_hi",
+                        "mean_stable_rank": "stable_rank", "mean_stable_rank_lo": "stable_rank_lo",
+                        "mean_stable_rank_hi": "stable_rank_hi"})
+        source = "dynascope.analyses.rank1_dominance (Σσ₁²/Σ‖ΔW‖², all module kinds)"
+    except data.MissingAnalysis:
+        sp = data.query("params.spectra_series", path, runs, kinds)
+        source = "dashboard query (mean over tensors of the selected kinds)"
+    if data.empty(sp, "spectra of ΔW"):
+        return
+    left, right = st.columns(2)
+    with left:
+        charts.show(charts.banded(sp, "step", "rank1", "rank1_lo", "rank1_hi", ["run_id", "stage"],
+                                  "rank-1 energy of cumulative ΔW", "σ₁² / ‖ΔW‖²"), "dyn_rank1")
+    with right:
+        charts.show(charts.banded(sp, "step", "stable_rank", "stable_rank_lo", "stable_rank_hi",
+                                  ["run_id", "stage"], "stable rank of cumulative ΔW", "‖ΔW‖² / σ₁²"),
+                    "dyn_stable_rank")
+    st.caption(f"Source: {source}.")
+
+
+def _rank1_fit(path: str, run: str, kinds: tuple[str, ...]) -> None:
+    """R² and last-record prediction error of the rank-1 linear fit, per layer."""
+    try:
+        per_tensor = data.analysis("rank1_linear_fit", path, run=run)
+        fit = (per_tensor.filter(pl.col("kind").is_in(kinds)).with_columns(pl.col("layer").fill_null(-1))
+               .group_by("layer").agg(pl.col("r2_all").mean().alias("r2"),
+                                      pl.col("rel_error_last").mean().alias("pred_rel_err"),
+                                      pl.len().alias("tensors")).sort("layer"))
+        what = ("line in the step fitted to the first 30 % of σ₁u₁ records (dynascope.analyses.rank1_linear_fit); "
+                "error = ‖ΔŴ₁ − σ₁u₁v₁ᵀ‖/σ₁ at the last record")
+    except data.MissingAnalysis:
+        fit = data.query("params.rank1_fit_fallback", path, run, kinds)
+        what = "σ₁ linear in the step (dashboard query); error of the last σ₁ from a fit on the first half"
+    if data.empty(fit, "ΔW spectra with two or more records per tensor"):
+        return
+    fit = fit.with_columns(pl.when(pl.col("layer") == -1).then(pl.lit("other"))
+                           .otherwise(pl.format("L{}", pl.col("layer"))).alias("layer_name"))
+    left, right = st.columns(2)
+    with left:
+        fig = go.Figure(go.Bar(x=fit["layer_name"].to_list(), y=fit["r2"].to_list(), marker_color=charts.PALETTE[0]))
+        fig.update_yaxes(range=[min(0.0, float(fit["r2"].min() or 0)), 1.0])
+        charts.show(charts.layout(fig, f"rank-1 linear fit R² per layer · {run}", "layer", "R²"), "dyn_fit_r2")
+    with right:
+        fig = go.Figure(go.Bar(x=fit["layer_name"].to_list(), y=(fit["pred_rel_err"] * 100).to_list(),
+                               marker_color=charts.PALETTE[1]))
+        charts.show(charts.layout(fig, "prediction error at the last record", "layer", "relative error %"),
+                    "dyn_fit_err")
+    st.caption(f"Fit: {what}.")
+
+
+def _gradients(path: str, runs: tuple[str, ...], kinds: tuple[str, ...]) -> None:
+    gh = data.query("params.grad_health", path, runs, kinds)
+    nf = data.query("params.nonfinite_steps", path, runs)
+    if data.empty(gh, "gradient statistics"):
+        return
+    fig = charts.banded(gh, "step", "zero", "zero_lo", "zero_hi", ["run_id"], "gradient sparsity and NaN/Inf steps",
+                        "fraction of gradient entries == 0")
+    for i, ((run,), g) in enumerate(gh.group_by("run_id", maintain_order=True)):
+        fig.add_trace(go.Scatter(x=g["step"].to_list(), y=g["near_zero"].to_list(), mode="lines",
+                                 name=f"near-zero · {run}", line=dict(dash="dot", color=charts.PALETTE[i % 8])))
+    if nf.height:
+        top = float(gh["zero_hi"].max() or 1.0)
+        fig.add_trace(go.Scatter(
+            x=nf["step"].to_list(), y=[top * 1.05] * nf.height, mode="markers", name="NaN/Inf",
+            marker=dict(symbol="x", size=12, color="#E45756"),
+            text=[f"{r}: {n} NaN, {f} Inf, worst {t}" for r, n, f, t in nf.select("run_id", "nan", "inf",
+                                                                                   "worst_tensor").iter_rows()],
+            hovertemplate="step %{x}<br>%{text}<extra></extra>"))
+    charts.show(fig, "dyn_grad")
+    if nf.height:
+        st.caption("Steps with non-finite weights or gradients")
+        st.dataframe(nf, hide_index=True, width="stretch")

@@ -1,0 +1,50 @@
+"""Runs page: every run under the store with its status, size and progress; compare a scalar across runs."""
+
+from __future__ import annotations
+
+import polars as pl
+import streamlit as st
+
+from dynascope.dashboard import charts, data
+
+
+def page() -> None:
+    data.live(_body)
+
+
+def _body() -> None:
+    path, runs = data.current()
+    st.header("Runs")
+    with data.guard("Run list"):
+        cat = data.query("runs.run_list", path)
+        view = cat.with_columns(
+            (pl.col("size_bytes") / 1e6).round(2).alias("size_mb"),
+            pl.from_epoch(pl.col("last_write_us"), time_unit="us").alias("last_write"),
+        )
+        cols = [c for c in ("run_id", "name", "status", "steps", "ranks", "size_mb", "last_write", "problem")
+                if c in view.columns and (c != "problem" or view[c].drop_nulls().len())]
+        view = view.select(cols).sort("last_write", descending=True, nulls_last=True)
+        st.dataframe(view, hide_index=True, width="stretch", key="runs_table")
+        counts = view.group_by("status").len().sort("status")
+        st.caption(f"{view.height} runs: " + ", ".join(f"{n} {s}" for s, n in counts.iter_rows())
+                   + " — pick runs to compare in the sidebar.")
+    if not runs:
+        st.info("Pick one or more runs in the sidebar.")
+        return
+    left, right = st.columns(2)
+    with left, data.guard("Rows per table"):
+        rows = data.query("runs.table_rows", path, runs)
+        if not data.empty(rows, "rows"):
+            fig = charts.bars(rows, "tbl", "n", "run_id", "Rows per table", "rows", stacked=False)
+            fig.update_yaxes(type="log")
+            charts.show(fig, "runs_rows")
+    with right, data.guard("Compare runs"):
+        keys = data.query("runs.scalar_keys", path, runs)
+        if not keys:
+            st.info("No scalars logged in the selected runs.")
+            return
+        default = next((k for k in ("loss", "train/loss", "reward_mean") if k in keys), keys[0])
+        key = st.selectbox("Scalar", keys, index=keys.index(default), key="runs_scalar")
+        df = data.query("runs.scalar_series", path, runs, key)
+        if not data.empty(df, f"'{key}' values"):
+            charts.show(charts.banded(df, "step", "mean", "lo", "hi", ["run_id", "stage"], key), "runs_scalar_chart")

@@ -1,0 +1,56 @@
+"""SQL console: the same locked-down, read-only connection as ``dynascope sql``, with a row cap."""
+
+from __future__ import annotations
+
+import io
+
+import pyarrow as pa
+import pyarrow.csv as pcsv
+import pyarrow.parquet as pq
+import streamlit as st
+
+from dynascope.dashboard import data
+from dynascope.store import StoreConnection, StoreError, run_sql
+from dynascope.store.schema import TABLE_NAMES
+
+_DEFAULT = "SELECT run_id, stage, count(*) AS rows, max(step) AS last_step\nFROM tensor_stats\nGROUP BY ALL ORDER BY run_id"
+
+
+def run_user_sql(path: str, query: str, max_rows: int) -> pa.Table:
+    """Run ``query`` through ``run_sql`` on a cursor of the read-only store (refuses non-queries)."""
+    base = data.store(path)
+    cur = base._con.cursor()
+    try:
+        return run_sql(StoreConnection(cur, base.location, read_only=True), query, max_rows=max_rows)
+    finally:
+        cur.close()
+
+
+def page() -> None:
+    path, _ = data.current()
+    st.header("SQL")
+    st.caption(f"Read-only queries over {', '.join(TABLE_NAMES)}. No file or network access, no SET, no ATTACH.")
+    with st.form("sql_form"):
+        query = st.text_area("Query", _DEFAULT, height=160, key="sql_text")
+        cap = st.number_input("Row cap", min_value=1, max_value=1_000_000, value=10_000, step=1000, key="sql_cap")
+        submitted = st.form_submit_button("Run query", type="primary")
+    if submitted:
+        try:
+            st.session_state["sql_result"] = (query, run_user_sql(path, query, int(cap)))
+        except StoreError as exc:
+            st.session_state.pop("sql_result", None)
+            st.error(str(exc))
+            return
+    if "sql_result" not in st.session_state:
+        return
+    ran, table = st.session_state["sql_result"]
+    capped = " (row cap reached)" if table.num_rows >= int(cap) else ""
+    st.caption(f"{table.num_rows:,} rows{capped}")
+    st.dataframe(table, hide_index=True, width="stretch", key="sql_table")
+    csv_buf, pq_buf = io.BytesIO(), io.BytesIO()
+    pcsv.write_csv(table, csv_buf)
+    pq.write_table(table, pq_buf)
+    c1, c2, _ = st.columns([1, 1, 4])
+    c1.download_button("Download CSV", csv_buf.getvalue(), "dynascope-query.csv", "text/csv", on_click="ignore")
+    c2.download_button("Download Parquet", pq_buf.getvalue(), "dynascope-query.parquet",
+                       "application/vnd.apache.parquet", on_click="ignore")

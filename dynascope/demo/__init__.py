@@ -1,0 +1,84 @@
+"""``dynascope demo``: a real RL post-training run on CPU (SFT → GRPO on string reversal), probed end to end.
+
+Variants: single process (default), ``ranks > 1`` runs the whole training under torchrun/gloo data
+parallel (with an optionally slowed rank), ``use_async`` runs asynchronous GRPO on a local Ray cluster.
+Every process records into the same run directory; the closing report reads it back through
+``dynascope.analyses``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+__all__ = ["run_demo"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _check(run_dir: Path, ranks: int, slow_rank: int | None, slow_factor: float, use_async: bool) -> None:
+    if ranks < 1:
+        raise ValueError("--ranks must be at least 1")
+    if use_async and ranks > 1:
+        raise ValueError("--async runs its own rollout and trainer actors; leave --ranks at 1")
+    if slow_rank is not None and not (0 <= slow_rank < ranks):
+        raise ValueError(f"--slow-rank {slow_rank} is not a rank of --ranks {ranks}")
+    if slow_factor < 1:
+        raise ValueError("--slow-factor must be ≥ 1 (it multiplies the slow rank's work)")
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise ValueError(f"{run_dir} already exists and is not empty; pass another --run or remove it")
+
+
+def _torchrun(settings_path: Path, ranks: int, console: Console) -> None:
+    """The training under torchrun: one process per rank, gloo on CPU, one thread each."""
+    script = Path(__file__).with_name("distributed.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--nnodes", "1",
+           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(script), str(settings_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    console.print(f"[dim]$ {' '.join(cmd[1:])}[/]", highlight=False)
+    done = subprocess.run(cmd, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"torchrun exited with status {done.returncode} (see the rank output above)")
+
+
+def run_demo(run_dir: str | os.PathLike, quick: bool = False, ranks: int = 1, slow_rank: int | None = None,
+             slow_factor: float = 2.0, long_tail: bool = False, use_async: bool = False, seed: int = 0,
+             console: Console | None = None) -> Path:
+    """Train (SFT then GRPO) with dynascope's probes into ``run_dir``, then print the report; returns the run dir."""
+    from dynascope.demo.settings import DemoSettings
+
+    console = console or Console()
+    run_dir = Path(run_dir).expanduser().resolve()
+    _check(run_dir, ranks, slow_rank, slow_factor, use_async)
+    s = DemoSettings.build(str(run_dir), quick=quick, ranks=ranks, slow_rank=slow_rank, slow_factor=slow_factor,
+                           long_tail=long_tail, use_async=use_async, seed=seed)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    settings_path = run_dir / "demo_settings.json"
+    settings_path.write_text(s.to_json())
+    mode = "async Ray" if use_async else (f"torchrun ×{ranks}" if ranks > 1 else "single process")
+    console.print(f"[bold]dynascope demo[/] ({mode}{', quick' if quick else ''}) → {run_dir}", highlight=False)
+    t0 = time.perf_counter()
+    if use_async:
+        from dynascope.demo.async_ray import run_async
+
+        run_async(s, console)
+    elif ranks > 1:
+        _torchrun(settings_path, ranks, console)
+    else:
+        from dynascope.demo.distributed import train_rank
+
+        train_rank(s)
+    from dynascope.demo.report import print_report
+
+    print_report(s, console, train_s=time.perf_counter() - t0)
+    return run_dir

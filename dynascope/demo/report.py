@@ -1,0 +1,170 @@
+"""The demo's closing report: what RL did to the reward and to the weights, and where the time went.
+
+Everything is read back from the run's store through ``dynascope.analyses`` (reward figures come from
+the ``eval/*`` and ``rl/*`` scalars the training logged); the rank-1 row evaluates a checkpoint that
+``rank1_reconstruction`` writes from the recorded spectra.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import polars as pl
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from dynascope import analyses
+from dynascope.analyses._common import frame
+from dynascope.demo.distributed import FINAL_FILE, THETA0_FILE
+from dynascope.demo.settings import DemoSettings
+from dynascope.store import StoreConnection, open_store
+
+RANK1_FILE = "policy_rank1.safetensors"
+
+
+def _pct(x: float | None) -> str:
+    return "—" if x is None else f"{100 * x:.1f}%"
+
+
+def _last_scalar(con: StoreConnection, key: str, stage: str) -> float | None:
+    df = frame(con, f"SELECT value FROM scalars WHERE key = '{key}' AND stage = '{stage}' AND rank = 0 "
+                    "ORDER BY step DESC, time_us DESC LIMIT 1")
+    return None if df.is_empty() else float(df["value"][0])
+
+
+def _rl_reward_ends(con: StoreConnection, n: int = 10) -> tuple[float | None, float | None]:
+    """Mean training reward over the first and the last ``n`` RL steps (all ranks)."""
+    df = frame(con, "SELECT step, avg(value) AS r FROM scalars WHERE key = 'rl/reward' GROUP BY step ORDER BY step")
+    if df.height < 2:
+        return None, None
+    k = min(n, df.height // 2)
+    return float(df["r"].head(k).mean()), float(df["r"].tail(k).mean())
+
+
+def rank1_accuracy(s: DemoSettings, con: StoreConnection) -> float | None:
+    """Greedy held-out accuracy of θ₀ + ‖ΔW‖_F·u₁v₁ᵀ (every 2-D weight), written by ``rank1_reconstruction``."""
+    from safetensors.torch import load_file
+
+    from dynascope.demo.model import TinyLM
+    from dynascope.demo.sft import evaluate, heldout
+    from dynascope.demo.task import CharTokenizer
+
+    run_dir = Path(s.run_dir)
+    analyses.rank1_reconstruction(con, run_dir / THETA0_FILE, run_dir / RANK1_FILE)
+    model = TinyLM(s.model)
+    model.load_state_dict(load_file(str(run_dir / RANK1_FILE)))
+    return evaluate(model, CharTokenizer(), s.task, heldout(s.task, s.eval_n, s.seed))
+
+
+def _reward_table(s: DemoSettings, con: StoreConnection, console: Console) -> None:
+    t = Table(title="Reward (held-out prompts, exact match)", title_justify="left")
+    for col in ("", "after SFT = θ₀", "after RL", "change"):
+        t.add_column(col, justify="right" if col else "left")
+    for label, key in (("greedy accuracy", "eval/accuracy"), ("sampled reward (T=1)", "eval/sampled_reward")):
+        a, b = _last_scalar(con, key, "sft"), _last_scalar(con, key, "rl")
+        delta = f"{100 * (b - a):+.1f} pts" if a is not None and b is not None else "—"
+        t.add_row(label, _pct(a), _pct(b), delta)
+    first, last = _rl_reward_ends(con)
+    if first is not None:
+        t.add_row("training reward (first/last 10 RL steps)", _pct(first), _pct(last), f"{100 * (last - first):+.1f} pts")
+    try:
+        acc = rank1_accuracy(s, con)
+        full = _last_scalar(con, "eval/accuracy", "rl")
+        t.add_row("rank-1 reconstruction θ₀ + ‖ΔW‖·u₁v₁ᵀ", "", _pct(acc),
+                  f"{100 * (acc - full):+.1f} pts vs full RL" if full is not None else "")
+    except Exception as exc:  # a report line, not a crash: e.g. no spectra were recorded
+        t.add_row("rank-1 reconstruction", "", f"unavailable ({type(exc).__name__}: {exc})", "")
+    console.print(t)
+
+
+def _dynamics(con: StoreConnection, console: Console) -> None:
+    cmp = analyses.sparsity_comparison(con, "sft", "rl").filter(pl.col("kind") == "all")
+    t = Table(title="Weight updates: SFT vs RL (all tensors, numel-weighted)", title_justify="left")
+    for col in ("", "SFT", "RL"):
+        t.add_column(col, justify="right" if col else "left")
+    row = cmp.row(0, named=True) if cmp.height else {}
+
+    def changed(key: str) -> tuple[float | None, float | None]:
+        a, b = row.get(f"{key}_a"), row.get(f"{key}_b")
+        return (None if a is None else 1 - a), (None if b is None else 1 - b)
+
+    step_a, step_b = changed("step_unchanged_frac")
+    t.add_row("parameters changed per step (bit-exact, fp32)", _pct(step_a), _pct(step_b))
+    drift_a, drift_b = changed("unchanged_frac")
+    t.add_row("changed over the stage vs its θ₀ (bit-exact)", _pct(drift_a), _pct(drift_b))
+    bf_a, bf_b = changed("unchanged_bf16_frac")
+    t.add_row("changed over the stage, visible in bf16", _pct(bf_a), _pct(bf_b))
+    r1 = analyses.rank1_dominance(con).filter((pl.col("level") == "overall") & (pl.col("stage") == "rl"))
+    if r1.height:
+        last = r1.sort("step").row(-1, named=True)
+        t.add_row(f"rank-1 energy σ₁²/‖ΔW‖²_F of RL's ΔW (step {last['step']})", "", _pct(last["rank1_energy"]))
+        t.add_row("top-k energy of RL's ΔW", "", _pct(last["topk_energy"]))
+    console.print(t)
+    if step_a is not None and step_b is not None and step_a <= step_b:
+        console.print("[dim]Per step, RL changed as many parameters as SFT: training keeps fp32 weights and Adam "
+                      "moves every weight whose gradient history is non-zero, however little. RL's sparsity "
+                      "shows where updates fall below a storage format's resolution (the bf16 row).[/]")
+
+
+def _time(con: StoreConnection, console: Console, rl_start: int | None) -> None:
+    bd = analyses.step_breakdown(con)
+    if rl_start is not None:
+        bd = bd.filter(pl.col("step") >= rl_start)
+    if bd.is_empty():
+        return
+    steps = bd.select("role", "rank", "step", "step_ms").unique().group_by("role").agg(pl.col("step_ms").sum())
+    per = (bd.group_by("role", "phase").agg(pl.col("dur_ms").sum()).join(steps, on="role")
+           .with_columns((100 * pl.col("dur_ms") / pl.col("step_ms")).alias("share")).sort(["role", "share"],
+                                                                                          descending=[False, True]))
+    t = Table(title="Where RL step time went (all ranks, summed)", title_justify="left")
+    for col in ("role", "phase", "time", "share"):
+        t.add_column(col, justify="right" if col in ("time", "share") else "left")
+    for r in per.iter_rows(named=True):
+        if r["share"] >= 0.5:
+            t.add_row(r["role"], r["phase"], f"{r['dur_ms'] / 1000:.1f} s", f"{r['share']:.1f}%")
+    console.print(t)
+
+
+def _bottlenecks(con: StoreConnection, console: Console) -> None:
+    scores = analyses.straggler_scores(con)
+    if scores.is_empty():
+        console.print("Slowest rank: one process per role — nothing to compare.")
+    else:
+        w = scores.row(0, named=True)
+        console.print(f"Slowest rank: [bold]rank {w['rank']}[/] ({w['role']}) in phase [bold]{w['phase']}[/]: "
+                      f"{w['median_ms']:.0f} ms median vs {w['cross_rank_median_ms']:.0f} ms across ranks "
+                      f"(score {w['score']:.2f}, {w['status']}).", highlight=False)
+    tail = analyses.rollout_long_tail(con)
+    if tail.height:
+        console.print(f"Rollout long tail: median step's slowest sample took {tail['gen_tail_x'].median():.1f}× "
+                      f"the median sample; responses p50 {tail['response_len_p50_tokens'].median():.0f} tokens, "
+                      f"max {tail['response_len_max_tokens'].max():.0f}.", highlight=False)
+    share = analyses.tail_wait_share(con)
+    if share.height and share["tail_wait_pct"].drop_nulls().len():
+        console.print(f"Waiting for the tail (median sample done → last sample done): "
+                      f"{share['tail_wait_pct'].mean():.1f}% of step time on average.", highlight=False)
+    stale = analyses.async_staleness(con)
+    if stale.height and stale["staleness_steps"].max() > 0:
+        mean = float((stale["staleness_steps"] * stale["samples"]).sum() / stale["samples"].sum())
+        ov = analyses.rollout_train_overlap(con).row(0, named=True)
+        console.print(f"Async: mean staleness {mean:.2f} versions (max {stale['staleness_steps'].max()}); rollout and "
+                      f"training overlapped {ov['overlap_pct']:.0f}% of wall time; {ov['weight_syncs']} weight syncs "
+                      f"took {ov['weight_sync_ms'] / 1000:.2f} s.", highlight=False)
+
+
+def print_report(s: DemoSettings, console: Console, train_s: float) -> None:
+    """Print the report for the finished run ``s.run_dir``."""
+    run_dir = Path(s.run_dir)
+    with open_store(run_dir) as con:
+        ev = frame(con, "SELECT min(step) AS s FROM events WHERE kind = 'stage'")
+        rl_start = None if ev.is_empty() or ev["s"][0] is None else int(ev["s"][0])
+        console.rule(f"dynascope demo — trained in {train_s:.0f} s")
+        _reward_table(s, con, console)
+        _dynamics(con, console)
+        _time(con, console, rl_start)
+        _bottlenecks(con, console)
+    console.print(f"\nθ₀ (SFT) and the RL policy: {run_dir / THETA0_FILE}, {run_dir / FINAL_FILE}")
+    console.print("Explore it:  [bold]dynascope dashboard " + str(run_dir) + "[/]", highlight=False)
+    console.print("Findings:    dynascope report " + str(run_dir), highlight=False)
+    torch.set_num_threads(torch.get_num_threads())  # keep torch imported for the evaluation above

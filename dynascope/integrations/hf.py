@@ -1,0 +1,207 @@
+"""Hugging Face ``Trainer`` (and TRL trainers): a ``TrainerCallback`` that attaches dynascope's probes.
+
+    trainer = GRPOTrainer(..., callbacks=[DynascopeCallback(run="runs/grpo")])
+
+* The probes attach to the trainer's model and optimizer. Recent transformers create the optimizer
+  inside ``train()``; 5.x does it before ``on_train_begin``, but when a callback sees no optimizer there
+  (delayed creation under FSDP/DeepSpeed) the probes attach at the first ``on_step_begin``, or at the
+  latest ``on_pre_optimizer_step`` — always before the first optimizer step, so no ΔW is missed.
+* Every ``logs`` dict (``on_log``) becomes ``scalars``. dynascope numbers optimizer steps from 0 (rows
+  before the first optimizer step are step 0), so HF's ``global_step`` N is dynascope step N−1.
+* A ``train`` phase spans each step's micro-batches up to the optimizer step; with TRL, rollout
+  (generation + scoring) is cut out of it and recorded as its own phase — see ``_trl.py``.
+* ``on_train_end`` closes the scope (and flushes the store).
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import warnings
+from typing import Any
+
+from dynascope.integrations._extras import require
+
+transformers = require("transformers", "dynascope.integrations.hf")
+
+
+class DynascopeCallback(transformers.TrainerCallback):
+    """Attach dynascope to a ``transformers.Trainer`` (TRL's trainers included).
+
+    Args:
+        run: run directory for the store.
+        wandb: mirror the compact per-step summary to the active wandb run.
+        trl: record TRL's profiling timings, rollout records and phases when the trainer is a TRL trainer.
+        **watch_kwargs: passed to ``dynascope.watch`` (every, reference, memory_budget, spectral, stage, role…).
+    """
+
+    def __init__(self, run: str = "runs/hf", wandb: bool = False, *, trl: bool = True, **watch_kwargs: Any) -> None:
+        self.run, self.wandb, self.use_trl = run, wandb, trl
+        self.watch_kwargs = watch_kwargs
+        self.scope: Any = None
+        self.trainer: Any = None
+        self._model: Any = None
+        self._train_cm: Any = None
+        self._thread: int | None = None
+        self._trl: Any = None
+        self._writer: Any = None
+        self._warned = False
+
+    # ---- attaching --------------------------------------------------------------------------------------
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                       **kwargs: Any) -> None:
+        self._thread = threading.get_ident()
+        self._model = model
+        self.trainer = _find_trainer(self)
+        if optimizer is not None:
+            self._guard(lambda: self._attach(args, model, optimizer))
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                      **kwargs: Any) -> None:
+        if self.scope is None and optimizer is not None:
+            self._guard(lambda: self._attach(args, model or self._model, optimizer))
+        self._open_train()
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                              **kwargs: Any) -> None:
+        self._close_train()
+        if self.scope is None and optimizer is not None:
+            self._guard(lambda: self._attach(args, model or self._model, optimizer))
+
+    def _attach(self, args: Any, model: Any, optimizer: Any) -> None:
+        import dynascope
+        from dynascope.store import RunWriter
+
+        kw = dict(self.watch_kwargs)
+        kw.setdefault("stage", _stage_of(self.trainer))
+        if kw.get("writer") is None:  # our own writer, so the run records which framework wrote it
+            config = kw.pop("config", None)
+            if config is None and hasattr(args, "to_sanitized_dict"):
+                config = {"trainer": type(self.trainer).__name__ if self.trainer is not None else None,
+                          "args": args.to_sanitized_dict()}
+            rank, world = kw.pop("rank", None), kw.pop("world_size", None)
+            self._writer = RunWriter(
+                self.run, rank=getattr(args, "process_index", 0) if rank is None else rank,
+                role=kw.pop("role", None) or "trainer", world_size=getattr(args, "world_size", 1) if world is None else world,
+                framework="trl" if _is_trl(self.trainer) else "transformers", config=config)
+            kw["writer"] = self._writer
+        self.scope = dynascope.watch(model, _torch_optimizer(optimizer), run=self.run, wandb=self.wandb, **kw)
+        if self.use_trl and self.trainer is not None:
+            from dynascope.integrations import _trl
+
+            self._trl = _trl.attach(self.trainer, self)
+
+    # ---- the train phase ---------------------------------------------------------------------------------
+    def _open_train(self) -> None:
+        if self.scope is not None and self._train_cm is None and threading.get_ident() == self._thread:
+            self._train_cm = self._guard(lambda: _enter(self.scope.phase("train")))
+
+    def _close_train(self) -> None:
+        cm, self._train_cm = self._train_cm, None
+        if cm is not None:
+            self._guard(lambda: cm.__exit__(None, None, None))
+
+    def suspend_train(self) -> bool:
+        """Close the open ``train`` phase (TRL's rollout runs inside ``training_step``); True if one was open."""
+        was_open = self._train_cm is not None and threading.get_ident() == self._thread
+        if was_open:
+            self._close_train()
+        return was_open
+
+    def resume_train(self) -> None:
+        self._open_train()
+
+    # ---- logs and the end ---------------------------------------------------------------------------------
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._close_train()
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
+        if self.scope is None or not logs:
+            return
+        scalars = {k: v for k, v in ((k, _number(v)) for k, v in logs.items()) if v is not None}
+        if scalars:
+            self._guard(lambda: self.scope.log(step=max(int(state.global_step) - 1, 0), **scalars))
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._close_train()
+        if self._trl is not None:
+            self._trl.detach()
+            self._trl = None
+        if self.scope is not None:
+            self._guard(self.scope.close)
+            self.scope = None
+        if self._writer is not None:
+            self._guard(self._writer.close)
+            self._writer = None
+
+    def _guard(self, fn: Any) -> Any:
+        # the callback runs on the training thread: a probe problem becomes a warning, never an exception
+        try:
+            return fn()
+        except Exception as exc:
+            if not self._warned:
+                self._warned = True
+                warnings.warn(f"dynascope: HF callback problem ({type(exc).__name__}: {exc}); continuing",
+                              RuntimeWarning, stacklevel=3)
+            return None
+
+
+def _enter(cm: Any) -> Any:
+    cm.__enter__()
+    return cm
+
+
+def _find_trainer(callback: DynascopeCallback) -> Any:
+    """The Trainer running this callback. Callback events carry model/optimizer but not the trainer, and
+    TRL's per-sample data lives on it, so look a few frames up for the ``self`` whose handler holds us."""
+    frame = inspect.currentframe()
+    try:
+        for _ in range(12):
+            frame = frame.f_back if frame is not None else None
+            if frame is None:
+                return None
+            obj = frame.f_locals.get("self")
+            handler = getattr(obj, "callback_handler", None)
+            if handler is not None and callback in getattr(handler, "callbacks", ()):
+                return obj
+        return None
+    finally:
+        del frame
+
+
+def _is_trl(trainer: Any) -> bool:
+    return trainer is not None and any(c.__module__.startswith("trl.") for c in type(trainer).__mro__)
+
+
+def _stage_of(trainer: Any) -> str | None:
+    names = [c.__name__ for c in type(trainer).__mro__] if trainer is not None else []
+    if any(n in ("GRPOTrainer", "RLOOTrainer", "PPOTrainer", "OnlineDPOTrainer") for n in names):
+        return "rl"
+    if "SFTTrainer" in names:
+        return "sft"
+    if any(n in ("DPOTrainer", "KTOTrainer", "RewardTrainer") for n in names):
+        return names[0].removesuffix("Trainer").lower()
+    return None
+
+
+def _torch_optimizer(optimizer: Any) -> Any:
+    # accelerate wraps the optimizer (AcceleratedOptimizer.optimizer); the step hooks live on the torch one
+    import torch
+
+    # (AcceleratedOptimizer subclasses Optimizer without its hook state, so unwrap whatever wraps one)
+    for _ in range(4):
+        inner = getattr(optimizer, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer):
+            break
+        optimizer = inner
+    return optimizer
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or value is None:
+        return None
+    try:
+        number = float(value)  # numbers, numpy/tensor scalars, and the numeric strings some loggers format
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    return number

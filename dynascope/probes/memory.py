@@ -1,0 +1,35 @@
+"""Memory per recorded step, as ``scalars`` rows: CUDA peak allocated since the last record, or RSS.
+
+The CUDA peak comes from the caching allocator's counters (host-side, no device sync). Reading a
+per-step peak means resetting the peak counter after each read, so a user's own
+``torch.cuda.max_memory_allocated()`` then reports the peak since dynascope's last record.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["MemoryProbe"]
+
+
+class MemoryProbe:
+    def __init__(self, device: torch.device | None) -> None:
+        self.cuda = device is not None and device.type == "cuda" and torch.cuda.is_available()
+        self.device = device
+        self._proc: Any = None
+        if not self.cuda:
+            import psutil
+
+            self._proc = psutil.Process()
+
+    def read(self) -> dict[str, float]:
+        """Scalars for this step; resets the CUDA peak so the next read covers the next step only."""
+        if self.cuda:
+            out = {"mem/peak_allocated_bytes": float(torch.cuda.max_memory_allocated(self.device)),
+                   "mem/allocated_bytes": float(torch.cuda.memory_allocated(self.device)),
+                   "mem/reserved_bytes": float(torch.cuda.memory_reserved(self.device))}
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return out
+        return {"mem/rss_bytes": float(self._proc.memory_info().rss)}

@@ -1,0 +1,108 @@
+"""Which tensors the probes track, under which names, and which they skip (and why).
+
+With an optimizer, the tracked set is what it updates (its param groups, in order); without one, the
+model's parameters that require grad. Names come from ``model.named_parameters()``, which lists a tied
+weight once, so tied weights are counted once. DTensor (FSDP2) parameters are tracked through their
+local shard and marked ``sharded``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from dynascope.store.naming import tensor_kind, tensor_layer
+
+__all__ = ["Tracked", "discover", "optimizer_fingerprint"]
+
+try:  # DTensor moved between torch releases; without it nothing is sharded
+    from torch.distributed.tensor import DTensor
+except Exception:  # pragma: no cover
+    DTensor = None  # type: ignore[assignment,misc]
+
+
+def _is_dtensor(t: Any) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+@dataclass
+class Tracked:
+    """One tracked parameter and its row metadata."""
+
+    name: str
+    param: Tensor
+    sharded: bool = False
+    layer: int | None = None
+    kind: str = "other"
+    shape: str = ""
+    dtype: str = ""
+    meta: dict = field(default_factory=dict)
+
+    def local(self) -> Tensor:
+        """The data this rank holds (the local shard under FSDP2), detached."""
+        p = self.param.to_local() if self.sharded else self.param
+        return p.detach()
+
+    def grad(self) -> Tensor | None:
+        g = self.param.grad
+        if g is None:
+            return None
+        return (g.to_local() if _is_dtensor(g) else g).detach()
+
+    @property
+    def nbytes(self) -> int:
+        t = self.local()
+        return t.numel() * t.element_size()
+
+
+def _skip_reason(p: Tensor) -> str | None:
+    if p.layout != torch.strided or getattr(p, "is_sparse", False):
+        return f"sparse layout {p.layout}"
+    if p.device.type == "meta":
+        return "meta tensor (no data)"
+    if p.is_complex():
+        return f"complex dtype {p.dtype}"
+    if not p.is_floating_point():
+        return f"non-floating dtype {p.dtype}"
+    return None
+
+
+def optimizer_fingerprint(optimizer: Any) -> tuple:
+    """Cheap identity of the optimizer's parameter set; changes when groups or params are added."""
+    if optimizer is None:
+        return ()
+    return tuple((len(g["params"]), id(g["params"][0]) if g["params"] else 0) for g in optimizer.param_groups)
+
+
+def discover(model: Any, optimizer: Any) -> tuple[list[Tracked], list[tuple[str, str]]]:
+    """(tracked tensors, [(name, reason) for skipped ones])."""
+    names: dict[int, str] = {}
+    if model is not None and hasattr(model, "named_parameters"):
+        for n, p in model.named_parameters():  # remove_duplicate=True: tied weights appear once
+            names.setdefault(id(p), n)
+    if optimizer is not None:
+        params: list[tuple[str, Tensor]] = []
+        for gi, g in enumerate(optimizer.param_groups):
+            for pi, p in enumerate(g["params"]):
+                params.append((names.get(id(p), f"param_groups.{gi}.{pi}"), p))
+    else:
+        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    seen: set[int] = set()
+    tracked, skipped = [], []
+    for name, p in params:
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        sharded = _is_dtensor(p)
+        local = p.to_local() if sharded else p
+        reason = _skip_reason(local)
+        if reason is not None:
+            skipped.append((name, reason))
+            continue
+        tracked.append(Tracked(name=name, param=p, sharded=sharded, layer=tensor_layer(name),
+                               kind=tensor_kind(name), shape="x".join(str(s) for s in p.shape),
+                               dtype=str(local.dtype).replace("torch.", "")))
+    return tracked, skipped

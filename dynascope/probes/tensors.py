@@ -1,0 +1,245 @@
+"""Per-tensor statistics of one recorded step: plan the window, compute on device, pack, unpack to rows.
+
+Cost model (see benchmarks/probe_overhead.py for the measured figures). Every recorded step, for every
+tracked tensor: ‖W‖, ‖g‖ and max|g| (batched norms, no extra memory). The statistics that need the
+pre-step weights, θ₀ or several passes over the data — ‖ΔW‖, changed/sign-flip counts, drift,
+zero/near-zero gradient counts — run on a *window* of tensors that rotates through the model, sized by
+``memory_budget`` (share of parameter bytes held for snapshots and θ₀). At the default 0.1 each
+tensor gets the full set every ~10 records; ``memory_budget >= 2`` (θ₀ resident + a full snapshot)
+gives every statistic for every tensor at every record. Columns of tensors outside the window are NULL.
+
+Everything stays on device until one float64 vector per record is copied to the host (pinned memory,
+non-blocking, on CUDA) and unpacked into rows by the resolver thread.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from dynascope.probes.grad_stats import grad_counts, grad_norms
+from dynascope.probes.params import Tracked
+from dynascope.probes.reference import Reference
+from dynascope.probes.update_stats import UpdateStats, norms, weight_update_stats
+from dynascope.store.writer import now_us
+
+__all__ = ["Record", "TensorStats", "rows_from_record", "summarize"]
+
+
+class Record:
+    """What the training thread hands to the resolver: one host vector plus the index bookkeeping."""
+
+    def __init__(self, step: int, stage: str | None, tracked: list[Tracked]) -> None:
+        self.step, self.stage, self.tracked = step, stage, tracked
+        self.time_us = now_us()
+        self.window: list[int] = []
+        self.with_grad: list[int] = []
+        self.window_grad: list[int] = []
+        self.drift: list[int] = []
+        self.has_update = False
+        self.host: torch.Tensor | None = None
+        self.event: Any = None
+        self.parts: dict[str, torch.Tensor] = {}
+
+
+class TensorStats:
+    """Plans windows under the memory budget and computes one record's statistics on device."""
+
+    def __init__(self, memory_budget: float | None, grad_tol: float | None, eta: float = 1e-3) -> None:
+        self.memory_budget = memory_budget
+        self.grad_tol, self.eta = grad_tol, eta
+        self.update = UpdateStats(eta)
+        self.reference: Reference | None = None
+        self._cursor = 0
+        self._rec: Record | None = None
+        self._early_window: list[int] | None = None
+
+    def window_bytes(self, tracked: list[Tracked]) -> float:
+        total = sum(t.nbytes for t in tracked)
+        if self.memory_budget is None:
+            return math.inf
+        resident = total if self.reference is not None and self.reference.resident else 0
+        return self.memory_budget * total - resident
+
+    def plan(self, tracked: list[Tracked]) -> list[int]:
+        """Next window: tensors from the rotating cursor while they fit (always at least one)."""
+        n = len(tracked)
+        if n == 0:
+            return []
+        limit, used, out = self.window_bytes(tracked), 0, []
+        start = self._cursor % n
+        for j in range(n):
+            i = (start + j) % n
+            b = tracked[i].nbytes
+            if out and used + b > limit:
+                break
+            out.append(i)
+            used += b
+        self._cursor = start + len(out)
+        return sorted(out)
+
+    @torch.no_grad()
+    def before(self, step: int, stage: str | None, tracked: list[Tracked], snapshot: bool = True) -> None:
+        """Pre-step half: gradients and the ΔW snapshot of the window."""
+        rec = Record(step, stage, tracked)
+        early, self._early_window = self._early_window, None
+        rec.window = early if early is not None and not snapshot else self.plan(tracked)
+        grads = []
+        for i, t in enumerate(tracked):
+            g = t.grad()
+            if g is not None:
+                rec.with_grad.append(i)
+                grads.append(g)
+        gn = grad_norms(grads)
+        rec.parts["grad_norms"] = gn
+        in_window = set(rec.window)
+        pos = [k for k, i in enumerate(rec.with_grad) if i in in_window]
+        rec.window_grad = [rec.with_grad[k] for k in pos]
+        rec.parts["grad_counts"] = grad_counts([grads[k] for k in pos], gn[pos, 0] if pos else None,
+                                               self.grad_tol)
+        if snapshot:
+            self.update.before([tracked[i].local() for i in rec.window])
+        self._rec = rec
+
+    @torch.no_grad()
+    def after(self) -> Record | None:
+        """Post-step half: weights, ΔW, drift; packs everything into one host vector."""
+        rec, self._rec = self._rec, None
+        if rec is None:
+            return None
+        tracked = rec.tracked
+        locals_ = [t.local() for t in tracked]
+        device = locals_[0].device if locals_ else torch.device("cpu")
+        rec.parts["w_norm"] = norms(locals_)
+        if self.update.pending:
+            rec.parts["update"] = self.update.after([locals_[i] for i in rec.window])
+            rec.has_update = True
+        if self.reference is not None:
+            cur, refs = [], []
+            for i in rec.window:
+                r = self.reference.get(tracked[i].name, locals_[i])
+                if r is not None:
+                    rec.drift.append(i)
+                    cur.append(locals_[i])
+                    refs.append(r)
+            # (θ₀, W) order: the w_norm column is then ‖W₀‖, the rest is symmetric in the two.
+            rec.parts["drift"] = weight_update_stats(refs, cur, self.eta)
+            del refs
+        flat = torch.cat([p.to(device=device, dtype=torch.float64).reshape(-1) for p in rec.parts.values()])
+        shapes = {k: tuple(v.shape) for k, v in rec.parts.items()}
+        if flat.is_cuda:
+            rec.host = torch.empty(flat.shape, dtype=torch.float64, pin_memory=True)
+            rec.host.copy_(flat, non_blocking=True)
+            rec.event = torch.cuda.Event()
+            rec.event.record()
+        else:
+            rec.host = flat.cpu()  # plain copy (a no-op view on CPU)
+        rec.parts = shapes  # type: ignore[assignment]  # only the shapes travel to the resolver
+        return rec
+
+    @torch.no_grad()
+    def snapshot_early(self, tracked: list[Tracked]) -> None:
+        """Without an optimizer, ΔW spans boundary to boundary: snapshot the next window now, and let
+        the next ``before(..., snapshot=False)`` reuse that window."""
+        self._early_window = self.plan(tracked)
+        self.update.before([tracked[i].local() for i in self._early_window])
+
+    def discard(self) -> None:
+        self._rec = None
+        self._early_window = None
+        self.update.reset()
+
+
+def _unpack(rec: Record) -> dict[str, np.ndarray]:
+    if rec.event is not None:
+        rec.event.synchronize()
+    arr = rec.host.numpy() if rec.host is not None else np.zeros(0)
+    out, off = {}, 0
+    for k, shape in rec.parts.items():  # type: ignore[union-attr]
+        size = int(np.prod(shape)) if len(shape) else 1
+        out[k] = arr[off:off + size].reshape(shape)
+        off += size
+    return out
+
+
+def _count(x: float) -> int | None:
+    return None if x is None or not math.isfinite(x) else int(x)
+
+
+def _frac(count: int | None, numel: int) -> float | None:
+    return None if count is None or numel == 0 else count / numel
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def rows_from_record(rec: Record) -> dict[str, list]:
+    """Columns of the ``tensor_stats`` rows of one record (runs on the resolver thread)."""
+    p = _unpack(rec)
+    n = len(rec.tracked)
+    upd = {i: p["update"][k] for k, i in enumerate(rec.window)} if rec.has_update else {}
+    drift = {i: p["drift"][k] for k, i in enumerate(rec.drift)} if "drift" in p else {}
+    gn = {i: p["grad_norms"][k] for k, i in enumerate(rec.with_grad)}
+    gc = {i: p["grad_counts"][k] for k, i in enumerate(rec.window_grad)}
+    cols: dict[str, list] = {}
+
+    def put(name: str, v: Any) -> None:
+        cols.setdefault(name, []).append(v)
+
+    for i, t in enumerate(rec.tracked):
+        numel = int(t.local().numel())
+        w = float(p["w_norm"][i])
+        put("tensor", t.name), put("layer", t.layer), put("kind", t.kind), put("shape", t.shape)
+        put("dtype", t.dtype), put("numel", numel), put("sharded", t.sharded), put("w_norm", w)
+        u = upd.get(i)
+        if u is not None:
+            nan_c, inf_c = _count(u[5]), _count(u[6])
+        else:  # a finite norm proves there is no NaN/Inf element; otherwise unknown here
+            nan_c = inf_c = 0 if math.isfinite(w) else None
+        put("w_nan", nan_c), put("w_inf", inf_c)
+        dw = float(u[1]) if u is not None else None
+        put("dw_norm", dw), put("update_ratio", _ratio(dw, w))
+        for col, j in (("changed", 2), ("changed_bf16", 3), ("sign_flip", 4)):
+            c = _count(u[j]) if u is not None else None
+            put(f"{col}_count", c), put(f"{col}_frac", _frac(c, numel))
+        d = drift.get(i)
+        put("ref_covered", d is not None)
+        put("drift_norm", float(d[1]) if d is not None else None)
+        put("drift_ratio", _ratio(float(d[1]), float(d[0])) if d is not None else None)
+        for col, j in (("drift_changed", 2), ("drift_changed_bf16", 3)):
+            c = _count(d[j]) if d is not None else None
+            put(f"{col}_count", c), put(f"{col}_frac", _frac(c, numel))
+        g, k = gn.get(i), gc.get(i)
+        put("grad_norm", float(g[0]) if g is not None else None)
+        put("grad_max_abs", float(g[1]) if g is not None else None)
+        for col, j in (("grad_zero", 0), ("grad_near_zero", 1)):
+            c = _count(k[j]) if k is not None else None
+            put(f"{col}_count", c), put(f"{col}_frac", _frac(c, numel))
+        if k is not None:
+            put("grad_nan", _count(k[2])), put("grad_inf", _count(k[3]))
+        else:
+            known = g is not None and math.isfinite(float(g[1]))
+            put("grad_nan", 0 if known else None), put("grad_inf", 0 if known else None)
+    if n:
+        cols.update(step=rec.step, time_us=rec.time_us, stage=rec.stage)
+    return cols
+
+
+def summarize(cols: dict[str, list]) -> dict[str, float]:
+    """Compact per-record summary for listeners: global and per-kind means of the headline fractions."""
+    out: dict[str, float] = {}
+    kinds = cols.get("kind", [])
+    for key in ("update_ratio", "changed_frac", "drift_changed_frac", "grad_zero_frac"):
+        vals = cols.get(key, [])
+        by_kind: dict[str, list[float]] = {}
+        for kind, v in zip(kinds, vals, strict=False):
+            if v is not None and math.isfinite(v):
+                by_kind.setdefault(kind, []).append(v)
+                by_kind.setdefault("", []).append(v)
+        for kind, vs in by_kind.items():
+            out[f"{key}/{kind}" if kind else key] = float(sum(vs) / len(vs))
+    return out

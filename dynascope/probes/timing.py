@@ -1,0 +1,110 @@
+"""Phase timings on this rank: user phases, automatic forward/backward/optimizer, and the step row.
+
+On a GPU a phase is bracketed by two CUDA events recorded on the current stream; their elapsed time is
+read later on the resolver thread (``Event.synchronize`` there, never on the training thread). On CPU
+``perf_counter_ns`` is exact and free. ``start_us`` is the host wall clock when the phase was entered.
+
+Backward is timed with autograd hooks rather than "end of forward → optimizer step": a hook on the
+model's output fires when backward reaches the model, and ``queue_callback`` fires when the whole
+backward pass is done. That stays right with gradient accumulation, losses computed outside the
+model, and work between backward and the optimizer (clipping, logging), which would otherwise be
+billed to backward.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import torch
+
+from dynascope.store.writer import now_us
+
+__all__ = ["PhaseRecord", "Timer", "first_grad_tensor"]
+
+
+class PhaseRecord:
+    """One timed interval; resolved to a ``timings`` row by ``resolve`` (may block on a CUDA event)."""
+
+    __slots__ = ("phase", "parent", "category", "step", "start_us", "device", "t0", "t1", "ev0", "ev1")
+
+    def __init__(self, phase: str, parent: str | None, category: str, step: int, device: str) -> None:
+        self.phase, self.parent, self.category, self.step, self.device = phase, parent, category, step, device
+        self.start_us = now_us()
+        self.t0 = time.perf_counter_ns()
+        self.t1: int | None = None
+        self.ev0 = self.ev1 = None
+
+    def resolve(self) -> dict[str, Any]:
+        if self.ev0 is not None and self.ev1 is not None:
+            self.ev1.synchronize()
+            dur = int(round(self.ev0.elapsed_time(self.ev1) * 1000.0))
+        else:
+            dur = ((self.t1 or self.t0) - self.t0) // 1000
+        return {"step": self.step, "phase": self.phase, "parent": self.parent, "start_us": self.start_us,
+                "dur_us": dur, "device": self.device, "category": self.category}
+
+
+class Timer:
+    """Opens and closes phases; finished records wait in ``done`` until the scope hands them off."""
+
+    def __init__(self, device: torch.device | None) -> None:
+        self.cuda = device is not None and device.type == "cuda" and torch.cuda.is_available()
+        self.device = str(device) if device is not None else "cpu"
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self.done: list[PhaseRecord] = []
+        self.step = 0
+
+    def _stack(self) -> list[PhaseRecord]:
+        st = getattr(self._local, "stack", None)
+        if st is None:
+            st = self._local.stack = []
+        return st
+
+    def current(self) -> str | None:
+        st = self._stack()
+        return st[-1].phase if st else None
+
+    def start(self, phase: str, category: str = "phase", parent: str | None = None, push: bool = True
+              ) -> PhaseRecord:
+        rec = PhaseRecord(phase, parent if parent is not None else self.current(), category, self.step,
+                          self.device)
+        if self.cuda:
+            rec.ev0 = torch.cuda.Event(enable_timing=True)
+            rec.ev0.record()
+        if push:
+            self._stack().append(rec)
+        return rec
+
+    def stop(self, rec: PhaseRecord, pop: bool = True) -> None:
+        if self.cuda:
+            rec.ev1 = torch.cuda.Event(enable_timing=True)
+            rec.ev1.record()
+        rec.t1 = time.perf_counter_ns()
+        if pop:
+            st = self._stack()
+            if rec in st:  # tolerate out-of-order exits: drop it and anything opened inside it
+                del st[st.index(rec):]
+        with self._lock:
+            self.done.append(rec)
+
+    def take(self) -> list[PhaseRecord]:
+        with self._lock:
+            out, self.done = self.done, []
+        return out
+
+
+def first_grad_tensor(out: Any, depth: int = 0) -> torch.Tensor | None:
+    """The first floating tensor that requires grad in a model output (tensor, tuple, dict, ModelOutput)."""
+    if isinstance(out, torch.Tensor):
+        return out if out.requires_grad and out.is_floating_point() else None
+    if depth > 3:
+        return None
+    items = out.values() if isinstance(out, dict) else out if isinstance(out, (list, tuple)) else ()
+    for v in items:
+        t = first_grad_tensor(v, depth + 1)
+        if t is not None:
+            return t
+    return None

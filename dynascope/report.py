@@ -1,0 +1,156 @@
+"""`dynascope report`: a run's findings in plain sentences, ranked by time at stake, as text, Markdown or HTML.
+
+Each finding comes with its numbers and a read-only SQL query that shows them (paste it into
+``dynascope sql RUN "..."``). Analyses that could not run (missing inputs such as the GPU peak for MFU)
+are listed at the end rather than failing the report.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from dynascope.analyses._common import StoreLike, as_store, frame
+from dynascope.analyses.findings import Finding, collect_findings, fmt_ms
+from dynascope.analyses.steps import STEP_ROW, step_breakdown
+from dynascope.store import quote_literal
+
+__all__ = ["FORMATS", "Report", "build_report", "render", "report_command"]
+
+FORMATS = ("text", "markdown", "html")
+
+
+@dataclass
+class Report:
+    """Everything a rendered report shows."""
+
+    source: str
+    runs: list[dict[str, Any]] = field(default_factory=list)  # run_id, ranks, steps, median_step_ms
+    breakdown: dict[str, list[tuple[str, float]]] = field(default_factory=dict)  # run → [(phase, pct)]
+    findings: list[Finding] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def build_report(store: StoreLike, run: str | None = None) -> Report:
+    """Collect the summary, the ranked findings and the skipped-analysis notes for a run or a store."""
+    con = as_store(store)
+    rc = "" if run is None else f" WHERE run_id = {quote_literal(run)}"
+    runs = frame(con, f"""
+        WITH r AS (SELECT DISTINCT run_id FROM runs{rc}),
+        st AS (SELECT run_id, step, MAX(dur_us) AS us FROM timings WHERE {STEP_ROW} GROUP BY run_id, step),
+        rk AS (SELECT run_id, COUNT(DISTINCT (role, rank)) AS ranks FROM timings GROUP BY run_id)
+        SELECT r.run_id, coalesce(rk.ranks, 0) AS ranks, COUNT(st.step) AS steps,
+               median(st.us) / 1000.0 AS median_step_ms
+        FROM r LEFT JOIN st USING (run_id) LEFT JOIN rk USING (run_id)
+        GROUP BY r.run_id, rk.ranks ORDER BY r.run_id""")
+    rep = Report(str(getattr(con, "path", store)), runs.to_dicts())
+    for r in rep.runs:
+        b = step_breakdown(con, r["run_id"]).filter(pl.col("step_ms").is_not_null())
+        if b.is_empty():
+            continue
+        total = b.unique(["role", "rank", "step"])["step_ms"].sum()
+        shares = b.group_by("phase").agg(pl.col("dur_ms").sum()).sort("dur_ms", descending=True)
+        rep.breakdown[r["run_id"]] = [(p, 100 * ms / total) for p, ms in shares.iter_rows()]
+    rep.findings, rep.notes = collect_findings(con, run)
+    return rep
+
+
+def _numbers(f: Finding) -> str:
+    return ", ".join(f"{k}={v}" for k, v in f.numbers.items())
+
+
+def _stake(f: Finding) -> str:
+    if not f.at_stake_ms:
+        return "no direct time cost"
+    pct = f" ({f.at_stake_pct:.1f}% of step time)" if f.at_stake_pct is not None else ""
+    return f"at stake: {fmt_ms(f.at_stake_ms)}{pct}"
+
+
+def _summary_lines(rep: Report) -> list[str]:
+    lines = []
+    for r in rep.runs:
+        med = f", median step {fmt_ms(r['median_step_ms'])}" if r["median_step_ms"] is not None else ""
+        lines.append(f"run {r['run_id']}: {r['ranks']} rank(s), {r['steps']} step(s){med}")
+        if r["run_id"] in rep.breakdown:
+            parts = ", ".join(f"{p} {pct:.0f}%" for p, pct in rep.breakdown[r["run_id"]][:8])
+            lines.append(f"  step time: {parts}")
+    return lines or ["no runs found"]
+
+
+def render_text(rep: Report) -> str:
+    out = [f"dynascope report — {rep.source}", "", *_summary_lines(rep), ""]
+    out.append(f"Findings ({len(rep.findings)}), ranked by time at stake:" if rep.findings else
+               "No findings: nothing in the recorded data stands out.")
+    for i, f in enumerate(rep.findings, 1):
+        out += [f"{i}. [{f.severity}] {f.sentence}", f"   {_stake(f)}", f"   numbers: {_numbers(f)}",
+                f"   sql: {f.sql}", ""]
+    if rep.notes:
+        out += ["Skipped:", *(f"  - {n}" for n in rep.notes)]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def render_markdown(rep: Report) -> str:
+    out = [f"# dynascope report — `{rep.source}`", "", *(f"- {line.strip()}" for line in _summary_lines(rep)), ""]
+    out.append("## Findings" if rep.findings else "No findings: nothing in the recorded data stands out.")
+    for i, f in enumerate(rep.findings, 1):
+        out += ["", f"{i}. **{f.sentence}** — *{f.severity}*, {_stake(f)}", "",
+                f"   Numbers: `{_numbers(f)}`", "", "   ```sql", f"   {f.sql}", "   ```"]
+    if rep.notes:
+        out += ["", "## Skipped", "", *(f"- {n}" for n in rep.notes)]
+    return "\n".join(out).rstrip() + "\n"
+
+
+_CSS = """body{font:15px/1.45 system-ui,sans-serif;max-width:60rem;margin:2rem auto;padding:0 1rem;color:#222}
+li{margin:.8rem 0}.sev{font-size:.75rem;padding:.1rem .4rem;border-radius:.3rem;background:#eee}
+.warning{background:#ffe8b3}.error{background:#ffc4c4}pre{background:#f6f6f6;padding:.5rem;overflow-x:auto}
+.num{color:#555;font-size:.85rem}"""
+
+
+def render_html(rep: Report) -> str:
+    e = html.escape
+    items = []
+    for f in rep.findings:
+        items.append(f"<li><span class='sev {e(f.severity)}'>{e(f.severity)}</span> <b>{e(f.sentence)}</b>"
+                     f"<div>{e(_stake(f))}</div><div class='num'>{e(_numbers(f))}</div>"
+                     f"<details><summary>SQL</summary><pre>{e(f.sql)}</pre></details></li>")
+    body = [f"<h1>dynascope report</h1><p><code>{e(rep.source)}</code></p>",
+            "<ul>" + "".join(f"<li>{e(line.strip())}</li>" for line in _summary_lines(rep)) + "</ul>",
+            "<h2>Findings</h2><ol>" + "".join(items) + "</ol>" if items else
+            "<p>No findings: nothing in the recorded data stands out.</p>"]
+    if rep.notes:
+        body.append("<h2>Skipped</h2><ul>" + "".join(f"<li>{e(n)}</li>" for n in rep.notes) + "</ul>")
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>dynascope report</title>"
+            f"<style>{_CSS}</style></head><body>{''.join(body)}</body></html>\n")
+
+
+def render(rep: Report, format: str = "text") -> str:
+    """The report as ``text``, ``markdown`` or ``html``."""
+    renderers = {"text": render_text, "markdown": render_markdown, "html": render_html}
+    if format not in renderers:
+        raise ValueError(f"unknown --format {format!r} (text, markdown or html)")
+    return renderers[format](rep)
+
+
+def report_command(run: str | os.PathLike, *, format: str = "text", out: str | os.PathLike | None = None,
+                   console: Any = None) -> str:
+    """The ``dynascope report`` command: render the report and print it, or write it to ``out``."""
+    if format not in FORMATS:
+        raise ValueError(f"unknown --format {format!r} (text, markdown or html)")
+    from dynascope.store import open_store
+
+    with open_store(run) as con:
+        text = render(build_report(con), format)
+    if out is not None:
+        Path(out).write_text(text, encoding="utf-8")
+        if console is not None:
+            console.print(f"wrote {out}", markup=False, highlight=False)
+    elif console is not None:
+        console.print(text, markup=False, highlight=False, soft_wrap=True, end="")
+    else:
+        print(text, end="")
+    return text

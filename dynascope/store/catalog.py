@@ -1,0 +1,166 @@
+"""The run catalog behind ``dynascope runs``: one row per run with its status, size and progress.
+
+Status comes from files, not from a daemon:
+
+- ``finished``: every writer that ever wrote to the run recorded a ``run_end`` event at close;
+- ``live``: some writer without ``run_end`` touched its heartbeat (``_writers/<id>.json``, refreshed every
+  flush interval) within ``2 × flush_secs + LIVE_MARGIN_S``;
+- ``crashed``: neither (a writer died without closing, or its machine went away).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+import polars as pl
+
+from dynascope.store.layout import HEARTBEATS, MARKER, SEGMENT_RE, StoreError, locate, read_marker
+from dynascope.store.reader import open_store, quote_ident
+
+LIVE_MARGIN_S = 5.0
+_WRITER_DIR = re.compile(r"^writer=(.+)$")
+_RANK = re.compile(r"^r(\d+)-")
+_STEP_TABLES = ("tensor_stats", "spectra", "timings", "samples", "scalars")
+
+SCHEMA = {
+    "run_id": pl.Utf8, "name": pl.Utf8, "status": pl.Utf8, "steps": pl.Int64, "ranks": pl.Int64,
+    "size_bytes": pl.Int64, "last_write_us": pl.Int64, "start_us": pl.Int64, "path": pl.Utf8, "problem": pl.Utf8,
+}
+
+
+def list_runs(path: str | os.PathLike) -> pl.DataFrame:
+    """One row per run under ``path`` (a run directory or a store root), newest first.
+
+    Columns: run_id, name, status (live | finished | crashed), steps (highest step + 1 in any per-step
+    table), ranks, size_bytes, last_write_us, start_us, path, problem (why a run could not be read, or null).
+    """
+    rows = []
+    for run_dir in _run_dirs(Path(path).expanduser()):
+        try:
+            rows.append(_describe(run_dir))
+        except StoreError as exc:  # garbage or newer marker: list the run with the reason, keep the others
+            rows.append((run_dir.name, run_dir.name, "crashed", None, 0, 0, None, None, str(run_dir),
+                         str(exc).strip().splitlines()[0]))
+    df = pl.DataFrame(rows, schema=SCHEMA, orient="row") if rows else pl.DataFrame(schema=SCHEMA)
+    return df.sort("start_us", descending=True, nulls_last=True)
+
+
+def _run_dirs(path: Path) -> list[Path]:
+    if path.is_dir() and not (path / MARKER).exists():
+        runs = sorted(d.resolve() for d in path.iterdir() if d.is_dir() and (d / MARKER).exists())
+        if runs:
+            return runs
+    return list(locate(path).run_dirs)  # a run directory, or the error for a path that holds no runs
+
+
+def _describe(run_dir: Path) -> tuple:
+    meta = read_marker(run_dir)
+    run_id = str(meta.get("run_id", run_dir.name))
+    files = _files(run_dir)
+    size = sum(st.st_size for _, st in files)
+    seg_times = [st.st_mtime_ns // 1000 for p, st in files if SEGMENT_RE.match(p.name)]
+    writers = {m.group(1) for p, _ in files if (m := _WRITER_DIR.match(p.parent.name)) and m.group(1) != "_schema"}
+    ranks = {int(m.group(1)) for w in writers if (m := _RANK.match(w))}
+    name, steps, ended, problem = run_dir.name, None, set(), None
+    try:
+        name, steps, ended = _query(run_dir)
+    except (StoreError, OSError) as exc:
+        problem = str(exc).strip().splitlines()[0]
+    status = _status(run_dir, writers, ended)
+    start = meta.get("created_us") if isinstance(meta.get("created_us"), int) else None
+    return (run_id, name, status, steps, len(ranks), size, max(seg_times, default=None), start, str(run_dir), problem)
+
+
+def _files(run_dir: Path) -> list[tuple[Path, os.stat_result]]:
+    """Every regular file of the run, without following symlinks (a hostile run may contain loops)."""
+    out = []
+    for dirpath, _, names in os.walk(run_dir, followlinks=False):
+        for n in names:
+            p = Path(dirpath) / n
+            try:
+                st = p.lstat()
+            except OSError:
+                continue
+            out.append((p, st))
+    return out
+
+
+def _query(run_dir: Path) -> tuple[str, int | None, set[str]]:
+    with open_store(run_dir) as store:
+        con = store._con
+        names = con.sql("SELECT name FROM runs WHERE name IS NOT NULL ORDER BY start_us LIMIT 1").fetchall()
+        union = " UNION ALL ".join(f"SELECT max(step) AS s FROM {quote_ident(t)}" for t in _STEP_TABLES)
+        top = con.sql(f"SELECT max(s) FROM ({union})").fetchall()[0][0]
+        ended = set()
+        for (fields,) in con.sql("SELECT fields_json FROM events WHERE kind = 'run_end'").fetchall():
+            try:
+                ended.add(json.loads(fields)["writer_id"])
+            except (TypeError, ValueError, KeyError):
+                continue
+    return (names[0][0] if names else run_dir.name), (None if top is None else int(top) + 1), ended
+
+
+def _status(run_dir: Path, writers: set[str], ended: set[str]) -> str:
+    hb_dir = run_dir / HEARTBEATS
+    beats = {}
+    if hb_dir.is_dir():
+        for f in hb_dir.glob("*.json"):
+            try:
+                flush = float(json.loads(f.read_text(encoding="utf-8")).get("flush_secs", 2.0))
+                beats[f.stem] = (f.stat().st_mtime, flush)
+            except (OSError, ValueError, AttributeError, UnicodeDecodeError):
+                continue
+    writers = writers | set(beats)
+    if writers and writers <= ended:
+        return "finished"
+    now = time.time()
+    for w in writers - ended:
+        if w in beats and now - beats[w][0] <= 2 * beats[w][1] + LIVE_MARGIN_S:
+            return "live"
+    if not writers and now - (run_dir / MARKER).stat().st_mtime <= LIVE_MARGIN_S:
+        return "live"  # just created; nothing flushed yet
+    return "crashed"
+
+
+def print_runs(path: str | os.PathLike, console) -> None:
+    """Print the catalog as a table (``dynascope runs``)."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    df = list_runs(path)
+    table = Table(show_lines=False)
+    for col in ("run_id", "name", "status", "steps", "ranks", "size", "last write", "started"):
+        table.add_column(col, justify="right" if col in ("steps", "ranks", "size") else "left")
+    colour = {"live": "green", "finished": "blue", "crashed": "red"}
+    for r in df.iter_rows(named=True):
+        table.add_row(
+            escape(r["run_id"]), escape(r["name"]), f"[{colour[r['status']]}]{r['status']}[/]",
+            "" if r["steps"] is None else str(r["steps"]), str(r["ranks"]), _size(r["size_bytes"]),
+            _ago(r["last_write_us"]), _when(r["start_us"]),
+        )
+    console.print(table)
+    for r in df.filter(pl.col("problem").is_not_null()).iter_rows(named=True):
+        console.print(f"[yellow]warning:[/] {escape(r['run_id'])}: {escape(r['problem'])}", highlight=False)
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _ago(us: int | None) -> str:
+    if us is None:
+        return "never"
+    s = max(0.0, time.time() - us / 1e6)
+    return f"{s:.0f} s ago" if s < 120 else f"{s / 60:.0f} min ago" if s < 7200 else f"{s / 3600:.1f} h ago"
+
+
+def _when(us: int | None) -> str:
+    return "" if us is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(us / 1e6))

@@ -1,0 +1,192 @@
+"""Compaction: merge each writer's small segments into larger ones without losing or duplicating a row.
+
+Readers may be querying while this runs, and DuckDB opens a query's files lazily, so compaction only ever
+adds files, and deletes a file only when no query can still be reading it:
+
+1. Consecutive live segments of a writer directory are merged into ``<lo>-<hi>.v<valid_from>.parquet``
+   (tmp + rename) with ``valid_from`` = now + ``settle_s``. Queries that start earlier ignore it; queries
+   that start later read it instead of its sources and, having started after it was written, also listed
+   it (see ``layout``). ``settle_s`` must exceed the clock skew between machines sharing the store.
+2. A source is deleted once its merged file has been in effect for ``grace_s``, so a query that started
+   before and is still reading the source can finish. By default that happens on a later call;
+   ``wait=True`` sleeps out settle + grace and deletes them in the same call.
+
+A live writer keeps numbering its segments above any merged range, so its older segments are safe to merge
+while it runs. The ``writer=_schema`` directories (one empty typed file per table) are left alone.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import fcntl
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dynascope.store.layout import list_segments, live_segments, locate, segment_name, valid_from_us
+from dynascope.store.schema import TABLES
+
+LOCK = ".compact.lock"
+# Temp files of a writer or compactor that died are removed only when older than this (a live one may be
+# writing a large segment right now).
+_STALE_TMP_S = 3600.0
+
+
+@dataclass
+class CompactStats:
+    """What one ``compact_store`` call did."""
+
+    merged_segments: int = 0  # source segments merged into new ones
+    new_segments: int = 0  # merged segments written
+    removed_segments: int = 0  # merged-away segments and stale temp files deleted
+    rows_merged: int = 0
+    skipped: list[str] = field(default_factory=list)  # one line per writer directory left alone, and why
+
+
+def compact_store(path: str | os.PathLike, grace_s: float = 60.0, *, settle_s: float = 2.0,
+                  target_rows: int = 4_000_000, wait: bool = False) -> CompactStats:
+    """Merge small segments of every run under ``path`` (a run directory or a store root).
+
+    Args:
+        grace_s: a merged-away segment is deleted once its merged file has been in effect this long.
+        settle_s: a merged file takes effect this long after it is written.
+        target_rows: a merged segment holds at most about this many rows.
+        wait: sleep out ``settle_s + grace_s`` and delete the merged-away segments before returning.
+    """
+    loc = locate(path)
+    stats = CompactStats()
+    settle_us = max(int(settle_s * 1e6), 50_000)  # > 0: a merged file must exist before it takes effect
+    last_valid = 0
+    for run_dir in loc.run_dirs:
+        with _run_lock(run_dir) as locked:
+            if not locked:  # two compactors could write partly overlapping merges: one run, one compactor
+                stats.skipped.append(f"{run_dir}: another compaction is running")
+                continue
+            for wdir, table, segs in _writer_dirs(run_dir):
+                stats.removed_segments += _remove_expired(wdir, segs, grace_s)
+                segs = [s for s in segs if s[2].exists()]
+                try:
+                    # What will be live once this merge takes effect (earlier merges included).
+                    live = live_segments(segs, at_us=time.time_ns() // 1000 + settle_us)
+                    last_valid = max(last_valid, _merge_dir(table, live, settle_us, target_rows, stats))
+                except (OSError, pa.ArrowException) as exc:
+                    stats.skipped.append(f"{wdir}: {type(exc).__name__}: {str(exc).strip().splitlines()[0]}")
+    if wait and last_valid:
+        time.sleep(max(0.0, last_valid / 1e6 + grace_s - time.time()) + 0.01)
+        for run_dir in loc.run_dirs:
+            with _run_lock(run_dir) as locked:
+                for wdir, _, segs in _writer_dirs(run_dir) if locked else ():
+                    stats.removed_segments += _remove_expired(wdir, segs, grace_s)
+    return stats
+
+
+@contextlib.contextmanager
+def _run_lock(run_dir: Path):
+    """An exclusive, non-blocking lock on the run's compaction lock file; yields whether it was taken."""
+    try:
+        fh = open(run_dir / LOCK, "a+b")  # noqa: SIM115 - held for the with-block
+    except OSError:
+        yield True  # a read-only store cannot be compacted anyway; the merge reports why
+        return
+    try:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            yield False
+            return
+        yield True
+    finally:
+        fh.close()
+
+
+def _writer_dirs(run_dir: Path):
+    for table in TABLES:
+        for wdir, segs in list_segments(run_dir, table).items():
+            if wdir.name != "writer=_schema":
+                yield wdir, table, segs
+
+
+def _merge_dir(table: str, live: list[tuple[int, int, Path]], settle_us: int, target_rows: int,
+               stats: CompactStats) -> int:
+    """Merge runs of consecutive live segments, each up to about ``target_rows`` rows; returns the last valid_from."""
+    last_valid = 0
+    group: list[tuple[int, int, Path]] = []
+    rows = 0
+    for seg in [*live, None]:  # None closes the last group
+        n = pq.ParquetFile(seg[2]).metadata.num_rows if seg is not None else 0
+        if seg is None or (group and rows + n > target_rows):
+            if len(group) >= 2:
+                last_valid = _merge(table, group, settle_us)
+                stats.merged_segments += len(group)
+                stats.new_segments += 1
+                stats.rows_merged += rows
+            group, rows = [], 0
+        if seg is not None:
+            group.append(seg)
+            rows += n
+    return last_valid
+
+
+def _merge(table: str, group: list[tuple[int, int, Path]], settle_us: int) -> int:
+    """Write the merged segment; returns its valid_from (µs)."""
+    schema = TABLES[table]
+    wdir = group[0][2].parent
+    tmp = wdir / f".merge-{group[0][0]}-{group[-1][1]}.{uuid.uuid4().hex[:8]}.tmp"
+    expected = 0
+    try:
+        with pq.ParquetWriter(tmp, schema, compression="zstd", store_schema=False) as writer:
+            for _, _, src in group:
+                pf = pq.ParquetFile(src)
+                expected += pf.metadata.num_rows
+                for batch in pf.iter_batches(batch_size=262_144):
+                    writer.write_table(_conform(pa.Table.from_batches([batch]), schema))
+        got = pq.ParquetFile(tmp).metadata.num_rows
+        if got != expected:
+            raise OSError(f"merged file has {got} rows, its sources {expected}")
+        # valid_from is taken only now, just before the rename: the file exists before it takes effect,
+        # however long the merge took.
+        valid_from = time.time_ns() // 1000 + settle_us
+        os.replace(tmp, wdir / segment_name(group[0][0], group[-1][1], valid_from))
+    finally:
+        tmp.unlink(missing_ok=True)
+    return valid_from
+
+
+def _conform(t: pa.Table, schema: pa.Schema) -> pa.Table:
+    """``t`` in the current schema: columns cast to its types, columns added since it was written as NULL."""
+    cols = [t.column(f.name).cast(f.type) if f.name in t.column_names else pa.nulls(t.num_rows, f.type)
+            for f in schema]
+    return pa.Table.from_arrays(cols, schema=schema)
+
+
+def _remove_expired(wdir: Path, segs: list[tuple[int, int, Path]], grace_s: float) -> int:
+    """Delete segments whose live cover has been in effect for ``grace_s``, and stale temp files."""
+    now_us = time.time_ns() // 1000
+    live = live_segments(segs, at_us=now_us)
+    starts = [s[0] for s in live]
+    live_set = {s[2] for s in live}
+    removed = 0
+    for lo, hi, path in segs:
+        if path in live_set:
+            continue
+        i = bisect.bisect_right(starts, lo) - 1  # live segments are disjoint: at most one covers this
+        if i < 0 or live[i][1] < hi:
+            continue  # not in effect yet (its merged file is still settling), or covered by nothing live
+        if (now_us - valid_from_us(live[i][2])) / 1e6 >= grace_s:
+            path.unlink(missing_ok=True)
+            removed += 1
+    now = time.time()
+    for f in wdir.iterdir():
+        try:
+            if f.name.startswith(".") and f.name.endswith(".tmp") and now - f.stat().st_mtime >= max(grace_s, _STALE_TMP_S):
+                f.unlink()  # left by a writer or compactor that died mid-write
+                removed += 1
+        except FileNotFoundError:
+            pass
+    return removed

@@ -1,0 +1,76 @@
+"""Real torchrun, 2 gloo ranks on CPU, DDP: both ranks' rows land, timing rows carry the right ranks."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import dynascope
+
+WORKER = textwrap.dedent("""
+    import sys, torch, torch.distributed as dist, torch.nn as nn
+    import dynascope
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scope = dynascope.watch(model, opt, run=sys.argv[1], system_interval_s=0.05, memory_budget=None)
+    torch.manual_seed(1 + dist.get_rank())  # different data per rank
+    for _ in range(3):
+        with scope.phase("train"):
+            loss = model(torch.randn(4, 8)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    scope.close()
+    dist.destroy_process_group()
+""")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(tmp_path: Path, worker: str, run: Path, nproc: int = 2) -> None:
+    script = tmp_path / "worker.py"
+    script.write_text(worker)
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script), str(run)]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_ddp_two_ranks(tmp_path: Path) -> None:
+    run = tmp_path / "ddp"
+    torchrun(tmp_path, WORKER, run)
+    con = dynascope.open_store(run)
+    q = lambda sql: con._con.sql(sql).pl().to_dicts()  # noqa: E731
+    stats = q("select rank, count(*) as n, count(distinct step) as steps from tensor_stats group by rank "
+              "order by rank")
+    assert [(r["rank"], r["n"], r["steps"]) for r in stats] == [(0, 12, 3), (1, 12, 3)]
+    names = {r["tensor"] for r in q("select distinct tensor from tensor_stats")}
+    assert names == {"module.0.weight", "module.0.bias", "module.2.weight", "module.2.bias"}
+    # DDP all-reduces gradients and keeps replicas in sync: both ranks see the same update
+    same = q("select count(*) as n from tensor_stats a join tensor_stats b using (step, tensor) "
+             "where a.rank = 0 and b.rank = 1 and abs(a.dw_norm - b.dw_norm) <= 1e-6 * a.dw_norm "
+             "and abs(a.grad_norm - b.grad_norm) <= 1e-5 * a.grad_norm")
+    assert same[0]["n"] == 12
+    t = q("select rank, phase, count(*) as n from timings group by rank, phase order by rank, phase")
+    got = {(r["rank"], r["phase"]): r["n"] for r in t}
+    for rank in (0, 1):
+        for phase in ("step", "forward", "backward", "optimizer", "train"):
+            assert got[(rank, phase)] == 3, (rank, phase, got)
+    parents = q("select distinct rank, parent from timings where phase = 'backward'")
+    assert {(r["rank"], r["parent"]) for r in parents} == {(0, "train"), (1, "train")}
+    assert {r["rank"] for r in q("select distinct rank from system")} == {0, 1}
+    assert q("select max(world_size) as ws from runs")[0]["ws"] == 2

@@ -1,0 +1,72 @@
+"""FSDP2 (``fully_shard``) on 2 gloo ranks on CPU: probes record local shards (``sharded=True``) and
+``combine_shards`` rebuilds each tensor's global statistics, checked against the full tensors."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import dynascope
+from dynascope.probes.combine import combine_shards
+from tests.test_ddp_torchrun import torchrun
+
+WORKER = textwrap.dedent("""
+    import json, sys, torch, torch.distributed as dist, torch.nn as nn
+    from torch.distributed.fsdp import fully_shard
+    import dynascope
+    from tests.test_probe_stats import naive_update, naive_grad
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    for layer in (model[0], model[2]):
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scope = dynascope.watch(model, opt, run=sys.argv[1], system_interval_s=None, memory_budget=None)
+    theta0 = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+    truth = []
+    torch.manual_seed(1 + dist.get_rank())
+    for _ in range(2):
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        old = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+        grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        new = {n: p.full_tensor() for n, p in model.named_parameters()}
+        truth.append({n: [naive_update(new[n], old[n]), naive_grad(grads[n]), naive_update(new[n], theta0[n])]
+                      for n in new})
+    scope.close()
+    if dist.get_rank() == 0:
+        json.dump(truth, open(sys.argv[1] + ".truth.json", "w"))
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.slow
+def test_fsdp2_shards_combine_to_global_stats(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = tmp_path / "fsdp"
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[1]))
+    torchrun(tmp_path, WORKER, run)
+    truth = json.loads(Path(str(run) + ".truth.json").read_text())
+    con = dynascope.open_store(run)
+    raw = con._con.sql("select * from tensor_stats").pl()
+    assert set(raw["rank"].to_list()) == {0, 1} and raw["sharded"].all()
+    # each rank holds half of the 16-row weight: local numel, not the global one
+    w0 = raw.filter(raw["tensor"] == "0.weight")
+    assert sorted(set(w0["numel"].to_list())) == [64] and w0["shape"][0] == "16x8"
+    out = combine_shards(raw)
+    assert out.height == 2 * 4 and set(out["shards"].to_list()) == {2}
+    for r in out.to_dicts():
+        upd, grad, drift = truth[r["step"]][r["tensor"]]
+        assert r["w_norm"] == pytest.approx(upd[0], rel=1e-5)
+        assert r["dw_norm"] == pytest.approx(upd[1], rel=1e-5)
+        assert [r["changed_count"], r["changed_bf16_count"], r["sign_flip_count"]] == upd[2:5]
+        assert r["grad_norm"] == pytest.approx(grad[0], rel=1e-5)
+        assert r["grad_max_abs"] == pytest.approx(grad[1], rel=1e-5)
+        assert r["grad_zero_count"] == grad[2]
+        assert r["drift_norm"] == pytest.approx(drift[1], rel=1e-5, abs=1e-9)
+        assert r["drift_changed_count"] == drift[2]
+        assert r["changed_frac"] == pytest.approx(upd[2] / r["numel"])

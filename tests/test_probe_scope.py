@@ -1,0 +1,212 @@
+"""watch() end to end on CPU: every recorded statistic against a naive per-tensor reference.
+
+The model has the awkward cases the issue lists: tied weights, a bf16 submodule, a frozen parameter in
+the optimizer, a parameter that never gets a gradient, and an empty parameter.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import dynascope
+from tests.test_probe_stats import naive_grad, naive_update
+
+
+class Awkward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 8)
+        self.mid = nn.Linear(8, 8)
+        self.lowp = nn.Linear(8, 8).to(torch.bfloat16)
+        self.frozen = nn.Linear(8, 8)
+        self.unused = nn.Linear(8, 8)        # in the optimizer, never in the graph: no grad
+        self.empty = nn.Parameter(torch.empty(0))
+        self.head = nn.Linear(8, 32, bias=False)
+        self.head.weight = self.embed.weight  # tied
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.mid(self.embed(x)))
+        h = self.lowp(h.bfloat16()).float() + self.frozen(h) + self.empty.sum()
+        return self.head(h)
+
+
+def train(run: Path, steps: int, **kw) -> tuple[list[dict], nn.Module]:
+    torch.manual_seed(0)
+    model = Awkward()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    names = {id(p): n for n, p in model.named_parameters()}
+    scope = dynascope.watch(model, opt, run=run, system_interval_s=None, **kw)
+    truth: list[dict] = []
+    theta0 = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for _ in range(steps):
+        x = torch.randint(0, 32, (4, 6))
+        loss = nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten())
+        loss.backward()
+        old = {names[id(p)]: p.detach().clone() for g in opt.param_groups for p in g["params"]}
+        grads = {names[id(p)]: None if p.grad is None else p.grad.clone()
+                 for g in opt.param_groups for p in g["params"]}
+        opt.step()
+        opt.zero_grad()
+        new = {n: p.detach() for n, p in model.named_parameters()}
+        truth.append({n: (naive_update(new[n], old[n]), naive_grad(grads[n]) if grads[n] is not None else None,
+                          naive_update(new[n], theta0[n])) for n in old})
+    scope.close()
+    return truth, model
+
+
+def rows(run: Path, sql: str) -> list[dict]:
+    con = dynascope.open_store(run)
+    return con._con.sql(sql).pl().to_dicts()
+
+
+def test_full_coverage_matches_naive(tmp_path: Path) -> None:
+    run = tmp_path / "full"
+    truth, model = train(run, 3, memory_budget=None)
+    got = rows(run, "select * from tensor_stats order by step, tensor")
+    names = {n for n, _ in model.named_parameters()}
+    assert "head.weight" not in names  # tied: listed once, as embed.weight
+    assert len(got) == 3 * len(truth[0]) and {r["tensor"] for r in got} == set(truth[0])
+    for r in got:
+        (upd, grad, drift) = truth[r["step"]][r["tensor"]]
+        assert r["w_norm"] == pytest.approx(upd[0], rel=1e-5, abs=1e-12)
+        assert r["dw_norm"] == pytest.approx(upd[1], rel=1e-5, abs=1e-12)
+        assert [r["changed_count"], r["changed_bf16_count"], r["sign_flip_count"], r["w_nan"], r["w_inf"]] == upd[2:]
+        n = r["numel"]
+        if n:
+            assert r["changed_frac"] == pytest.approx(upd[2] / n)
+            assert r["update_ratio"] == pytest.approx(upd[1] / upd[0], rel=1e-5)
+        assert r["ref_covered"] is True
+        assert r["drift_norm"] == pytest.approx(drift[1], rel=1e-5, abs=1e-12)
+        assert [r["drift_changed_count"], r["drift_changed_bf16_count"]] == drift[2:4]
+        if grad is None:
+            assert r["grad_norm"] is None and r["grad_zero_count"] is None
+        else:
+            assert r["grad_norm"] == pytest.approx(grad[0], rel=1e-5, abs=1e-30)
+            assert r["grad_max_abs"] == pytest.approx(grad[1], rel=1e-5, abs=1e-30)
+            assert [r["grad_zero_count"], r["grad_near_zero_count"], r["grad_nan"], r["grad_inf"]] == grad[2:]
+    by = {(r["step"], r["tensor"]): r for r in got}
+    assert by[(0, "lowp.weight")]["dtype"] == "bfloat16"
+    assert by[(2, "frozen.weight")]["dw_norm"] == 0.0 and by[(2, "frozen.weight")]["grad_norm"] is None
+    assert by[(2, "unused.weight")]["grad_norm"] is None and by[(2, "unused.weight")]["changed_count"] == 0
+    assert by[(1, "empty")]["numel"] == 0 and by[(1, "empty")]["changed_frac"] is None
+    assert by[(1, "mid.weight")]["changed_count"] > 0
+
+
+def test_default_budget_rotates_a_window(tmp_path: Path) -> None:
+    run = tmp_path / "rot"
+    truth, _ = train(run, 12)
+    got = rows(run, "select * from tensor_stats order by step, tensor")
+    assert len(got) == 12 * len(truth[0])
+    assert all(r["w_norm"] is not None and r["w_nan"] == 0 for r in got)  # light stats: every tensor
+    covered = [r for r in got if r["dw_norm"] is not None]
+    per_step = {s: sum(1 for r in covered if r["step"] == s) for s in range(12)}
+    assert all(1 <= c < len(truth[0]) for c in per_step.values())  # a window, never everything
+    assert {r["tensor"] for r in covered} == set(truth[0])  # ...that reaches every tensor
+    for r in covered:
+        upd, _, drift = truth[r["step"]][r["tensor"]]
+        assert r["dw_norm"] == pytest.approx(upd[1], rel=1e-5, abs=1e-12)
+        assert r["changed_count"] == upd[2]
+        assert r["ref_covered"] and r["drift_changed_count"] == drift[2]
+    assert all(r["drift_norm"] is None for r in got if not r["ref_covered"])
+    assert (run / "reference" / "theta0-r0.safetensors").exists()
+
+
+def test_every_schedule_and_no_reference(tmp_path: Path) -> None:
+    run = tmp_path / "every"
+    train(run, 5, every=2, reference=None, memory_budget=None)
+    got = rows(run, "select step, bool_or(ref_covered) as ref, count(*) as n from tensor_stats group by step "
+                    "order by step")
+    assert [r["step"] for r in got] == [0, 2, 4] and not any(r["ref"] for r in got)
+
+
+def test_reference_from_path_and_set_reference(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    base = Awkward()
+    ckpt = tmp_path / "base.safetensors"
+    save_file({n: p.detach().contiguous() for n, p in base.named_parameters()}, str(ckpt))
+    run = tmp_path / "ref"
+    truth, _ = train(run, 2, reference=str(ckpt), memory_budget=None)  # same seed: θ₀ == the init
+    got = rows(run, "select * from tensor_stats where step = 1")
+    for r in got:
+        assert r["drift_changed_count"] == truth[1][r["tensor"]][2][2]
+
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with dynascope.watch(model, opt, run=tmp_path / "cur", reference=None, memory_budget=None,
+                         system_interval_s=None) as scope:
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        scope.set_reference("current")
+        opt.step()  # same grads again: drift from "current" is exactly this step's update
+    got = rows(tmp_path / "cur", "select * from tensor_stats order by step, tensor")
+    assert [r["ref_covered"] for r in got] == [False, False, True, True]
+    for r in got[2:]:
+        assert r["drift_norm"] == pytest.approx(r["dw_norm"])
+
+
+def test_mid_run_param_group_and_skipped_params(tmp_path: Path) -> None:
+    model = nn.Linear(4, 4)
+    extra = nn.Parameter(torch.ones(3))
+    ints = nn.Parameter(torch.ones(3, dtype=torch.int64), requires_grad=False)
+    cplx = nn.Parameter(torch.ones(2, dtype=torch.complex64))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.add_param_group({"params": [ints, cplx], "lr": 0.0})
+    run = tmp_path / "mid"
+    with dynascope.watch(model, opt, run=run, system_interval_s=None, memory_budget=None):
+        for i in range(3):
+            if i == 1:
+                opt.add_param_group({"params": [extra]})
+            (model(torch.ones(2, 4)).sum() + extra.sum()).backward()
+            opt.step()
+            opt.zero_grad()
+    got = rows(run, "select step, count(*) as n from tensor_stats group by step order by step")
+    assert [r["n"] for r in got] == [2, 3, 3]
+    ev = rows(run, "select message from events where kind = 'probe_skip'")
+    assert len(ev) == 2 and any("complex" in e["message"] for e in ev) and any("int64" in e["message"] for e in ev)
+
+
+def test_probe_errors_never_break_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import dynascope.probes.tensors as tensors
+
+    def boom(*a, **k):
+        raise RuntimeError("kaboom")
+
+    monkeypatch.setattr(tensors, "grad_norms", boom)
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = tmp_path / "err"
+    w0 = model.weight.detach().clone()
+    with pytest.warns(RuntimeWarning, match="kaboom"):
+        with dynascope.watch(model, opt, run=run, system_interval_s=None) as scope:
+            for _ in range(3):
+                model(torch.ones(2, 4)).sum().backward()
+                opt.step()
+    assert not torch.equal(model.weight, w0)  # training went on
+    assert scope.step_index == 3
+    ev = rows(run, "select kind, message from events where kind = 'probe_error'")
+    assert len(ev) == 3 and all("kaboom" in e["message"] for e in ev)
+
+
+def test_no_grad_steps_and_manual_steps(tmp_path: Path) -> None:
+    model = nn.Linear(3, 3)
+    run = tmp_path / "manual"
+    with dynascope.watch(model, None, run=run, system_interval_s=None, memory_budget=None) as scope:
+        scope.step()  # no grads anywhere
+        old = model.weight.detach().clone()
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        scope.step()
+    got = rows(run, "select * from tensor_stats where tensor = 'weight' order by step")
+    assert [r["step"] for r in got] == [0, 1]
+    assert got[0]["changed_count"] == 0 and got[0]["grad_norm"] is None
+    want = naive_update(model.weight.detach(), old)
+    assert got[1]["dw_norm"] == pytest.approx(want[1]) and got[1]["changed_count"] == 9
+    assert not math.isnan(got[1]["w_norm"])

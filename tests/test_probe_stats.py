@@ -1,0 +1,130 @@
+"""The probes' pure statistics against naive per-tensor references (fp32, bf16, fp64, empty, NaN/Inf)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dynascope.probes.grad_stats import grad_counts, grad_norms
+from dynascope.probes.update_stats import UPDATE_STAT_COLUMNS, UpdateStats, weight_update_stats
+
+
+def naive_update(new: torch.Tensor, old: torch.Tensor, eta: float = 1e-3) -> list[float]:
+    """Element by element in float64 / Python, the slowest and plainest way."""
+    n, o = new.reshape(-1).tolist(), old.reshape(-1).tolist()
+    nb = new.reshape(-1).view({2: torch.int16, 4: torch.int32, 8: torch.int64}[new.element_size()]).tolist()
+    ob = old.reshape(-1).view({2: torch.int16, 4: torch.int32, 8: torch.int64}[old.element_size()]).tolist()
+    w_norm = math.sqrt(sum(x * x for x in n))
+    dw_norm = math.sqrt(sum((x - y) ** 2 for x, y in zip(n, o, strict=False)))
+    changed = sum(a != b for a, b in zip(nb, ob, strict=False))
+    rel = sum(abs(x - y) > eta * max(abs(x), abs(y)) for x, y in zip(n, o, strict=False))
+    flips = sum((x > 0 and y < 0) or (x < 0 and y > 0) for x, y in zip(n, o, strict=False))
+    return [w_norm, dw_norm, changed, rel, flips, sum(math.isnan(x) for x in n), sum(math.isinf(x) for x in n)]
+
+
+def _pairs(dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    old = [torch.randn(17, 9, generator=g), torch.randn(40, generator=g) * 1e-3, torch.zeros(5),
+           torch.randn(0), torch.randn(3, 4, 5, generator=g)]
+    new = []
+    for i, o in enumerate(old):
+        step = torch.randn(o.shape, generator=g) * (1e-4 if i % 2 else 1e-1)
+        mask = torch.rand(o.shape, generator=g) < 0.5  # half the elements do not move at all
+        new.append(torch.where(mask, o, o + step))
+    old, new = [t.to(dtype) for t in old], [t.to(dtype) for t in new]
+    return new, old
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.float16])
+def test_weight_update_stats_matches_naive(dtype: torch.dtype) -> None:
+    new, old = _pairs(dtype)
+    got = weight_update_stats(new, old)
+    assert got.dtype == torch.float64 and got.shape == (len(new), len(UPDATE_STAT_COLUMNS))
+    for i, (a, b) in enumerate(zip(new, old, strict=False)):
+        want = naive_update(a, b)
+        # norms accumulate in fp32 for 16-bit and fp32 inputs; counts are exact
+        assert got[i, 0].item() == pytest.approx(want[0], rel=1e-5, abs=1e-12)
+        assert got[i, 1].item() == pytest.approx(want[1], rel=1e-5, abs=1e-12)
+        assert got[i, 2:].tolist() == want[2:], (dtype, i)
+    assert got[3].tolist() == [0.0] * 7  # the empty tensor
+
+
+def test_weight_update_stats_nan_inf_signs_and_tiny_updates() -> None:
+    old = torch.tensor([1.0, -2.0, 3.0, 0.0, 5.0, 1e-30, 7.0, float("nan")])
+    new = torch.tensor([1.0, 2.0, float("nan"), -1.0, float("inf"), -1e-30, 7.0 + 1e-6, float("nan")])
+    got = weight_update_stats([new], [old])[0].tolist()
+    want = naive_update(new, old)
+    assert got[2:] == want[2:]
+    assert got[4] == 2  # -2→2 and 1e-30→-1e-30 flip; 0→-1 is not a flip
+    assert got[5] == 2 and got[6] == 1
+    # 7 → 7+1e-6 changes its bits but is below η·|w|: bit-exact yes, bf16-relative no
+    one = weight_update_stats([torch.tensor([7.0 + 1e-6])], [torch.tensor([7.0])])[0]
+    assert one[2].item() == 1 and one[3].item() == 0
+
+
+def test_bit_exact_is_nan_when_dtypes_differ() -> None:
+    a = torch.randn(10)
+    got = weight_update_stats([a.bfloat16()], [a])[0]
+    assert math.isnan(got[2].item())
+    assert not math.isnan(got[3].item())  # the relative criterion still makes sense across dtypes
+
+
+def test_weight_update_stats_rejects_mismatches() -> None:
+    with pytest.raises(ValueError):
+        weight_update_stats([torch.zeros(2)], [])
+    with pytest.raises(ValueError):
+        weight_update_stats([torch.zeros(2)], [torch.zeros(3)])
+    assert weight_update_stats([], []).shape == (0, 7)
+
+
+def test_update_stats_two_step_snapshot_is_released() -> None:
+    p = [torch.randn(6, 6), torch.randn(6)]
+    probe = UpdateStats()
+    probe.before(p)
+    assert probe.pending
+    before = [t.clone() for t in p]
+    with torch.no_grad():
+        p[0].add_(0.5)
+    got = probe.after(p)
+    assert not probe.pending
+    assert torch.equal(got, weight_update_stats(p, before))
+    with pytest.raises(RuntimeError):
+        probe.after(p)
+
+
+def naive_grad(g: torch.Tensor, tol: float = 1e-8) -> list[float]:
+    v = g.double().reshape(-1).tolist()
+    norm = math.sqrt(sum(x * x for x in v))
+    rms = norm / math.sqrt(max(len(v), 1))
+    return [norm, max((abs(x) for x in v), default=0.0), sum(x == 0 for x in v),
+            sum(abs(x) <= tol * rms for x in v), sum(math.isnan(x) for x in v), sum(math.isinf(x) for x in v)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grad_stats_match_naive(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(50, generator=g)
+    a[::7] = 0.0
+    a[3] = 1e-12  # near zero against rms ~1
+    grads = [a, torch.zeros(8), torch.randn(0), torch.randn(4, 4, generator=g) * 1e-3]
+    grads = [t.to(dtype) for t in grads]
+    norms_ = grad_norms(grads)
+    counts = grad_counts(grads, norms_[:, 0])
+    for i, t in enumerate(grads):
+        want = naive_grad(t)
+        assert norms_[i].tolist() == pytest.approx(want[:2], rel=1e-5, abs=1e-30)
+        assert counts[i].tolist() == want[2:], (dtype, i)
+    assert counts[0, 1].item() >= counts[0, 0].item() + (1 if dtype == torch.float32 else 0)
+
+
+def test_grad_stats_nonfinite_and_tol() -> None:
+    g = torch.tensor([0.0, 1.0, float("nan"), float("-inf"), 1e-3])
+    n = grad_norms([g])
+    assert math.isnan(n[0, 0].item()) and math.isnan(n[0, 1].item())
+    c = grad_counts([g])[0].tolist()
+    assert c[0] == 1 and c[2] == 1 and c[3] == 1
+    h = torch.tensor([1.0, 1e-3, 0.5])
+    assert grad_counts([h], tol=1e-2)[0, 1].item() == 1  # 1e-3 <= 0.01·rms(≈0.65)
+    assert grad_counts([h], tol=None)[0, 1].item() == 0

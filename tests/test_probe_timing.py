@@ -1,0 +1,130 @@
+"""Phase timings, the step row, events/log/samples, listeners and the system sampler."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import dynascope
+from dynascope.probes.schedule import as_schedule, every, log_spaced, never
+from dynascope.probes.timing import first_grad_tensor
+
+
+def rows(run: Path, sql: str) -> list[dict]:
+    return dynascope.open_store(run)._con.sql(sql).pl().to_dicts()
+
+
+def test_phases_nest_and_auto_phases_are_timed(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    run = tmp_path / "t"
+    summaries: list[tuple[int, dict]] = []
+    with dynascope.watch(model, opt, run=run, system_interval_s=None) as scope:
+        scope.add_listener(lambda step, s: summaries.append((step, s)))
+        for _ in range(3):
+            with scope.phase("rollout"):
+                with torch.no_grad():
+                    model(torch.randn(8, 16))   # a no-grad forward: no backward follows
+                with scope.phase("reward", category="annotation"):
+                    time.sleep(0.002)
+            with scope.phase("train"):
+                loss = model(torch.randn(8, 16)).pow(2).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+    got = rows(run, "select * from timings order by step, start_us")
+    per_step = {s: [r for r in got if r["step"] == s] for s in range(3)}
+    for _s, rs in per_step.items():
+        by = {}
+        for r in rs:
+            by.setdefault(r["phase"], []).append(r)
+        assert len(by["step"]) == 1 and by["step"][0]["category"] == "step"
+        assert len(by["forward"]) == 2 and {r["parent"] for r in by["forward"]} == {"rollout", "train"}
+        assert [r["parent"] for r in by["backward"]] == ["train"]
+        assert by["optimizer"][0]["parent"] == "train"
+        assert by["reward"][0]["parent"] == "rollout" and by["reward"][0]["category"] == "annotation"
+        assert by["reward"][0]["dur_us"] >= 2000
+        assert by["rollout"][0]["dur_us"] >= by["reward"][0]["dur_us"]
+        assert all(r["rank"] == 0 and r["device"] == "cpu" for r in rs)
+    steps = [r for r in got if r["phase"] == "step"]
+    assert all(b["start_us"] >= a["start_us"] for a, b in zip(steps, steps[1:], strict=False))
+    assert [s for s, _ in summaries] == [0, 1, 2]
+    last = summaries[-1][1]
+    assert {"update_ratio", "phase/forward_ms", "phase/backward_ms", "phase/train_ms"} <= set(last)
+    assert last["phase/rollout_ms"] >= 2.0
+
+
+def test_events_log_samples_and_stage(tmp_path: Path) -> None:
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = tmp_path / "e"
+    with dynascope.watch(model, opt, run=run, system_interval_s=None, stage="sft") as scope:
+        scope.event("checkpoint_save", "saved", dur_us=1234, path="/x")
+        scope.log(loss=0.5, reward=torch.tensor(2.0))
+        scope.samples(sample_id=[0, 1], group_id=[7, 7], response_len=[10, 12], reward=[1.0, 0.0],
+                      policy_version=[0, 0], trainer_version=[1, 1])
+        model(torch.ones(1, 2)).sum().backward()
+        opt.step()
+        scope.set_stage("rl")
+        scope.log(step=99, kl=0.1)
+        assert scope.step_index == 1 and scope.run_dir == run.resolve()
+    ev = rows(run, "select * from events where kind = 'checkpoint_save'")
+    assert ev[0]["dur_us"] == 1234 and ev[0]["step"] == 0 and '"/x"' in ev[0]["fields_json"]
+    sc = {r["key"]: r for r in rows(run, "select * from scalars")}
+    assert sc["loss"]["value"] == 0.5 and sc["reward"]["value"] == 2.0 and sc["loss"]["stage"] == "sft"
+    assert sc["kl"]["step"] == 99 and sc["kl"]["stage"] == "rl"
+    assert "mem/rss_bytes" in sc
+    sm = rows(run, "select * from samples order by sample_id")
+    assert [r["group_id"] for r in sm] == [7, 7] and sm[1]["response_len"] == 12 and sm[0]["step"] == 0
+    assert {r["stage"] for r in rows(run, "select distinct stage from tensor_stats")} == {"sft"}
+
+
+def test_listener_and_wandb_failures_are_contained(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "dynascope.integrations.wandb", None)  # import fails
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = tmp_path / "l"
+    with pytest.warns(RuntimeWarning):
+        with dynascope.watch(model, opt, run=run, system_interval_s=None, wandb=True) as scope:
+            scope.add_listener(lambda step, s: 1 / 0)
+            for _ in range(2):
+                model(torch.ones(1, 2)).sum().backward()
+                opt.step()
+    kinds = [r["message"] for r in rows(run, "select message from events where kind = 'probe_error'")]
+    assert any(m.startswith("wandb") for m in kinds) and sum("ZeroDivisionError" in m for m in kinds) == 2
+
+
+def test_system_sampler_writes_process_rows(tmp_path: Path) -> None:
+    run = tmp_path / "s"
+    model = nn.Linear(2, 2)
+    with dynascope.watch(model, None, run=run, system_interval_s=0.05):
+        time.sleep(0.3)
+    got = rows(run, "select * from system where device = 'cpu'")
+    assert len(got) >= 2 and all(r["rss_bytes"] > 0 and r["cpu_pct"] >= 0 for r in got)
+
+
+def test_schedules() -> None:
+    assert [s for s in range(10) if every(3)(s)] == [0, 3, 6, 9]
+    assert [s for s in range(10) if every(4, start=2)(s)] == [2, 6]
+    ls = log_spaced(per_decade=2)
+    assert [s for s in range(400) if ls(s)] == [0, 1, 3, 10, 32, 100, 316]
+    assert log_spaced(1, min_every=50)(150)
+    assert not any(never(s) for s in range(5))
+    assert as_schedule(0) is never and as_schedule(2)(4) and not as_schedule(2)(3)
+    assert as_schedule(lambda s: s == 5)(5)
+    with pytest.raises(ValueError):
+        every(0)
+    with pytest.raises(ValueError):
+        as_schedule("often")
+
+
+def test_first_grad_tensor_walks_outputs() -> None:
+    a = torch.ones(2, requires_grad=True) * 2
+    assert first_grad_tensor({"loss": None, "logits": (torch.ones(1), a)}) is a
+    assert first_grad_tensor(torch.ones(2)) is None

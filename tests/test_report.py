@@ -1,0 +1,118 @@
+"""`dynascope report` end to end: findings on the planted 4-rank run, rendered by the real CLI in every format."""
+
+from __future__ import annotations
+
+import json
+from html.parser import HTMLParser
+from pathlib import Path
+
+import polars as pl
+import pytest
+from test_cluster_analyses import (
+    BACKWARD,
+    SLOW_FACTOR,
+    SLOW_RANK,
+    planted_step_ms,
+    write_async_run,
+    write_synthetic_run,
+)
+from typer.testing import CliRunner
+
+from dynascope.analyses.findings import ranked_findings
+from dynascope.cli import app
+from dynascope.store import RunWriter, open_store, run_sql
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("report")
+    return {"straggler": write_synthetic_run(root / "straggler"),
+            "even": write_synthetic_run(root / "even", steps=10, slow_rank=None)}
+
+
+def test_findings_name_the_straggler_and_rank_by_time_at_stake(runs):
+    df = ranked_findings(runs["straggler"])
+    assert df["at_stake_ms"].to_list() == sorted(df["at_stake_ms"].to_list(), reverse=True)
+    strag = df.filter(pl.col("kind") == "straggler")
+    assert strag.height == 1
+    row = strag.row(0, named=True)
+    assert row["sentence"].startswith(f"rank {SLOW_RANK} (trainer) is 1.50× slower in backward")
+    assert "100% of steps" in row["sentence"] and "persistent" in row["sentence"]
+    nums = json.loads(row["numbers_json"])
+    assert (nums["rank"], nums["phase"]) == (SLOW_RANK, "backward")
+    assert row["at_stake_pct"] == pytest.approx(100 * BACKWARD * (SLOW_FACTOR - 1) / planted_step_ms(), rel=0.02)
+    tail = df.filter(pl.col("kind") == "rollout_tail").row(0, named=True)
+    assert tail["sentence"].startswith("45% of RL step time is tail wait after the median rollout finished")
+    assert "zero_variance_groups" in df["kind"].to_list()
+
+
+def test_even_run_has_no_straggler_finding(runs):
+    kinds = ranked_findings(runs["even"])["kind"].to_list()
+    assert "straggler" not in kinds and "imbalance" not in kinds and "rollout_tail" in kinds
+
+
+def test_async_run_reports_overlap_and_sync_run_does_not(runs, tmp_path):
+    df = ranked_findings(write_async_run(tmp_path / "async"))
+    row = df.filter(pl.col("kind") == "async_overlap").row(0, named=True)
+    assert row["sentence"] == ("rollout and training overlapped 38% of wall time (150 ms); 100 ms of the shorter "
+                               "side ran alone; weight sync took 20 ms over 2 syncs")
+    assert row["at_stake_ms"] == 120
+    assert "async_overlap" not in ranked_findings(runs["straggler"])["kind"].to_list()
+
+
+def test_every_findings_sql_runs_on_a_read_only_store(runs):
+    df = ranked_findings(runs["straggler"])
+    with open_store(runs["straggler"]) as con:
+        for sql in df["sql"]:
+            assert run_sql(con, sql).num_rows > 0, sql
+        slow = run_sql(con, df.filter(pl.col("kind") == "straggler")["sql"][0]).to_pylist()
+    assert slow[0]["rank"] == SLOW_RANK  # the backing query shows the slow rank first
+
+
+class _Tags(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack: list[str] = []
+        self.items = 0
+
+    def handle_starttag(self, tag, attrs):
+        if tag not in ("meta", "br"):
+            self.stack.append(tag)
+        self.items += tag == "li"
+
+    def handle_endtag(self, tag):
+        assert self.stack.pop() == tag
+
+
+@pytest.mark.parametrize("fmt", ["text", "markdown", "html"])
+def test_cli_report_renders_every_format(runs, tmp_path, fmt):
+    out = tmp_path / f"report.{fmt}"
+    res = CliRunner().invoke(app, ["report", str(runs["straggler"]), "--format", fmt, "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    text = out.read_text(encoding="utf-8")
+    assert f"rank {SLOW_RANK} (trainer) is 1.50× slower in backward" in text
+    assert "tail wait after the median rollout finished" in text
+    assert "SELECT rank, role, COUNT(*)" in text.replace("&#x27;", "'")
+    if fmt == "html":
+        tags = _Tags()
+        tags.feed(text)
+        assert tags.stack == [] and tags.items >= 5
+    if fmt == "markdown":
+        assert text.startswith("# dynascope report") and "```sql" in text
+
+
+def test_cli_report_to_stdout_and_errors(runs, tmp_path):
+    res = CliRunner().invoke(app, ["report", str(runs["straggler"])])
+    assert res.exit_code == 0 and "persistent straggler" in res.output
+    bad = CliRunner().invoke(app, ["report", str(runs["straggler"]), "--format", "pdf"])
+    assert bad.exit_code == 2 and "unknown --format 'pdf'" in bad.output
+    missing = CliRunner().invoke(app, ["report", str(tmp_path / "nope")])
+    assert missing.exit_code == 2 and "no such file" in missing.output
+
+
+def test_report_on_an_empty_run(tmp_path):
+    RunWriter(tmp_path / "empty").close()
+    for fmt in ("text", "markdown", "html"):
+        res = CliRunner().invoke(app, ["report", str(tmp_path / "empty"), "--format", fmt])
+        assert res.exit_code == 0, res.output
+        assert "No findings" in res.output
