@@ -15,25 +15,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from screenshots import CHROMIUM, wait_rendered  # benchmarks/ is on sys.path when run as a script
 
-from dynascope.dashboard import command
+from dynascope.dashboard.server import serving
 from dynascope.store import RunWriter, open_store
 from dynascope.store.layout import segment_name, writer_dir
 from dynascope.store.schema import TABLES
 
-CHROMIUM = "/usr/bin/chromium"
 LAYERS, RANKS, SPEC_DIM = 32, 8, 128
 PER_LAYER = [("self_attn.q_proj", "q"), ("self_attn.k_proj", "k"), ("self_attn.v_proj", "v"),
              ("self_attn.o_proj", "o"), ("mlp.gate_proj", "mlp"), ("mlp.up_proj", "mlp"), ("mlp.down_proj", "mlp"),
@@ -106,7 +101,7 @@ def build(run: Path, rows: int) -> dict:
         dw = w * np.where(sft, 1e-3, 1e-4) * (0.5 + noise)
         changed = np.where(sft, 0.9 + 0.1 * noise, 0.05 + 0.3 * noise)
         gzero = np.where(sft, 0.01 * noise, 0.2 + 0.4 * noise)
-        drift = w * np.where(sft, 1e-3 * np.sqrt(step), 1e-3 * np.sqrt(sft_end) + 1e-4 * np.sqrt(step - sft_end))
+        drift = w * np.where(sft, 1e-3 * np.sqrt(step), 1e-3 * np.sqrt(sft_end) + 1e-4 * np.sqrt(np.maximum(step - sft_end, 0)))
         nan = np.where(rng.random(n) < 2e-6, 1, 0)
         counts["tensor_stats"] += _write(run, "tensor_stats", "bench-r0", seq, {
             "run_id": [run.name] * n, "rank": np.zeros(n, np.int32), "role": _strings(np.zeros(n), ["trainer"]),
@@ -192,38 +187,14 @@ def _build_rest(run: Path, rng, steps: int, sft_end: int, names, layer_of, kind_
 
 
 # ---- measuring ----------------------------------------------------------------------------------------
-_DRAWN_JS = """() => {
-    const boxes = document.querySelectorAll('[data-testid="stPlotlyChart"]').length;
-    const drawn = [...document.querySelectorAll('.js-plotly-plot')].filter(e => e.data && e._fullLayout).length;
-    return drawn >= boxes ? String(drawn) : false;  // "0" is truthy, 0 would keep waiting
-}"""
-
-
-def serve(path: Path, port: int, log: Path) -> subprocess.Popen:
-    proc = subprocess.Popen(command(path, "127.0.0.1", port), stdout=log.open("wb"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    for _ in range(240):
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2):
-                return proc
-        except OSError:
-            if proc.poll() is not None:
-                break
-            time.sleep(0.5)
-    os.killpg(proc.pid, signal.SIGKILL)
-    raise SystemExit(f"dashboard did not start: {log.read_text()[-2000:]}")
-
-
 def render(browser, url: str) -> tuple[float, int, int]:
-    """Seconds from navigation until the script finished and every chart drew; charts; exceptions."""
+    """Seconds from navigation until the page is fully drawn; charts; exception blocks shown."""
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     try:
         t = time.perf_counter()
         page.goto(url)
-        page.wait_for_selector('[data-testid="stApp"][data-test-script-state="notRunning"]', timeout=300_000)
-        charts = page.wait_for_function(_DRAWN_JS, timeout=120_000).json_value()
-        dt = time.perf_counter() - t
-        return dt, int(charts), page.locator('[data-testid="stException"]').count()
+        charts = wait_rendered(page)
+        return time.perf_counter() - t, charts, page.locator('[data-testid="stException"]').count()
     finally:
         page.close()
 
@@ -241,12 +212,51 @@ def naive_heatmap(path: Path) -> float:
         return time.perf_counter() - t
 
 
+def time_queries(run: Path) -> list[tuple[str, float, int]]:
+    """Server-side cost of each query or analysis the pages issue at first render (no Streamlit, no cache)."""
+    import dynascope.analyses as A
+    from dynascope.dashboard.queries import cluster, params, rollouts, runs
+
+    rid = run.name
+    calls = [
+        ("runs: catalog", lambda s: runs.run_list(s)), ("runs: rows per table", lambda s: runs.table_rows(s, (rid,))),
+        ("runs: scalar series", lambda s: runs.scalar_series(s, (rid,), "loss")),
+        ("dynamics: parameter cube", lambda s: params.param_cube(s, rid)),
+        ("dynamics: rank1_dominance", lambda s: A.rank1_dominance(s, run=rid)),
+        ("dynamics: rank1_linear_fit (on demand)", lambda s: A.rank1_linear_fit(s, run=rid)),
+        ("cluster: gantt window", lambda s: cluster.gantt(s, rid, 1, 3)),
+        ("cluster: phase breakdown", lambda s: cluster.phase_breakdown(s, rid)),
+        ("cluster: step stragglers", lambda s: cluster.straggler_fallback(s, rid)),
+        ("cluster: throughput", lambda s: cluster.throughput_fallback(s, rid)),
+        ("cluster: straggler_scores (on demand)", lambda s: A.straggler_scores(s, run=rid)),
+        ("cluster: what_if (on demand)", lambda s: A.what_if(s, run=rid)),
+        ("rollouts: rollout_long_tail", lambda s: A.rollout_long_tail(s, run=rid)),
+        ("rollouts: tail_wait_share", lambda s: A.tail_wait_share(s, run=rid)),
+        ("rollouts: rewards", lambda s: rollouts.rewards(s, (rid,))),
+        ("events: events", lambda s: runs.events(s, (rid,))),
+        ("events: detect_instability (on demand)", lambda s: A.detect_instability(s, run=rid)),
+    ]
+    out = []
+    with open_store(run) as store:
+        for name, fn in calls:
+            t = time.perf_counter()
+            try:
+                rows = getattr(fn(store), "height", -1)
+            except Exception as exc:  # an analysis in flux must not hide the other timings
+                print(f"{name}: {type(exc).__name__}: {exc}")
+                rows = -1
+            out.append((name, time.perf_counter() - t, rows))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=10_000_000)
     ap.add_argument("--quick", action="store_true", help="300k rows: a smoke run in under a minute")
     ap.add_argument("--dir", type=Path, default=Path("runs/bench-dashboard"))
     ap.add_argument("--target-s", type=float, default=2.0)
+    ap.add_argument("--build-only", action="store_true", help="build the run and stop")
+    ap.add_argument("--no-query-table", action="store_true", help="skip the per-query server-side timings")
     args = ap.parse_args()
     rows = 300_000 if args.quick else args.rows
     run = args.dir / f"rows-{rows}"
@@ -260,28 +270,28 @@ def main() -> None:
         meta.write_text(json.dumps(counts))
         print(f"built {run} in {time.perf_counter() - t:.1f} s: {counts}")
     counts = json.loads(meta.read_text())
+    if args.build_only:
+        return
+    import os
+
     print(f"run: {run} — " + ", ".join(f"{k} {v:,}" for k, v in counts.items()))
+    print(f"cores available to this process: {len(os.sched_getaffinity(0))}; load average {os.getloadavg()}")
 
     from playwright.sync_api import sync_playwright
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = serve(run, port, args.dir / "streamlit.log")
-    try:
-        with sync_playwright() as p:
+    results = []
+    if not Path(CHROMIUM).exists():
+        print(f"{CHROMIUM} is missing: browser timings skipped, server-side timings only")
+    else:
+        with serving(run, log=args.dir / "streamlit.log") as base, sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
                                         args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
-            render(browser, f"http://127.0.0.1:{port}/sql")  # warm the server process (imports), not the queries
-            results = []
+            render(browser, f"{base}/sql")  # warm the server process (imports, sessions), not the queries
             for name, url in PAGES:
-                cold = render(browser, f"http://127.0.0.1:{port}/{url}")
-                warm = render(browser, f"http://127.0.0.1:{port}/{url}")
+                cold = render(browser, f"{base}/{url}")
+                warm = render(browser, f"{base}/{url}")
                 results.append((name, cold, warm))
             browser.close()
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(20)
     peer = naive_heatmap(run)
     print(f"\n{'page':<10} {'charts':>6} {'first render s':>15} {'cached s':>9} {'target s':>9} "
           f"{'first/target':>13} {'naive heat-map feed s':>22} {'first/naive':>12}")
@@ -289,6 +299,9 @@ def main() -> None:
         flag = "" if exc == 0 else f"  ({exc} exception blocks!)"
         print(f"{name:<10} {charts:>6} {cold_s:>15.2f} {warm_s:>9.2f} {args.target_s:>9.1f} "
               f"{cold_s / args.target_s:>13.2f} {peer:>22.2f} {cold_s / peer:>12.2f}{flag}")
+    print(f"\n{'server-side query (uncached)':<42} {'s':>7} {'rows out':>10}")
+    for name, secs, n in ([] if args.no_query_table else time_queries(run)):
+        print(f"{name:<42} {secs:>7.2f} {n:>10,}")
     print(f"\nnaive peer: SELECT the heat map's 6 columns of all {counts['tensor_stats']:,} tensor_stats rows "
           "into polars, then group there (what a dashboard without push-down does for one chart).")
 

@@ -13,7 +13,9 @@ each child's peak memory is its own:
     tensorboard     per-tensor weight and gradient histograms every step (torch.utils.tensorboard)
 
 Peak extra memory is reported as a share of parameter bytes: on CUDA from the caching allocator's
-peak (exact), on CPU from the child's peak RSS (ru_maxrss; noisy by a few MB).
+peak over the measured steps (exact); on CPU from the child's peak RSS (ru_maxrss) minus its RSS once
+every library (dynascope, wandb, tensorboard — imported by every child alike) and the model are
+loaded, so import costs cancel out (allocator caching makes it noisy by a few MB).
 
     python3 benchmarks/probe_overhead.py                 # CPU, reference workload (~5 min)
     python3 benchmarks/probe_overhead.py --quick         # smoke run (< 1 min)
@@ -82,15 +84,28 @@ def child(args: argparse.Namespace) -> dict:
 
     torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
+    for lib in ("dynascope", "wandb", "torch.utils.tensorboard"):  # same import footprint everywhere
+        try:
+            __import__(lib)
+        except Exception:
+            pass
     model, opt = build(args)
+    import psutil
+
+    rss0 = psutil.Process().memory_info().rss
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     tmp = tempfile.mkdtemp(prefix="ds-bench-")
     scope, tb, wb = None, None, None
+    probe_s = [0.0]
     if args.config.startswith("ds-"):
         import dynascope
 
         kw = {"ds-default": {}, "ds-noref": {"reference": None}, "ds-full": {"memory_budget": 2.0}}[args.config]
         scope = dynascope.watch(model, opt, run=os.path.join(tmp, "run"), **kw)
+        # Time the probe's own work inside each step too: on a loaded machine the step-time ratio
+        # across processes is noisy, while (step − probe)/step measured in the same steps is not.
+        for name in ("before", "after"):
+            setattr(scope.stats, name, _timed(getattr(scope.stats, name), probe_s))
     elif args.config == "wandb":
         os.environ.update(WANDB_MODE="offline", WANDB_DIR=tmp, WANDB_SILENT="true")
         import wandb
@@ -103,12 +118,13 @@ def child(args: argparse.Namespace) -> dict:
         tb = SummaryWriter(tmp)
     g = torch.Generator(device=dev).manual_seed(1)
     x = torch.randint(0, args.vocab, (args.batch, args.seq + 1), device=dev, generator=g)
-    times = []
+    times, probes = [], []
     for i in range(args.warmup + args.steps):
         if i == args.warmup and dev.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
+        probe_s[0] = 0.0
         logits = model(x[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
         loss.backward()
@@ -125,15 +141,27 @@ def child(args: argparse.Namespace) -> dict:
             torch.cuda.synchronize()
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
+            probes.append(probe_s[0])
     peak = (torch.cuda.max_memory_allocated() if dev.type == "cuda"
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0)
     if scope is not None:
         scope.close()
     if wb is not None:
         wb.finish()
     if tb is not None:
         tb.close()
-    return {"config": args.config, "times": times, "peak_bytes": peak, "param_bytes": param_bytes}
+    return {"config": args.config, "times": times, "probe": probes, "peak_bytes": peak,
+            "param_bytes": param_bytes}
+
+
+def _timed(fn, acc: list[float]):
+    def wrapper(*a, **k):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            acc[0] += time.perf_counter() - t
+    return wrapper
 
 
 def main() -> None:
@@ -164,13 +192,14 @@ def main() -> None:
     for _ in range(args.rounds):
         for c in configs:  # configurations interleave across rounds, so slow drift hits all of them
             out = subprocess.run([sys.executable, __file__, "--child", c, *passthrough], capture_output=True,
-                                 text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+                                 text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=1800)
             if out.returncode != 0:
                 print(f"{c}: failed\n{out.stderr[-2000:]}", file=sys.stderr)
                 continue
             r = json.loads(out.stdout.strip().splitlines()[-1])
-            agg = results.setdefault(c, {"times": [], "peaks": [], "param_bytes": r["param_bytes"]})
+            agg = results.setdefault(c, {"times": [], "probe": [], "peaks": [], "param_bytes": r["param_bytes"]})
             agg["times"] += r["times"]
+            agg["probe"] += r["probe"]
             agg["peaks"].append(r["peak_bytes"])
     if "none" not in results:
         sys.exit("the no-probe baseline failed")
@@ -180,13 +209,18 @@ def main() -> None:
     print(f"device={args.device} d={args.d_model} layers={args.layers} vocab={args.vocab} "
           f"batch={args.batch}x{args.seq} threads={args.threads} params={pb / 4e6:.2f}M "
           f"steps={args.steps}x{args.rounds} rounds")
-    print(f"{'config':<14}{'median step ms':>16}{'ratio':>9}{'peak extra mem / param bytes':>31}")
+    print(f"{'config':<14}{'median step ms':>16}{'ratio':>9}{'in-step probe ratio':>21}"
+          f"{'peak extra mem / param bytes':>31}")
     for c in configs:
         if c not in results:
             continue
         t = statistics.median(results[c]["times"])
         m = min(results[c]["peaks"]) - base_m
-        print(f"{c:<14}{t * 1e3:>16.1f}{t / base_t:>8.3f}x{m / pb:>30.1%}")
+        # step / (step − probe work), per step, then the median: the probe's cost in the same steps
+        own = statistics.median(s / max(s - p, 1e-9) for s, p in zip(results[c]["times"], results[c]["probe"],
+                                                                      strict=True))
+        own_s = f"{own:.3f}x" if any(results[c]["probe"]) else "-"
+        print(f"{c:<14}{t * 1e3:>16.1f}{t / base_t:>8.3f}x{own_s:>21}{m / pb:>30.1%}")
 
 
 if __name__ == "__main__":

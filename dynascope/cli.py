@@ -136,7 +136,7 @@ def compact(
     console.print(f"merged {stats.merged_segments} segments ({stats.rows_merged} rows) into {stats.new_segments}; "
                   f"removed {stats.removed_segments} merged-away or stale files", highlight=False)
     for line in stats.skipped:
-        err_console.print(f"warning: skipped {line}", highlight=False, markup=False)
+        err_console.print(f"warning: skipped {line}", highlight=False, markup=False, soft_wrap=True)
 
 
 @app.command()

@@ -60,6 +60,11 @@ def build_report(store: StoreLike, run: str | None = None) -> Report:
     return rep
 
 
+def _said(rep: Report, f: Finding) -> str:
+    """The sentence, named by run when the report covers several."""
+    return f"{f.run_id}: {f.sentence}" if len(rep.runs) > 1 else f.sentence
+
+
 def _numbers(f: Finding) -> str:
     return ", ".join(f"{k}={v}" for k, v in f.numbers.items())
 
@@ -87,7 +92,7 @@ def render_text(rep: Report) -> str:
     out.append(f"Findings ({len(rep.findings)}), ranked by time at stake:" if rep.findings else
                "No findings: nothing in the recorded data stands out.")
     for i, f in enumerate(rep.findings, 1):
-        out += [f"{i}. [{f.severity}] {f.sentence}", f"   {_stake(f)}", f"   numbers: {_numbers(f)}",
+        out += [f"{i}. [{f.severity}] {_said(rep, f)}", f"   {_stake(f)}", f"   numbers: {_numbers(f)}",
                 f"   sql: {f.sql}", ""]
     if rep.notes:
         out += ["Skipped:", *(f"  - {n}" for n in rep.notes)]
@@ -95,10 +100,11 @@ def render_text(rep: Report) -> str:
 
 
 def render_markdown(rep: Report) -> str:
-    out = [f"# dynascope report — `{rep.source}`", "", *(f"- {line.strip()}" for line in _summary_lines(rep)), ""]
+    summary = [f"  - {line.strip()}" if line.startswith("  ") else f"- {line}" for line in _summary_lines(rep)]
+    out = [f"# dynascope report — `{rep.source}`", "", *summary, ""]
     out.append("## Findings" if rep.findings else "No findings: nothing in the recorded data stands out.")
     for i, f in enumerate(rep.findings, 1):
-        out += ["", f"{i}. **{f.sentence}** — *{f.severity}*, {_stake(f)}", "",
+        out += ["", f"{i}. **{_said(rep, f)}** — *{f.severity}*, {_stake(f)}", "",
                 f"   Numbers: `{_numbers(f)}`", "", "   ```sql", f"   {f.sql}", "   ```"]
     if rep.notes:
         out += ["", "## Skipped", "", *(f"- {n}" for n in rep.notes)]
@@ -115,7 +121,7 @@ def render_html(rep: Report) -> str:
     e = html.escape
     items = []
     for f in rep.findings:
-        items.append(f"<li><span class='sev {e(f.severity)}'>{e(f.severity)}</span> <b>{e(f.sentence)}</b>"
+        items.append(f"<li><span class='sev {e(f.severity)}'>{e(f.severity)}</span> <b>{e(_said(rep, f))}</b>"
                      f"<div>{e(_stake(f))}</div><div class='num'>{e(_numbers(f))}</div>"
                      f"<details><summary>SQL</summary><pre>{e(f.sql)}</pre></details></li>")
     body = [f"<h1>dynascope report</h1><p><code>{e(rep.source)}</code></p>",

@@ -88,24 +88,36 @@ def _param_rows(w: RunWriter, rng: np.random.Generator, nan_step: int) -> None:
             })
 
 
-def _timing_rows(w: RunWriter, rng: np.random.Generator, rank: int, t0: int, slow: float) -> None:
+def _timing_rows(writers: list[RunWriter], rng: np.random.Generator, t0: int, slow: list[float]) -> None:
+    """Synchronous steps: every rank starts a step together; faster ranks wait in the all-reduce."""
     t = t0
     for step in range(1, SFT_STEPS + RL_STEPS + 1):
-        phases = [("forward", "phase", 40), ("backward", "phase", 80), ("allreduce", "comm", 15),
-                  ("optimizer", "phase", 10)]
+        phases = [("forward", "phase", 40), ("backward", "phase", 80)]
         if step > SFT_STEPS:
             phases = [("rollout", "phase", 300), ("reward", "phase", 20)] + phases
-        start, rows = t, []
-        for phase, cat, ms in phases:
-            dur = int(ms * 1000 * slow * rng.uniform(0.9, 1.2))
-            rows.append((phase, cat, t, dur))
-            t += dur
-        t += int(rng.uniform(2, 6) * 1000)  # un-instrumented time between phases
-        w.append("timings", {"step": step, "phase": [r[0] for r in rows], "parent": None,
-                             "start_us": [r[2] for r in rows], "dur_us": [r[3] for r in rows],
-                             "category": [r[1] for r in rows], "device": "cpu"})
-        w.append("timings", {"step": step, "phase": "step", "category": "step", "start_us": start,
-                             "dur_us": t - start, "device": "cpu"})
+        busy = [[int(ms * 1000 * s * rng.uniform(0.9, 1.2)) for _, _, ms in phases] for s in slow]
+        barrier = max(sum(b) for b in busy)
+        ends = []
+        for w, durs in zip(writers, busy, strict=True):
+            comm = barrier - sum(durs) + int(rng.uniform(10, 15) * 1000)  # wait for the slowest, then reduce
+            rows = list(zip([p for p, _, _ in phases] + ["allreduce", "optimizer"],
+                            [c for _, c, _ in phases] + ["comm", "phase"],
+                            durs + [comm, int(10_000 * rng.uniform(0.9, 1.2))], strict=True))
+            start, cur = t, t
+            names, cats, starts, ds = [], [], [], []
+            for name, cat, dur in rows:
+                names.append(name)
+                cats.append(cat)
+                starts.append(cur)
+                ds.append(dur)
+                cur += dur
+            cur += int(rng.uniform(2, 6) * 1000)  # un-instrumented time (data loading, logging)
+            ends.append(cur)
+            w.append("timings", {"step": step, "phase": names, "parent": None, "start_us": starts, "dur_us": ds,
+                                 "category": cats, "device": "cpu"})
+            w.append("timings", {"step": step, "phase": "step", "category": "step", "start_us": start,
+                                 "dur_us": cur - start, "device": "cpu"})
+        t = max(ends)
 
 
 def _rollout_rows(w: RunWriter, rng: np.random.Generator, t0: int, async_lag: bool) -> None:
@@ -146,8 +158,8 @@ def make_store(root: Path, seed: int = 0) -> Path:
     sync = root / "grpo-sync"
     writers = [RunWriter(sync, rank=r, world_size=2, flush_secs=60, config={"demo": "sync"}) for r in range(2)]
     _param_rows(writers[0], rng, nan_step)
-    for r, w in enumerate(writers):
-        _timing_rows(w, rng, r, t0, slow=1.0 if r == 0 else 1.6)
+    _timing_rows(writers, rng, t0, slow=[1.0, 1.6])
+    for w in writers:
         _rollout_rows(w, rng, t0, async_lag=False)
     _scalar_rows(writers[0], rng, t0)
     w0 = writers[0]
@@ -162,7 +174,7 @@ def make_store(root: Path, seed: int = 0) -> Path:
 
     with RunWriter(root / "grpo-async", rank=0, role="trainer", flush_secs=60, config={"demo": "async"}) as wa:
         _param_rows(wa, rng, nan_step=-1)
-        _timing_rows(wa, rng, 0, t0, slow=1.0)
+        _timing_rows([wa], rng, t0, slow=[1.0])
         _rollout_rows(wa, rng, t0, async_lag=True)
         _scalar_rows(wa, rng, t0)
         wa.event("checkpoint_save", "saved final checkpoint", step=SFT_STEPS + RL_STEPS, dur_us=1_000_000,
@@ -174,6 +186,6 @@ def write_small_run(run_dir: Path, seed: int = 1) -> Path:
     """A one-rank run with a few steps of scalars and timings (for the live-refresh check)."""
     rng = np.random.default_rng(seed)
     with RunWriter(run_dir, rank=0, flush_secs=60) as w:
-        _timing_rows(w, rng, 0, now_us() - 60_000_000, slow=1.0)
+        _timing_rows([w], rng, now_us() - 60_000_000, slow=[1.0])
         _scalar_rows(w, rng, now_us() - 60_000_000)
     return run_dir

@@ -326,10 +326,11 @@ def test_public_names_resolve_from_the_package():
 def test_every_analysis_returns_an_empty_frame_with_its_columns_on_an_empty_run(tmp_path, run):
     RunWriter(tmp_path / "empty").close()
     assert findings.ranked_findings(tmp_path / "empty").is_empty()
-    for name, fn in ALL.items():
-        empty, full = fn(tmp_path / "empty"), fn(run)
-        assert empty.is_empty(), name
-        assert empty.columns == full.columns, name
+    with open_store(tmp_path / "empty") as e, open_store(run) as f:
+        for name, fn in ALL.items():
+            empty, full = fn(e), fn(f)
+            assert empty.is_empty(), name
+            assert empty.columns == full.columns, name
 
 
 def test_trace_only_rows_do_not_crash_step_analyses(tmp_path):
@@ -337,8 +338,9 @@ def test_trace_only_rows_do_not_crash_step_analyses(tmp_path):
         w.append("timings", {"phase": ["aten::mm", "nccl:all_reduce", "ProfilerStep#3"],
                              "category": ["kernel", "comm", "annotation"], "step": [None, None, 3],
                              "start_us": [T0, T0 + 10, T0], "dur_us": [5, 7, 100], "stream": 7})
-    for fn in ALL.values():
-        fn(tmp_path / "trace")  # no crash
+    with open_store(tmp_path / "trace") as con:
+        for fn in ALL.values():
+            fn(con)  # no crash
     assert stragglers.what_if(tmp_path / "trace").is_empty()
     assert steps.critical_path(tmp_path / "trace").is_empty()
 

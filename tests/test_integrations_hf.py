@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -90,7 +91,10 @@ def test_hf_trainer_sft_five_steps(tmp_path, monkeypatch):
     # the callback's wandb flag mirrored the compact summary at the probe cadence: read the offline run back
     from dynascope.importers.wandb_history import read_history
 
-    hist = read_history(wandb_dir, step_key="dynascope/step")
+    deadline = time.monotonic() + 60  # wandb-core may still be flushing its log after finish()
+    while not (hist := read_history(wandb_dir, step_key="dynascope/step")).complete:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
     mirrored = {(s, k): v for s, k, v in zip(hist.step, hist.key, hist.value, strict=True)}
     ratios = dict(_q(run, "SELECT step, avg(update_ratio) FROM tensor_stats GROUP BY step"))
     for step in range(5):
@@ -151,3 +155,31 @@ def test_trl_grpo_with_callback(tmp_path):
         assert (n, groups, version, ordered) == (4, 1, step, True) and gen_ms > 0
     assert _q(run, "SELECT count(DISTINCT sample_id) FROM samples") == [(12,)]
     assert "_generate_and_score_completions" not in vars(trainer)  # instance wrappers removed at the end
+
+
+def test_attaches_when_optimizer_appears_late(tmp_path):
+    # delayed optimizer creation (FSDP/DeepSpeed paths): on_train_begin sees none, the first step does
+    import torch
+
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "o"), report_to=[], use_cpu=True)
+    state, control = transformers.TrainerState(), transformers.TrainerControl()
+    cb = DynascopeCallback(run=str(tmp_path / "late"), system_interval_s=None)
+    cb.on_train_begin(args, state, control, model=model, optimizer=None)
+    assert cb.scope is None
+    for step in range(2):
+        cb.on_step_begin(args, state, control, model=model, optimizer=opt)
+        model(torch.randn(3, 4)).sum().backward()
+        cb.on_pre_optimizer_step(args, state, control, model=model, optimizer=opt)
+        opt.step()
+        opt.zero_grad()
+        state.global_step = step + 1
+        cb.on_step_end(args, state, control)
+        cb.on_log(args, state, control, logs={"loss": 1.5 - step, "note": "text", "lr": "0.1"})
+    cb.on_train_end(args, state, control)
+    run = tmp_path / "late"
+    assert _q(run, "SELECT count(DISTINCT step) FROM tensor_stats") == [(2,)]
+    assert _q(run, "SELECT step, key, value FROM scalars WHERE key IN ('loss', 'lr') ORDER BY step, key") == [
+        (0, "loss", 1.5), (0, "lr", 0.1), (1, "loss", 0.5), (1, "lr", 0.1)]
+    assert _q(run, "SELECT count(*) FROM timings WHERE phase = 'train'") == [(2,)]

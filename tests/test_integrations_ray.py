@@ -72,5 +72,5 @@ def test_two_actors_two_roles_one_run(ray_cluster, tmp_path):
         actor_ids = {role: json.loads(f)["actor_id"] for role, f in events}
         assert actor_ids == {"trainer": got[0]["actor_id"], "rollout": got[1]["actor_id"]}
         assert {json.loads(f)["pid"] for _, f in events} == {g["pid"] for g in got}
-        assert con.sql("SELECT count(*) FROM scalars WHERE key = 'final_loss'").fetchone()[0] == 2
-        assert con.sql("SELECT count(DISTINCT run_id) FROM tensor_stats").fetchone()[0] == 1
+        assert con.sql("SELECT count(*) FROM scalars WHERE key = 'final_loss'").fetchall() == [(2,)]
+        assert con.sql("SELECT count(DISTINCT run_id) FROM tensor_stats").fetchall() == [(1,)]

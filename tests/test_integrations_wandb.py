@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import time
+from pathlib import Path
 
 import polars as pl
 import pytest
@@ -23,6 +25,15 @@ def offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     return tmp_path
+
+
+def _finished_log(run_dir) -> None:
+    # wandb-core flushes the transaction log asynchronously: finish() can return before the exit record
+    # is on disk, so wait for it rather than read a half-written log
+    deadline = time.monotonic() + 60
+    while not read_history(run_dir).complete:
+        assert time.monotonic() < deadline, "wandb never flushed its transaction log"
+        time.sleep(0.2)
 
 
 def _rows(run, sql):
@@ -45,6 +56,7 @@ def test_mirror_offline_round_trip(offline, tmp_path):
         mirror(step, _summary(step))
     run_dir = run.dir.rsplit("/files", 1)[0]
     run.finish()
+    _finished_log(run_dir)
     assert mirror.logged == 3
     assert mirror(9, _summary(9)) is None and mirror.logged == 3  # no active run: nothing, no error
 
@@ -74,7 +86,8 @@ def test_import_long_log_and_torn_tail(offline, tmp_path):
         run.log({f"metric_{k:02d}": step * 100 + k for k in range(12)} | {"text": "x" * 40})
     run_dir = run.dir.rsplit("/files", 1)[0]
     run.finish()
-    (log,) = __import__("pathlib").Path(run_dir).glob("*.wandb")
+    _finished_log(run_dir)
+    (log,) = Path(run_dir).glob("*.wandb")
     assert log.stat().st_size > 3 * 32768
 
     hist = read_history(log)
@@ -85,7 +98,7 @@ def test_import_long_log_and_torn_tail(offline, tmp_path):
     torn = tmp_path / "torn.wandb"
     torn.write_bytes(log.read_bytes()[: log.stat().st_size // 2])
     partial = read_history(torn)
-    assert partial.warning and "stopped at byte" in partial.warning
+    assert partial.warning and "stopped at byte" in partial.warning and not partial.complete
     assert 100 < partial.rows < 400
 
 

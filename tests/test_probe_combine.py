@@ -27,9 +27,9 @@ def row_for(name: str, rank: int, sharded: bool, new: torch.Tensor, old: torch.T
             "w_nan": int(u[5]), "w_inf": int(u[6]), "ref_covered": True, "drift_norm": d[1],
             "drift_ratio": d[1] / d[0], "drift_changed_count": int(d[2]), "drift_changed_frac": d[2] / n,
             "drift_changed_bf16_count": int(d[3]), "drift_changed_bf16_frac": d[3] / n,
-            "grad_norm": gn[0], "grad_max_abs": gn[1], "grad_zero_count": int(gc[0]),
-            "grad_zero_frac": gc[0] / n, "grad_near_zero_count": int(gc[1]), "grad_near_zero_frac": gc[1] / n,
-            "grad_nan": int(gc[2]), "grad_inf": int(gc[3])}
+            "grad_norm": gn[0], "grad_max_abs": gc[0], "grad_zero_count": int(gc[1]),
+            "grad_zero_frac": gc[1] / n, "grad_near_zero_count": int(gc[2]), "grad_near_zero_frac": gc[2] / n,
+            "grad_nan": int(gc[3]), "grad_inf": int(gc[4])}
 
 
 def test_shards_combine_to_the_whole_tensor() -> None:

@@ -88,7 +88,7 @@ def test_full_coverage_matches_naive(tmp_path: Path) -> None:
             assert r["grad_norm"] is None and r["grad_zero_count"] is None
         else:
             assert r["grad_norm"] == pytest.approx(grad[0], rel=1e-5, abs=1e-30)
-            assert r["grad_max_abs"] == pytest.approx(grad[1], rel=1e-5, abs=1e-30)
+            assert r["grad_max_abs"] == pytest.approx(grad[1], rel=1e-6, abs=1e-30)
             assert [r["grad_zero_count"], r["grad_near_zero_count"], r["grad_nan"], r["grad_inf"]] == grad[2:]
     by = {(r["step"], r["tensor"]): r for r in got}
     assert by[(0, "lowp.weight")]["dtype"] == "bfloat16"
@@ -103,7 +103,10 @@ def test_default_budget_rotates_a_window(tmp_path: Path) -> None:
     truth, _ = train(run, 12)
     got = rows(run, "select * from tensor_stats order by step, tensor")
     assert len(got) == 12 * len(truth[0])
-    assert all(r["w_norm"] is not None and r["w_nan"] == 0 for r in got)  # light stats: every tensor
+    # light stats on every tensor: norms, and NaN/Inf counts proven 0 by the finite norms
+    assert all(r["w_norm"] is not None and r["w_nan"] == 0 for r in got)
+    assert all(r["grad_norm"] is not None and r["grad_inf"] == 0 for r in got if r["tensor"] != "unused.weight"
+               and not r["tensor"].startswith(("frozen", "unused")))
     covered = [r for r in got if r["dw_norm"] is not None]
     per_step = {s: sum(1 for r in covered if r["step"] == s) for s in range(12)}
     assert all(1 <= c < len(truth[0]) for c in per_step.values())  # a window, never everything

@@ -206,3 +206,19 @@ def test_identical_inputs_give_identical_rows_and_default_schedule():
     assert (r1["u1"] == r2["u1"]).all()
     probe = SpectralProbe()
     assert probe.due(0) and probe.due(20) and not probe.due(5)
+
+
+def test_new_reference_drops_stale_caches():
+    g = torch.Generator().manual_seed(9)
+    ref_a = torch.randn(40, 30, generator=g)
+    ref_b = ref_a + 0.5 * torch.randn(40, 30, generator=g)  # θ₀ reset at a stage switch
+    w = ref_b + 0.05 * torch.randn(40, 30, generator=g)
+    probe = SpectralProbe(k=4, budget_ms=1e9)
+    probe.record(1, "sft", [("x.weight", w)], {"x.weight": ref_a})
+    (after,) = probe.record(2, "rl", [("x.weight", w)], {"x.weight": ref_b})
+    (fresh,) = SpectralProbe(k=4, budget_ms=1e9).record(2, "rl", [("x.weight", w)], {"x.weight": ref_b})
+    assert after["angle_left_deg"] is None  # no rotation against a ΔW measured from another θ₀
+    assert after["off_principal_energy"] == fresh["off_principal_energy"]
+    assert after["spectral_drift"] == fresh["spectral_drift"]
+    (same,) = probe.record(3, "rl", [("x.weight", w * 1.01)], {"x.weight": ref_b.clone()})
+    assert same["angle_left_deg"] is not None  # same θ₀ values (a new tensor object) keep the caches

@@ -7,7 +7,6 @@ import threading
 import warnings
 
 import numpy as np
-import pytest
 import torch
 
 from dynascope.store import RunWriter, open_store

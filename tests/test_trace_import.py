@@ -122,6 +122,11 @@ def test_synthetic_breakdowns_by_hand(tmp_path: Path) -> None:
                                 "COMMUNICATION": 24.25, "MEMORY": 2.0})
     ov = comm_comp_overlap(run, rounding="exact").row(0, named=True)
     assert ov["overlap_pct"] == pytest.approx(100 * 5.75 / 30)
+    # A store root with two runs: one row per run, and run= picks one.
+    import_traces([write(tmp_path / "u.json", kineto(synthetic_events()[:5], rank=0))], tmp_path / "other")
+    both = temporal_breakdown(tmp_path)
+    assert sorted(both["run_id"].to_list()) == ["other", "run"]
+    assert temporal_breakdown(tmp_path, run="run").drop("run_id").equals(temporal_breakdown(run).drop("run_id"))
 
 
 def test_rank_from_metadata_name_and_order(tmp_path: Path) -> None:
@@ -140,12 +145,30 @@ def test_rank_from_metadata_name_and_order(tmp_path: Path) -> None:
 
 
 def test_cut_points_do_not_change_the_rows(tmp_path: Path) -> None:
+    # Names and args full of "}, {" make many cut candidates fall inside strings or nested objects.
+    ev = [step(1, 0, 1000), step(2, 1000, 10)]
+    for i in range(60):
+        name = ['lambda()#1}, {lambda()#2', 'x\\"}, {"ph": "X"', "ünï}, {cödé]"][i % 3] + f"_{i}"
+        k = kernel(name, i, 10 + i, 0.5 + i / 1000)
+        k["args"]["nested"] = [{"a": "}, {"}, {"b": [1, {"c": "]"}]}]
+        ev += [launch(i, 5 + i), k]
+    trace = write(tmp_path / "t.json", kineto(ev, rank=0), indent=1)
+    q = "SELECT count(*), sum(hash(phase, start_ns, dur_ns, step, parent, stream, category)) FROM timings"
+    a = import_traces([trace], tmp_path / "one_chunk")
+    b = import_traces([trace], tmp_path / "many_chunks", block=700)
+    assert a.rows == b.rows == {"annotation": 2, "kernel": 60}
+    assert rows(tmp_path / "one_chunk", q) == rows(tmp_path / "many_chunks", q)
+    names = {r[0] for r in rows(tmp_path / "many_chunks", "SELECT phase FROM timings WHERE category = 'kernel'")}
+    assert names == {e["name"] for e in ev if e["cat"] == "kernel"}
+
+
+def test_cut_points_on_a_real_trace(tmp_path: Path) -> None:
     src = fixture_dir("nccl_parser_config")
     q = "SELECT count(*), sum(hash(phase, start_ns, dur_ns, step, parent, stream, category)) FROM timings"
-    a = import_traces([src], tmp_path / "big", block=16 << 20)
-    b = import_traces([src], tmp_path / "tiny", block=3000)  # thousands of cuts, many land inside strings
+    a = import_traces([src], tmp_path / "big")
+    b = import_traces([src], tmp_path / "small", block=1 << 20)
     assert a.rows == b.rows
-    assert rows(tmp_path / "big", q) == rows(tmp_path / "tiny", q)
+    assert rows(tmp_path / "big", q) == rows(tmp_path / "small", q)
 
 
 def test_fixture_counts_match_the_json(tmp_path: Path) -> None:

@@ -17,10 +17,9 @@ from __future__ import annotations
 import polars as pl
 
 from dynascope.analyses._common import StoreLike, as_store, frame, run_clause
-from dynascope.analyses.dynamics_rank1 import rank1_linear_fit
 from dynascope.store import StoreError, quote_literal
 
-__all__ = ["rank1_dominance", "rank1_linear_fit", "sparsity_comparison", "sparsity_over_training"]
+__all__ = ["rank1_dominance", "sparsity_comparison", "sparsity_over_training"]  # + dynamics_rank1.rank1_linear_fit
 
 _GROUPS = {"kind": "kind", "layer": "layer", "tensor": "tensor", "all": "'all'"}
 

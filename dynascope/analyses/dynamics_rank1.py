@@ -21,7 +21,7 @@ import polars as pl
 
 from dynascope.analyses._common import StoreLike, as_store, frame, run_clause
 
-__all__ = ["Rank1Track", "linear_weights", "rank1_linear_fit", "rank1_tracks"]
+__all__ = ["rank1_linear_fit"]  # Rank1Track, rank1_tracks, linear_weights: helpers for checkpoints.py
 
 
 @dataclass
@@ -61,18 +61,13 @@ def linear_weights(t_fit: np.ndarray, t_eval: np.ndarray) -> np.ndarray:
     return 1.0 / n + (slope / s_tt if s_tt > 0 else 0.0)
 
 
-def rank1_tracks(store: StoreLike, run: str | None = None, tensors: list[str] | None = None) -> list[Rank1Track]:
+def rank1_tracks(store: StoreLike, run: str | None = None) -> list[Rank1Track]:
     """Every tensor's rank-1 records (ΔW ≠ 0, lowest rank when several ranks recorded it)."""
     con = as_store(store)
-    names = ""
-    if tensors is not None:
-        from dynascope.store import quote_literal
-
-        names = " AND tensor IN (" + ", ".join(quote_literal(t) for t in tensors or [""]) + ")"
     df = frame(con, f"""
         SELECT run_id, tensor, layer, kind, rows, cols, step, sigma[1] AS sigma1, dw_fro, u1, v1
         FROM spectra
-        WHERE u1 IS NOT NULL AND v1 IS NOT NULL AND dw_fro > 0 AND step IS NOT NULL{run_clause(run)}{names}
+        WHERE u1 IS NOT NULL AND v1 IS NOT NULL AND dw_fro > 0 AND step IS NOT NULL{run_clause(run)}
         QUALIFY row_number() OVER (PARTITION BY run_id, tensor, step ORDER BY rank) = 1
         ORDER BY run_id, tensor, step""")
     out = []

@@ -8,6 +8,7 @@ tables that shows the underlying numbers (``dynascope sql RUN "<sql>"``).
 
 from __future__ import annotations
 
+import importlib
 import json
 import warnings
 from collections.abc import Callable
@@ -297,8 +298,12 @@ def _mfu(con, run: str) -> list[Finding]:
 
 
 def _dynamics(con, run: str) -> list[Finding]:
-    import dynascope.analyses as A  # guarded: the dynamics analyses may be absent
-
+    # Guarded: the dynamics analyses may be absent. Imported by module path, not through the package's
+    # lazy index, which would import every analysis module (some pull in torch).
+    try:
+        A = importlib.import_module("dynascope.analyses.dynamics")
+    except ImportError:
+        return []
     out = []
     r1 = getattr(A, "rank1_dominance", None)
     if r1 is not None:

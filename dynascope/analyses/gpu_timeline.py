@@ -60,7 +60,7 @@ def _kernels_sql(run: str | None, exclude_last_step: bool, rounding: str) -> str
            WHERE start_ns IS NOT NULL {rc} GROUP BY run_id, rank),
     tb AS (SELECT e.run_id, CAST(b.key AS INTEGER) AS rank, max(CAST(b.value AS BIGINT)) AS base_ns
            FROM events e, json_each(e.fields_json, '$.time_base_ns') b
-           WHERE e.kind = 'trace_import' {rc.replace("run_id", "e.run_id")} GROUP BY ALL),
+           WHERE e.kind = 'trace_import' {run_clause(run, "e.run_id")} GROUP BY ALL),
     g0 AS (SELECT t.run_id, t.rank, phase, step, parent,
                   coalesce(start_ns, start_us * 1000) AS s, coalesce(dur_ns, dur_us * 1000) AS d,
                   coalesce(tb.base_ns, 0) AS base, {hta} AS hta
@@ -68,7 +68,7 @@ def _kernels_sql(run: str | None, exclude_last_step: bool, rounding: str) -> str
            LEFT JOIN fr ON fr.run_id = t.run_id AND fr.rank = t.rank
            LEFT JOIN tb ON tb.run_id = t.run_id AND tb.rank = t.rank
            WHERE device LIKE 'cuda%' AND stream IS NOT NULL AND category IN ('kernel', 'comm', 'memcpy', 'wait')
-           {rc.replace("run_id", "t.run_id")}),
+           {run_clause(run, "t.run_id")}),
     g AS (SELECT run_id, rank, phase, step, parent,
                  CASE WHEN hta THEN base + 1000 * CAST(ceil({_f64_us("s - base")}) AS BIGINT) ELSE s END AS s,
                  CASE WHEN hta THEN base + 1000 * CAST(floor({_f64_us("s - base")} + {_f64_us("d")}) AS BIGINT)

@@ -82,8 +82,8 @@ def straggler_scores(store: StoreLike, run: str | None = None, *, window: int = 
                    median(rank_med_us) OVER w AS cross_med_us
             FROM wm WINDOW w AS (PARTITION BY run_id, role, phase, win)),
         agg AS (
-            SELECT run_id, role, rank, phase, SUM(n) AS steps, COUNT(*) AS windows,
-                   SUM(CASE WHEN score < {thr} THEN 1 ELSE 0 END) AS flagged_windows,
+            SELECT run_id, role, rank, phase, SUM(n)::BIGINT AS steps, COUNT(*) AS windows,
+                   SUM(CASE WHEN score < {thr} THEN 1 ELSE 0 END)::BIGINT AS flagged_windows,
                    median(score) AS score, median(rank_med_us) / 1000.0 AS median_ms,
                    median(cross_med_us) / 1000.0 AS cross_rank_median_ms,
                    100.0 * SUM(slow_steps) / SUM(n) AS slow_steps_pct
@@ -104,7 +104,7 @@ def _segments(con, run: str | None) -> tuple[pl.DataFrame, pl.DataFrame]:
         s AS (
             SELECT *, coalesce(SUM(CASE WHEN sync THEN 1 ELSE 0 END) OVER (
                        PARTITION BY run_id, role, rank, step ORDER BY start_us, sync
-                       ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS seg
+                       ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0)::BIGINT AS seg
             FROM t)
         SELECT run_id, role, rank, step, seg, phase, sync, SUM(dur_us)::DOUBLE AS dur_us
         FROM s GROUP BY ALL""")

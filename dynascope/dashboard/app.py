@@ -35,12 +35,14 @@ def _sidebar(path: str) -> None:
         default = ids if len(ids) <= 3 else ids[:1]
         if "runs" in st.session_state:
             st.session_state["runs"] = [r for r in st.session_state["runs"] if r in ids]
+        status = dict(zip(ids, catalog["status"].to_list(), strict=True))
         st.multiselect("Runs", ids, default=None if "runs" in st.session_state else default, key="runs",
-                       format_func=lambda r: f"{r} ({dict(zip(ids, catalog['status'], strict=True))[r]})")
+                       format_func=lambda r: f"{r} ({status.get(r, '?')})")
         st.toggle("Auto-refresh", key="auto_refresh", help=f"Re-query every few seconds (cache TTL {data.TTL_S:g} s).")
         st.select_slider("Refresh every (s)", [2, 5, 10, 30, 60], value=5, key="refresh_s")
         if st.button("Refresh now"):
-            st.cache_data.clear()
+            data.query.clear()
+            data.analysis.clear()
 
 
 def main() -> None:

@@ -12,8 +12,9 @@ PALETTE = ("#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2", "#E
 
 
 def layout(fig: go.Figure, title: str, xtitle: str = "", ytitle: str = "", height: int = 330) -> go.Figure:
-    fig.update_layout(title=title, height=height, margin=dict(l=10, r=10, t=40, b=10),
-                      legend=dict(orientation="h", y=-0.2), xaxis_title=xtitle, yaxis_title=ytitle)
+    # Legend above the plot, right-aligned: below it, it collides with the x-axis title on short charts.
+    fig.update_layout(title=dict(text=title, y=0.98, yanchor="top"), height=height, margin=dict(l=10, r=10, t=70, b=10),
+                      legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1.0), xaxis_title=xtitle, yaxis_title=ytitle)
     return fig
 
 

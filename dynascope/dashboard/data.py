@@ -31,7 +31,9 @@ def store(path: str) -> StoreConnection:
     return open_store(path, read_only=True)
 
 
-@st.cache_data(ttl=TTL_S, show_spinner=False, max_entries=512)
+# cache_resource, not cache_data: results are returned as the same (immutable) polars frames instead of
+# being pickled and copied on every read, which for a page's 40 MB parameter cube costs more than a scan.
+@st.cache_resource(ttl=TTL_S, show_spinner=False, max_entries=512)
 def query(name: str, path: str, *args: Any) -> Any:
     """``dynascope.dashboard.queries.<module>.<fn>(store, *args)``, cached by arguments for TTL_S."""
     module, fn = name.rsplit(".", 1)
@@ -39,7 +41,7 @@ def query(name: str, path: str, *args: Any) -> Any:
     return func(store(path), *args)
 
 
-@st.cache_data(ttl=TTL_S, show_spinner=False, max_entries=256)
+@st.cache_resource(ttl=TTL_S, show_spinner=False, max_entries=256)
 def analysis(name: str, path: str, **kwargs: Any) -> pl.DataFrame:
     """``dynascope.analyses.<name>(store, **kwargs)``; raises ``MissingAnalysis`` if it does not exist."""
     import dynascope.analyses as analyses
@@ -116,3 +118,30 @@ def downsample(df: pl.DataFrame, x: str, values: list[str], by: list[str], max_p
                                        pl.col(v).max().alias(f"{v}_hi"))]
     return (df.with_columns((pl.col(x) // width * width).alias(x))
             .group_by([*by, x], maintain_order=True).agg(agg).sort([*by, x]))
+
+
+# Runs up to this size on disk get every analysis at first render; larger ones get the slow ones
+# (per-record fits, what-if simulation, spike detection) after one click, to keep first renders fast.
+AUTO_MAX_BYTES = 64 * 2**20
+
+
+def on_demand(key: str, label: str, path: str, run: str) -> bool:
+    """True when a slow analysis should run now: the run is small, or the user asked once for this run."""
+    sizes = dict(query("runs.run_list", path).select("run_id", "size_bytes").iter_rows())
+    flag = f"{key}:{run}"
+    if (sizes.get(run) or 0) <= AUTO_MAX_BYTES or st.session_state.get(flag):
+        return True
+    if st.button(label, key=f"btn_{flag}"):
+        st.session_state[flag] = True
+        return True
+    return False
+
+
+def remembered(key: str, options: list[Any], default: list[Any]) -> list[Any] | None:
+    """The ``default`` to give a keyed multiselect: None when the session already holds its value (pruned to
+    the current options — another run may lack a kind — so the widget never holds a value it does not
+    offer), else ``default``. Passing both a default and a session value makes Streamlit print a warning."""
+    if key in st.session_state:
+        st.session_state[key] = [v for v in st.session_state[key] if v in options]
+        return None
+    return default

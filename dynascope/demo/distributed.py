@@ -9,9 +9,11 @@ writes its own probe rows into the shared run directory.
 from __future__ import annotations
 
 import copy
+import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -45,18 +47,12 @@ def save_weights(model: torch.nn.Module, path: Path) -> None:
 
 
 def open_scope(s: DemoSettings, model: torch.nn.Module, opt: torch.optim.Optimizer | None, *, rank: int, world: int,
-               role: str = "trainer", spectral: RLSpectralSchedule | None = None, stage: str = "sft") -> object:
+               role: str = "trainer", spectral: RLSpectralSchedule | None = None, stage: str = "sft") -> Any:
     """The demo's probes: every tensor every step (the model is tiny), spectra on RL's schedule."""
     spec = dict(k=s.spectral_k, budget_ms=500.0, schedule=spectral) if spectral is not None else False
     return dynascope.watch(model, opt, run=s.run_dir, rank=rank, role=role, world_size=world, stage=stage,
                            every=1 if opt is not None else 0, memory_budget=None, spectral=spec,
-                           system_interval_s=2.0, config={"demo": json_settings(s)})
-
-
-def json_settings(s: DemoSettings) -> dict:
-    import json
-
-    return json.loads(s.to_json())
+                           system_interval_s=2.0, config={"demo": json.loads(s.to_json())})
 
 
 def train_rank(s: DemoSettings, rank: int = 0, world: int = 1) -> dict:
@@ -72,6 +68,8 @@ def train_rank(s: DemoSettings, rank: int = 0, world: int = 1) -> dict:
     evals = heldout(s.task, s.eval_n, s.seed)
     sft_cfg = s.sft if world == 1 else type(s.sft)(**{**s.sft.__dict__, "batch": s.sft.batch // world})
     sft = run_sft(model, opt, scope, tok, s.task, sft_cfg, gen, evals, s.seed, rank=rank, world=world)
+    say = print if rank == 0 else (lambda *a, **k: None)
+    say(f"SFT: {sft['steps']} steps → held-out accuracy {sft['eval/accuracy']:.1%}; GRPO for {s.rl.steps} steps", flush=True)
 
     # RL: θ₀ := the SFT result, for the probes (drift, spectra) and on disk for rank1_reconstruction.
     run_dir = Path(s.run_dir)
@@ -88,10 +86,17 @@ def train_rank(s: DemoSettings, rank: int = 0, world: int = 1) -> dict:
     spectral.start, spectral.last = scope.step_index, scope.step_index + s.rl.steps - 1
     slow = SlowDevice(rollout_model, s.slow_factor) if s.slow_rank == rank and world > 1 else None
     rl_cfg = s.rl if world == 1 else type(s.rl)(**{**s.rl.__dict__, "prompts": max(1, s.rl.prompts // world)})
+    recent: list[float] = []
     for version in range(s.rl.steps):
-        rl_step(policy=model, rollout_model=rollout_model, ref=ref, opt=opt, scope=scope, tok=tok, task=s.task,
-                cfg=rl_cfg, gen=gen, version=version, rank=rank, world=world, slow=slow)
+        st = rl_step(policy=model, rollout_model=rollout_model, ref=ref, opt=opt, scope=scope, tok=tok, task=s.task,
+                     cfg=rl_cfg, gen=gen, version=version, rank=rank, world=world, slow=slow)
+        recent.append(st["reward"])
+        if (version + 1) % max(1, s.rl.steps // 5) == 0:
+            say(f"  RL step {version + 1}/{s.rl.steps}: training reward {sum(recent) / len(recent):.1%} "
+                f"(last {len(recent)} steps), KL {st['kl']:.3f}", flush=True)
+            recent.clear()
     final = log_eval(scope, model, tok, s.task, evals, s.seed, rank=rank, world=world)
+    say(f"RL done: held-out accuracy {final['eval/accuracy']:.1%}", flush=True)
     if rank == 0:
         save_weights(model, run_dir / FINAL_FILE)
     scope.close()

@@ -8,7 +8,6 @@ serve the asynchronous Ray trainer, where the behaviour policy is stale and the 
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,10 +19,10 @@ from dynascope.demo.task import CharTokenizer, TaskConfig, prompt_ids, reward, s
 
 @dataclass(frozen=True)
 class GRPOConfig:
-    steps: int = 60
-    prompts: int = 16          # prompts per step (per rank under torchrun)
+    steps: int = 150
+    prompts: int = 32          # prompts per step (split across ranks under torchrun)
     group: int = 8             # samples per prompt; advantages are relative within the group
-    lr: float = 2e-4
+    lr: float = 1e-3           # a third of SFT's: RL should refine θ_SFT, not replace it
     beta: float = 0.04         # KL(π‖π_ref) weight, k3 estimator
     clip: float = 0.2
     temperature: float = 1.0
@@ -83,7 +82,7 @@ def allreduce_grads(model: torch.nn.Module, world: int) -> None:
     flat = torch.cat([g.flatten() for g in grads])
     torch.distributed.all_reduce(flat)
     flat /= world
-    for g, chunk in zip(grads, flat.split([g.numel() for g in grads])):
+    for g, chunk in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
         g.copy_(chunk.view_as(g))
 
 
@@ -152,5 +151,5 @@ def rl_step(*, policy: TinyLM, rollout_model: TinyLM, ref: TinyLM, opt: torch.op
 @torch.no_grad()
 def sync_weights(src: torch.nn.Module, dst: torch.nn.Module) -> None:
     """Copy the trained weights into the rollout model (as a trainer pushes weights to its inference engine)."""
-    for d, s in zip(dst.parameters(), src.parameters()):
+    for d, s in zip(dst.parameters(), src.parameters(), strict=True):
         d.copy_(s)

@@ -10,7 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import polars as pl
-import torch
 from rich.console import Console
 from rich.table import Table
 
@@ -18,7 +17,7 @@ from dynascope import analyses
 from dynascope.analyses._common import frame
 from dynascope.demo.distributed import FINAL_FILE, THETA0_FILE
 from dynascope.demo.settings import DemoSettings
-from dynascope.store import StoreConnection, open_store
+from dynascope.store import StoreConnection, open_store, quote_literal
 
 RANK1_FILE = "policy_rank1.safetensors"
 
@@ -28,7 +27,7 @@ def _pct(x: float | None) -> str:
 
 
 def _last_scalar(con: StoreConnection, key: str, stage: str) -> float | None:
-    df = frame(con, f"SELECT value FROM scalars WHERE key = '{key}' AND stage = '{stage}' AND rank = 0 "
+    df = frame(con, f"SELECT value FROM scalars WHERE key = {quote_literal(key)} AND stage = {quote_literal(stage)} "
                     "ORDER BY step DESC, time_us DESC LIMIT 1")
     return None if df.is_empty() else float(df["value"][0])
 
@@ -131,10 +130,12 @@ def _bottlenecks(con: StoreConnection, console: Console) -> None:
     if scores.is_empty():
         console.print("Slowest rank: one process per role — nothing to compare.")
     else:
-        w = scores.row(0, named=True)
+        # The rank that costs the most time: excess over the cross-rank median, times the steps it recurs in.
+        w = (scores.with_columns(((pl.col("median_ms") - pl.col("cross_rank_median_ms")) * pl.col("steps"))
+                                 .alias("excess_ms")).sort("excess_ms", descending=True).row(0, named=True))
         console.print(f"Slowest rank: [bold]rank {w['rank']}[/] ({w['role']}) in phase [bold]{w['phase']}[/]: "
                       f"{w['median_ms']:.0f} ms median vs {w['cross_rank_median_ms']:.0f} ms across ranks "
-                      f"(score {w['score']:.2f}, {w['status']}).", highlight=False)
+                      f"({w['slowdown_x']:.1f}× slower, score {w['score']:.2f}, {w['status']}).", highlight=False)
     tail = analyses.rollout_long_tail(con)
     if tail.height:
         console.print(f"Rollout long tail: median step's slowest sample took {tail['gen_tail_x'].median():.1f}× "
@@ -167,4 +168,3 @@ def print_report(s: DemoSettings, console: Console, train_s: float) -> None:
     console.print(f"\nθ₀ (SFT) and the RL policy: {run_dir / THETA0_FILE}, {run_dir / FINAL_FILE}")
     console.print("Explore it:  [bold]dynascope dashboard " + str(run_dir) + "[/]", highlight=False)
     console.print("Findings:    dynascope report " + str(run_dir), highlight=False)
-    torch.set_num_threads(torch.get_num_threads())  # keep torch imported for the evaluation above

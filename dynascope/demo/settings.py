@@ -39,7 +39,7 @@ class DemoSettings:
     def build(cls, run_dir: str, *, quick: bool, ranks: int, slow_rank: int | None, slow_factor: float,
               long_tail: bool, use_async: bool, seed: int) -> DemoSettings:
         """Defaults (≤ 3 min on 2 cores) or ``quick`` (< 60 s) settings for the requested variant."""
-        rl = GRPOConfig(steps=40 if quick else 150, prompts=16 if quick else 32)
+        rl = GRPOConfig(steps=40, prompts=16) if quick else GRPOConfig()
         return cls(run_dir=str(run_dir), seed=seed, quick=quick, ranks=max(ranks, 1), slow_rank=slow_rank,
                    slow_factor=slow_factor, use_async=use_async,
                    eval_n=128 if quick else 256, spectral_every=5 if quick else 10,

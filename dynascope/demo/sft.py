@@ -43,18 +43,21 @@ def heldout(task: TaskConfig, n: int, seed: int) -> list[str]:
 
 
 def log_eval(scope: Any, model: TinyLM, tok: CharTokenizer, task: TaskConfig, strings: list[str], seed: int,
-             rank: int = 0, world: int = 1) -> dict:
-    """Greedy accuracy and sampled (T=1) reward on the held-out set, logged as ``eval/*`` scalars.
+             rank: int = 0, world: int = 1, sampled: bool = True) -> dict:
+    """Greedy accuracy (and, if ``sampled``, the T=1 reward) on the held-out set, logged as ``eval/*`` scalars.
 
     Under torchrun each rank scores its share of the set and one all_reduce adds them up.
     """
     mine = strings[rank::world]
     with scope.phase("eval"):
         sums = torch.tensor([evaluate(model, tok, task, mine) * len(mine),
-                             evaluate(model, tok, task, mine, 1.0, seed + rank) * len(mine)], dtype=torch.float64)
+                             evaluate(model, tok, task, mine, 1.0, seed + rank) * len(mine) if sampled else 0.0],
+                            dtype=torch.float64)
         if world > 1:
             torch.distributed.all_reduce(sums)
-    out = {"eval/accuracy": float(sums[0]) / len(strings), "eval/sampled_reward": float(sums[1]) / len(strings)}
+    out = {"eval/accuracy": float(sums[0]) / len(strings)}
+    if sampled:
+        out["eval/sampled_reward"] = float(sums[1]) / len(strings)
     scope.log(**out)
     return out
 
@@ -64,7 +67,8 @@ def run_sft(model: TinyLM, opt: torch.optim.Optimizer, scope: Any, tok: CharToke
     """Train on correct demonstrations until held-out greedy accuracy reaches ``cfg.target_acc``."""
     from dynascope.demo.grpo import allreduce_grads
 
-    last = log_eval(scope, model, tok, task, evals, seed, rank, world)
+    # Greedy accuracy is the stopping rule; the sampled reward is measured once, where RL starts.
+    last = log_eval(scope, model, tok, task, evals, seed, rank, world, sampled=False)
     for step in range(1, cfg.max_steps + 1):
         with scope.phase("data"):
             ids, tgt = sft_batch(sample_strings(cfg.batch, task, gen), tok)
@@ -78,7 +82,7 @@ def run_sft(model: TinyLM, opt: torch.optim.Optimizer, scope: Any, tok: CharToke
         scope.log(**{"sft/loss": float(loss.detach())})
         opt.step()  # the probe's step boundary
         if step % cfg.eval_every == 0:
-            last = log_eval(scope, model, tok, task, evals, seed, rank, world)
+            last = log_eval(scope, model, tok, task, evals, seed, rank, world, sampled=False)
             if last["eval/accuracy"] >= cfg.target_acc:
                 break
-    return {"steps": step, **last}
+    return {"steps": step, **log_eval(scope, model, tok, task, evals, seed, rank, world)}

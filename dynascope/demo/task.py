@@ -66,7 +66,7 @@ def sample_strings(n: int, cfg: TaskConfig, gen: torch.Generator) -> list[str]:
         long = torch.randint(cfg.max_len + 1, cfg.tail_max_len + 1, (n,), generator=gen)
         lens = torch.where(tail, long, lens)
     letters = torch.randint(0, len(ALPHABET), (n, int(lens.max())), generator=gen)
-    return ["".join(ALPHABET[j] for j in row[:k].tolist()) for row, k in zip(letters, lens.tolist())]
+    return ["".join(ALPHABET[j] for j in row[:k].tolist()) for row, k in zip(letters, lens.tolist(), strict=True)]
 
 
 def prompt_ids(s: str, tok: CharTokenizer) -> list[int]:
@@ -88,7 +88,7 @@ def sft_batch(strings: list[str], tok: CharTokenizer) -> tuple[torch.Tensor, tor
     width = max(len(q) for q in seqs)
     ids = torch.full((len(seqs), width), PAD, dtype=torch.long)
     tgt = torch.full((len(seqs), width), -100, dtype=torch.long)
-    for i, (s, q) in enumerate(zip(strings, seqs)):
+    for i, (s, q) in enumerate(zip(strings, seqs, strict=True)):
         ids[i, : len(q)] = torch.tensor(q)
         p = len(s) + 2  # the prompt; targets are shifted left by one
         tgt[i, p - 1 : len(q) - 1] = torch.tensor(q[p:])

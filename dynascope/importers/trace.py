@@ -219,8 +219,8 @@ def import_command(paths: list[Path], run: Path, *, console: Any = None) -> Impo
     result = import_traces(list(paths), run)
     if console is not None:
         for rank, path in sorted(result.files.items()):
-            console.print(f"rank {rank}: {path}")
+            console.print(f"rank {rank}: {path}", markup=False, highlight=False)
         rows = ", ".join(f"{n} {cat}" for cat, n in sorted(result.rows.items())) or "no rows"
         console.print(f"imported {len(result.files)} file(s), {result.bytes_read / 1e6:.1f} MB of events "
-                      f"in {result.seconds:.2f} s: {rows} → {result.run_dir}")
+                      f"in {result.seconds:.2f} s: {rows} → {result.run_dir}", markup=False, highlight=False)
     return result

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import gzip
 import json
+import queue
 import re
+import threading
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -55,29 +57,52 @@ def open_trace(path: Path) -> BinaryIO:
 
 
 class _Source:
-    """Decompressed bytes on demand; turns codec errors into one-line TraceFormatErrors."""
+    """Decompressed bytes, read ahead by a thread (zlib releases the GIL, so gunzip overlaps parsing);
+    codec errors become one-line TraceFormatErrors."""
 
     def __init__(self, path: Path, block: int) -> None:
         self.path, self.block = path, block
         self.fh = open_trace(path)
         self.eof = False
         self.consumed = 0
+        self._queue: queue.Queue[bytes | BaseException] = queue.Queue(maxsize=2)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._pump, name="dynascope-trace-read", daemon=True)
+        self._thread.start()
+
+    def _pump(self) -> None:
+        while not self._stop.is_set():
+            try:
+                item: bytes | BaseException = self.fh.read(self.block)
+            except BaseException as exc:  # handed to the reading thread, which raises it
+                item = exc
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if not isinstance(item, bytes) or not item:
+                return
 
     def read(self) -> bytes:
         if self.eof:
             return b""
-        try:
-            data = self.fh.read(self.block)
-        except EOFError:
-            raise TraceFormatError(f"{self.path}: truncated gzip stream (file ends mid-stream)") from None
-        except (OSError, zlib.error) as exc:
-            raise TraceFormatError(f"{self.path}: unreadable gzip data ({exc})") from None
-        if not data:
+        item = self._queue.get()
+        if isinstance(item, EOFError):
+            raise TraceFormatError(f"{self.path}: truncated gzip stream (file ends mid-stream)")
+        if isinstance(item, (OSError, zlib.error)):
+            raise TraceFormatError(f"{self.path}: unreadable gzip data ({item})")
+        if isinstance(item, BaseException):
+            raise item
+        if not item:
             self.eof = True
-        self.consumed += len(data)
-        return data
+        self.consumed += len(item)
+        return item
 
     def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
         self.fh.close()
 
 

@@ -50,6 +50,7 @@ class History:
     rows: int = 0     # history rows (wandb.log calls) read
     config: dict[str, Any] = field(default_factory=dict)
     warning: str | None = None  # e.g. a torn tail on a crashed run
+    complete: bool = True       # a .wandb log ends with an exit record once wandb-core has flushed it all
 
     def add_row(self, items: dict[str, Any], step_key: str, last_step: int | None) -> int | None:
         """Append one history row; returns the step it used (carried forward to the next row)."""
@@ -125,7 +126,7 @@ def read_wandb_file(path: Path, step_key: str = "_step") -> History:
     from dynascope.integrations._extras import require
 
     pb = require("wandb.proto.wandb_internal_pb2", "dynascope import wandb (for .wandb files)")
-    hist, last_step = History(), None
+    hist, last_step = History(complete=False), None
     try:
         for payload in read_transaction_log(path):
             record = pb.Record()
@@ -136,6 +137,8 @@ def read_wandb_file(path: Path, step_key: str = "_step") -> History:
                 if "_step" not in items and record.history.HasField("step"):
                     items["_step"] = record.history.step.num
                 last_step = hist.add_row(items, step_key, last_step)
+            elif kind == "exit":
+                hist.complete = True
             elif kind in ("run", "config"):  # the run record carries the init-time config
                 updates = record.run.config.update if kind == "run" else record.config.update
                 for item in updates:
@@ -258,6 +261,8 @@ def import_command(path: Path, run: Path, console: Any = None, step_key: str = "
                       + (f"; skipped {hist.skipped} non-numeric values" if hist.skipped else ""))
         if hist.warning:
             console.print(f"warning: {hist.warning}")
+        if not hist.complete:
+            console.print("note: the wandb log has no exit record yet (run still running, crashed, or not flushed)")
     return hist
 
 

@@ -45,12 +45,14 @@ class DynascopeCallback(transformers.TrainerCallback):
         self._thread: int | None = None
         self._trl: Any = None
         self._writer: Any = None
+        self._attached = False
         self._warned = False
 
     # ---- attaching --------------------------------------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        **kwargs: Any) -> None:
         self._thread = threading.get_ident()
+        self._attached = False
         self._model = model
         self.trainer = _find_trainer(self)
         if optimizer is not None:
@@ -58,20 +60,21 @@ class DynascopeCallback(transformers.TrainerCallback):
 
     def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                       **kwargs: Any) -> None:
-        if self.scope is None and optimizer is not None:
+        if not self._attached and optimizer is not None:
             self._guard(lambda: self._attach(args, model or self._model, optimizer))
         self._open_train()
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                               **kwargs: Any) -> None:
         self._close_train()
-        if self.scope is None and optimizer is not None:
+        if not self._attached and optimizer is not None:
             self._guard(lambda: self._attach(args, model or self._model, optimizer))
 
     def _attach(self, args: Any, model: Any, optimizer: Any) -> None:
         import dynascope
         from dynascope.store import RunWriter
 
+        self._attached = True  # one attempt per train(): a failure warns once instead of retrying every step
         kw = dict(self.watch_kwargs)
         kw.setdefault("stage", _stage_of(self.trainer))
         if kw.get("writer") is None:  # our own writer, so the run records which framework wrote it

@@ -1,9 +1,10 @@
 """Gradient statistics at the optimizer step: norm, max-abs, exact/near-zero, NaN and Inf counts.
 
-Two tiers so ``every=1`` stays cheap: ``grad_norms`` (norm and max-abs, one batched pass each) runs on
-every tracked tensor; ``grad_counts`` (zero / near-zero / NaN / Inf counts, several passes) runs on the
-budgeted window of tensors. When a tensor's max-abs is finite its NaN and Inf counts are exactly 0, so
-the scope fills them for every tensor without touching the data again.
+Two tiers so ``every=1`` stays cheap: ``grad_norms`` (one batched ``_foreach_norm`` pass) runs on every
+tracked tensor; ``grad_counts`` (max-abs, zero / near-zero / NaN / Inf counts, several passes — a
+max-reduction alone costs several norm passes on CPU) runs on the budgeted window of tensors. A finite
+norm proves there is no NaN or Inf element, so the scope fills those counts as exactly 0 for every
+tensor whose norm is finite without touching the data again.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from dynascope.probes.update_stats import norms, wide
 __all__ = ["GRAD_COUNT_COLUMNS", "GRAD_NORM_COLUMNS", "GRAD_REDUCTIONS", "DEFAULT_GRAD_TOL", "grad_counts",
            "grad_norms"]
 
-GRAD_NORM_COLUMNS = ("grad_norm", "grad_max_abs")
-GRAD_COUNT_COLUMNS = ("grad_zero_count", "grad_near_zero_count", "grad_nan", "grad_inf")
+GRAD_NORM_COLUMNS = ("grad_norm",)
+GRAD_COUNT_COLUMNS = ("grad_max_abs", "grad_zero_count", "grad_near_zero_count", "grad_nan", "grad_inf")
 GRAD_REDUCTIONS = {"grad_norm": "norm", "grad_max_abs": "max", "grad_zero_count": "sum",
                    "grad_near_zero_count": "sum", "grad_nan": "sum", "grad_inf": "sum"}
 DEFAULT_GRAD_TOL = 1e-8  # near zero: |g| <= tol · rms(g) of the same tensor
@@ -28,34 +29,33 @@ DEFAULT_GRAD_TOL = 1e-8  # near zero: |g| <= tol · rms(g) of the same tensor
 def _max_abs(t: Tensor) -> Tensor:
     if t.numel() == 0:
         return torch.zeros((), dtype=torch.float64, device=t.device)
-    # amax of |t| propagates NaN, so a NaN gradient shows up here too (and in the norm).
-    return t.abs().amax().to(torch.float64)
+    # One read pass (no |t| temporary); min/max propagate NaN, so a NaN gradient shows up here too.
+    return torch.stack(torch.aminmax(t)).abs().amax().to(torch.float64)
 
 
 def grad_norms(grads: list[Tensor]) -> Tensor:
-    """float64 [n, 2]: L2 norm (fp32 accumulation for 16-bit grads) and max |g| per gradient."""
+    """float64 [n, 1]: L2 norm per gradient (fp32 accumulation for 16-bit grads)."""
     if not grads:
-        return torch.zeros((0, 2), dtype=torch.float64)
+        return torch.zeros((0, 1), dtype=torch.float64)
     with torch.no_grad():
-        n = norms(grads).to(grads[0].device)
-        m = torch.stack([_max_abs(g) for g in grads])
-        return torch.stack([n, m], dim=1)
+        return norms(grads).to(grads[0].device).unsqueeze(1)
 
 
 def grad_counts(grads: list[Tensor], grad_norm: Tensor | None = None, tol: float | None = None) -> Tensor:
-    """float64 [n, 4]: exact-zero, near-zero (|g| ≤ tol·rms), NaN and Inf element counts per gradient.
+    """float64 [n, 5]: max |g|, then exact-zero, near-zero (|g| ≤ tol·rms), NaN and Inf element counts.
 
     ``grad_norm`` (float64 [n], from ``grad_norms``) saves recomputing the norms for the rms threshold.
     """
     if not grads:
-        return torch.zeros((0, 4), dtype=torch.float64)
+        return torch.zeros((0, 5), dtype=torch.float64)
     tol = DEFAULT_GRAD_TOL if tol is None else float(tol)
     with torch.no_grad():
         if grad_norm is None:
             grad_norm = norms(grads)
         grad_norm = grad_norm.to(grads[0].device)
-        zero, near, nan, inf = [], [], [], []
+        mx, zero, near, nan, inf = [], [], [], [], []
         for i, g in enumerate(grads):
+            mx.append(_max_abs(g))
             nz = torch.count_nonzero(g)
             zero.append(g.numel() - nz)
             a = wide(g).abs()
@@ -64,5 +64,5 @@ def grad_counts(grads: list[Tensor], grad_norm: Tensor | None = None, tol: float
             near.append((a <= thr).sum())
             nan.append(torch.isnan(g).sum())
             inf.append(torch.isinf(a).sum())
-        cols = [torch.stack([x.to(torch.float64) for x in c]) for c in (zero, near, nan, inf)]
+        cols = [torch.stack([x.to(torch.float64) for x in c]) for c in (mx, zero, near, nan, inf)]
         return torch.stack(cols, dim=1)

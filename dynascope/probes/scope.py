@@ -206,6 +206,7 @@ class Scope:
                     "dur_us": (t1 - self._step_t0) // 1000, "device": self.timer.device, "category": "step"}
         self._step_t0, self._step_start_us = t1, now_us()
         phases = self.timer.take()
+        self._bwd_live = False  # a backward that raised never ran its end callback; do not stay stuck
         self.step_index += 1
         self.timer.step = self.step_index
         self.resolver.submit(self._resolve, step, self.stage, rec, phases, step_row, spectra, mem)

@@ -179,7 +179,7 @@ class SpectralProbe:
         self.k, self.budget_ms = int(k), float(budget_ms)
         self.schedule = schedule if schedule is not None else every(10)
         self.niter, self.oversample, self.dtype = int(niter), int(oversample), dtype
-        self._w0: dict[str, Basis] = {}
+        self._w0: dict[str, tuple[list[float], Basis]] = {}  # θ₀ fingerprint and top-k triplets
         self._prev: dict[str, Basis | None] = {}
         self._cursor = 0  # where the next record starts in the list of eligible tensors
         self._warned = False
@@ -202,6 +202,11 @@ class SpectralProbe:
         """Drop the cached state of one tensor (the offline diff does this when it is done with it)."""
         self._w0.pop(name, None)
         self._prev.pop(name, None)
+
+    def reset(self) -> None:
+        """Drop every cache (W_0 subspaces, previous records); the next record starts afresh."""
+        self._w0.clear()
+        self._prev.clear()
 
     def record(self, step: int, stage: str | None, named_weights: list[tuple[str, Tensor]],
                reference: dict[str, Tensor]) -> list[dict]:
@@ -232,10 +237,16 @@ class SpectralProbe:
                 wt = w.detach().to(self.dtype)
                 w0 = ref.detach().to(device=wt.device, dtype=self.dtype)
                 seed = name_seed(name)
-                if name not in self._w0:
-                    self._w0[name] = top_k_svd(w0, self.k, niter=self.niter, oversample=self.oversample,
-                                               seed=seed + 1)
-                row, basis = spectrum_row(wt - w0, wt, self._w0[name], self._prev.get(name), self.k,
+                # θ₀ can be replaced mid-run (scope.set_reference at a stage switch): a fingerprint of
+                # the whole tensor (one cheap pass, next to the SVD's several) drops stale caches.
+                fp = torch.stack([torch.sum(w0, dtype=torch.float64),
+                                  torch.linalg.vector_norm(w0, dtype=torch.float64)]).tolist()
+                cached = self._w0.get(name)
+                if cached is None or cached[0] != fp:
+                    self._prev.pop(name, None)
+                    cached = self._w0[name] = (fp, top_k_svd(w0, self.k, niter=self.niter,
+                                                             oversample=self.oversample, seed=seed + 1))
+                row, basis = spectrum_row(wt - w0, wt, cached[1], self._prev.get(name), self.k,
                                           seed=seed, niter=self.niter, oversample=self.oversample)
         except Exception as exc:
             self._warn(f"spectral summary of {name} failed: {type(exc).__name__}: {exc}")

@@ -1,9 +1,9 @@
 """Per-tensor statistics of one recorded step: plan the window, compute on device, pack, unpack to rows.
 
 Cost model (see benchmarks/probe_overhead.py for the measured figures). Every recorded step, for every
-tracked tensor: ‖W‖, ‖g‖ and max|g| (batched norms, no extra memory). The statistics that need the
-pre-step weights, θ₀ or several passes over the data — ‖ΔW‖, changed/sign-flip counts, drift,
-zero/near-zero gradient counts — run on a *window* of tensors that rotates through the model, sized by
+tracked tensor: ‖W‖ and ‖g‖ (batched norms, no extra memory; a finite norm also proves NaN/Inf counts
+are 0). The statistics that need the pre-step weights, θ₀ or several passes over the data — ‖ΔW‖,
+changed/sign-flip counts, drift, max|g| and zero/near-zero gradient counts — run on a *window* of tensors that rotates through the model, sized by
 ``memory_budget`` (share of parameter bytes held for snapshots and θ₀). At the default 0.1 each
 tensor gets the full set every ~10 records; ``memory_budget >= 2`` (θ₀ resident + a full snapshot)
 gives every statistic for every tensor at every record. Columns of tensors outside the window are NULL.
@@ -98,8 +98,9 @@ class TensorStats:
         in_window = set(rec.window)
         pos = [k for k, i in enumerate(rec.with_grad) if i in in_window]
         rec.window_grad = [rec.with_grad[k] for k in pos]
-        rec.parts["grad_counts"] = grad_counts([grads[k] for k in pos], gn[pos, 0] if pos else None,
-                                               self.grad_tol)
+        col = gn[:, 0].unbind() if pos else ()  # 0-d views: picking them needs no host→device index copy
+        rec.parts["grad_counts"] = grad_counts([grads[k] for k in pos],
+                                               torch.stack([col[k] for k in pos]) if pos else None, self.grad_tol)
         if snapshot:
             self.update.before([tracked[i].local() for i in rec.window])
         self._rec = rec
@@ -215,14 +216,14 @@ def rows_from_record(rec: Record) -> dict[str, list]:
             put(f"{col}_count", c), put(f"{col}_frac", _frac(c, numel))
         g, k = gn.get(i), gc.get(i)
         put("grad_norm", float(g[0]) if g is not None else None)
-        put("grad_max_abs", float(g[1]) if g is not None else None)
-        for col, j in (("grad_zero", 0), ("grad_near_zero", 1)):
+        put("grad_max_abs", float(k[0]) if k is not None else None)
+        for col, j in (("grad_zero", 1), ("grad_near_zero", 2)):
             c = _count(k[j]) if k is not None else None
             put(f"{col}_count", c), put(f"{col}_frac", _frac(c, numel))
         if k is not None:
-            put("grad_nan", _count(k[2])), put("grad_inf", _count(k[3]))
+            put("grad_nan", _count(k[3])), put("grad_inf", _count(k[4]))
         else:
-            known = g is not None and math.isfinite(float(g[1]))
+            known = g is not None and math.isfinite(float(g[0]))
             put("grad_nan", 0 if known else None), put("grad_inf", 0 if known else None)
     if n:
         cols.update(step=rec.step, time_us=rec.time_us, stage=rec.stage)

@@ -41,6 +41,8 @@ def norms(tensors: list[Tensor]) -> Tensor:
     """
     if not tensors:
         return torch.zeros(0, dtype=torch.float64)
+    if all(t.dtype == torch.float32 for t in tensors):  # the common case: one batched call, one cast
+        return torch.stack(torch._foreach_norm(tensors)).to(torch.float64)
     out: list[Tensor | None] = [None] * len(tensors)
     groups: dict[bool, list[int]] = {}
     for i, t in enumerate(tensors):

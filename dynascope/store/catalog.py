@@ -16,10 +16,11 @@ import re
 import time
 from pathlib import Path
 
+import duckdb
 import polars as pl
 
-from dynascope.store.layout import HEARTBEATS, MARKER, SEGMENT_RE, StoreError, locate, read_marker
-from dynascope.store.reader import open_store, quote_ident
+from dynascope.store.layout import HEARTBEATS, MARKER, SEGMENT_RE, StoreError, locate, printable, read_marker
+from dynascope.store.reader import explain_error, open_store, quote_ident
 
 LIVE_MARGIN_S = 5.0
 _WRITER_DIR = re.compile(r"^writer=(.+)$")
@@ -43,8 +44,10 @@ def list_runs(path: str | os.PathLike) -> pl.DataFrame:
         try:
             rows.append(_describe(run_dir))
         except StoreError as exc:  # garbage or newer marker: list the run with the reason, keep the others
-            rows.append((run_dir.name, run_dir.name, "crashed", None, 0, 0, None, None, str(run_dir),
-                         str(exc).strip().splitlines()[0]))
+            name = printable(run_dir.name)
+            rows.append((name, name, "crashed", None, 0, 0, None, None, printable(run_dir),
+                         printable(str(exc).strip().splitlines()[0])))
+    rows = [tuple(printable(v) if isinstance(v, str) else v for v in r) for r in rows]  # invalid UTF-8 names
     df = pl.DataFrame(rows, schema=SCHEMA, orient="row") if rows else pl.DataFrame(schema=SCHEMA)
     return df.sort("start_us", descending=True, nulls_last=True)
 
@@ -70,6 +73,8 @@ def _describe(run_dir: Path) -> tuple:
         name, steps, ended = _query(run_dir)
     except (StoreError, OSError) as exc:
         problem = str(exc).strip().splitlines()[0]
+    except duckdb.Error as exc:  # a segment that reads badly past its footer
+        problem = explain_error(exc, f"{run_dir}: could not read")
     status = _status(run_dir, writers, ended)
     start = meta.get("created_us") if isinstance(meta.get("created_us"), int) else None
     return (run_id, name, status, steps, len(ranks), size, max(seg_times, default=None), start, str(run_dir), problem)

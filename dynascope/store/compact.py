@@ -119,7 +119,7 @@ def _merge_dir(table: str, live: list[tuple[int, int, Path]], settle_us: int, ta
     group: list[tuple[int, int, Path]] = []
     rows = 0
     for seg in [*live, None]:  # None closes the last group
-        n = pq.ParquetFile(seg[2]).metadata.num_rows if seg is not None else 0
+        n = _num_rows(seg[2]) if seg is not None else 0
         if seg is None or (group and rows + n > target_rows):
             if len(group) >= 2:
                 last_valid = _merge(table, group, settle_us)
@@ -131,6 +131,13 @@ def _merge_dir(table: str, live: list[tuple[int, int, Path]], settle_us: int, ta
             group.append(seg)
             rows += n
     return last_valid
+
+
+def _num_rows(path: Path) -> int:
+    try:
+        return pq.ParquetFile(path).metadata.num_rows
+    except (OSError, pa.ArrowException) as exc:  # name the file: the user has to move it away
+        raise OSError(f"{path.name}: corrupt segment ({str(exc).strip().splitlines()[0]})") from None
 
 
 def _merge(table: str, group: list[tuple[int, int, Path]], settle_us: int) -> int:

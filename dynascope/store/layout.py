@@ -123,6 +123,7 @@ def locate(path: str | os.PathLike) -> StoreLocation:
     if not p.is_dir():
         raise StoreError(f"{p}: not a directory (expected a run directory or a store root)")
     p = p.resolve()
+    _check_utf8(p)
     if (p / MARKER).exists():
         read_marker(p)
         return StoreLocation(p, False, (p,))
@@ -130,8 +131,21 @@ def locate(path: str | os.PathLike) -> StoreLocation:
     if not runs:
         raise StoreError(f"{p}: not a dynascope run directory or store root (no {MARKER} found)")
     for d in runs:
+        _check_utf8(d)
         read_marker(d)
     return StoreLocation(p, True, runs)
+
+
+def printable(path: os.PathLike | str) -> str:
+    """``path`` as text safe to print or store: undecodable bytes shown as escapes."""
+    return str(path).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _check_utf8(path: Path) -> None:
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:
+        raise StoreError(f"{printable(path)}: path is not valid UTF-8, which DuckDB cannot open; rename it") from None
 
 
 def list_segments(run_dir: Path, table: str) -> dict[Path, list[tuple[int, int, Path]]]:

@@ -10,7 +10,9 @@ locked, and statements other than queries are refused before they reach DuckDB.
 
 from __future__ import annotations
 
+import glob
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -43,7 +45,7 @@ def quote_ident(name: str) -> str:
 def _view_sql(loc: StoreLocation, table: str) -> str:
     pattern = quote_literal(loc.table_glob(table))
     cols = ", ".join(quote_ident(c) for c in TABLES[table].names)
-    typed = ", ".join(f"CAST(NULL AS {_sql_type(f.type)}) AS {quote_ident(f.name)}" for f in TABLES[table])
+    typed = _typed_nulls(table)
     # The rule in ``layout``: a segment counts when it is in effect (merged ones carry a valid-from time,
     # compared with the query's start) and no earlier segment in (lo, hi desc, name) order of the same
     # writer dir reaches as far. A window, not a self-join: writer dirs can hold thousands of segments.
@@ -86,6 +88,10 @@ def retry_vanished(fetch: Callable[[], T], attempts: int = 8) -> T:
                 raise
             time.sleep(0.02 * (attempt + 1))  # let a compaction that is deleting a batch of segments finish
     raise AssertionError("unreachable")
+
+
+def _typed_nulls(table: str) -> str:
+    return ", ".join(f"CAST(NULL AS {_sql_type(f.type)}) AS {quote_ident(f.name)}" for f in TABLES[table])
 
 
 def _sql_type(t: pa.DataType) -> str:
@@ -160,7 +166,10 @@ def open_store(path: str | os.PathLike, read_only: bool = True, threads: int | N
         if threads:
             con.execute(f"SET threads = {int(threads)}")
         for table in TABLES:
-            con.execute(_view_sql(loc, table))
+            if glob.glob(loc.table_glob(table)):
+                con.execute(_view_sql(loc, table))
+            else:  # runs written before this table existed: read_parquet would fail on an empty glob
+                con.execute(f"CREATE VIEW {quote_ident(table)} AS SELECT {_typed_nulls(table)} WHERE false")
         if read_only:
             # DuckDB also allows its spill directory, by default ./.tmp under the caller's working directory;
             # point it at a private empty directory so queries cannot read whatever sits there.
@@ -174,7 +183,7 @@ def open_store(path: str | os.PathLike, read_only: bool = True, threads: int | N
             con.execute("SET lock_configuration = true")
     except duckdb.Error as exc:
         con.close()
-        raise StoreError(f"{loc.path}: could not open store: {_first_line(exc)}") from None
+        raise StoreError(explain_error(exc, f"{loc.path}: could not open store")) from None
     return StoreConnection(con, loc, read_only)
 
 
@@ -189,7 +198,7 @@ def run_sql(store: StoreConnection, query: str, max_rows: int | None = None):
         rel = store._con.sql(query)
         if rel is None:
             raise StoreError("SQL error: statement returned no result")
-        reader = rel.fetch_record_batch(rows_per_batch=min(max_rows or 100_000, 100_000))
+        reader = rel.to_arrow_reader(batch_size=min(max_rows or 100_000, 100_000))
         batches, n = [], 0
         for batch in reader:  # stop reading at the cap: a huge LIMIT never materialises
             if max_rows is not None and n + batch.num_rows > max_rows:
@@ -202,7 +211,20 @@ def run_sql(store: StoreConnection, query: str, max_rows: int | None = None):
     try:
         return retry_vanished(fetch)
     except duckdb.Error as exc:
-        raise StoreError(f"SQL error: {_first_line(exc)}") from None
+        raise StoreError(explain_error(exc, "SQL error")) from None
+
+
+def explain_error(exc: BaseException, context: str) -> str:
+    """One line for the user; a corrupt segment is named, with what to do about it."""
+    text = _first_line(exc)
+    m = _BAD_SEGMENT.search(text)
+    if m and isinstance(exc, duckdb.InvalidInputException):
+        reason = text.split(":", 1)[-1].replace(m.group(0), "").replace("File  ", "").strip()
+        return f"{m.group(1)}: corrupt segment ({reason}); move it out of the run directory to read the rest"
+    return f"{context}: {text}"
+
+
+_BAD_SEGMENT = re.compile(r"""["'](/[^"']+\.parquet)["']""")
 
 
 def _first_line(exc: BaseException) -> str:

@@ -29,6 +29,7 @@ import pyarrow.parquet as pq
 
 from dynascope.store._columns import build_column, classify
 from dynascope.store.layout import (
+    MARKER,
     create_marker,
     heartbeat_path,
     read_marker,
@@ -117,10 +118,13 @@ class RunWriter:
     def _init_run(self, name: str | None, world_size: int, framework: str, config: dict) -> str:
         run_id = safe_id(self.run_dir.name)
         meta = {"schema_version": SCHEMA_VERSION, "run_id": run_id, "created_us": now_us()}
+        if not (self.run_dir / MARKER).exists():
+            # The typed empty segments go first and the marker last: a process killed in between leaves a
+            # directory readers ignore (no marker), never a run with a table they cannot read.
+            self._write_empty_segments()
         if create_marker(self.run_dir, meta):
             from dynascope import __version__
 
-            self._write_empty_segments()
             self.append("runs", {
                 "name": name or self.run_dir.name, "start_us": meta["created_us"], "host": socket.gethostname(),
                 "world_size": world_size, "framework": framework,
@@ -271,7 +275,7 @@ class RunWriter:
     def _write_segment(self, table: str, arrow: pa.Table) -> bool:
         d = writer_dir(self.run_dir, table, self.writer_id)
         try:
-            if not (self.run_dir / "dynascope.json").exists():
+            if not (self.run_dir / MARKER).exists():
                 self._recreate_run_dir()
             d.mkdir(parents=True, exist_ok=True)
             self._atomic_write(arrow, d / segment_name(self._seq, self._seq))
@@ -307,8 +311,8 @@ class RunWriter:
     def _recreate_run_dir(self) -> None:
         self._problem("run_dir_missing", f"{self.run_dir} vanished; recreating it", emit_event=False)
         meta = {"schema_version": SCHEMA_VERSION, "run_id": self.run_id, "created_us": now_us(), "recreated": True}
-        if create_marker(self.run_dir, meta):
-            self._write_empty_segments()
+        self._write_empty_segments()
+        create_marker(self.run_dir, meta)
         self._heartbeat()
         with self._lock:
             self._pending_events.append({"kind": "run_dir_recreated", "severity": "warning",

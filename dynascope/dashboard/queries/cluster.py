@@ -40,32 +40,38 @@ def gantt(store: StoreConnection, run: str, lo: int, hi: int, fine: bool = False
 
 
 def phase_breakdown(store: StoreConnection, run: str) -> pl.DataFrame:
-    """Mean ms per step per rank for each top-level phase, plus the step time no phase accounts for."""
-    r = quote_literal(run)
+    """Mean ms per step per (role, rank) for each top-level phase, plus the step time no phase accounts for.
+
+    Uses the definitions of ``dynascope.analyses.steps`` (top-level rows, step rows) but aggregates in
+    DuckDB: ``step_breakdown`` returns one row per rank, step and phase, far more than a chart needs.
+    """
+    from dynascope.analyses.steps import step_rows_sql, top_level_sql
+
     return frame(store, f"""
-        WITH top AS (SELECT rank, step, phase, dur_us FROM timings
-                     WHERE run_id = {r} AND category IN ('phase', 'wait', 'comm')
-                       AND (parent IS NULL OR parent = 'step')),
-             steps AS (SELECT rank, step, dur_us FROM timings WHERE run_id = {r} AND category = 'step'),
-             n AS (SELECT rank, count(DISTINCT step) AS n FROM steps GROUP BY rank),
-             per AS (SELECT rank, step, sum(dur_us) AS ph FROM top GROUP BY ALL)
-        SELECT rank, phase, sum(dur_us) / 1000.0 / any_value(n.n) AS ms_per_step
-        FROM top JOIN n USING (rank) GROUP BY ALL
+        WITH ph AS ({top_level_sql(run)}), st AS ({step_rows_sql(run)}),
+             n AS (SELECT role, rank, count(DISTINCT step) AS n FROM st GROUP BY ALL),
+             tot AS (SELECT role, rank, step, sum(dur_us) AS phases_us FROM ph GROUP BY ALL)
+        SELECT role, rank, phase, sum(dur_us) / 1000.0 / any_value(n.n) AS ms_per_step
+        FROM ph JOIN n USING (role, rank) GROUP BY ALL
         UNION ALL
-        SELECT s.rank, 'unattributed', sum(greatest(0, s.dur_us - coalesce(p.ph, 0))) / 1000.0 / any_value(n.n)
-        FROM steps s LEFT JOIN per p USING (rank, step) JOIN n USING (rank) GROUP BY s.rank
-        ORDER BY rank, phase""")
+        SELECT st.role, st.rank, '(uninstrumented)',
+               sum(greatest(st.step_us - coalesce(tot.phases_us, 0), 0)) / 1000.0 / any_value(n.n)
+        FROM st LEFT JOIN tot USING (role, rank, step) JOIN n USING (role, rank) GROUP BY ALL
+        ORDER BY role, rank, phase""")
 
 
 def straggler_fallback(store: StoreConnection, run: str) -> pl.DataFrame:
-    """Per rank: step time against the per-step median, how often it was the slowest, and what-if savings.
+    """Per rank: busy time per step against the per-step median, how often it was the slowest, what-if savings.
 
-    What-if: the rank's step time is capped at that step's median across ranks; the step then ends at the
-    slowest of the other ranks (or the median). Saving is the summed step-time reduction.
+    Busy time is the top-level phases minus waits and collectives (``dynascope.analyses.steps``): in a
+    synchronous step every rank's step lasts as long as the slowest's, so only busy time tells them apart.
+    What-if: the rank's busy time is capped at that step's median; the step then waits for the slowest of the
+    other ranks (or the median). Saving is the summed reduction of the slowest busy time.
     """
+    from dynascope.analyses.steps import top_level_sql
+
     return frame(store, f"""
-        WITH st AS (SELECT rank, step, max(dur_us) AS d FROM timings
-                    WHERE run_id = {quote_literal(run)} AND category = 'step' GROUP BY ALL),
+        WITH st AS (SELECT rank, step, sum(dur_us) AS d FROM ({top_level_sql(run)}) WHERE NOT sync GROUP BY ALL),
              ranked AS (SELECT *, row_number() OVER (PARTITION BY step ORDER BY d DESC, rank) AS pos FROM st),
              per_step AS (SELECT step, median(d) AS med, max(d) AS top1,
                                  coalesce(max(d) FILTER (WHERE pos = 2), 0) AS top2,
@@ -74,7 +80,7 @@ def straggler_fallback(store: StoreConnection, run: str) -> pl.DataFrame:
              whatif AS (SELECT r.rank, r.step, r.d, p.med, p.top1, p.slowest,
                                greatest(CASE WHEN r.pos = 1 THEN p.top2 ELSE p.top1 END, least(r.d, p.med)) AS new_top
                         FROM ranked r JOIN per_step p USING (step))
-        SELECT rank, avg(d) / 1000.0 AS mean_step_ms, 100.0 * (avg(d / nullif(med, 0)) - 1) AS score_pct,
+        SELECT rank, avg(d) / 1000.0 AS mean_busy_ms, 100.0 * (avg(d / nullif(med, 0)) - 1) AS score_pct,
                100.0 * avg(CASE WHEN slowest = rank THEN 1 ELSE 0 END) AS slowest_share_pct,
                sum(top1 - new_top) / 1e6 AS whatif_saved_s,
                100.0 * sum(top1 - new_top) / nullif(sum(top1), 0) AS whatif_saved_pct

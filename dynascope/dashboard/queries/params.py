@@ -1,85 +1,123 @@
-"""Parameter dynamics aggregates: layer × step heat maps, stage overlays, spectra and gradient health.
-
-Ratios are pooled (√Σ‖ΔW‖² / √Σ‖W‖², Σ changed / Σ numel) rather than averaged, so a layer's value is
-the value of the layer as one tensor and FSDP shards combine exactly.
-"""
+"""Parameter dynamics aggregates: layer × step heat maps, stage overlays, spectra and gradient health."""
 
 from __future__ import annotations
 
 import polars as pl
 
 from dynascope.dashboard.queries import BUCKET, MAX_POINTS, bounds_cte, frame, in_list
-from dynascope.store import StoreConnection
+from dynascope.store import StoreConnection, quote_literal
 
-# Heat-map metrics: label → pooled SQL over the rows of one (layer, step bucket) cell.
+# One scan of tensor_stats per run feeds the whole page: sums per (step bucket, layer, kind, stage) for the
+# heat maps and per (step, kind, stage) for the series. Kind and stage filters then pool these sums in
+# polars, so changing a filter never re-scans the table.
+_SUMS = """
+    sum(dw_norm * dw_norm) AS dw2, sum(w_norm * w_norm) AS w2,
+    CAST(sum(changed_count) AS DOUBLE) AS changed,
+    CAST(sum(CASE WHEN changed_count IS NOT NULL THEN numel END) AS DOUBLE) AS changed_numel,
+    sum(drift_norm * drift_norm) AS drift2, sum(CASE WHEN drift_norm IS NOT NULL THEN w_norm * w_norm END) AS drift_w2,
+    CAST(sum(grad_zero_count) AS DOUBLE) AS gzero, CAST(sum(grad_near_zero_count) AS DOUBLE) AS gnear,
+    CAST(sum(CASE WHEN grad_zero_count IS NOT NULL THEN numel END) AS DOUBLE) AS grad_numel,
+    CAST(sum(nan) AS BIGINT) AS nan, CAST(sum(inf) AS BIGINT) AS inf,
+    arg_max(tensor, nan + inf) FILTER (WHERE nan + inf > 0) AS worst_tensor"""
+
+# Heat-map metrics: label → pooled expression over the cube's sums.
 HEAT_METRICS = {
-    "update ratio ‖ΔW‖/‖W‖": "sqrt(sum(dw_norm * dw_norm)) / nullif(sqrt(sum(w_norm * w_norm)), 0)",
-    "step-changed fraction": "sum(changed_count) / nullif(sum(CASE WHEN changed_count IS NOT NULL THEN numel END), 0)",
-    "drift vs θ₀ ‖W−θ₀‖/‖W‖": "sqrt(sum(drift_norm * drift_norm)) / "
-                               "nullif(sqrt(sum(CASE WHEN drift_norm IS NOT NULL THEN w_norm * w_norm END)), 0)",
+    "update ratio ‖ΔW‖/‖W‖": (pl.col("dw2").sum().sqrt() / pl.col("w2").sum().sqrt()),
+    "step-changed fraction": (pl.col("changed").sum() / pl.col("changed_numel").sum()),
+    "drift vs θ₀ ‖W−θ₀‖/‖W‖": (pl.col("drift2").sum().sqrt() / pl.col("drift_w2").sum().sqrt()),
 }
 
 
-def _where(runs: tuple[str, ...], stages: tuple[str, ...] | None, kinds: tuple[str, ...] | None) -> str:
-    parts = [in_list("run_id", runs), "step IS NOT NULL"]
-    if stages is not None:
-        parts.append(in_list("coalesce(stage, '')", stages))
-    if kinds is not None:
-        parts.append(in_list("kind", kinds))
-    return " AND ".join(parts)
-
-
-def stages_and_kinds(store: StoreConnection, runs: tuple[str, ...]) -> pl.DataFrame:
-    """Distinct (stage, kind) pairs with their step range, for the page's filters."""
+def param_cube(store: StoreConnection, run: str, max_points: int = MAX_POINTS) -> pl.DataFrame:
+    """Sums of one run's tensor_stats by GROUPING SETS: ``per_step`` rows hold (step, kind, stage) and the
+    others (bucket, layer, kind, stage), bucket being the step rounded down to at most ``max_points``."""
+    where = f"run_id = {quote_literal(run)} AND step IS NOT NULL"
     return frame(store, f"""
-        SELECT coalesce(stage, '') AS stage, kind, min(step) AS first_step, max(step) AS last_step
-        FROM tensor_stats WHERE {in_list('run_id', runs)} GROUP BY ALL ORDER BY first_step, kind""")
+        WITH {bounds_cte('tensor_stats', where, max_points)},
+        t AS (SELECT step, {BUCKET} AS bucket, coalesce(layer, -1) AS layer, coalesce(kind, 'other') AS kind,
+                     coalesce(stage, '') AS stage, tensor, numel, dw_norm, w_norm, changed_count, drift_norm,
+                     grad_zero_count, grad_near_zero_count,
+                     coalesce(w_nan, 0) + coalesce(grad_nan, 0) AS nan,
+                     coalesce(w_inf, 0) + coalesce(grad_inf, 0) AS inf
+              FROM tensor_stats, bounds WHERE {where})
+        SELECT GROUPING(step) = 0 AS per_step, step, bucket, layer, kind, stage, {_SUMS}
+        FROM t GROUP BY GROUPING SETS ((bucket, layer, kind, stage), (step, kind, stage))""")
 
 
-def layer_heatmap(store: StoreConnection, run: str, stages: tuple[str, ...], kinds: tuple[str, ...],
-                  max_points: int = MAX_POINTS) -> pl.DataFrame:
-    """Layer × step-bucket cells with every heat metric; layer −1 holds tensors outside the blocks."""
-    where = _where((run,), stages, kinds)
-    metrics = ",\n               ".join(f'{sql} AS "{name}"' for name, sql in HEAT_METRICS.items())
-    return frame(store, f"""
-        WITH {bounds_cte('tensor_stats', where, max_points)}
-        SELECT coalesce(layer, -1) AS layer, {BUCKET} AS step,
-               {metrics}
-        FROM tensor_stats, bounds WHERE {where}
-        GROUP BY ALL ORDER BY layer, step""")
+def stages_and_kinds(cube: pl.DataFrame) -> pl.DataFrame:
+    """Distinct (stage, kind) with their step range, in order of first appearance."""
+    return (cube.filter(pl.col("per_step")).group_by("stage", "kind")
+            .agg(pl.col("step").min().alias("first_step"), pl.col("step").max().alias("last_step"))
+            .sort("first_step", "kind"))
 
 
-def stage_overlay(store: StoreConnection, runs: tuple[str, ...], kinds: tuple[str, ...],
-                  max_points: int = MAX_POINTS) -> pl.DataFrame:
-    """Per run and stage, pooled update ratio and changed fraction against steps since the stage began.
+def layer_heatmap(cube: pl.DataFrame, stages: tuple[str, ...], kinds: tuple[str, ...]) -> pl.DataFrame:
+    """Layer × step-bucket cells with every heat metric; layer −1 holds tensors outside the blocks.
 
-    Each step is pooled over all selected tensors first, then buckets keep mean/min/max of those steps.
+    Ratios are pooled (√Σ‖ΔW‖² / √Σ‖W‖², Σ changed / Σ numel), so a cell is the layer as one tensor and
+    FSDP shards combine exactly.
     """
-    where = _where(runs, None, kinds)
-    return frame(store, f"""
-        WITH per_step AS (
-            SELECT run_id, coalesce(stage, '') AS stage, step,
-                   sqrt(sum(dw_norm * dw_norm)) / nullif(sqrt(sum(w_norm * w_norm)), 0) AS ratio,
-                   sum(changed_count) / nullif(sum(CASE WHEN changed_count IS NOT NULL THEN numel END), 0) AS changed
-            FROM tensor_stats WHERE {where} GROUP BY ALL
-        ), rel AS (
-            SELECT *, step - min(step) OVER (PARTITION BY run_id, stage) AS step_in_stage FROM per_step
-        ), b AS (
-            SELECT run_id, stage,
-                   greatest(1, CAST(ceil((max(step_in_stage) + 1) / {int(max_points)}.0) AS BIGINT)) AS w
-            FROM rel GROUP BY ALL
-        )
-        SELECT run_id, stage, (step_in_stage // w) * w AS step_in_stage, min(step) AS step,
-               avg(ratio) AS ratio, min(ratio) AS ratio_lo, max(ratio) AS ratio_hi,
-               avg(changed) AS changed, min(changed) AS changed_lo, max(changed) AS changed_hi
-        FROM rel JOIN b USING (run_id, stage)
-        GROUP BY ALL ORDER BY run_id, stage, step_in_stage""")
+    cells = cube.filter(~pl.col("per_step") & pl.col("stage").is_in(stages) & pl.col("kind").is_in(kinds))
+    return (cells.group_by("layer", "bucket").agg(**{k: v for k, v in HEAT_METRICS.items()})
+            .rename({"bucket": "step"}).sort("layer", "step"))
+
+
+def _per_step(cube: pl.DataFrame, kinds: tuple[str, ...]) -> pl.DataFrame:
+    return (cube.filter(pl.col("per_step") & pl.col("kind").is_in(kinds)).group_by("step", "stage").agg(
+        (pl.col("dw2").sum().sqrt() / pl.col("w2").sum().sqrt()).alias("ratio"),
+        (pl.col("changed").sum() / pl.col("changed_numel").sum()).alias("changed"),
+        (pl.col("gzero").sum() / pl.col("grad_numel").sum()).alias("zero"),
+        (pl.col("gnear").sum() / pl.col("grad_numel").sum()).alias("near_zero"),
+        pl.col("nan").sum(), pl.col("inf").sum(), pl.col("worst_tensor").drop_nulls().first())
+        .sort("step"))
+
+
+def _bucketed(df: pl.DataFrame, x: str, values: list[str], by: list[str], max_points: int) -> pl.DataFrame:
+    width = max(1, -(-int(df.group_by(by).agg((pl.col(x).max() - pl.col(x).min() + 1).alias("n"))["n"].max()
+                      or 1) // max_points))
+    aggs = [e for v in values for e in (pl.col(v).mean().alias(v), pl.col(v).min().alias(f"{v}_lo"),
+                                        pl.col(v).max().alias(f"{v}_hi"))]
+    return (df.with_columns((pl.col(x) // width * width).alias(x)).group_by(*by, x)
+            .agg(pl.col("step").min().alias("first_step") if x != "step" else pl.len().alias("steps"), *aggs)
+            .sort(*by, x))
+
+
+def stage_overlay(cube: pl.DataFrame, run: str, kinds: tuple[str, ...], max_points: int = MAX_POINTS) -> pl.DataFrame:
+    """Pooled update ratio and changed fraction per stage against steps since the stage began (mean/min/max
+    of the per-step values in each bucket)."""
+    ps = _per_step(cube, kinds).with_columns((pl.col("step") - pl.col("step").min().over("stage")).alias("step_in_stage"))
+    if ps.height == 0:
+        return ps
+    return _bucketed(ps, "step_in_stage", ["ratio", "changed"], ["stage"], max_points).with_columns(
+        pl.lit(run).alias("run_id"))
+
+
+def grad_health(cube: pl.DataFrame, run: str, kinds: tuple[str, ...], max_points: int = MAX_POINTS) -> pl.DataFrame:
+    """Gradient sparsity (exact zeros, near zeros) per step bucket: mean/min/max of the per-step fractions."""
+    ps = _per_step(cube, kinds).filter(pl.col("zero").is_not_null())
+    if ps.height == 0:
+        return ps
+    return _bucketed(ps.with_columns(pl.lit(run).alias("run_id")), "step", ["zero", "near_zero"], ["run_id"],
+                     max_points)
+
+
+def nonfinite_steps(cube: pl.DataFrame, run: str) -> pl.DataFrame:
+    """Steps where any weight or gradient held NaN/Inf, with counts and a tensor that did."""
+    ps = cube.filter(pl.col("per_step") & ((pl.col("nan") + pl.col("inf")) > 0))
+    return (ps.group_by("step").agg(pl.col("nan").sum(), pl.col("inf").sum(),
+                                    pl.col("worst_tensor").drop_nulls().first())
+            .sort("step").with_columns(pl.lit(run).alias("run_id")).select("run_id", "step", "nan", "inf",
+                                                                            "worst_tensor"))
+
+
+def _where(runs: tuple[str, ...], kinds: tuple[str, ...]) -> str:
+    return f"{in_list('run_id', runs)} AND step IS NOT NULL AND {in_list('kind', kinds)}"
 
 
 def spectra_series(store: StoreConnection, runs: tuple[str, ...], kinds: tuple[str, ...],
                    max_points: int = MAX_POINTS) -> pl.DataFrame:
     """Rank-1 energy and stable rank of cumulative ΔW per run and stage: mean/min/max over tensors and bucket."""
-    where = _where(runs, None, kinds)
+    where = _where(runs, kinds)
     return frame(store, f"""
         WITH {bounds_cte('spectra', where, max_points, partition='run_id')}
         SELECT s.run_id, coalesce(stage, '') AS stage, {BUCKET} AS step,
@@ -93,7 +131,7 @@ def spectra_series(store: StoreConnection, runs: tuple[str, ...], kinds: tuple[s
 def rank1_fit_fallback(store: StoreConnection, run: str, kinds: tuple[str, ...]) -> pl.DataFrame:
     """Per layer: how linear σ₁ of cumulative ΔW is in the step (R²), and the relative error of
     predicting the last record from a line fitted on the first half of the records."""
-    where = _where((run,), None, kinds)
+    where = _where((run,), kinds)
     return frame(store, f"""
         WITH s AS (
             SELECT tensor, coalesce(layer, -1) AS layer, step, sigma[1] AS s1,
@@ -110,30 +148,3 @@ def rank1_fit_fallback(store: StoreConnection, run: str, kinds: tuple[str, ...])
         SELECT layer, avg(r2) AS r2, avg(abs(a * last_step + b - actual) / nullif(abs(actual), 0)) AS pred_rel_err,
                count(*) AS tensors
         FROM fit GROUP BY layer ORDER BY layer""")
-
-
-def grad_health(store: StoreConnection, runs: tuple[str, ...], kinds: tuple[str, ...],
-                max_points: int = MAX_POINTS) -> pl.DataFrame:
-    """Gradient sparsity per run and step bucket (mean/min/max of the per-step pooled fraction)."""
-    where = _where(runs, None, kinds) + " AND grad_zero_count IS NOT NULL"
-    return frame(store, f"""
-        WITH per_step AS (
-            SELECT run_id, step, sum(grad_zero_count) / nullif(sum(numel), 0) AS zero,
-                   sum(grad_near_zero_count) / nullif(sum(numel), 0) AS near_zero
-            FROM tensor_stats WHERE {where} GROUP BY ALL
-        ), {bounds_cte('per_step', 'TRUE', max_points, partition='run_id')}
-        SELECT p.run_id, {BUCKET} AS step, avg(zero) AS zero, min(zero) AS zero_lo, max(zero) AS zero_hi,
-               avg(near_zero) AS near_zero, min(near_zero) AS near_zero_lo, max(near_zero) AS near_zero_hi
-        FROM per_step p JOIN bounds USING (run_id) GROUP BY ALL ORDER BY p.run_id, step""")
-
-
-def nonfinite_steps(store: StoreConnection, runs: tuple[str, ...], limit: int = 500) -> pl.DataFrame:
-    """Steps where any weight or gradient held NaN/Inf, with counts and the worst tensor."""
-    return frame(store, f"""
-        SELECT run_id, step, CAST(sum(coalesce(w_nan, 0) + coalesce(grad_nan, 0)) AS BIGINT) AS nan,
-               CAST(sum(coalesce(w_inf, 0) + coalesce(grad_inf, 0)) AS BIGINT) AS inf,
-               arg_max(tensor, coalesce(w_nan, 0) + coalesce(w_inf, 0) + coalesce(grad_nan, 0)
-                       + coalesce(grad_inf, 0)) AS worst_tensor
-        FROM tensor_stats
-        WHERE {in_list('run_id', runs)} AND (w_nan > 0 OR w_inf > 0 OR grad_nan > 0 OR grad_inf > 0)
-        GROUP BY ALL ORDER BY run_id, step LIMIT {int(limit)}""")

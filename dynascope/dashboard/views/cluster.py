@@ -46,8 +46,8 @@ def _body() -> None:
     with right, data.guard("Throughput"):
         tp = data.query("cluster.throughput_fallback", path, run)
         if not data.empty(tp, "samples with step timings"):
-            charts.show(charts.banded(tp, "step", "tok_s", "tok_s_lo", "tok_s_hi", [], "throughput per step",
-                                      "tokens / s (sample tokens / slowest rank's step)"), "cl_throughput")
+            charts.show(charts.banded(tp, "step", "tok_s", "tok_s_lo", "tok_s_hi", [], "throughput: sample tokens / slowest rank's step",
+                                      "tokens / s"), "cl_throughput")
     with data.guard("MFU"):
         _mfu(path, run)
     with data.guard("Stragglers"):
@@ -56,16 +56,12 @@ def _body() -> None:
 
 def _breakdown(path: str, run: str) -> None:
     """Mean ms per step of each top-level phase per rank, including the un-instrumented remainder."""
-    try:
-        sb = data.analysis("step_breakdown", path, run=run)
-        steps = sb.group_by("rank").agg(pl.col("step").n_unique().alias("n"))
-        bd = (sb.group_by("rank", "phase").agg(pl.col("dur_ms").sum()).join(steps, on="rank")
-              .with_columns((pl.col("dur_ms") / pl.col("n")).alias("ms_per_step")).sort("rank", "phase"))
-    except data.MissingAnalysis:
-        bd = data.query("cluster.phase_breakdown", path, run)
-    if data.empty(bd, "top-level phases"):
+    bd = data.query("cluster.phase_breakdown", path, run)
+    if data.empty(bd, "top-level phases with step rows"):
         return
-    bd = bd.with_columns(pl.col("rank").cast(pl.String))
+    rank = pl.col("rank").cast(pl.String)
+    label = pl.col("role") + ":" + rank if bd["role"].n_unique() > 1 else rank
+    bd = bd.with_columns(label.alias("rank"))
     charts.show(charts.bars(bd, "rank", "ms_per_step", "phase", "mean time per step by phase", "ms / step"),
                 "cl_breakdown")
 
@@ -88,13 +84,18 @@ def _mfu(path: str, run: str) -> None:
 
 def _stragglers(path: str, run: str) -> None:
     st.subheader("Stragglers")
+    sc = data.query("cluster.straggler_fallback", path, run)
+    if data.empty(sc, "steps timed on more than one rank"):
+        return
+    st.caption("Busy time (phases without waits and collectives) per rank against the per-step median across "
+               "ranks; what-if caps the rank at the median and the step waits for the next slowest.")
+    st.dataframe(sc, hide_index=True, width="stretch", key="cl_step_table")
+    if not data.on_demand("stragglers", "Per-phase straggler scores and what-if simulation", path, run):
+        return
     try:
         scores = data.analysis("straggler_scores", path, run=run)
         wif = data.analysis("what_if", path, run=run)
     except data.MissingAnalysis:
-        sc = data.query("cluster.straggler_fallback", path, run)
-        if not data.empty(sc, "steps timed on more than one rank"):
-            st.dataframe(sc, hide_index=True, width="stretch", key="cl_straggler_table")
         return
     if data.empty(scores, "phases timed on two or more ranks"):
         return

@@ -7,6 +7,7 @@ import polars as pl
 import streamlit as st
 
 from dynascope.dashboard import charts, data
+from dynascope.dashboard.queries import params as P
 from dynascope.dashboard.queries.params import HEAT_METRICS
 from dynascope.store.naming import KINDS
 
@@ -21,15 +22,18 @@ def _body() -> None:
     if not runs:
         st.info("Pick one or more runs in the sidebar.")
         return
-    sk = data.query("params.stages_and_kinds", path, runs)
+    cubes = {r: data.query("params.param_cube", path, r) for r in runs}
+    sk = pl.concat([P.stages_and_kinds(c) for c in cubes.values()])
     if data.empty(sk, "parameter statistics (tensor_stats)"):
         return
     present = set(sk["kind"].drop_nulls().to_list())
     kinds_all = [k for k in KINDS if k in present] + sorted(present - set(KINDS))
     stages_all = list(dict.fromkeys(sk["stage"].to_list()))
     c1, c2, c3 = st.columns([3, 2, 2])
-    kinds = tuple(c1.multiselect("Module kinds", kinds_all, default=kinds_all, key="dyn_kinds"))
-    stages = tuple(c2.multiselect("Stages (heat maps)", stages_all, default=stages_all, key="dyn_stages"))
+    kinds = tuple(c1.multiselect("Module kinds", kinds_all, key="dyn_kinds",
+                                  default=data.remembered("dyn_kinds", kinds_all, kinds_all)))
+    stages = tuple(c2.multiselect("Stages (heat maps)", stages_all, key="dyn_stages",
+                                   default=data.remembered("dyn_stages", stages_all, stages_all)))
     run = c3.selectbox("Run (heat maps, fit)", runs, key="dyn_run") if len(runs) > 1 else runs[0]
     if not kinds:
         st.info("Pick at least one module kind.")
@@ -37,7 +41,7 @@ def _body() -> None:
 
     with data.guard("Layer × step heat maps"):
         log_z = st.toggle("log color scale", value=True, key="dyn_log")
-        hm = data.query("params.layer_heatmap", path, run, stages, kinds)
+        hm = P.layer_heatmap(cubes[run], stages, kinds)
         if not data.empty(hm, "tensor statistics for these filters"):
             for i, name in enumerate(HEAT_METRICS):
                 if hm[name].drop_nulls().len() == 0:
@@ -46,7 +50,7 @@ def _body() -> None:
                 charts.show(charts.heatmap(hm, name, f"{name} · {run}", log_z=log_z), f"dyn_heat_{i}")
 
     with data.guard("SFT vs RL overlay"):
-        ov = data.query("params.stage_overlay", path, runs, kinds)
+        ov = pl.concat([P.stage_overlay(c, r, kinds) for r, c in cubes.items()], how="diagonal_relaxed")
         if not data.empty(ov, "per-step updates"):
             left, right = st.columns(2)
             with left:
@@ -65,7 +69,7 @@ def _body() -> None:
         _rank1_fit(path, run, kinds)
 
     with data.guard("Gradient sparsity"):
-        _gradients(path, runs, kinds)
+        _gradients(cubes, kinds)
 
 
 def _spectra(path: str, runs: tuple[str, ...], kinds: tuple[str, ...]) -> None:
@@ -100,6 +104,9 @@ def _spectra(path: str, runs: tuple[str, ...], kinds: tuple[str, ...]) -> None:
 
 def _rank1_fit(path: str, run: str, kinds: tuple[str, ...]) -> None:
     """R² and last-record prediction error of the rank-1 linear fit, per layer."""
+    st.subheader("Rank-1 linear fit")
+    if not data.on_demand("rank1_fit", "Fit the rank-1 dynamics (reads u₁, v₁ of every spectra record)", path, run):
+        return
     try:
         per_tensor = data.analysis("rank1_linear_fit", path, run=run)
         fit = (per_tensor.filter(pl.col("kind").is_in(kinds)).with_columns(pl.col("layer").fill_null(-1))
@@ -128,9 +135,9 @@ def _rank1_fit(path: str, run: str, kinds: tuple[str, ...]) -> None:
     st.caption(f"Fit: {what}.")
 
 
-def _gradients(path: str, runs: tuple[str, ...], kinds: tuple[str, ...]) -> None:
-    gh = data.query("params.grad_health", path, runs, kinds)
-    nf = data.query("params.nonfinite_steps", path, runs)
+def _gradients(cubes: dict[str, pl.DataFrame], kinds: tuple[str, ...]) -> None:
+    gh = pl.concat([P.grad_health(c, r, kinds) for r, c in cubes.items()], how="diagonal_relaxed")
+    nf = pl.concat([P.nonfinite_steps(c, r) for r, c in cubes.items()], how="diagonal_relaxed")
     if data.empty(gh, "gradient statistics"):
         return
     fig = charts.banded(gh, "step", "zero", "zero_lo", "zero_hi", ["run_id"], "gradient sparsity and NaN/Inf steps",

@@ -28,7 +28,7 @@ def _body() -> None:
             st.info("No events in the selected runs, and no instability detected.")
             return
         kinds = sorted(set(ev["kind"].drop_nulls().to_list()) | set(detected["kind"].drop_nulls().to_list()))
-        picked = st.multiselect("Kinds", kinds, default=kinds, key="ev_kinds")
+        picked = st.multiselect("Kinds", kinds, default=data.remembered("ev_kinds", kinds, kinds), key="ev_kinds")
         ev = ev.filter(pl.col("kind").is_in(picked))
         detected = detected.filter(pl.col("kind").is_in(picked))
         _timeline(path, runs, ev, detected)
@@ -46,15 +46,18 @@ def _body() -> None:
 def _detected(path: str, runs: tuple[str, ...]) -> pl.DataFrame:
     """Instability the analyses find in scalars and tensor stats (not only what the run logged)."""
     try:
-        return data.per_run("detect_instability", path, runs)
+        chosen = tuple(r for r in runs if data.on_demand("instability", f"Detect instability in {r}", path, r))
+        if chosen:
+            return data.per_run("detect_instability", path, chosen)
     except data.MissingAnalysis:
-        return pl.DataFrame(schema={"run_id": pl.String, "rank": pl.Int32, "step": pl.Int64, "kind": pl.String,
-                                    "severity": pl.String, "message": pl.String})
+        pass
+    return pl.DataFrame(schema={"run_id": pl.String, "rank": pl.Int32, "step": pl.Int64, "kind": pl.String,
+                                "severity": pl.String, "message": pl.String})
 
 
 def _goodput(path: str, runs: tuple[str, ...]) -> None:
     try:
-        gp = data.per_run("goodput", path, runs)
+        gp = data.per_run("goodput_summary", path, runs)
         inc = data.per_run("goodput_incidents", path, runs)
     except data.MissingAnalysis:
         return
@@ -75,7 +78,7 @@ def _timeline(path: str, runs: tuple[str, ...], ev: pl.DataFrame, detected: pl.D
         key = st.selectbox("Background scalar", keys, index=keys.index("loss") if "loss" in keys else 0,
                            key="ev_scalar")
         bg = data.query("runs.scalar_series", path, runs, key)
-        for (run,), g in bg.group_by("run_id", maintain_order=True):
+        for (run,), g in bg.sort("run_id", "step").group_by("run_id", maintain_order=True):
             fig.add_trace(go.Scatter(x=g["step"].to_list(), y=g["mean"].to_list(), yaxis="y2", mode="lines",
                                      name=f"{key} · {run}", line=dict(width=1), opacity=0.6))
         fig.update_layout(yaxis2=dict(overlaying="y", side="right", title=key, showgrid=False))

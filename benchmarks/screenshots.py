@@ -1,0 +1,79 @@
+"""Screenshots of dashboard pages over a store, in headless Chromium (README images, bug reports).
+
+    python3 benchmarks/screenshots.py runs/demo --out docs/img --pages runs dynamics cluster
+    python3 benchmarks/screenshots.py runs/demo --quick      # smoke run: the Runs page only
+
+Each page is opened in a fresh tab, the script waits until Streamlit finished its run and every plotly
+chart drew, then saves ``<out>/dashboard-<page>.png`` (``--height`` sets how much of the page is captured;
+Streamlit scrolls inside its main pane, so a tall viewport is what captures a long page).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+PAGES = {"runs": "", "dynamics": "dynamics", "cluster": "cluster", "rollouts": "rollouts", "events": "events",
+         "sql": "sql"}
+CHROMIUM = "/usr/bin/chromium"
+# Done = the script run finished, no lazily loaded element is still a skeleton, and every plotly chart drew.
+READY_JS = """() => {
+    const app = document.querySelector('[data-testid="stApp"]');
+    if (!app || app.getAttribute('data-test-script-state') !== 'notRunning') return false;
+    if (document.querySelector('[data-testid="stSkeleton"]')) return false;
+    const boxes = document.querySelectorAll('[data-testid="stPlotlyChart"]').length;
+    const drawn = [...document.querySelectorAll('.js-plotly-plot')].filter(e => e.data && e._fullLayout).length;
+    return drawn >= boxes ? String(drawn) : false;  // "0" is truthy, 0 would keep waiting
+}"""
+
+
+def wait_rendered(page, timeout_ms: int = 300_000) -> int:
+    """Block until the page is fully drawn (see READY_JS); returns the number of charts.
+
+    ``notRunning`` alone is not enough: Streamlit loads the plotly and data-grid components lazily and
+    shows skeletons until they arrive, which on a busy machine can take seconds after the script ended.
+    """
+    return int(page.wait_for_function(READY_JS, timeout=timeout_ms, polling=50).json_value())
+
+
+def screenshots(store: Path, pages: list[str], out: Path, width: int = 1400, height: int = 2200) -> list[Path]:
+    """Serve ``store``, open each page, save a PNG per page; returns the files written."""
+    from playwright.sync_api import sync_playwright
+
+    from dynascope.dashboard.server import serving
+
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    with serving(store) as base, sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                    args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        for name in pages:
+            page = browser.new_page(viewport={"width": width, "height": height})
+            page.goto(f"{base}/{PAGES[name]}")
+            wait_rendered(page)
+            if page.locator('[data-testid="stException"]').count():
+                print(f"warning: {name} shows a Streamlit exception", file=sys.stderr)
+            path = out / f"dashboard-{name}.png"
+            page.screenshot(path=str(path))
+            written.append(path)
+            page.close()
+        browser.close()
+    return written
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("store", type=Path, help="run directory or store root")
+    ap.add_argument("--pages", nargs="+", choices=list(PAGES), default=list(PAGES))
+    ap.add_argument("--out", type=Path, default=Path("test-artifacts/screenshots"))
+    ap.add_argument("--width", type=int, default=1400)
+    ap.add_argument("--height", type=int, default=2200)
+    ap.add_argument("--quick", action="store_true", help="only the Runs page (smoke run)")
+    args = ap.parse_args()
+    for path in screenshots(args.store, ["runs"] if args.quick else args.pages, args.out, args.width, args.height):
+        print(path)
+
+
+if __name__ == "__main__":
+    main()

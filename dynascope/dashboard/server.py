@@ -1,0 +1,56 @@
+"""Run the dashboard server in the background (for scripts, benchmarks and tests that drive a browser)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+from dynascope.dashboard import command
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(path: str | os.PathLike, port: int | None = None, log: Path | None = None,
+            timeout_s: float = 120.0) -> Iterator[str]:
+    """Start ``streamlit run app.py -- PATH`` on a loopback port, wait for /_stcore/health, yield the base
+    URL, and stop the whole process group on exit."""
+    port = port or free_port()
+    out = log.open("wb") if log else subprocess.DEVNULL
+    proc = subprocess.Popen(command(path, "127.0.0.1", port), stdout=out, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"dashboard exited with code {proc.returncode}" + (f"; see {log}" if log else ""))
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"dashboard not healthy after {timeout_s:.0f} s") from None
+                time.sleep(0.3)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+        if log:
+            out.close()

@@ -1,0 +1,113 @@
+"""`dynascope demo` end to end: the real CLI in a subprocess, then the run's store read back.
+
+Each test trains for real (SFT → GRPO on CPU) in --quick mode; assertions are about what the store and
+the analyses say, never about wall-clock speed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from dynascope import analyses, open_store
+
+CLI = [sys.executable, "-c", "from dynascope.cli import app; app()"]
+
+
+def run_cli(*args: str, timeout: int = 400) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "140"}
+    done = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, env=env)
+    assert done.returncode == 0, f"exit {done.returncode}\n--- stdout\n{done.stdout[-4000:]}\n--- stderr\n{done.stderr[-4000:]}"
+    return done
+
+
+def scalar(con, key: str, stage: str) -> float:
+    rows = con.sql(f"SELECT value FROM scalars WHERE key = '{key}' AND stage = '{stage}' "
+                   "ORDER BY step DESC, time_us DESC LIMIT 1").fetchall()
+    assert rows, f"no {key} scalar in stage {stage}"
+    return rows[0][0]
+
+
+def one(con, sql: str) -> tuple:
+    """The first row of a query (DuckDB 2 relations have no fetchone)."""
+    return con.sql(sql).fetchall()[0]
+
+
+def rl_start(con) -> int:
+    (step,) = one(con, "SELECT min(step) FROM events WHERE kind = 'stage'")
+    assert step is not None, "no 'stage' event marking the start of RL"
+    return step
+
+
+def test_quick_demo_single_process(tmp_path: Path) -> None:
+    run = tmp_path / "demo"
+    out = run_cli("demo", "--quick", "--run", str(run)).stdout
+    assert f"dynascope dashboard {run}" in out.replace("\n", "")
+    assert "Reward (held-out prompts" in out and "Where RL step time went" in out
+
+    with open_store(run) as con:
+        start = rl_start(con)
+        # Reward rises: held-out greedy accuracy after RL beats the SFT policy RL started from.
+        before, after = scalar(con, "eval/accuracy", "sft"), scalar(con, "eval/accuracy", "rl")
+        assert 0.0 < before < 0.9, f"SFT should leave the policy partly right, got {before}"
+        assert after > before, (before, after)
+        for table in ("tensor_stats", "scalars"):
+            stages = dict(con.sql(f"SELECT stage, count(*) FROM {table} GROUP BY stage").fetchall())
+            assert stages.get("sft", 0) > 0 and stages.get("rl", 0) > 0, (table, stages)
+        # timings have no stage column: split them at the step where RL began.
+        sft_t, rl_t = one(con, f"SELECT count(*) FILTER (step < {start}), count(*) FILTER (step >= {start}) "
+                              "FROM timings")
+        assert sft_t > 0 and rl_t > 0
+        phases = {p for (p,) in con.sql(f"SELECT DISTINCT phase FROM timings WHERE step >= {start}").fetchall()}
+        assert {"rollout", "reward", "ref_logprob", "train", "weight_sync"} <= phases, phases
+        # samples are RL rollouts (SFT has demonstrations, not generations), with lengths and groups.
+        n, groups, lens = one(con, "SELECT count(*), count(DISTINCT group_id), count(DISTINCT response_len) "
+                                  f"FROM samples WHERE step >= {start} AND gen_end_us >= gen_start_us")
+        assert n > 0 and groups > 1 and lens > 1
+        keys = {k for (k,) in con.sql("SELECT DISTINCT key FROM scalars WHERE stage = 'rl'").fetchall()}
+        assert {"rl/kl", "rl/entropy", "rl/clip_frac", "rl/reward"} <= keys
+        assert one(con, "SELECT count(*) FROM spectra WHERE stage = 'rl'")[0] > 0
+
+        cmp = analyses.sparsity_comparison(con, "sft", "rl").filter(pl.col("kind") == "all").row(0, named=True)
+    sft_changed, rl_changed = 1 - cmp["step_unchanged_frac_a"], 1 - cmp["step_unchanged_frac_b"]
+    assert "parameters changed per step" in out
+    if sft_changed <= rl_changed:
+        # fp32 Adam moves every weight with gradient history: the report must say so instead of hiding it.
+        assert "RL changed as many parameters as SFT" in out.replace("\n", " ")
+    assert (run / "theta0_sft.safetensors").exists() and (run / "policy_rank1.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_names_the_slow_rank(tmp_path: Path) -> None:
+    run = tmp_path / "ddp"
+    out = run_cli("demo", "--quick", "--ranks", "2", "--slow-rank", "1", "--slow-factor", "3", "--run", str(run)).stdout
+    with open_store(run) as con:
+        ranks = {r for (r,) in con.sql("SELECT DISTINCT rank FROM timings").fetchall()}
+        assert ranks == {0, 1}
+        comm = one(con, "SELECT count(*) FROM timings WHERE phase = 'grad_allreduce' AND category = 'comm'")
+        assert comm[0] > 0
+        scores = analyses.straggler_scores(con).filter(pl.col("phase") == "rollout").sort("score")
+    worst = scores.row(0, named=True)
+    assert worst["rank"] == 1 and worst["status"] != "ok", scores
+    assert "Slowest rank: rank 1" in out.replace("\n", " ")
+
+
+@pytest.mark.slow
+def test_ray_async_records_staleness(tmp_path: Path) -> None:
+    pytest.importorskip("ray")
+    run = tmp_path / "async"
+    out = run_cli("demo", "--quick", "--async", "--run", str(run), timeout=500).stdout
+    with open_store(run) as con:
+        roles = {r for (r,) in con.sql("SELECT DISTINCT role FROM timings").fetchall()}
+        assert roles == {"trainer", "rollout"}
+        stale = analyses.async_staleness(con)
+        assert stale["staleness_steps"].max() > 0, stale
+        assert stale["staleness_steps"].min() >= 0
+        syncs = one(con, "SELECT count(*) FROM timings WHERE phase = 'weight_sync' AND role = 'rollout'")[0]
+        assert syncs > 1
+    assert "Async: mean staleness" in out
