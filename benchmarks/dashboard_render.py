@@ -222,7 +222,7 @@ def time_queries(run: Path) -> list[tuple[str, float, int]]:
         ("runs: catalog", lambda s: runs.run_list(s)), ("runs: rows per table", lambda s: runs.table_rows(s, (rid,))),
         ("runs: scalar series", lambda s: runs.scalar_series(s, (rid,), "loss")),
         ("dynamics: parameter cube", lambda s: params.param_cube(s, rid)),
-        ("dynamics: rank1_dominance", lambda s: A.rank1_dominance(s, run=rid)),
+        ("dynamics: spectra series", lambda s: params.spectra_series(s, (rid,), ("q", "k", "v", "o", "mlp"))),
         ("dynamics: rank1_linear_fit (on demand)", lambda s: A.rank1_linear_fit(s, run=rid)),
         ("cluster: gantt window", lambda s: cluster.gantt(s, rid, 1, 3)),
         ("cluster: phase breakdown", lambda s: cluster.phase_breakdown(s, rid)),

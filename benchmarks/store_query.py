@@ -45,7 +45,9 @@ def build(run_dir: Path, rows: int, layers: int = 50) -> None:
     kind_of = KINDS * layers
     steps = rows // (RANKS * len(tensors))
     rng = np.random.default_rng(0)
-    writers = [RunWriter(run_dir, rank=r, world_size=RANKS, flush_rows=2_000_000, flush_secs=60) for r in range(RANKS)]
+    # max_block_s: the build waits for the disk instead of dropping rows (a benchmark needs them all)
+    writers = [RunWriter(run_dir, rank=r, world_size=RANKS, flush_rows=2_000_000, flush_secs=60, max_block_s=3600)
+               for r in range(RANKS)]
     n = len(tensors)
     for step in range(steps):
         for w in writers:
@@ -58,6 +60,7 @@ def build(run_dir: Path, rows: int, layers: int = 50) -> None:
             })
     for w in writers:
         w.close()
+        assert w.rows_dropped == 0, "the build dropped rows"
 
 
 def timed(con, sql: str, repeat: int) -> float:

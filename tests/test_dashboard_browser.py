@@ -189,7 +189,15 @@ def test_launch_checks_path_and_warns_off_loopback(tmp_path, monkeypatch, capsys
         dashboard.launch(tmp_path / "missing")
     root = make_store(tmp_path / "root")
     calls = []
-    monkeypatch.setattr(dashboard.subprocess, "call", lambda cmd: calls.append(cmd) or 0)
+
+    class FakeServer:  # stands in for the Streamlit process: records the command line, exits at once
+        def __init__(self, cmd: list[str]) -> None:
+            calls.append(cmd)
+
+        def wait(self, timeout: float | None = None) -> int:
+            return 0
+
+    monkeypatch.setattr(dashboard.subprocess, "Popen", FakeServer)
     assert dashboard.launch(root, host="127.0.0.1", port=8765) == 0
     assert "no authentication" not in capsys.readouterr().err
     dashboard.launch(root, host="0.0.0.0", port=8766)
@@ -215,6 +223,8 @@ def test_heatmap_cells_pool_the_raw_rows(store):
     assert cell["step-changed fraction"] == pytest.approx(raw["changed_count"].sum() / raw["numel"].sum())
     nf = params.nonfinite_steps(cube, "grpo-sync")
     assert nf["step"].to_list() == [13] and nf["nan"].to_list() == [3]
+    named = params.nonfinite_tensors(store, "grpo-sync", (13,))
+    assert named.height == 1 and named["nonfinite"].item() == 3
 
 
 def test_overlay_and_gradients_follow_the_stages(store):
@@ -247,3 +257,15 @@ def test_cluster_queries_find_the_slow_rank(store):
     assert per_rank[0] == pytest.approx(per_rank[1], rel=0.05)  # synchronous: the fast rank waits
     g = cluster.gantt(store, "grpo-sync", 20, 22, limit=5)
     assert g.height == 5 and g["total"][0] > 5 and g["dur_ms"].is_sorted(descending=True)
+
+
+def test_spectra_series_matches_rank1_dominance(store):
+    """The chart's push-down query and the analysis agree on Σσ₁²/Σ‖ΔW‖² at every step."""
+    from dynascope.analyses import rank1_dominance
+    from dynascope.dashboard.queries import params
+
+    kinds = tuple(store.sql("SELECT DISTINCT kind FROM spectra").pl()["kind"])
+    mine = params.spectra_series(store, ("grpo-sync",), kinds).sort("step")
+    theirs = rank1_dominance(store, run="grpo-sync").filter(pl.col("level") == "overall").sort("step")
+    assert mine["step"].to_list() == theirs["step"].to_list()
+    assert mine["rank1"].to_list() == pytest.approx(theirs["rank1_energy"].to_list())

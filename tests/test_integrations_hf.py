@@ -178,8 +178,15 @@ def test_attaches_when_optimizer_appears_late(tmp_path):
         cb.on_step_end(args, state, control)
         cb.on_log(args, state, control, logs={"loss": 1.5 - step, "note": "text", "lr": "0.1"})
     cb.on_train_end(args, state, control)
+    # a second train() (or a resume) continues dynascope's step numbering from global_step
+    cb.on_train_begin(args, state, control, model=model, optimizer=opt)
+    cb.on_step_begin(args, state, control, model=model, optimizer=opt)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    cb.on_train_end(args, state, control)
     run = tmp_path / "late"
-    assert _q(run, "SELECT count(DISTINCT step) FROM tensor_stats") == [(2,)]
+    assert _q(run, "SELECT DISTINCT step FROM timings WHERE phase = 'step' ORDER BY step") == [(0,), (1,), (2,)]
+    assert _q(run, "SELECT count(DISTINCT step) FROM tensor_stats") == [(3,)]
     assert _q(run, "SELECT step, key, value FROM scalars WHERE key IN ('loss', 'lr') ORDER BY step, key") == [
         (0, "loss", 1.5), (0, "lr", 0.1), (1, "loss", 0.5), (1, "lr", 0.1)]
-    assert _q(run, "SELECT count(*) FROM timings WHERE phase = 'train'") == [(2,)]
+    assert _q(run, "SELECT count(*) FROM timings WHERE phase = 'train'") == [(3,)]

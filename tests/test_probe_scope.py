@@ -213,3 +213,24 @@ def test_no_grad_steps_and_manual_steps(tmp_path: Path) -> None:
     want = naive_update(model.weight.detach(), old)
     assert got[1]["dw_norm"] == pytest.approx(want[1]) and got[1]["changed_count"] == 9
     assert not math.isnan(got[1]["w_norm"])
+
+
+def test_spectral_probe_is_wired(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 12), nn.Tanh(), nn.Linear(12, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    run = tmp_path / "spec"
+    seen: list[dict] = []
+    with dynascope.watch(model, opt, run=run, system_interval_s=None,
+                         spectral={"k": 2, "every": 2, "budget_ms": 1000}) as scope:
+        scope.add_listener(lambda step, s: seen.append(s))
+        for _ in range(4):
+            model(torch.randn(8, 16)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    got = rows(run, "select step, tensor, k, dw_fro from spectra order by step, tensor")
+    assert {r["step"] for r in got} == {2} or {r["step"] for r in got} == {0, 2}
+    assert {r["tensor"] for r in got} <= {"0.weight", "2.weight"} and got
+    at2 = [r for r in got if r["step"] == 2]
+    assert at2 and all(r["dw_fro"] > 0 for r in at2)
+    assert any("spectral/rank1_energy" in s for s in seen)

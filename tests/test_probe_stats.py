@@ -129,3 +129,11 @@ def test_grad_stats_nonfinite_and_tol() -> None:
     h = torch.tensor([1.0, 1e-3, 0.5])
     assert grad_counts([h], tol=1e-2)[0, 2].item() == 1  # 1e-3 <= 0.01·rms(≈0.65)
     assert grad_counts([h], tol=None)[0, 2].item() == 0
+
+
+def test_signs_false_skips_only_the_sign_and_nonfinite_passes() -> None:
+    new, old = _pairs(torch.float32)
+    full = weight_update_stats(new, old)
+    lean = weight_update_stats(new, old, signs=False)
+    assert torch.equal(lean[:, :4], full[:, :4])
+    assert torch.isnan(lean[:, 4:]).all()

@@ -58,6 +58,13 @@ def escapes(tmp: str) -> list[str]:
         "SELECT * FROM query('COPY (SELECT 1) TO ''/tmp/x.csv''')",
         f"SELECT * FROM query_table('{secret}')",
         "DETACH memory", "USE system", "CHECKPOINT", "VACUUM",
+        # inside the store the file system is open to DuckDB, so writes there must be refused by type
+        f"COPY (SELECT 1) TO '{tmp}/store/planted.csv'",
+        f"EXPLAIN ANALYZE COPY (SELECT 1) TO '{tmp}/store/planted.csv'",
+        f"EXPLAIN COPY (SELECT 1) TO '{tmp}/store/planted.csv'",
+        f"/* hi */ EXPLAIN ANALYZE COPY (SELECT 1) TO '{tmp}/store/planted.csv'",
+        "EXPLAIN ANALYZE CREATE TABLE t AS SELECT 1",
+        f"EXPLAIN ANALYZE ATTACH '{tmp}/store/x.duckdb'",
     ]
 
 
@@ -74,12 +81,13 @@ def test_escapes_are_refused_on_every_surface(store_dir):
         assert out.exit_code == 2, (q, out.output)
         assert "Traceback" not in out.output
         assert "top secret" not in out.output
-    for leftover in ("out.csv", "out.parquet", "x.duckdb", "dump"):
-        assert not (store_dir / leftover).exists()
+    for leftover in ("out.csv", "out.parquet", "x.duckdb", "dump", "store/planted.csv", "store/x.duckdb"):
+        assert not (store_dir / leftover).exists(), leftover
     assert not os.path.exists("/tmp/x.csv") or os.path.getmtime("/tmp/x.csv") < os.path.getmtime(store_dir)
     # and the store's own views keep working on the same locked connection
     assert run_sql(store, "SELECT count(*) AS n FROM scalars").to_pylist() == [{"n": 2}]
     assert run_sql(store, "SELECT key FROM scalars LIMIT 1 OFFSET 1").num_rows == 1
+    assert run_sql(store, "EXPLAIN ANALYZE SELECT count(*) FROM scalars").num_rows == 1
     store.close()
 
 

@@ -66,9 +66,9 @@ def test_bad_batches_become_events_not_exceptions(tmp_path):
     assert any("dynascope" in str(c.message) for c in caught)
     kinds = rows(tmp_path / "r", "SELECT kind, count(*) FROM events WHERE kind = 'bad_batch' GROUP BY 1")
     assert kinds == [("bad_batch", 3)]
-    # the untypeable batch was flushed with the good one: both are dropped and counted, nothing half-written
-    assert w.rows_dropped == 2
-    assert rows(tmp_path / "r", "SELECT count(*) FROM scalars") == [(0,)]
+    # the untypeable batch was flushed with a good one: only it is dropped (and counted)
+    assert w.rows_dropped == 1
+    assert rows(tmp_path / "r", "SELECT step, key, value FROM scalars") == [(5, "ok", 2.0)]
 
 
 def test_slow_writer_drops_oldest_without_blocking_append(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -47,7 +48,16 @@ def launch(path: str | os.PathLike, host: str = "127.0.0.1", port: int = 8501) -
         print(f"warning: binding the dashboard to {host}: it has no authentication, so anyone who can reach "
               f"{host}:{port} can read every run under {loc.path} and run SQL on it.", file=sys.stderr)
     print(f"dynascope dashboard: {loc.path} on http://{host}:{port}", file=sys.stderr)
+    proc = subprocess.Popen(command(loc.path, host, port))
+    # Forward a termination to the server so stopping `dynascope dashboard` never leaves it running.
+    previous = signal.signal(signal.SIGTERM, lambda sig, _frame: proc.send_signal(sig))
     try:
-        return subprocess.call(command(loc.path, host, port))
-    except KeyboardInterrupt:
-        return 130
+        return proc.wait()
+    except KeyboardInterrupt:  # Ctrl-C reaches both processes; give Streamlit time to shut down
+        try:
+            return proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -26,7 +26,7 @@ def _sidebar(path: str) -> None:
         st.markdown("### dynascope")
         st.caption(path)
         try:
-            catalog = data.query("runs.run_list", path).sort("last_write_us", descending=True)
+            catalog = data.catalog(path).sort("last_write_us", descending=True)
         except StoreError as exc:
             st.error(str(exc))
             st.stop()
@@ -38,11 +38,10 @@ def _sidebar(path: str) -> None:
         status = dict(zip(ids, catalog["status"].to_list(), strict=True))
         st.multiselect("Runs", ids, default=None if "runs" in st.session_state else default, key="runs",
                        format_func=lambda r: f"{r} ({status.get(r, '?')})")
-        st.toggle("Auto-refresh", key="auto_refresh", help=f"Re-query every few seconds (cache TTL {data.TTL_S:g} s).")
+        st.toggle("Auto-refresh", key="auto_refresh", help="Rerun the page on a timer; new segments are picked up as they land.")
         st.select_slider("Refresh every (s)", [2, 5, 10, 30, 60], value=5, key="refresh_s")
         if st.button("Refresh now"):
-            data.query.clear()
-            data.analysis.clear()
+            data.clear()
 
 
 def main() -> None:

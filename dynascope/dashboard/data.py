@@ -1,13 +1,16 @@
-"""The dashboard's data access: one cached store per path, TTL-cached queries, guarded charts.
+"""The dashboard's data access: one cached store per path, cached queries, guarded charts.
 
-Queries are cached for ``TTL_S`` seconds, so a live run's new segments show up at the next rerun after
-that without restarting the server, while a busy page never re-scans the store on every widget click.
+Query results are cached under the store's *version*: the count, size and newest mtime of its segment
+files, re-read every ``TTL_S`` seconds. A live run's new segments change the version, so the next rerun
+(or auto-refresh tick) queries again and shows them without restarting the server; a finished run's
+results stay cached, so clicking around a 10M-row run does not re-scan it every few seconds.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -18,7 +21,8 @@ from streamlit.runtime.scriptrunner_utils.exceptions import ScriptControlExcepti
 
 from dynascope.store import StoreConnection, StoreError, open_store
 
-TTL_S = 5.0
+TTL_S = 2.0  # how stale the store's file listing (and the run catalog) may be
+KEEP_S = 3600.0  # how long results of an unchanged store stay cached
 
 
 class MissingAnalysis(LookupError):
@@ -31,19 +35,58 @@ def store(path: str) -> StoreConnection:
     return open_store(path, read_only=True)
 
 
+@st.cache_data(ttl=TTL_S, show_spinner=False)
+def version(path: str) -> tuple[int, int, int]:
+    """(segment files, bytes, newest mtime in ns) under ``path``: changes when a writer flushes or a
+    compaction swaps files, which is exactly when cached results may be stale."""
+    n = size = newest = 0
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            if f.endswith(".parquet"):
+                try:
+                    info = os.stat(os.path.join(dirpath, f))
+                except OSError:  # renamed away by a compaction mid-walk
+                    continue
+                n, size, newest = n + 1, size + info.st_size, max(newest, info.st_mtime_ns)
+    return n, size, newest
+
+
+@st.cache_data(ttl=TTL_S, show_spinner=False)
+def catalog(path: str) -> pl.DataFrame:
+    """The run list with status; on a short TTL because live/crashed depends on the clock, not only files."""
+    from dynascope.dashboard.queries.runs import run_list
+
+    return run_list(store(path))
+
+
+def query(name: str, path: str, *args: Any) -> Any:
+    """``dynascope.dashboard.queries.<module>.<fn>(store, *args)``, cached until the store changes."""
+    return _query(name, path, version(path), *args)
+
+
+def analysis(name: str, path: str, **kwargs: Any) -> pl.DataFrame:
+    """``dynascope.analyses.<name>(store, **kwargs)``, cached until the store changes; raises
+    ``MissingAnalysis`` when this dynascope has no such analysis."""
+    return _analysis(name, path, version(path), **kwargs)
+
+
+def clear() -> None:
+    """Forget every cached result (the sidebar's "Refresh now")."""
+    for cached in (version, catalog, _query, _analysis):
+        cached.clear()
+
+
 # cache_resource, not cache_data: results are returned as the same (immutable) polars frames instead of
 # being pickled and copied on every read, which for a page's 40 MB parameter cube costs more than a scan.
-@st.cache_resource(ttl=TTL_S, show_spinner=False, max_entries=512)
-def query(name: str, path: str, *args: Any) -> Any:
-    """``dynascope.dashboard.queries.<module>.<fn>(store, *args)``, cached by arguments for TTL_S."""
+@st.cache_resource(ttl=KEEP_S, show_spinner=False, max_entries=512)
+def _query(name: str, path: str, token: tuple[int, int, int], *args: Any) -> Any:
     module, fn = name.rsplit(".", 1)
     func = getattr(importlib.import_module(f"dynascope.dashboard.queries.{module}"), fn)
     return func(store(path), *args)
 
 
-@st.cache_resource(ttl=TTL_S, show_spinner=False, max_entries=256)
-def analysis(name: str, path: str, **kwargs: Any) -> pl.DataFrame:
-    """``dynascope.analyses.<name>(store, **kwargs)``; raises ``MissingAnalysis`` if it does not exist."""
+@st.cache_resource(ttl=KEEP_S, show_spinner=False, max_entries=256)
+def _analysis(name: str, path: str, token: tuple[int, int, int], **kwargs: Any) -> pl.DataFrame:
     import dynascope.analyses as analyses
 
     try:
@@ -127,7 +170,7 @@ AUTO_MAX_BYTES = 64 * 2**20
 
 def on_demand(key: str, label: str, path: str, run: str) -> bool:
     """True when a slow analysis should run now: the run is small, or the user asked once for this run."""
-    sizes = dict(query("runs.run_list", path).select("run_id", "size_bytes").iter_rows())
+    sizes = dict(catalog(path).select("run_id", "size_bytes").iter_rows())
     flag = f"{key}:{run}"
     if (sizes.get(run) or 0) <= AUTO_MAX_BYTES or st.session_state.get(flag):
         return True

@@ -173,22 +173,31 @@ def _drive(ray: Any, trainer: Any, workers: list, steps: int) -> None:
     ray.get(list(gen))  # let the last generations finish before the actors close their probes
 
 
+def _start_ray(ray: Any, tmp: str, num_cpus: int, attempts: int = 3) -> None:
+    """A lean local node (no dashboard, small object store), retried: on a saturated machine Ray's agent can
+    miss the raylet's fixed start-up wait (ray-project/ray#65983), and a second try usually fits."""
+    os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")  # honoured by Ray builds that read it
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(address="local", include_dashboard=False, num_cpus=num_cpus, _temp_dir=tmp,
+                     object_store_memory=80 * 1024 * 1024, configure_logging=False, log_to_driver=True)
+            return
+        except Exception as exc:
+            ray.shutdown()
+            if attempt == attempts:
+                raise RuntimeError(f"Ray could not start a local node after {attempts} tries ({exc}); its agent "
+                                   "misses Ray's fixed start-up wait on a busy machine") from exc
+
+
 def run_async(s: DemoSettings, console: Console) -> None:
-    """Start a lean local Ray cluster, run SFT + asynchronous GRPO, and shut it down."""
+    """Start a local Ray cluster, run SFT + asynchronous GRPO, and shut it down."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
 
     tmp = tempfile.mkdtemp(prefix="dsray", dir="/tmp")  # Ray's socket paths must stay short
     world = 1 + s.rollout_workers
     try:
-        try:
-            ray.init(address="local", include_dashboard=False, num_cpus=world, _temp_dir=tmp,
-                     object_store_memory=80 * 1024 * 1024, configure_logging=False, log_to_driver=True)
-        except Exception as exc:
-            # Ray's raylet gives its Python agent a fixed 15 s to come up (ray-project/ray#65983); on a
-            # saturated machine it does not, and Ray's own message hides why.
-            raise RuntimeError(f"Ray could not start a local node ({exc}); on a busy machine its agent can miss "
-                               "Ray's fixed start-up timeout — retry when the CPUs are less loaded") from exc
+        _start_ray(ray, tmp, world)
         env = {"env_vars": {"OMP_NUM_THREADS": "1"}}
         trainer = ray.remote(num_cpus=1, runtime_env=env)(Trainer).remote(s.to_json(), world)
         workers = [ray.remote(num_cpus=1, runtime_env=env)(RolloutWorker).remote(s.to_json(), i, world)

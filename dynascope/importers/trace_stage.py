@@ -28,19 +28,21 @@ COLUMNS = {
     "args": 'STRUCT("stream" VARCHAR, "correlation" VARCHAR, "device" VARCHAR)',
 }
 
-# HTA keeps events with a duration and a category other than 'Trace' (the profiler's own span).
+# HTA keeps events with a duration and a category other than 'Trace' (the profiler's own span). Rows that
+# cannot be GPU work, an annotation or a launch are dropped before any per-row conversion.
 _SELECT = """
-SELECT kind, cat, name, pid, ts_ns, dur_ns, stream, corr, device FROM (
+SELECT kind, cat, name, pid, dynascope_ns(ts) AS ts_ns, dynascope_ns(dur) AS dur_ns, stream, corr, device FROM (
     SELECT CASE WHEN stream IS NOT NULL AND stream <> -1 THEN 'gpu'
                 WHEN cat IN ('user_annotation', 'gpu_user_annotation') THEN 'annotation'
                 WHEN corr IS NOT NULL THEN 'launch' END AS kind, *
-    FROM (SELECT cat, name, TRY_CAST(pid AS BIGINT) AS pid,
-                 dynascope_ns(ts) AS ts_ns, dynascope_ns(dur) AS dur_ns,
+    FROM (SELECT cat, name, TRY_CAST(pid AS BIGINT) AS pid, ts, dur,
                  TRY_CAST(args.stream AS BIGINT) AS stream,
                  TRY_CAST(args.correlation AS BIGINT) AS corr,
                  TRY_CAST(args.device AS BIGINT) AS device
           FROM ev
-          WHERE dur IS NOT NULL AND cat IS NOT NULL AND cat <> 'Trace'))
+          WHERE dur IS NOT NULL AND cat IS NOT NULL AND cat <> 'Trace'
+            AND (args.stream IS NOT NULL OR args.correlation IS NOT NULL
+                 OR cat IN ('user_annotation', 'gpu_user_annotation'))))
 WHERE kind IS NOT NULL AND ts_ns IS NOT NULL AND dur_ns IS NOT NULL
 """
 

@@ -7,7 +7,8 @@
   (delayed creation under FSDP/DeepSpeed) the probes attach at the first ``on_step_begin``, or at the
   latest ``on_pre_optimizer_step`` — always before the first optimizer step, so no ΔW is missed.
 * Every ``logs`` dict (``on_log``) becomes ``scalars``. dynascope numbers optimizer steps from 0 (rows
-  before the first optimizer step are step 0), so HF's ``global_step`` N is dynascope step N−1.
+  before the first optimizer step are step 0), so HF's ``global_step`` N is dynascope step N−1. A resumed
+  run (or a second ``train()``) continues the numbering from ``global_step``.
 * A ``train`` phase spans each step's micro-batches up to the optimizer step; with TRL, rollout
   (generation + scoring) is cut out of it and recorded as its own phase — see ``_trl.py``.
 * ``on_train_end`` closes the scope (and flushes the store).
@@ -56,21 +57,21 @@ class DynascopeCallback(transformers.TrainerCallback):
         self._model = model
         self.trainer = _find_trainer(self)
         if optimizer is not None:
-            self._guard(lambda: self._attach(args, model, optimizer))
+            self._guard(lambda: self._attach(args, state, model, optimizer))
 
     def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                       **kwargs: Any) -> None:
         if not self._attached and optimizer is not None:
-            self._guard(lambda: self._attach(args, model or self._model, optimizer))
+            self._guard(lambda: self._attach(args, state, model or self._model, optimizer))
         self._open_train()
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                               **kwargs: Any) -> None:
         self._close_train()
         if not self._attached and optimizer is not None:
-            self._guard(lambda: self._attach(args, model or self._model, optimizer))
+            self._guard(lambda: self._attach(args, state, model or self._model, optimizer))
 
-    def _attach(self, args: Any, model: Any, optimizer: Any) -> None:
+    def _attach(self, args: Any, state: Any, model: Any, optimizer: Any) -> None:
         import dynascope
         from dynascope.store import RunWriter
 
@@ -89,6 +90,11 @@ class DynascopeCallback(transformers.TrainerCallback):
                 framework="trl" if _is_trl(self.trainer) else "transformers", config=config)
             kw["writer"] = self._writer
         self.scope = dynascope.watch(model, _torch_optimizer(optimizer), run=self.run, wandb=self.wandb, **kw)
+        done = int(getattr(state, "global_step", 0) or 0)
+        if done:  # resumed from a checkpoint (or a second train()): continue the step numbering
+            self.scope.step_index = done
+            if hasattr(self.scope, "timer"):
+                self.scope.timer.step = done
         if self.use_trl and self.trainer is not None:
             from dynascope.integrations import _trl
 

@@ -60,9 +60,10 @@ def grad_counts(grads: list[Tensor], grad_norm: Tensor | None = None, tol: float
             zero.append(g.numel() - nz)
             a = wide(g).abs()
             # rms = ‖g‖/√n, computed on device; threshold stays a 0-d tensor (no host sync).
+            # Counts use count_nonzero: bool.sum() takes a slow int64 path on CPU (~100× slower).
             thr = grad_norm[i].to(a.dtype) * (tol / math.sqrt(max(g.numel(), 1)))
-            near.append((a <= thr).sum())
-            nan.append(torch.isnan(g).sum())
-            inf.append(torch.isinf(a).sum())
+            near.append(torch.count_nonzero(a <= thr))
+            nan.append(torch.count_nonzero(torch.isnan(g)))
+            inf.append(torch.count_nonzero(torch.isinf(a)))
         cols = [torch.stack([x.to(torch.float64) for x in c]) for c in (mx, zero, near, nan, inf)]
         return torch.stack(cols, dim=1)

@@ -127,7 +127,7 @@ class TensorStats:
                     cur.append(locals_[i])
                     refs.append(r)
             # (θ₀, W) order: the w_norm column is then ‖W₀‖, the rest is symmetric in the two.
-            rec.parts["drift"] = weight_update_stats(refs, cur, self.eta)
+            rec.parts["drift"] = weight_update_stats(refs, cur, self.eta, signs=False)
             del refs
         flat = torch.cat([p.to(device=device, dtype=torch.float64).reshape(-1) for p in rec.parts.values()])
         shapes = {k: tuple(v.shape) for k, v in rec.parts.items()}

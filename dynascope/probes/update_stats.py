@@ -59,15 +59,17 @@ def _bit_changed(new: Tensor, old: Tensor) -> Tensor:
     if new.dtype != old.dtype or new.element_size() not in _INT_VIEW:
         return torch.full((), float("nan"), dtype=torch.float64, device=new.device)  # undefined → NULL
     iv = _INT_VIEW[new.element_size()]
-    return (new.reshape(-1).view(iv) != old.reshape(-1).view(iv)).sum()
+    return torch.count_nonzero(new.reshape(-1).view(iv) != old.reshape(-1).view(iv))
 
 
-def weight_update_stats(new: list[Tensor], old: list[Tensor], eta: float = 1e-3) -> Tensor:
+def weight_update_stats(new: list[Tensor], old: list[Tensor], eta: float = 1e-3, *,
+                        signs: bool = True) -> Tensor:
     """Per-tensor statistics of the update ``new − old``: float64 [n, 7] on the tensors' device.
 
     Columns are ``UPDATE_STAT_COLUMNS``. ``old`` is the earlier weights (same shapes). Counts are exact
     integers held in float64; ``changed_count`` is NaN (unknown) when the two dtypes differ, since a
-    bit-exact comparison is then undefined. Nothing is copied to the host.
+    bit-exact comparison is then undefined. ``signs=False`` skips the sign-flip, NaN and Inf passes
+    (NaN in those columns) for callers that do not record them (drift). Nothing is copied to the host.
     """
     if len(new) != len(old):
         raise ValueError(f"weight_update_stats: {len(new)} new tensors vs {len(old)} old")
@@ -91,11 +93,16 @@ def weight_update_stats(new: list[Tensor], old: list[Tensor], eta: float = 1e-3)
             scale = aw.abs()
             torch.maximum(scale, bw.abs(), out=scale)
             scale.mul_(eta)
-            rel.append((d.abs_() > scale).sum())
+            rel.append(torch.count_nonzero(d.abs_() > scale))
             del d, scale
-            flips.append((torch.sign(a) * torch.sign(b) < 0).sum())
-            nans.append(torch.isnan(a).sum())
-            infs.append(torch.isinf(a).sum())
+            if signs:
+                flips.append(torch.count_nonzero(torch.sign(a) * torch.sign(b) < 0))
+                nans.append(torch.count_nonzero(torch.isnan(a)))
+                infs.append(torch.count_nonzero(torch.isinf(a)))
+            else:
+                flips.append(unknown := torch.full((), float("nan"), dtype=torch.float64, device=a.device))
+                nans.append(unknown)
+                infs.append(unknown)
         cols = [w_norm.to(new[0].device)] + [torch.stack([x.to(torch.float64) for x in c])
                                              for c in (dw, changed, rel, flips, nans, infs)]
         return torch.stack(cols, dim=1)

@@ -33,6 +33,7 @@ from dynascope.store.layout import list_segments, live_segments, locate, segment
 from dynascope.store.schema import TABLES
 
 LOCK = ".compact.lock"
+_FOREVER = 2**62
 # Temp files of a writer or compactor that died are removed only when older than this (a live one may be
 # writing a large segment right now).
 _STALE_TMP_S = 3600.0
@@ -72,8 +73,9 @@ def compact_store(path: str | os.PathLike, grace_s: float = 60.0, *, settle_s: f
                 stats.removed_segments += _remove_expired(wdir, segs, grace_s)
                 segs = [s for s in segs if s[2].exists()]
                 try:
-                    # What will be live once this merge takes effect (earlier merges included).
-                    live = live_segments(segs, at_us=time.time_ns() // 1000 + settle_us)
+                    # Build on every earlier merge, in effect yet or not (an earlier call may have used a longer
+                    # settle): a new merge then contains or avoids each old one, never half-overlaps it.
+                    live = live_segments(segs, at_us=_FOREVER)
                     last_valid = max(last_valid, _merge_dir(table, live, settle_us, target_rows, stats))
                 except (OSError, pa.ArrowException) as exc:
                     stats.skipped.append(f"{wdir}: {type(exc).__name__}: {str(exc).strip().splitlines()[0]}")

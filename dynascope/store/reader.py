@@ -31,6 +31,7 @@ T = TypeVar("T")
 
 # Statement types a user may run on a read-only connection.
 _ALLOWED_STATEMENTS = {duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN}
+_EXPLAIN_PREFIX = re.compile(r"^\s*EXPLAIN\s+(?:ANALY[SZ]E\s+)?(?:\([^)]*\)\s*)?", re.IGNORECASE)
 
 
 def quote_literal(text: str) -> str:
@@ -127,9 +128,23 @@ class StoreConnection:
         if not statements:
             raise StoreError("SQL error: empty query")
         for st in statements:
-            if st.type not in _ALLOWED_STATEMENTS:
-                kind = str(st.type).rsplit(".", 1)[-1]
-                raise StoreError(f"refused: {kind} statements are not allowed on a read-only store (queries only)")
+            kind = st.type
+            if kind == duckdb.StatementType.EXPLAIN:
+                # EXPLAIN ANALYZE runs its statement (EXPLAIN ANALYZE COPY … TO writes the file): the
+                # explained statement must itself be a query.
+                inner = _EXPLAIN_PREFIX.sub("", st.query, count=1)
+                try:
+                    kinds = [i.type for i in duckdb.extract_statements(inner)]
+                except duckdb.Error:
+                    kinds = []
+                kind = duckdb.StatementType.SELECT if kinds == [duckdb.StatementType.SELECT] else kinds[0] if kinds \
+                    else duckdb.StatementType.INVALID
+                if kind != duckdb.StatementType.SELECT:
+                    name = str(kind).rsplit(".", 1)[-1]
+                    raise StoreError(f"refused: EXPLAIN of a {name} statement is not allowed on a read-only store")
+            if kind not in _ALLOWED_STATEMENTS:
+                name = str(kind).rsplit(".", 1)[-1]
+                raise StoreError(f"refused: {name} statements are not allowed on a read-only store (queries only)")
 
     def sql(self, query: str, params: Any = None) -> duckdb.DuckDBPyRelation:
         self.check(query)
@@ -163,6 +178,7 @@ def open_store(path: str | os.PathLike, read_only: bool = True, threads: int | N
     loc = locate(path)
     con = duckdb.connect(":memory:")
     try:
+        con.execute("SET enable_progress_bar = false")  # it would interleave with CSV/JSON on stdout
         if threads:
             con.execute(f"SET threads = {int(threads)}")
         for table in TABLES:
@@ -218,7 +234,7 @@ def explain_error(exc: BaseException, context: str) -> str:
     """One line for the user; a corrupt segment is named, with what to do about it."""
     text = _first_line(exc)
     m = _BAD_SEGMENT.search(text)
-    if m and isinstance(exc, duckdb.InvalidInputException):
+    if m and not isinstance(exc, duckdb.PermissionException) and "No such file" not in text:
         reason = text.split(":", 1)[-1].replace(m.group(0), "").replace("File  ", "").strip()
         return f"{m.group(1)}: corrupt segment ({reason}); move it out of the run directory to read the rest"
     return f"{context}: {text}"

@@ -1,12 +1,16 @@
 """The store writer: buffer rows in memory, flush immutable Parquet segments from a background thread.
 
-One ``RunWriter`` per process. ``append`` only extends in-memory column lists under a lock and never
-touches the disk, so it cannot block training. A daemon thread turns the buffers into Arrow tables and
-writes them every ``flush_rows`` rows or ``flush_secs`` seconds, and at ``close``/atexit.
+One ``RunWriter`` per process. ``append`` only queues the caller's batch (a dict of lists, arrays or
+scalars) under a lock and never touches the disk, so it cannot block training (unless ``max_block_s`` asks
+it to wait for room). A daemon thread converts the queued batches to Arrow (``_columns``: NumPy repeats,
+dictionary-encoded strings) and writes them every ``flush_rows`` rows or ``flush_secs`` seconds, and at
+``close``/atexit; it also touches the writer's heartbeat file so ``dynascope runs`` can tell live from
+crashed. ``close`` records a ``run_end`` event.
 
-Failures never propagate into the caller: a failed flush keeps its rows (bounded by ``max_buffer_rows``,
-oldest dropped first and counted), warns once, and is retried; the run directory is recreated if it
-vanished. Dropped rows and write errors become rows in ``events``.
+Failures never propagate into the caller: a failed write keeps its rows (bounded by ``max_buffer_rows``,
+oldest dropped first and counted), warns once per kind, and is retried; the run directory is recreated if
+it vanished; a batch that cannot be typed is dropped alone. Dropped rows, write errors and thread errors
+become rows in ``events``.
 """
 
 from __future__ import annotations
@@ -238,11 +242,10 @@ class RunWriter:
             for table, buf in taken.items():
                 try:
                     arrow = self._to_arrow(table, buf)
-                except Exception as exc:
-                    self.rows_dropped += buf.rows
-                    self._problem("bad_batch", f"{table}: {buf.rows} rows could not be typed and were dropped "
-                                               f"({type(exc).__name__}: {exc})")
-                    continue
+                except Exception:
+                    arrow, buf = self._salvage(table, buf)
+                    if arrow is None:
+                        continue
                 if not self._write_segment(table, arrow):
                     self._requeue(table, buf)
 
@@ -271,6 +274,24 @@ class RunWriter:
                 parts[name] = _fill_default(given, default, buf.batches)
         return pa.Table.from_arrays([build_column(parts[f.name], f.type, off) for f in schema],
                                     names=schema.names)
+
+    def _salvage(self, table: str, buf: _TableBuffer) -> tuple[pa.Table | None, _TableBuffer]:
+        """Type batch by batch and drop (and count) only the batches that fail."""
+        good = _TableBuffer()
+        for n, cols in buf.batches:
+            one = _TableBuffer()
+            one.batches.append((n, cols))
+            one.rows = n
+            try:
+                self._to_arrow(table, one)
+            except Exception as exc:
+                self.rows_dropped += n
+                self._problem("bad_batch", f"{table}: a batch of {n} rows could not be typed and was dropped "
+                                           f"({type(exc).__name__}: {exc})")
+                continue
+            good.batches.append((n, cols))
+            good.rows += n
+        return (self._to_arrow(table, good) if good.rows else None), good
 
     def _write_segment(self, table: str, arrow: pa.Table) -> bool:
         d = writer_dir(self.run_dir, table, self.writer_id)

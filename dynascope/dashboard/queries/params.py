@@ -17,8 +17,7 @@ _SUMS = """
     sum(drift_norm * drift_norm) AS drift2, sum(CASE WHEN drift_norm IS NOT NULL THEN w_norm * w_norm END) AS drift_w2,
     CAST(sum(grad_zero_count) AS DOUBLE) AS gzero, CAST(sum(grad_near_zero_count) AS DOUBLE) AS gnear,
     CAST(sum(CASE WHEN grad_zero_count IS NOT NULL THEN numel END) AS DOUBLE) AS grad_numel,
-    CAST(sum(nan) AS BIGINT) AS nan, CAST(sum(inf) AS BIGINT) AS inf,
-    arg_max(tensor, nan + inf) FILTER (WHERE nan + inf > 0) AS worst_tensor"""
+    CAST(sum(nan) AS BIGINT) AS nan, CAST(sum(inf) AS BIGINT) AS inf"""
 
 # Heat-map metrics: label → pooled expression over the cube's sums.
 HEAT_METRICS = {
@@ -35,7 +34,7 @@ def param_cube(store: StoreConnection, run: str, max_points: int = MAX_POINTS) -
     return frame(store, f"""
         WITH {bounds_cte('tensor_stats', where, max_points)},
         t AS (SELECT step, {BUCKET} AS bucket, coalesce(layer, -1) AS layer, coalesce(kind, 'other') AS kind,
-                     coalesce(stage, '') AS stage, tensor, numel, dw_norm, w_norm, changed_count, drift_norm,
+                     coalesce(stage, '') AS stage, numel, dw_norm, w_norm, changed_count, drift_norm,
                      grad_zero_count, grad_near_zero_count,
                      coalesce(w_nan, 0) + coalesce(grad_nan, 0) AS nan,
                      coalesce(w_inf, 0) + coalesce(grad_inf, 0) AS inf
@@ -68,8 +67,7 @@ def _per_step(cube: pl.DataFrame, kinds: tuple[str, ...]) -> pl.DataFrame:
         (pl.col("changed").sum() / pl.col("changed_numel").sum()).alias("changed"),
         (pl.col("gzero").sum() / pl.col("grad_numel").sum()).alias("zero"),
         (pl.col("gnear").sum() / pl.col("grad_numel").sum()).alias("near_zero"),
-        pl.col("nan").sum(), pl.col("inf").sum(), pl.col("worst_tensor").drop_nulls().first())
-        .sort("step"))
+        pl.col("nan").sum(), pl.col("inf").sum()).sort("step"))
 
 
 def _bucketed(df: pl.DataFrame, x: str, values: list[str], by: list[str], max_points: int) -> pl.DataFrame:
@@ -102,12 +100,24 @@ def grad_health(cube: pl.DataFrame, run: str, kinds: tuple[str, ...], max_points
 
 
 def nonfinite_steps(cube: pl.DataFrame, run: str) -> pl.DataFrame:
-    """Steps where any weight or gradient held NaN/Inf, with counts and a tensor that did."""
+    """Steps where any weight or gradient held NaN/Inf, with their counts."""
     ps = cube.filter(pl.col("per_step") & ((pl.col("nan") + pl.col("inf")) > 0))
-    return (ps.group_by("step").agg(pl.col("nan").sum(), pl.col("inf").sum(),
-                                    pl.col("worst_tensor").drop_nulls().first())
-            .sort("step").with_columns(pl.lit(run).alias("run_id")).select("run_id", "step", "nan", "inf",
-                                                                            "worst_tensor"))
+    return (ps.group_by("step").agg(pl.col("nan").sum(), pl.col("inf").sum()).sort("step")
+            .with_columns(pl.lit(run).alias("run_id")).select("run_id", "step", "nan", "inf"))
+
+
+def nonfinite_tensors(store: StoreConnection, run: str, steps: tuple[int, ...]) -> pl.DataFrame:
+    """The tensors holding NaN/Inf at the given steps (a separate query: naming tensors in the cube would
+    drag the tensor column through the whole scan, and steps prune row groups here)."""
+    if not steps:
+        return pl.DataFrame(schema={"step": pl.Int64, "tensor": pl.String, "nonfinite": pl.Int64})
+    return frame(store, f"""
+        SELECT step, tensor, CAST(coalesce(w_nan, 0) + coalesce(w_inf, 0) + coalesce(grad_nan, 0)
+                                  + coalesce(grad_inf, 0) AS BIGINT) AS nonfinite
+        FROM tensor_stats
+        WHERE run_id = {quote_literal(run)} AND step IN ({', '.join(str(int(s)) for s in steps)})
+          AND (w_nan > 0 OR w_inf > 0 OR grad_nan > 0 OR grad_inf > 0)
+        ORDER BY step, nonfinite DESC""")
 
 
 def _where(runs: tuple[str, ...], kinds: tuple[str, ...]) -> str:
@@ -116,16 +126,25 @@ def _where(runs: tuple[str, ...], kinds: tuple[str, ...]) -> str:
 
 def spectra_series(store: StoreConnection, runs: tuple[str, ...], kinds: tuple[str, ...],
                    max_points: int = MAX_POINTS) -> pl.DataFrame:
-    """Rank-1 energy and stable rank of cumulative ΔW per run and stage: mean/min/max over tensors and bucket."""
-    where = _where(runs, kinds)
+    """Rank-1 energy and stable rank of the cumulative ΔW per run, stage and step bucket.
+
+    ``rank1`` is energy-weighted over the selected tensors, Σσ₁² / Σ‖ΔW‖²_F, as in
+    ``dynascope.analyses.rank1_dominance``; the band is the per-tensor min/max. Computed here rather than
+    through that analysis because it reads only scalar columns (the analysis also reads the u₁/v₁ lists)
+    and honours the kind filter.
+    """
+    where = _where(runs, kinds) + " AND dw_fro > 0 AND rank1_energy IS NOT NULL"
     return frame(store, f"""
-        WITH {bounds_cte('spectra', where, max_points, partition='run_id')}
-        SELECT s.run_id, coalesce(stage, '') AS stage, {BUCKET} AS step,
-               avg(rank1_energy) AS rank1, min(rank1_energy) AS rank1_lo, max(rank1_energy) AS rank1_hi,
-               avg(stable_rank) AS stable_rank, min(stable_rank) AS stable_rank_lo,
-               max(stable_rank) AS stable_rank_hi
-        FROM spectra s JOIN bounds USING (run_id) WHERE {where}
-        GROUP BY ALL ORDER BY s.run_id, stage, step""")
+        WITH per_step AS (
+            SELECT run_id, coalesce(stage, '') AS stage, step,
+                   sum(sigma[1] * sigma[1]) / sum(dw_fro * dw_fro) AS rank1,
+                   min(rank1_energy) AS lo, max(rank1_energy) AS hi, avg(stable_rank) AS stable_rank,
+                   min(stable_rank) AS sr_lo, max(stable_rank) AS sr_hi
+            FROM spectra WHERE {where} GROUP BY ALL),
+        {bounds_cte('per_step', 'TRUE', max_points, partition='run_id')}
+        SELECT p.run_id, stage, {BUCKET} AS step, avg(rank1) AS rank1, min(lo) AS rank1_lo, max(hi) AS rank1_hi,
+               avg(stable_rank) AS stable_rank, min(sr_lo) AS stable_rank_lo, max(sr_hi) AS stable_rank_hi
+        FROM per_step p JOIN bounds USING (run_id) GROUP BY ALL ORDER BY p.run_id, stage, step""")
 
 
 def rank1_fit_fallback(store: StoreConnection, run: str, kinds: tuple[str, ...]) -> pl.DataFrame:

@@ -22,7 +22,7 @@ def _body() -> None:
         st.info("Pick one or more runs in the sidebar.")
         return
     if len(runs) > 1:  # multi-rank runs first: a timeline of one rank says little
-        ranks = dict(data.query("runs.run_list", path).select("run_id", "ranks").iter_rows())
+        ranks = dict(data.catalog(path).select("run_id", "ranks").iter_rows())
         run = st.selectbox("Run", sorted(runs, key=lambda r: -(ranks.get(r) or 0)), key="cl_run")
     else:
         run = runs[0]

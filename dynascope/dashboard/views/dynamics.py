@@ -69,26 +69,12 @@ def _body() -> None:
         _rank1_fit(path, run, kinds)
 
     with data.guard("Gradient sparsity"):
-        _gradients(cubes, kinds)
+        _gradients(path, cubes, kinds)
 
 
 def _spectra(path: str, runs: tuple[str, ...], kinds: tuple[str, ...]) -> None:
-    """Rank-1 energy and stable rank over steps: the analysis' energy-weighted overall value per step,
-    banded by the spread across layers; the SQL fallback honours the kind filter."""
-    try:
-        rd = data.per_run("rank1_dominance", path, runs)
-        layers = rd.filter(pl.col("level") == "layer").group_by("run_id", "step").agg(
-            pl.col("rank1_energy").min().alias("lo"), pl.col("rank1_energy").max().alias("hi"))
-        sp = (rd.filter(pl.col("level") == "overall").join(layers, on=["run_id", "step"], how="left")
-              .with_columns(pl.col("stage").fill_null("")))
-        sp = data.downsample(sp, "step", ["rank1_energy", "mean_stable_rank"], ["run_id", "stage"])
-        sp = sp.rename({"rank1_energy": "rank1", "rank1_energy_lo": "rank1_lo", "rank1_energy_hi": "rank1_hi",
-                        "mean_stable_rank": "stable_rank", "mean_stable_rank_lo": "stable_rank_lo",
-                        "mean_stable_rank_hi": "stable_rank_hi"})
-        source = "dynascope.analyses.rank1_dominance (Σσ₁²/Σ‖ΔW‖², all module kinds)"
-    except data.MissingAnalysis:
-        sp = data.query("params.spectra_series", path, runs, kinds)
-        source = "dashboard query (mean over tensors of the selected kinds)"
+    """Rank-1 energy (Σσ₁²/Σ‖ΔW‖², the definition of rank1_dominance) and stable rank over steps."""
+    sp = data.query("params.spectra_series", path, runs, kinds)
     if data.empty(sp, "spectra of ΔW"):
         return
     left, right = st.columns(2)
@@ -99,7 +85,6 @@ def _spectra(path: str, runs: tuple[str, ...], kinds: tuple[str, ...]) -> None:
         charts.show(charts.banded(sp, "step", "stable_rank", "stable_rank_lo", "stable_rank_hi",
                                   ["run_id", "stage"], "stable rank of cumulative ΔW", "‖ΔW‖² / σ₁²"),
                     "dyn_stable_rank")
-    st.caption(f"Source: {source}.")
 
 
 def _rank1_fit(path: str, run: str, kinds: tuple[str, ...]) -> None:
@@ -135,7 +120,7 @@ def _rank1_fit(path: str, run: str, kinds: tuple[str, ...]) -> None:
     st.caption(f"Fit: {what}.")
 
 
-def _gradients(cubes: dict[str, pl.DataFrame], kinds: tuple[str, ...]) -> None:
+def _gradients(path: str, cubes: dict[str, pl.DataFrame], kinds: tuple[str, ...]) -> None:
     gh = pl.concat([P.grad_health(c, r, kinds) for r, c in cubes.items()], how="diagonal_relaxed")
     nf = pl.concat([P.nonfinite_steps(c, r) for r, c in cubes.items()], how="diagonal_relaxed")
     if data.empty(gh, "gradient statistics"):
@@ -150,10 +135,12 @@ def _gradients(cubes: dict[str, pl.DataFrame], kinds: tuple[str, ...]) -> None:
         fig.add_trace(go.Scatter(
             x=nf["step"].to_list(), y=[top * 1.05] * nf.height, mode="markers", name="NaN/Inf",
             marker=dict(symbol="x", size=12, color="#E45756"),
-            text=[f"{r}: {n} NaN, {f} Inf, worst {t}" for r, n, f, t in nf.select("run_id", "nan", "inf",
-                                                                                   "worst_tensor").iter_rows()],
+            text=[f"{r}: {n} NaN, {f} Inf" for r, n, f in nf.select("run_id", "nan", "inf").iter_rows()],
             hovertemplate="step %{x}<br>%{text}<extra></extra>"))
     charts.show(fig, "dyn_grad")
     if nf.height:
-        st.caption("Steps with non-finite weights or gradients")
-        st.dataframe(nf, hide_index=True, width="stretch")
+        st.caption("Tensors with non-finite weights or gradients (first 50 such steps per run)")
+        named = [data.query("params.nonfinite_tensors", path, run, tuple(g["step"].head(50).to_list()))
+                 .with_columns(pl.lit(run).alias("run_id")) for (run,), g in nf.group_by("run_id")]
+        st.dataframe(pl.concat(named).select("run_id", "step", "tensor", "nonfinite"), hide_index=True,
+                     width="stretch", key="dyn_nonfinite")

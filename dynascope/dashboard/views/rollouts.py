@@ -43,14 +43,16 @@ def _body() -> None:
     with right, data.guard("Tail wait"):
         try:
             tw = data.downsample(data.per_run("tail_wait_share", path, runs), "step", ["tail_wait_pct"], ["run_id"])
-            what = "median sample finished → last finished, % of step time"
+            what = "% of step time"
+            title = "tail wait: median sample done → last done"
         except data.MissingAnalysis:
             tw = data.query("rollouts.lengths", path, runs).rename(
                 {"tail_pct": "tail_wait_pct", "tail_pct_lo": "tail_wait_pct_lo", "tail_pct_hi": "tail_wait_pct_hi"})
-            what = "p90 finished → last finished, % of generation span"
+            what = "% of generation span"
+            title = "tail wait: 90 % of samples done → last done"
         if not data.empty(tw, "generation times"):
             charts.show(charts.banded(tw, "step", "tail_wait_pct", "tail_wait_pct_lo", "tail_wait_pct_hi",
-                                      ["run_id"], "tail-wait share", what), "ro_tail")
+                                      ["run_id"], title, what), "ro_tail")
     left, right = st.columns(2)
     with left, data.guard("Rewards"):
         rw = data.query("rollouts.rewards", path, runs)

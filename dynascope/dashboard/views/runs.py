@@ -16,7 +16,7 @@ def _body() -> None:
     path, runs = data.current()
     st.header("Runs")
     with data.guard("Run list"):
-        cat = data.query("runs.run_list", path)
+        cat = data.catalog(path)
         view = cat.with_columns(
             (pl.col("size_bytes") / 1e6).round(2).alias("size_mb"),
             pl.from_epoch(pl.col("last_write_us"), time_unit="us").alias("last_write"),
