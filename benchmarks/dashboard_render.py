@@ -131,16 +131,16 @@ def _build_rest(run: Path, rng, steps: int, sft_end: int, names, layer_of, kind_
         for j, ti in enumerate(mats):
             s1 = 0.01 * r * (1 + 0.05 * rng.random())
             sig = [s1, s1 * 0.3, s1 * 0.1, s1 * 0.05]
-            e = np.square(sig)
+            fro2 = float(np.square(sig).sum() * 1.04)  # ‖ΔW‖²_F, a little beyond the top 4
             rows.append((int(r), names[ti], None if layer_of[ti] < 0 else int(layer_of[ti]), kind_of[ti], sig,
-                         float(e[0] / e.sum()), float(e.sum() / e[0]), u[j].tolist()))
+                         sig[0] ** 2 / fro2, fro2 / sig[0] ** 2, u[j].tolist(), fro2 ** 0.5))
     cols = list(zip(*rows, strict=True))
     n = len(rows)
     counts["spectra"] += _write(run, "spectra", "bench-r0", 0, {
         "run_id": [run.name] * n, "rank": [0] * n, "step": cols[0], "stage": ["sft" if s <= sft_end else "rl"
                                                                           for s in cols[0]],
         "tensor": cols[1], "layer": cols[2], "kind": cols[3], "rows": [SPEC_DIM] * n, "cols": [SPEC_DIM] * n,
-        "k": [4] * n, "dw_fro": [float(np.sqrt(np.square(s).sum()) * 1.02) for s in cols[4]], "sigma": cols[4],
+        "k": [4] * n, "dw_fro": cols[8], "sigma": cols[4],
         "rank1_energy": cols[5], "stable_rank": cols[6], "u1": cols[7], "v1": cols[7]})
     # timings: 8 ranks, a step row and 6 phases per step; rank 5 is 30 % slower in backward
     phases = [("rollout", "phase", 900.0), ("reward", "phase", 40.0), ("forward", "phase", 120.0),
@@ -212,7 +212,7 @@ def naive_heatmap(path: Path) -> float:
         return time.perf_counter() - t
 
 
-def time_queries(run: Path) -> list[tuple[str, float, int]]:
+def time_queries(run: Path, skip_on_demand: bool = False) -> list[tuple[str, float, int]]:
     """Server-side cost of each query or analysis the pages issue at first render (no Streamlit, no cache)."""
     import dynascope.analyses as A
     from dynascope.dashboard.queries import cluster, params, rollouts, runs
@@ -239,6 +239,8 @@ def time_queries(run: Path) -> list[tuple[str, float, int]]:
     out = []
     with open_store(run) as store:
         for name, fn in calls:
+            if skip_on_demand and "on demand" in name:
+                continue
             t = time.perf_counter()
             try:
                 rows = getattr(fn(store), "height", -1)
@@ -252,7 +254,8 @@ def time_queries(run: Path) -> list[tuple[str, float, int]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=10_000_000)
-    ap.add_argument("--quick", action="store_true", help="300k rows: a smoke run in under a minute")
+    ap.add_argument("--quick", action="store_true",
+                    help="300k rows, one visit per page, no on-demand analyses: a smoke run in about a minute")
     ap.add_argument("--dir", type=Path, default=Path("runs/bench-dashboard"))
     ap.add_argument("--target-s", type=float, default=2.0)
     ap.add_argument("--build-only", action="store_true", help="build the run and stop")
@@ -289,7 +292,7 @@ def main() -> None:
             render(browser, f"{base}/sql")  # warm the server process (imports, sessions), not the queries
             for name, url in PAGES:
                 cold = render(browser, f"{base}/{url}")
-                warm = render(browser, f"{base}/{url}")
+                warm = cold if args.quick else render(browser, f"{base}/{url}")  # quick: one visit per page
                 results.append((name, cold, warm))
             browser.close()
     peer = naive_heatmap(run)
@@ -300,7 +303,7 @@ def main() -> None:
         print(f"{name:<10} {charts:>6} {cold_s:>15.2f} {warm_s:>9.2f} {args.target_s:>9.1f} "
               f"{cold_s / args.target_s:>13.2f} {peer:>22.2f} {cold_s / peer:>12.2f}{flag}")
     print(f"\n{'server-side query (uncached)':<42} {'s':>7} {'rows out':>10}")
-    for name, secs, n in ([] if args.no_query_table else time_queries(run)):
+    for name, secs, n in ([] if args.no_query_table else time_queries(run, skip_on_demand=args.quick)):
         print(f"{name:<42} {secs:>7.2f} {n:>10,}")
     print(f"\nnaive peer: SELECT the heat map's 6 columns of all {counts['tensor_stats']:,} tensor_stats rows "
           "into polars, then group there (what a dashboard without push-down does for one chart).")

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import functools
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Callable, Optional
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -69,7 +70,7 @@ def sql(
     path: Annotated[Path, typer.Argument(help="Run directory or store root.")],
     query: Annotated[str, typer.Argument(help="A read-only SQL query over the store's tables.")],
     format: Annotated[str, typer.Option("--format", "-f", help="table | csv | json | parquet")] = "table",
-    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the result to this file.")] = None,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the result to this file.")] = None,
     max_rows: Annotated[int, typer.Option("--max-rows", help="Row cap for the result.")] = 100_000,
 ) -> None:
     """Run read-only SQL over a run (tables: runs, tensor_stats, spectra, timings, samples, scalars, events, system)."""
@@ -103,8 +104,8 @@ def runs(root: Annotated[Path, typer.Argument(help="Store root or run directory.
 @guarded
 def export(
     run: Annotated[Path, typer.Argument(help="Run directory (or store root).")],
-    out: Annotated[Optional[Path], typer.Argument(help="Output .duckdb file.")] = None,
-    parquet: Annotated[Optional[Path], typer.Option("--parquet", help="Write one Parquet file per table here instead.")] = None,
+    out: Annotated[Path | None, typer.Argument(help="Output .duckdb file.")] = None,
+    parquet: Annotated[Path | None, typer.Option("--parquet", help="Write one Parquet file per table here instead.")] = None,
 ) -> None:
     """Write a self-contained DuckDB file (or Parquet files) for sharing."""
     from dynascope.store.export import export_store
@@ -144,7 +145,7 @@ def compact(
 def report(
     run: Annotated[Path, typer.Argument(help="Run directory or store root.")],
     format: Annotated[str, typer.Option("--format", "-f", help="text | markdown | html")] = "text",
-    out: Annotated[Optional[Path], typer.Option("--out", "-o")] = None,
+    out: Annotated[Path | None, typer.Option("--out", "-o")] = None,
 ) -> None:
     """Findings in plain sentences, ranked by time at stake, each with its numbers and SQL."""
     from dynascope.report import report_command
@@ -158,7 +159,7 @@ def diff(
     base: Annotated[Path, typer.Argument(help="Base checkpoint (θ₀): safetensors, sharded HF folder, .pt/.bin.")],
     checkpoints: Annotated[list[Path], typer.Argument(help="Checkpoints to compare against BASE (in the step order their names give, else as listed).")],
     run: Annotated[Path, typer.Option("--run", help="Run directory to write.")],
-    tensors: Annotated[Optional[str], typer.Option("--tensors", help="Only tensors whose name matches this regex.")] = None,
+    tensors: Annotated[str | None, typer.Option("--tensors", help="Only tensors whose name matches this regex.")] = None,
     allow_missing: Annotated[bool, typer.Option("--allow-missing", help="Skip (and list) names missing on one side.")] = False,
     spectral_k: Annotated[int, typer.Option("--k", help="Top-k for the randomized SVD of ΔW (0: no spectra).")] = 8,
     stage: Annotated[str | None, typer.Option("--stage", help="Stage label for the rows (e.g. sft, rl).")] = None,
@@ -214,8 +215,8 @@ def import_wandb(
 def demo(
     quick: Annotated[bool, typer.Option("--quick", help="A < 60 s version for tests.")] = False,
     run: Annotated[Path, typer.Option("--run", help="Run directory to write.")] = Path("runs/demo"),
-    ranks: Annotated[int, typer.Option("--ranks", help="Run the RL phase under torchrun with this many gloo ranks.")] = 1,
-    slow_rank: Annotated[Optional[int], typer.Option("--slow-rank", help="Make this rank slower by real extra compute.")] = None,
+    ranks: Annotated[int, typer.Option("--ranks", help="Train (SFT and RL) under torchrun with this many gloo data-parallel ranks.")] = 1,
+    slow_rank: Annotated[int | None, typer.Option("--slow-rank", help="Make this rank slower by real extra compute.")] = None,
     slow_factor: Annotated[float, typer.Option("--slow-factor", help="How much slower the slow rank is.")] = 2.0,
     long_tail: Annotated[bool, typer.Option("--long-tail", help="Skew response lengths for a long rollout tail.")] = False,
     async_: Annotated[bool, typer.Option("--async", help="Asynchronous RL on Ray: rollout actors + trainer actor.")] = False,

@@ -75,14 +75,15 @@ def _param_rows(w: RunWriter, rng: np.random.Generator, nan_step: int) -> None:
             sigma1[j] += slope[j] * (1 + rng.normal(0, 0.05))
             sig = sigma1[j] * np.array([1.0, 0.3, 0.15, 0.08]) * rng.uniform(0.9, 1.1, 4)
             energy = sig ** 2
+            fro2 = energy.sum() * 1.1  # ‖ΔW‖²_F: the top-4 singular values hold ~91 % of the energy
             u0, v0, du = dirs[j]
             u1 = u0 + 0.02 * step * du
             u1, v1 = u1 / np.linalg.norm(u1), v0 / np.linalg.norm(v0)
             w.append("spectra", {
                 "step": step, "stage": stage, "tensor": name, "layer": layer, "kind": kind, "rows": shape[0],
-                "cols": shape[1], "k": 4, "dw_fro": float(np.sqrt(energy.sum()) * 1.05), "sigma": [sig.tolist()],
-                "rank1_energy": float(energy[0] / energy.sum()), "topk_energy": 0.97,
-                "stable_rank": float(energy.sum() / energy[0]), "u1": [u1.tolist()], "v1": [v1.tolist()],
+                "cols": shape[1], "k": 4, "dw_fro": float(np.sqrt(fro2)), "sigma": [sig.tolist()],
+                "rank1_energy": float(energy[0] / fro2), "topk_energy": float(energy.sum() / fro2),
+                "stable_rank": float(fro2 / energy[0]), "u1": [u1.tolist()], "v1": [v1.tolist()],
                 "effective_rank": float(np.exp(-((energy / energy.sum()) * np.log(energy / energy.sum())).sum())),
                 "compute_ms": 0.4,
             })

@@ -100,7 +100,7 @@ def test_full_coverage_matches_naive(tmp_path: Path) -> None:
 
 def test_default_budget_rotates_a_window(tmp_path: Path) -> None:
     run = tmp_path / "rot"
-    truth, _ = train(run, 12)
+    truth, _ = train(run, 12, time_budget=None)
     got = rows(run, "select * from tensor_stats order by step, tensor")
     assert len(got) == 12 * len(truth[0])
     # light stats on every tensor: norms, and NaN/Inf counts proven 0 by the finite norms
@@ -234,3 +234,12 @@ def test_spectral_probe_is_wired(tmp_path: Path) -> None:
     at2 = [r for r in got if r["step"] == 2]
     assert at2 and all(r["dw_fro"] > 0 for r in at2)
     assert any("spectral/rank1_energy" in s for s in seen)
+
+
+def test_time_budget_thins_windows_but_not_light_stats(tmp_path: Path) -> None:
+    run = tmp_path / "tb"
+    truth, _ = train(run, 12, time_budget=1e-9)  # windows cost more than this budget ever earns back
+    got = rows(run, "select step, count(dw_norm) as windowed, count(w_norm) as light from tensor_stats "
+                    "group by step order by step")
+    assert [r["light"] for r in got] == [len(truth[0])] * 12
+    assert got[0]["windowed"] > 0 and sum(r["windowed"] > 0 for r in got) < 12

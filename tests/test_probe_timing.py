@@ -23,7 +23,7 @@ def test_phases_nest_and_auto_phases_are_timed(tmp_path: Path) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     run = tmp_path / "t"
     summaries: list[tuple[int, dict]] = []
-    with dynascope.watch(model, opt, run=run, system_interval_s=None) as scope:
+    with dynascope.watch(model, opt, run=run, system_interval_s=None, time_budget=None) as scope:
         scope.add_listener(lambda step, s: summaries.append((step, s)))
         for _ in range(3):
             with scope.phase("rollout"):

@@ -7,21 +7,27 @@ public function of any submodule.
 
 from __future__ import annotations
 
+import ast
 import importlib
 import pkgutil
+from pathlib import Path
 from typing import Any
 
 _index: dict[str, str] | None = None
 
 
 def _build_index() -> dict[str, str]:
+    # Read each submodule's literal __all__ without importing it: some analyses need torch, and a
+    # lookup of a SQL-only analysis should not pay for that import.
     index: dict[str, str] = {}
     for mod in pkgutil.iter_modules(__path__):
         if mod.name.startswith("_"):
             continue
-        module = importlib.import_module(f"{__name__}.{mod.name}")
-        for name in getattr(module, "__all__", ()):
-            index.setdefault(name, mod.name)
+        source = Path(__path__[0], f"{mod.name}.py").read_text(encoding="utf-8")
+        for node in ast.parse(source).body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+                for name in ast.literal_eval(node.value):
+                    index.setdefault(name, mod.name)
     return index
 
 

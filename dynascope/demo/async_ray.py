@@ -10,7 +10,6 @@ dynascope's probes into the same run, so staleness, rollout/train overlap and we
 
 from __future__ import annotations
 
-import copy
 import os
 import shutil
 import tempfile
@@ -45,7 +44,7 @@ class Trainer:
 
     def sft(self) -> tuple[int, list]:
         """Supervised warm-up, then switch the probes to RL with θ₀ = the SFT result."""
-        from dynascope.demo.distributed import THETA0_FILE, save_weights
+        from dynascope.demo.distributed import THETA0_FILE, frozen_copy, save_weights
         from dynascope.demo.sft import run_sft
 
         s = self.s
@@ -56,7 +55,7 @@ class Trainer:
         self.scope.set_stage("rl")
         self.scope.set_reference("current")
         self.scope.event("stage", "RL starts: θ₀ = SFT result", sft_steps=out["steps"], sft_accuracy=out["eval/accuracy"])
-        self.ref = copy.deepcopy(self.model).requires_grad_(False)
+        self.ref = frozen_copy(self.model)
         for group in self.opt.param_groups:
             group["lr"] = s.rl.lr
         self.opt.state.clear()

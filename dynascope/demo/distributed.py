@@ -8,7 +8,6 @@ writes its own probe rows into the shared run directory.
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import sys
@@ -46,6 +45,13 @@ def save_weights(model: torch.nn.Module, path: Path) -> None:
     save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(path))
 
 
+def frozen_copy(model: TinyLM) -> TinyLM:
+    """A fresh, grad-free copy (not ``deepcopy``, which would carry the probe's hooks along)."""
+    twin = TinyLM(model.cfg).requires_grad_(False)
+    twin.load_state_dict(model.state_dict())
+    return twin
+
+
 def open_scope(s: DemoSettings, model: torch.nn.Module, opt: torch.optim.Optimizer | None, *, rank: int, world: int,
                role: str = "trainer", spectral: RLSpectralSchedule | None = None, stage: str = "sft") -> Any:
     """The demo's probes: every tensor every step (the model is tiny), spectra on RL's schedule."""
@@ -78,8 +84,7 @@ def train_rank(s: DemoSettings, rank: int = 0, world: int = 1) -> dict:
     scope.set_stage("rl")
     scope.set_reference("current")
     scope.event("stage", "RL starts: θ₀ = SFT result", sft_steps=sft["steps"], sft_accuracy=sft["eval/accuracy"])
-    ref = copy.deepcopy(model).requires_grad_(False)    # π_ref for the KL term
-    rollout_model = copy.deepcopy(model).requires_grad_(False)  # the "inference engine"
+    ref, rollout_model = frozen_copy(model), frozen_copy(model)  # π_ref for the KL term; the "inference engine"
     for group in opt.param_groups:  # a fresh optimizer state at the RL learning rate
         group["lr"] = s.rl.lr
     opt.state.clear()

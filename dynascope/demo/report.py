@@ -108,8 +108,8 @@ def _dynamics(con: StoreConnection, console: Console) -> None:
 
 def _time(con: StoreConnection, console: Console, rl_start: int | None) -> None:
     bd = analyses.step_breakdown(con)
-    if rl_start is not None:
-        bd = bd.filter(pl.col("step") >= rl_start)
+    if rl_start is not None:  # the trainer's SFT steps come first; rollout actors (async) only ever do RL
+        bd = bd.filter((pl.col("role") != "trainer") | (pl.col("step") >= rl_start))
     if bd.is_empty():
         return
     steps = bd.select("role", "rank", "step", "step_ms").unique().group_by("role").agg(pl.col("step_ms").sum())

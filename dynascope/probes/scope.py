@@ -62,7 +62,7 @@ class Scope:
     def __init__(self, model: Any, optimizer: Any, writer: RunWriter, own_writer: bool, *,
                  schedule: Schedule, reference: Any, memory_budget: float | None, spectral: Any,
                  stage: str | None, local_rank: int, system_interval_s: float | None,
-                 grad_tol: float | None) -> None:
+                 grad_tol: float | None, time_budget: float | None = 0.015) -> None:
         self.model, self.optimizer, self.writer = model, optimizer, writer
         self._own_writer, self.schedule, self.stage = own_writer, schedule, stage
         self.run_dir: Path = writer.run_dir
@@ -73,7 +73,7 @@ class Scope:
         self._closed = False
         self.device = _device_of(model)
         self.timer = Timer(self.device)
-        self.stats = TensorStats(memory_budget, grad_tol)
+        self.stats = TensorStats(memory_budget, grad_tol, time_budget=time_budget)
         self.memory = MemoryProbe(self.device)
         self.resolver = Resolver(self._resolver_error)
         self.tracked: list[Tracked] = []
@@ -202,6 +202,7 @@ class Scope:
         spectra = self._guard("spectral", self._spectral, step) if rec is not None and self.spectral else None
         mem = self._guard("memory", self.memory.read) if rec is not None else None
         t1 = time.perf_counter_ns()
+        self.stats.tick((t1 - self._step_t0) / 1e9)
         step_row = {"step": step, "phase": "step", "parent": None, "start_us": self._step_start_us,
                     "dur_us": (t1 - self._step_t0) // 1000, "device": self.timer.device, "category": "step"}
         self._step_t0, self._step_start_us = t1, now_us()
@@ -373,7 +374,7 @@ def watch(model: Any, optimizer: Any = None, run: str | os.PathLike = "runs/defa
           spectral: bool | dict = False, stage: str | None = None, rank: int | None = None,
           role: str | None = None, world_size: int | None = None, system_interval_s: float | None = 5.0,
           grad_tol: float | None = None, wandb: bool = False, config: dict | None = None,
-          writer: RunWriter | None = None) -> Scope:
+          writer: RunWriter | None = None, time_budget: float | None = 0.015) -> Scope:
     """Attach dynascope's probes to ``model`` and ``optimizer`` and record into the run at ``run``.
 
     Args:
@@ -389,6 +390,8 @@ def watch(model: Any, optimizer: Any = None, run: str | os.PathLike = "runs/defa
         grad_tol: near-zero gradient threshold relative to the tensor's rms (default 1e-8).
         wandb: mirror the compact summaries to wandb via ``dynascope.integrations.wandb.WandbMirror``.
         writer: share an existing ``RunWriter`` (it is then flushed, not closed, by ``close``).
+        time_budget: share of step wall time the windowed statistics may take on average (default
+            1.5%; None: no limit). ‖W‖ and ‖g‖ of every tensor are recorded regardless.
     """
     r, local_rank, ws, role_ = _identity(rank, role, world_size)
     own = writer is None
@@ -396,7 +399,7 @@ def watch(model: Any, optimizer: Any = None, run: str | os.PathLike = "runs/defa
         writer = RunWriter(run, rank=r, role=role_, world_size=ws, framework="pytorch", config=config)
     scope = Scope(model, optimizer, writer, own, schedule=as_schedule(every), reference=reference,
                   memory_budget=memory_budget, spectral=spectral, stage=stage, local_rank=local_rank,
-                  system_interval_s=system_interval_s, grad_tol=grad_tol)
+                  system_interval_s=system_interval_s, grad_tol=grad_tol, time_budget=time_budget)
     if wandb:
         try:
             from dynascope.integrations.wandb import WandbMirror

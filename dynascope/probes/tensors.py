@@ -5,8 +5,12 @@ tracked tensor: ‖W‖ and ‖g‖ (batched norms, no extra memory; a finite no
 are 0). The statistics that need the pre-step weights, θ₀ or several passes over the data — ‖ΔW‖,
 changed/sign-flip counts, drift, max|g| and zero/near-zero gradient counts — run on a *window* of tensors that rotates through the model, sized by
 ``memory_budget`` (share of parameter bytes held for snapshots and θ₀). At the default 0.1 each
-tensor gets the full set every ~10 records; ``memory_budget >= 2`` (θ₀ resident + a full snapshot)
+tensor gets the full set every ~10 windows; ``memory_budget >= 2`` (θ₀ resident + a full snapshot)
 gives every statistic for every tensor at every record. Columns of tensors outside the window are NULL.
+The window also has a time budget (``time_budget``, share of wall-clock step time, default 1.5%): a
+window is taken only while the windows' measured host time stays under that share, so on a small or
+fast model the full set comes less often instead of slowing every step. ``memory_budget=None`` (or
+``time_budget=None``) lifts that limit.
 
 Everything stays on device until one float64 vector per record is copied to the host (pinned memory,
 non-blocking, on CUDA) and unpacked into rows by the resolver thread.
@@ -15,6 +19,7 @@ non-blocking, on CUDA) and unpacked into rows by the resolver thread.
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import numpy as np
@@ -48,8 +53,11 @@ class Record:
 class TensorStats:
     """Plans windows under the memory budget and computes one record's statistics on device."""
 
-    def __init__(self, memory_budget: float | None, grad_tol: float | None, eta: float = 1e-3) -> None:
+    def __init__(self, memory_budget: float | None, grad_tol: float | None, eta: float = 1e-3,
+                 time_budget: float | None = 0.015) -> None:
         self.memory_budget = memory_budget
+        self.time_budget = None if memory_budget is None else time_budget
+        self._debt_s = 0.0  # window time spent beyond what time_budget × elapsed step time allows
         self.grad_tol, self.eta = grad_tol, eta
         self.update = UpdateStats(eta)
         self.reference: Reference | None = None
@@ -63,6 +71,14 @@ class TensorStats:
             return math.inf
         resident = total if self.reference is not None and self.reference.resident else 0
         return self.memory_budget * total - resident
+
+    def tick(self, step_s: float) -> None:
+        """Called once per step with the step's wall time: earns back window time."""
+        if self.time_budget is not None:
+            self._debt_s = max(self._debt_s - self.time_budget * step_s, -self.time_budget * step_s)
+
+    def _timed(self, t0: float) -> None:
+        self._debt_s += time.perf_counter() - t0
 
     def plan(self, tracked: list[Tracked]) -> list[int]:
         """Next window: tensors from the rotating cursor while they fit (always at least one)."""
@@ -86,7 +102,11 @@ class TensorStats:
         """Pre-step half: gradients and the ΔW snapshot of the window."""
         rec = Record(step, stage, tracked)
         early, self._early_window = self._early_window, None
-        rec.window = early if early is not None and not snapshot else self.plan(tracked)
+        t0 = time.perf_counter()
+        if early is not None and not snapshot:
+            rec.window = early
+        elif self.time_budget is None or self._debt_s <= 0:
+            rec.window = self.plan(tracked)
         grads = []
         for i, t in enumerate(tracked):
             g = t.grad()
@@ -101,9 +121,11 @@ class TensorStats:
         col = gn[:, 0].unbind() if pos else ()  # 0-d views: picking them needs no host→device index copy
         rec.parts["grad_counts"] = grad_counts([grads[k] for k in pos],
                                                torch.stack([col[k] for k in pos]) if pos else None, self.grad_tol)
-        if snapshot:
+        if snapshot and rec.window:
             self.update.before([tracked[i].local() for i in rec.window])
         self._rec = rec
+        if rec.window:
+            self._timed(t0)
 
     @torch.no_grad()
     def after(self) -> Record | None:
@@ -115,6 +137,7 @@ class TensorStats:
         locals_ = [t.local() for t in tracked]
         device = locals_[0].device if locals_ else torch.device("cpu")
         rec.parts["w_norm"] = norms(locals_)
+        t0 = time.perf_counter()
         if self.update.pending:
             rec.parts["update"] = self.update.after([locals_[i] for i in rec.window])
             rec.has_update = True
@@ -129,6 +152,8 @@ class TensorStats:
             # (θ₀, W) order: the w_norm column is then ‖W₀‖, the rest is symmetric in the two.
             rec.parts["drift"] = weight_update_stats(refs, cur, self.eta, signs=False)
             del refs
+        if rec.window:
+            self._timed(t0)
         flat = torch.cat([p.to(device=device, dtype=torch.float64).reshape(-1) for p in rec.parts.values()])
         shapes = {k: tuple(v.shape) for k, v in rec.parts.items()}
         if flat.is_cuda:

@@ -129,16 +129,18 @@ def spectra_series(store: StoreConnection, runs: tuple[str, ...], kinds: tuple[s
     """Rank-1 energy and stable rank of the cumulative ΔW per run, stage and step bucket.
 
     ``rank1`` is energy-weighted over the selected tensors, Σσ₁² / Σ‖ΔW‖²_F, as in
-    ``dynascope.analyses.rank1_dominance``; the band is the per-tensor min/max. Computed here rather than
+    ``dynascope.analyses.rank1_dominance``; the band is the per-tensor min/max of σ₁²/‖ΔW‖²_F (the same
+    quantity, so the line always lies inside it). Computed here rather than
     through that analysis because it reads only scalar columns (the analysis also reads the u₁/v₁ lists)
     and honours the kind filter.
     """
-    where = _where(runs, kinds) + " AND dw_fro > 0 AND rank1_energy IS NOT NULL"
+    where = _where(runs, kinds) + " AND dw_fro > 0 AND len(sigma) > 0"
     return frame(store, f"""
         WITH per_step AS (
             SELECT run_id, coalesce(stage, '') AS stage, step,
                    sum(sigma[1] * sigma[1]) / sum(dw_fro * dw_fro) AS rank1,
-                   min(rank1_energy) AS lo, max(rank1_energy) AS hi, avg(stable_rank) AS stable_rank,
+                   min(sigma[1] * sigma[1] / (dw_fro * dw_fro)) AS lo,
+                   max(sigma[1] * sigma[1] / (dw_fro * dw_fro)) AS hi, avg(stable_rank) AS stable_rank,
                    min(stable_rank) AS sr_lo, max(stable_rank) AS sr_hi
             FROM spectra WHERE {where} GROUP BY ALL),
         {bounds_cte('per_step', 'TRUE', max_points, partition='run_id')}
