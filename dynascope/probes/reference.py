@@ -11,7 +11,10 @@ So ``memory_budget`` bounds device memory, and ``ref_covered`` says which tensor
 
 from __future__ import annotations
 
+import json
 import os
+import struct
+import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -73,11 +76,7 @@ class LazyRef:
 
 def _load_file(path: Path) -> tuple[Callable[[str], Tensor | None], set[str]]:
     if path.suffix == ".safetensors":
-        from safetensors import safe_open
-
-        handle = safe_open(str(path), framework="pt", device="cpu")
-        by_norm = {normalize_name(k): k for k in handle.keys()}
-        return (lambda key: handle.get_tensor(by_norm[key]) if key in by_norm else None), set(by_norm)
+        return _pread_safetensors(path)
     obj: Any = torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
     for wrapper in ("state_dict", "model", "module"):
         if isinstance(obj, Mapping) and isinstance(obj.get(wrapper), Mapping):
@@ -85,6 +84,33 @@ def _load_file(path: Path) -> tuple[Callable[[str], Tensor | None], set[str]]:
     if not isinstance(obj, Mapping):
         raise ValueError(f"{path}: expected a state dict, got {type(obj).__name__}")
     return _dict_loader(obj)
+
+
+def _pread_safetensors(path: Path) -> tuple[Callable[[str], Tensor | None], set[str]]:
+    """Read single tensors of a safetensors file with ``pread``, not mmap: mapped pages would count in
+    the training process's resident memory as the window rotates, while pread leaves them to the page
+    cache, which the kernel may drop under pressure."""
+    from dynascope.importers.checkpoint_io import _ST_DTYPES as dtypes
+
+    fd = os.open(path, os.O_RDONLY)
+    (hlen,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+    header = json.loads(os.pread(fd, hlen, 8))
+    header.pop("__metadata__", None)
+    by_norm = {normalize_name(k): k for k in header}
+
+    def load(key: str) -> Tensor | None:
+        if key not in by_norm:
+            return None
+        info = header[by_norm[key]]
+        lo, hi = info["data_offsets"]
+        buf = bytearray(os.pread(fd, hi - lo, 8 + hlen + lo))
+        dtype = dtypes[info["dtype"]]
+        if not buf:
+            return torch.empty(info["shape"], dtype=dtype)
+        return torch.frombuffer(buf, dtype=dtype).reshape(info["shape"])
+
+    weakref.finalize(load, os.close, fd)  # the file stays open exactly as long as its loader
+    return load, set(by_norm)
 
 
 def _dict_loader(sd: Mapping[str, Any]) -> tuple[Callable[[str], Tensor | None], set[str]]:
@@ -103,12 +129,12 @@ def build_reference(spec: Any, named: list[tuple[str, Tensor]], run_dir: Path, r
             return Reference(spec, held.get, set(held), resident=held)
         path = Path(run_dir) / "reference" / f"theta0-r{rank}.safetensors"
         path.parent.mkdir(parents=True, exist_ok=True)
-        from safetensors.torch import save_file
+        from dynascope.importers.checkpoint_io import write_safetensors
 
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        # contiguous CPU copies, one tensor at a time on GPU runs; CPU tensors are written in place.
-        save_file({normalize_name(n): t.detach().contiguous().cpu() for n, t in named}, str(tmp))
-        os.replace(tmp, path)
+        # Streamed tensor by tensor: serialising the whole state dict at once would briefly hold a
+        # second full copy of the model in host memory, which is exactly what the budget forbids.
+        detached = [(normalize_name(n), t.detach()) for n, t in named]
+        write_safetensors(path, [(n, tuple(t.shape), t.dtype) for n, t in detached], (t for _, t in detached))
         loader, names = _load_file(path)
         return Reference(spec, loader, names, path=path)
     if isinstance(spec, Mapping):
