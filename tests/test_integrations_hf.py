@@ -97,8 +97,14 @@ def test_hf_trainer_sft_five_steps(tmp_path, monkeypatch):
         time.sleep(0.2)
     mirrored = {(s, k): v for s, k, v in zip(hist.step, hist.key, hist.value, strict=True)}
     ratios = dict(_q(run, "SELECT step, avg(update_ratio) FROM tensor_stats GROUP BY step"))
+    # The windowed statistics may skip a step under the probe's time budget; the mirror must then skip
+    # the key too, and agree with the store wherever the store has the value.
+    assert any(r is not None for r in ratios.values())
     for step in range(5):
-        assert mirrored[(step, "dynascope/update_ratio")] == pytest.approx(ratios[step])
+        if ratios[step] is None:
+            assert (step, "dynascope/update_ratio") not in mirrored
+        else:
+            assert mirrored[(step, "dynascope/update_ratio")] == pytest.approx(ratios[step])
         assert mirrored[(step, "dynascope/phase/forward_ms")] > 0
     assert not [k for _, k in mirrored if k.startswith("dynascope/") and "transformer.h." in k]  # no per-tensor keys
 
