@@ -18,15 +18,15 @@ from __future__ import annotations
 
 import inspect
 import threading
-import warnings
 from typing import Any
 
 from dynascope.integrations._extras import require
+from dynascope.integrations._guard import GuardedCallback
 
 transformers = require("transformers", "dynascope.integrations.hf")
 
 
-class DynascopeCallback(transformers.TrainerCallback):
+class DynascopeCallback(GuardedCallback, transformers.TrainerCallback):
     """Attach dynascope to a ``transformers.Trainer`` (TRL's trainers included).
 
     Args:
@@ -35,6 +35,8 @@ class DynascopeCallback(transformers.TrainerCallback):
         trl: record TRL's profiling timings, rollout records and phases when the trainer is a TRL trainer.
         **watch_kwargs: passed to ``dynascope.watch`` (every, reference, memory_budget, spectral, stage, role…).
     """
+
+    framework = "HF"
 
     def __init__(self, run: str = "runs/hf", wandb: bool = False, *, trl: bool = True, **watch_kwargs: Any) -> None:
         self.run, self.wandb, self.use_trl = run, wandb, trl
@@ -136,23 +138,7 @@ class DynascopeCallback(transformers.TrainerCallback):
         if self._trl is not None:
             self._trl.detach()
             self._trl = None
-        if self.scope is not None:
-            self._guard(self.scope.close)
-            self.scope = None
-        if self._writer is not None:
-            self._guard(self._writer.close)
-            self._writer = None
-
-    def _guard(self, fn: Any) -> Any:
-        # the callback runs on the training thread: a probe problem becomes a warning, never an exception
-        try:
-            return fn()
-        except Exception as exc:
-            if not self._warned:
-                self._warned = True
-                warnings.warn(f"dynascope: HF callback problem ({type(exc).__name__}: {exc}); continuing",
-                              RuntimeWarning, stacklevel=3)
-            return None
+        self._close_scope()
 
 
 def _enter(cm: Any) -> Any:

@@ -21,6 +21,7 @@ import warnings
 from typing import Any
 
 from dynascope.integrations._extras import require
+from dynascope.integrations._guard import GuardedCallback
 
 try:  # the unified "lightning" package, or the standalone "pytorch_lightning"
     import lightning.pytorch as pl
@@ -31,13 +32,15 @@ except ImportError:
         pl = require("lightning.pytorch", "dynascope.integrations.lightning")
 
 
-class DynascopeCallback(pl.Callback):
+class DynascopeCallback(GuardedCallback, pl.Callback):
     """Attach dynascope to a Lightning fit.
 
     Args:
         run: run directory. wandb: mirror compact summaries to the active wandb run.
         **watch_kwargs: passed to ``dynascope.watch`` (every, reference, memory_budget, spectral, stage, role…).
     """
+
+    framework = "Lightning"
 
     def __init__(self, run: str = "runs/lightning", wandb: bool = False, **watch_kwargs: Any) -> None:
         super().__init__()
@@ -133,19 +136,4 @@ class DynascopeCallback(pl.Callback):
         if self._module is not None:
             self._module.__dict__.pop("training_step", None)
             self._module = None
-        if self.scope is not None:
-            self._guard(self.scope.close)
-            self.scope = None
-        if self._writer is not None:
-            self._guard(self._writer.close)
-            self._writer = None
-
-    def _guard(self, fn: Any) -> Any:
-        try:
-            return fn()
-        except Exception as exc:  # never raise into the user's fit
-            if not self._warned:
-                self._warned = True
-                warnings.warn(f"dynascope: Lightning callback problem ({type(exc).__name__}: {exc}); continuing",
-                              RuntimeWarning, stacklevel=3)
-            return None
+        self._close_scope()

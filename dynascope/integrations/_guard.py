@@ -1,0 +1,35 @@
+"""What every trainer callback shares: it runs on the training thread, so a probe problem becomes one
+warning, never an exception in the user's fit."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+
+class GuardedCallback:
+    """Mixin for framework callbacks that own a ``scope`` (and possibly a shared ``_writer``)."""
+
+    framework = "trainer"
+    scope: Any = None
+    _writer: Any = None
+    _warned = False
+
+    def _guard(self, fn: Any) -> Any:
+        try:
+            return fn()
+        except Exception as exc:
+            if not self._warned:
+                self._warned = True
+                warnings.warn(f"dynascope: {self.framework} callback problem ({type(exc).__name__}: {exc}); "
+                              "continuing", RuntimeWarning, stacklevel=3)
+            return None
+
+    def _close_scope(self) -> None:
+        """Close the scope, then the writer this callback made for it (scope first: it flushes rows)."""
+        if self.scope is not None:
+            self._guard(self.scope.close)
+            self.scope = None
+        if self._writer is not None:
+            self._guard(self._writer.close)
+            self._writer = None
