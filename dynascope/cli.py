@@ -46,10 +46,10 @@ def guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
                 raise
             from rich.text import Text
 
-            from dynascope.store import StoreError
+            from dynascope.store import StoreError, first_line
 
             known = isinstance(exc, (UserError, StoreError, FileNotFoundError, ValueError, PermissionError))
-            msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            msg = first_line(exc)
             # User data (paths, names) may hold invalid UTF-8 (surrogate escapes) or rich markup: print it inert.
             msg = msg.encode("utf-8", "backslashreplace").decode("utf-8")
             prefix = "error" if known else f"error ({type(exc).__name__})"

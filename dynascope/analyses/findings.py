@@ -29,7 +29,7 @@ from dynascope.analyses.rollouts import (
 from dynascope.analyses.steps import idle_time, step_breakdown
 from dynascope.analyses.stragglers import straggler_scores, what_if
 from dynascope.analyses.throughput import throughput_mfu
-from dynascope.store import quote_literal
+from dynascope.store import first_line, quote_literal
 
 __all__ = ["Finding", "collect_findings", "ranked_findings"]
 
@@ -351,7 +351,7 @@ def collect_findings(store: StoreLike, run: str | None = None) -> tuple[list[Fin
                     warnings.simplefilter("ignore")
                     found.extend(gen(con, r))
             except Exception as exc:  # one analysis failing must not sink the report; say why it is missing
-                notes.append(f"{name}: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}")
+                notes.append(f"{name}: {first_line(exc)}")
     found.sort(key=lambda f: (-f.at_stake_ms, _SEVERITY.get(f.severity, 3), f.kind))
     return found, notes
 

@@ -30,7 +30,7 @@ import torch
 from dynascope.importers.checkpoint_io import Checkpoint, open_checkpoint
 from dynascope.probes.spectral import SpectralProbe
 from dynascope.probes.update_stats import UPDATE_STAT_COLUMNS, norms, weight_update_stats
-from dynascope.store import RunWriter, StoreError
+from dynascope.store import RunWriter, StoreError, first_line
 from dynascope.store.naming import tensor_kind, tensor_layer
 
 __all__ = ["DiffSummary", "checkpoint_steps", "diff_checkpoints", "diff_command"]
@@ -214,7 +214,7 @@ def _device(device: str) -> torch.device:
         dev = torch.device(device)
         torch.empty(0, device=dev)
     except (RuntimeError, AssertionError) as exc:
-        raise StoreError(f"--device {device}: not usable here ({str(exc).splitlines()[0]})") from None
+        raise StoreError(f"--device {device}: not usable here ({first_line(exc)})") from None
     return dev
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from dynascope.store import StoreError
+from dynascope.store import StoreError, first_line
 
 __all__ = ["Checkpoint", "open_checkpoint", "write_safetensors"]
 
@@ -53,7 +53,7 @@ class Checkpoint:
         except KeyError:
             raise StoreError(f"{self.path}: no tensor named {name!r}") from None
         except Exception as exc:  # a truncated data section surfaces only when the bytes are read
-            raise StoreError(f"{self.path}: could not read tensor {name!r}: {_one_line(exc)}") from None
+            raise StoreError(f"{self.path}: could not read tensor {name!r}: {first_line(exc)[:200]}") from None
 
     def close(self) -> None:
         self._closer()
@@ -87,7 +87,7 @@ def _open_folder(p: Path) -> Checkpoint:
                 weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
                 shards = sorted({p / f for f in weight_map.values()})
             except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-                raise StoreError(f"{index}: unreadable shard index ({_one_line(exc)})") from None
+                raise StoreError(f"{index}: unreadable shard index ({first_line(exc)[:200]})") from None
             missing = [s.name for s in shards if not s.exists()]
             if missing:
                 raise StoreError(f"{index}: shard file(s) missing: {', '.join(missing[:5])}")
@@ -122,7 +122,7 @@ def _open_safetensors(files: list[Path], label: Path) -> Checkpoint:
         raise
     except Exception as exc:
         stack.close()
-        raise StoreError(f"{label}: not a readable safetensors checkpoint ({_one_line(exc)})") from None
+        raise StoreError(f"{label}: not a readable safetensors checkpoint ({first_line(exc)[:200]})") from None
     return Checkpoint(label, specs, lambda name: owner[name].get_tensor(name), stack.close)
 
 
@@ -130,7 +130,7 @@ def _load_torch(p: Path) -> dict[str, Tensor]:
     try:
         obj = torch.load(p, map_location="cpu", mmap=True, weights_only=True)
     except Exception as exc:
-        raise StoreError(f"{p}: not a readable torch state dict ({_one_line(exc)})") from None
+        raise StoreError(f"{p}: not a readable torch state dict ({first_line(exc)[:200]})") from None
     for key in ("state_dict", "model"):  # common wrappers around the state dict
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):
             obj = obj[key]
@@ -192,7 +192,3 @@ def write_safetensors(path: str | os.PathLike, specs: list[tuple[str, tuple[int,
         tmp.unlink(missing_ok=True)
     return path
 
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:200] if text else type(exc).__name__

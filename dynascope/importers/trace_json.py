@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from dynascope.store import StoreError
+from dynascope.store import StoreError, first_line
 
 BLOCK = 16 << 20
 _MAX_BUFFER = 8 * BLOCK      # no event boundary within this much data: the JSON is broken
@@ -176,7 +176,7 @@ def _explain_missing_events(path: Path, buf: bytes, eof: bool) -> None:
     try:
         doc = json.loads(buf)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise TraceFormatError(f"{path}: not valid JSON ({str(exc).splitlines()[0]})") from None
+        raise TraceFormatError(f"{path}: not valid JSON ({first_line(exc)})") from None
     if not isinstance(doc, dict):
         raise TraceFormatError(f"{path}: JSON top level is a {type(doc).__name__}, not a Chrome trace object")
     if "traceEvents" in doc:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dynascope.store import RunWriter, StoreError
+from dynascope.store import RunWriter, StoreError, first_line
 
 _HEADER = struct.Struct("<4sHB")  # ident, magic, version
 _RECORD = struct.Struct("<IHB")   # crc32, length, type
@@ -193,7 +193,7 @@ def _table_rows(path: Path, kind: str) -> Iterator[dict[str, Any]]:
     try:
         frame = pl.read_csv(path, infer_schema_length=None) if kind == "csv" else pl.read_parquet(path)
     except Exception as exc:
-        raise StoreError(f"{path}: could not read {kind} ({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
+        raise StoreError(f"{path}: could not read {kind} ({type(exc).__name__}: {first_line(exc)})") from None
     yield from frame.iter_rows(named=True)
 
 

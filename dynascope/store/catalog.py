@@ -19,7 +19,16 @@ from pathlib import Path
 import duckdb
 import polars as pl
 
-from dynascope.store.layout import HEARTBEATS, MARKER, SEGMENT_RE, StoreError, locate, printable, read_marker
+from dynascope.store.layout import (
+    HEARTBEATS,
+    MARKER,
+    SEGMENT_RE,
+    StoreError,
+    first_line,
+    locate,
+    printable,
+    read_marker,
+)
 from dynascope.store.reader import explain_error, open_store, quote_ident
 
 LIVE_MARGIN_S = 5.0
@@ -46,7 +55,7 @@ def list_runs(path: str | os.PathLike) -> pl.DataFrame:
         except StoreError as exc:  # garbage or newer marker: list the run with the reason, keep the others
             name = printable(run_dir.name)
             rows.append((name, name, "crashed", None, 0, 0, None, None, printable(run_dir),
-                         printable(str(exc).strip().splitlines()[0])))
+                         printable(first_line(exc))))
     rows = [tuple(printable(v) if isinstance(v, str) else v for v in r) for r in rows]  # invalid UTF-8 names
     df = pl.DataFrame(rows, schema=SCHEMA, orient="row") if rows else pl.DataFrame(schema=SCHEMA)
     return df.sort("start_us", descending=True, nulls_last=True)
@@ -72,7 +81,7 @@ def _describe(run_dir: Path) -> tuple:
     try:
         name, steps, ended = _query(run_dir)
     except (StoreError, OSError) as exc:
-        problem = str(exc).strip().splitlines()[0]
+        problem = first_line(exc)
     except duckdb.Error as exc:  # a segment that reads badly past its footer
         problem = explain_error(exc, f"{run_dir}: could not read")
     status = _status(run_dir, writers, ended)

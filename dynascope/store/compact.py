@@ -29,7 +29,14 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dynascope.store.layout import list_segments, live_segments, locate, segment_name, valid_from_us
+from dynascope.store.layout import (
+    first_line,
+    list_segments,
+    live_segments,
+    locate,
+    segment_name,
+    valid_from_us,
+)
 from dynascope.store.schema import TABLES
 
 LOCK = ".compact.lock"
@@ -78,7 +85,7 @@ def compact_store(path: str | os.PathLike, grace_s: float = 60.0, *, settle_s: f
                     live = live_segments(segs, at_us=_FOREVER)
                     last_valid = max(last_valid, _merge_dir(table, live, settle_us, target_rows, stats))
                 except (OSError, pa.ArrowException) as exc:
-                    stats.skipped.append(f"{wdir}: {type(exc).__name__}: {str(exc).strip().splitlines()[0]}")
+                    stats.skipped.append(f"{wdir}: {type(exc).__name__}: {first_line(exc)}")
     if wait and last_valid:
         time.sleep(max(0.0, last_valid / 1e6 + grace_s - time.time()) + 0.01)
         for run_dir in loc.run_dirs:
@@ -139,7 +146,7 @@ def _num_rows(path: Path) -> int:
     try:
         return pq.ParquetFile(path).metadata.num_rows
     except (OSError, pa.ArrowException) as exc:  # name the file: the user has to move it away
-        raise OSError(f"{path.name}: corrupt segment ({str(exc).strip().splitlines()[0]})") from None
+        raise OSError(f"{path.name}: corrupt segment ({first_line(exc)})") from None
 
 
 def _merge(table: str, group: list[tuple[int, int, Path]], settle_us: int) -> int:

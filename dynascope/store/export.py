@@ -9,7 +9,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dynascope.store.layout import StoreError
+from dynascope.store.layout import StoreError, first_line
 from dynascope.store.reader import open_store, quote_ident, quote_literal
 from dynascope.store.schema import TABLES
 
@@ -53,7 +53,7 @@ def export_store(path: str | os.PathLike, duckdb_path: str | os.PathLike | None 
                               f"{quote_literal(str(d / (table + '.parquet')))} (FORMAT parquet)")
             store.execute("COMMIT")
     except duckdb.Error as exc:
-        raise StoreError(f"export failed: {str(exc).strip().splitlines()[0]}") from None
+        raise StoreError(f"export failed: {first_line(exc)}") from None
     finally:
         store.close()
         if tmp is not None:  # a failed export leaves nothing behind

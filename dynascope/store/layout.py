@@ -136,6 +136,13 @@ def locate(path: str | os.PathLike) -> StoreLocation:
     return StoreLocation(p, True, runs)
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type name when the message is empty), for
+    one-line user errors."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def printable(path: os.PathLike | str) -> str:
     """``path`` as text safe to print or store: undecodable bytes shown as escapes."""
     return str(path).encode("utf-8", "backslashreplace").decode("utf-8")

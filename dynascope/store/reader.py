@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import duckdb
 import pyarrow as pa
 
-from dynascope.store.layout import StoreError, StoreLocation, locate
+from dynascope.store.layout import StoreError, StoreLocation, first_line, locate
 from dynascope.store.schema import TABLES
 
 T = TypeVar("T")
@@ -124,7 +124,7 @@ class StoreConnection:
         try:
             statements = duckdb.extract_statements(query)
         except duckdb.Error as exc:
-            raise StoreError(f"SQL error: {_first_line(exc)}") from None
+            raise StoreError(f"SQL error: {first_line(exc)}") from None
         if not statements:
             raise StoreError("SQL error: empty query")
         for st in statements:
@@ -232,7 +232,7 @@ def run_sql(store: StoreConnection, query: str, max_rows: int | None = None):
 
 def explain_error(exc: BaseException, context: str) -> str:
     """One line for the user; a corrupt segment is named, with what to do about it."""
-    text = _first_line(exc)
+    text = first_line(exc)
     m = _BAD_SEGMENT.search(text)
     if m and not isinstance(exc, duckdb.PermissionException) and "No such file" not in text:
         reason = text.split(":", 1)[-1].replace(m.group(0), "").replace("File  ", "").strip()
@@ -241,11 +241,6 @@ def explain_error(exc: BaseException, context: str) -> str:
 
 
 _BAD_SEGMENT = re.compile(r"""["'](/[^"']+\.parquet)["']""")
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def table_names() -> Iterable[str]:

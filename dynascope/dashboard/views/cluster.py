@@ -7,6 +7,7 @@ import polars as pl
 import streamlit as st
 
 from dynascope.dashboard import charts, data
+from dynascope.store import first_line
 
 GANTT_LIMIT = 4000
 
@@ -72,7 +73,7 @@ def _mfu(path: str, run: str) -> None:
     try:
         mfu = data.analysis("throughput_mfu", path, run=run, peak_tflops=peak)
     except ValueError as exc:
-        st.info(f"MFU: {str(exc).splitlines()[0]}")
+        st.info(f"MFU: {first_line(exc)}")
         st.number_input("Peak TFLOP/s per device (for MFU)", min_value=0.0, value=None, key="cl_peak")
         return
     if data.empty(mfu, "phases with token counts"):
