@@ -26,7 +26,9 @@ from screenshots import CHROMIUM, wait_rendered  # benchmarks/ is on sys.path wh
 
 from dynascope.dashboard.server import serving
 from dynascope.store import RunWriter, open_store
+from dynascope.store._columns import parquet_options
 from dynascope.store.layout import segment_name, writer_dir
+from dynascope.store.rollup import ROLLUP_FUNCS, ROLLUPS
 from dynascope.store.schema import TABLES
 
 LAYERS, RANKS, SPEC_DIM = 32, 8, 128
@@ -69,7 +71,13 @@ def _write(run: Path, name: str, writer: str, seq: int, cols: dict) -> int:
     d = writer_dir(run, name, writer)
     d.mkdir(parents=True, exist_ok=True)
     t = _table(name, cols)
-    pq.write_table(t, d / segment_name(seq, seq), compression="zstd")
+    # The writer's own encodings, and the rollup it keeps beside each tensor_stats segment.
+    pq.write_table(t, d / segment_name(seq, seq), **parquet_options(t.schema))
+    if name in ROLLUPS:
+        rolled = ROLLUP_FUNCS[name](t)
+        rd = writer_dir(run, ROLLUPS[name], writer)
+        rd.mkdir(parents=True, exist_ok=True)
+        pq.write_table(rolled, rd / segment_name(seq, seq), **parquet_options(rolled.schema))
     return t.num_rows
 
 
@@ -264,15 +272,16 @@ def main() -> None:
     rows = 300_000 if args.quick else args.rows
     run = args.dir / f"rows-{rows}"
     meta = run / "bench.json"
-    if not meta.exists():
+    layout = 2  # bump when the build changes (2: the writer's encodings and the tensor_stats_by_kind rollup)
+    if not meta.exists() or json.loads(meta.read_text()).get("layout") != layout:
         import shutil
 
         shutil.rmtree(run, ignore_errors=True)
         t = time.perf_counter()
         counts = build(run, rows)
-        meta.write_text(json.dumps(counts))
+        meta.write_text(json.dumps({**counts, "layout": layout}))
         print(f"built {run} in {time.perf_counter() - t:.1f} s: {counts}")
-    counts = json.loads(meta.read_text())
+    counts = {k: v for k, v in json.loads(meta.read_text()).items() if k != "layout"}
     if args.build_only:
         return
     import os

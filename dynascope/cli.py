@@ -146,11 +146,14 @@ def report(
     run: Annotated[Path, typer.Argument(help="Run directory or store root.")],
     format: Annotated[str, typer.Option("--format", "-f", help="text | markdown | html")] = "text",
     out: Annotated[Path | None, typer.Option("--out", "-o")] = None,
+    peak_tflops: Annotated[float | None, typer.Option(
+        "--peak-tflops", help="Dense peak TFLOP/s per device for MFU: needed on CPU or an unknown device, "
+                              "overrides the looked-up peak otherwise.")] = None,
 ) -> None:
     """Findings in plain sentences, ranked by time at stake, each with its numbers and SQL."""
     from dynascope.report import report_command
 
-    report_command(run, format=format, out=out, console=console)
+    report_command(run, format=format, out=out, console=console, peak_tflops=peak_tflops)
 
 
 @app.command()

@@ -8,6 +8,7 @@ are listed at the end rather than failing the report.
 from __future__ import annotations
 
 import html
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,8 +37,11 @@ class Report:
     notes: list[str] = field(default_factory=list)
 
 
-def build_report(store: StoreLike, run: str | None = None) -> Report:
-    """Collect the summary, the ranked findings and the skipped-analysis notes for a run or a store."""
+def build_report(store: StoreLike, run: str | None = None, *, peak_tflops: float | None = None) -> Report:
+    """Collect the summary, the ranked findings and the skipped-analysis notes for a run or a store.
+
+    ``peak_tflops``: dense peak TFLOP/s per device, for MFU where the run's device has no known peak (CPU).
+    """
     con = as_store(store)
     rc = "" if run is None else f" WHERE run_id = {quote_literal(run)}"
     runs = frame(con, f"""
@@ -56,7 +60,7 @@ def build_report(store: StoreLike, run: str | None = None) -> Report:
         total = b.unique(["role", "rank", "step"])["step_ms"].sum()
         shares = b.group_by("phase").agg(pl.col("dur_ms").sum()).sort("dur_ms", descending=True)
         rep.breakdown[r["run_id"]] = [(p, 100 * ms / total) for p, ms in shares.iter_rows()]
-    rep.findings, rep.notes = collect_findings(con, run)
+    rep.findings, rep.notes = collect_findings(con, run, peak_tflops=peak_tflops)
     return rep
 
 
@@ -143,14 +147,16 @@ def render(rep: Report, format: str = "text") -> str:
 
 
 def report_command(run: str | os.PathLike, *, format: str = "text", out: str | os.PathLike | None = None,
-                   console: Any = None) -> str:
+                   console: Any = None, peak_tflops: float | None = None) -> str:
     """The ``dynascope report`` command: render the report and print it, or write it to ``out``."""
     if format not in FORMATS:
         raise ValueError(f"unknown --format {format!r} (text, markdown or html)")
+    if peak_tflops is not None and not (math.isfinite(peak_tflops) and peak_tflops > 0):
+        raise ValueError(f"--peak-tflops must be a positive number, not {peak_tflops}")
     from dynascope.store import open_store
 
     with open_store(run) as con:
-        text = render(build_report(con), format)
+        text = render(build_report(con, peak_tflops=peak_tflops), format)
     if out is not None:
         Path(out).write_text(text, encoding="utf-8")
         if console is not None:

@@ -227,6 +227,25 @@ def test_heatmap_cells_pool_the_raw_rows(store):
     assert named.height == 1 and named["nonfinite"].item() == 3
 
 
+def test_per_step_sums_from_the_rollup_equal_the_raw_rows(store):
+    """The page's series read tensor_stats_by_kind; summing tensor_stats itself (the fallback for runs
+    written before the rollup existed) must give the same frame."""
+    from dynascope.dashboard.queries import frame, params
+
+    cube = params.param_cube(store, "grpo-sync").filter(pl.col("per_step"))
+    raw = frame(store, f"""
+        SELECT true AS per_step, step, CAST(NULL AS BIGINT) AS bucket, CAST(NULL AS INTEGER) AS layer,
+               {params._KEYS}, {params._SUMS}
+        FROM tensor_stats WHERE run_id = 'grpo-sync' AND step IS NOT NULL GROUP BY ALL""").cast(cube.schema)
+    assert cube.height > 0 and store.sql("SELECT count(*) FROM tensor_stats_by_kind").fetchall()[0][0] > 0
+    key = ["step", "kind", "stage"]
+    a, b = cube.sort(key), raw.sort(key)
+    assert a.select(key).equals(b.select(key))
+    for col in ("dw2", "w2", "changed", "changed_numel", "drift2", "drift_w2", "gzero", "gnear", "grad_numel"):
+        assert a[col].to_list() == pytest.approx(b[col].to_list(), rel=1e-12, nan_ok=True), col
+    assert a["nan"].equals(b["nan"]) and a["inf"].equals(b["inf"])
+
+
 def test_overlay_and_gradients_follow_the_stages(store):
     from dynascope.dashboard.queries import params
 

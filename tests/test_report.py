@@ -19,6 +19,7 @@ from test_cluster_analyses import (
 from typer.testing import CliRunner
 
 from dynascope.analyses.findings import ranked_findings
+from dynascope.analyses.throughput import throughput_mfu
 from dynascope.cli import app
 from dynascope.store import RunWriter, open_store, run_sql
 
@@ -116,3 +117,26 @@ def test_report_on_an_empty_run(tmp_path):
         res = CliRunner().invoke(app, ["report", str(tmp_path / "empty"), "--format", fmt])
         assert res.exit_code == 0, res.output
         assert "No findings" in res.output
+
+
+def test_cli_report_peak_tflops_enables_mfu_on_cpu(tmp_path):
+    run = tmp_path / "cpu"
+    with RunWriter(run, rank=0, config={"n_params": 2_000_000}) as w:
+        for step in range(4):
+            w.append("timings", {"phase": "train", "category": "phase", "step": step, "start_us": 10**15 + step * 10**6,
+                                 "dur_us": 250_000})
+            w.append("samples", {"step": step, "prompt_len": [16] * 4, "response_len": [48] * 4})
+        w.append("system", {"time_us": 10**15, "device": "cpu"})
+    plain = CliRunner().invoke(app, ["report", str(run)])
+    assert plain.exit_code == 0, plain.output
+    assert "MFU" not in plain.output and "mfu: peak FLOP/s unknown for device (cpu)" in plain.output
+    assert "--peak-tflops" in plain.output  # the note says how to give the peak
+    res = CliRunner().invoke(app, ["report", str(run), "--peak-tflops", "0.5"])
+    assert res.exit_code == 0, res.output
+    mfu = 100 * 6 * 2e6 * (4 * 64) / 0.25 / 1e12 / 0.5  # 6·N·tokens per step, over the step's time, vs the peak
+    assert f"train MFU is {mfu:.1f}% of the 0.5 TFLOP/s peak" in res.output
+    assert "mfu:" not in res.output  # no longer skipped
+    bad = CliRunner().invoke(app, ["report", str(run), "--peak-tflops", "0"])
+    assert bad.exit_code == 2 and "--peak-tflops must be a positive number" in bad.output
+    with pytest.raises(ValueError, match="peak_tflops must be > 0"):  # the API refuses it too
+        throughput_mfu(run, peak_tflops=-1.0)

@@ -81,30 +81,39 @@ def _stragglers(con, run: str) -> list[Finding]:
     scores = straggler_scores(con, run).filter(pl.col("status") != "ok")
     wi = what_if(con, run, by_phase=True)
     saved = {(r["role"], r["rank"], r["phase"]): r for r in wi.iter_rows(named=True)}
-    out, seen = [], set()
-    for s in scores.sort(["status", "score"]).iter_rows(named=True):
+    priced = []
+    for s in scores.iter_rows(named=True):
         top = s["phase"].split("/")[0]  # what-if replaces top-level phases: price a nested one by its parent
         w = saved.get((s["role"], s["rank"], top))
         # Under 5% slower than the fastest rank, or costing under 0.5% of step time, is noise here;
         # without step rows there is no what-if, so only persistent stragglers are reported then.
-        if s["slowdown_x"] < 1.05 or (s["role"], s["rank"], top) in seen or (w is not None and w["saved_pct"] < 0.5) or (
+        if s["slowdown_x"] < 1.05 or (w is not None and w["saved_pct"] < 0.5) or (
                 w is None and s["status"] != "persistent"):
             continue
+        # Time at stake: the what-if's saving, else the time the rank spent beyond the cross-rank median.
+        priced.append((w["saved_ms"] if w else s["excess_ms"], s, top, w))
+    # Most time at stake first: a steep slowdown in a short phase must not crowd out a costly one.
+    priced.sort(key=lambda p: (-p[0], p[1]["status"], p[1]["score"]))
+    out, seen = [], set()
+    for stake, s, top, w in priced:
+        if (s["role"], s["rank"], top) in seen:
+            continue
         seen.add((s["role"], s["rank"], top))
-        saved_ms, saved_pct = (w["saved_ms"], w["saved_pct"]) if w else (0.0, None)
+        saved_pct = w["saved_pct"] if w else None
         role = f" ({s['role']})" if s["role"] else ""
         what = "it" if top == s["phase"] else f"its {top}"
-        cut = f"; making {what} median would cut step time {fmt_pct(saved_pct)} ({fmt_ms(saved_ms)} over " \
-              f"{w['steps']} steps)" if w else ""
+        cut = f"; making {what} median would cut step time {fmt_pct(saved_pct)} ({fmt_ms(stake)} over " \
+              f"{w['steps']} steps)" if w else f"; {fmt_ms(stake)} beyond the cross-rank median over the run"
         out.append(Finding(
             run, "straggler", "warning" if s["status"] == "persistent" else "info",
             f"rank {s['rank']}{role} is {s['slowdown_x']:.2f}× slower in {s['phase']} than the fastest rank in "
             f"{s['slow_steps_pct']:.0f}% of steps ({s['status']} straggler, score {s['score']:.2f}){cut}",
-            saved_ms, saved_pct,
+            stake, saved_pct,
             {"rank": s["rank"], "phase": s["phase"], "slowdown_x": _r(s["slowdown_x"]), "score": _r(s["score"]),
              "median_ms": _r(s["median_ms"]), "cross_rank_median_ms": _r(s["cross_rank_median_ms"]),
              "slow_steps_pct": _r(s["slow_steps_pct"], 1), "flagged_windows": s["flagged_windows"],
-             "windows": s["windows"], "saved_ms": _r(saved_ms), "saved_pct": _r(saved_pct, 2)},
+             "windows": s["windows"], "excess_ms": _r(s["excess_ms"]), "saved_ms": _r(w["saved_ms"] if w else 0.0),
+             "saved_pct": _r(saved_pct, 2)},
             _phase_sql(run, s["phase"])))
         if len(out) == 3:
             break
@@ -282,16 +291,17 @@ def _instability(con, run: str) -> list[Finding]:
     return out
 
 
-def _mfu(con, run: str) -> list[Finding]:
-    df = throughput_mfu(con, run)  # raises without a known peak or model size: the caller skips it
+def _mfu(con, run: str, peak_tflops: float | None = None) -> list[Finding]:
+    # Raises without a known peak (CPU, unknown parts: pass peak_tflops) or model size; the caller skips it.
+    df = throughput_mfu(con, run, peak_tflops=peak_tflops)
     df = df.filter(pl.col("phase").is_in(["train", "step"]))
     if df.is_empty():
         return []
     phase = "train" if "train" in df["phase"].to_list() else "step"
     d = df.filter(pl.col("phase") == phase)
     mfu = d["mfu_pct"].mean()
-    return [Finding(run, "mfu", "info", f"{phase} MFU is {mfu:.1f}% of the {d['peak_tflops'][0]:.0f} TFLOP/s peak "
-                    f"({d['achieved_tflops'].mean():.1f} TFLOP/s and {d['tokens_per_s'].mean():.0f} tokens/s per rank)",
+    return [Finding(run, "mfu", "info", f"{phase} MFU is {mfu:.1f}% of the {d['peak_tflops'][0]:g} TFLOP/s peak "
+                    f"({d['achieved_tflops'].mean():.3g} TFLOP/s and {d['tokens_per_s'].mean():.0f} tokens/s per rank)",
                     0.0, None, {"mfu_pct": _r(mfu, 2), "peak_tflops": d["peak_tflops"][0]},
                     f"SELECT step, SUM(prompt_len + response_len) AS tokens FROM samples WHERE run_id = "
                     f"{quote_literal(run)} GROUP BY step ORDER BY step")]
@@ -337,8 +347,12 @@ GENERATORS: list[Callable[[Any, str], list[Finding]]] = [
     _stragglers, _tail, _zero_variance, _idle, _remainder, _async, _goodput, _instability, _mfu, _dynamics]
 
 
-def collect_findings(store: StoreLike, run: str | None = None) -> tuple[list[Finding], list[str]]:
-    """All findings for ``run`` (or every run in the store), ranked, and notes on analyses that were skipped."""
+def collect_findings(store: StoreLike, run: str | None = None, *,
+                     peak_tflops: float | None = None) -> tuple[list[Finding], list[str]]:
+    """All findings for ``run`` (or every run in the store), ranked, and notes on analyses that were skipped.
+
+    ``peak_tflops`` (dense peak per device) enables MFU where the device's peak is not known (CPU runs).
+    """
     con = as_store(store)
     runs = [run] if run is not None else frame(con, "SELECT DISTINCT run_id FROM runs ORDER BY 1")["run_id"].to_list()
     found: list[Finding] = []
@@ -349,17 +363,17 @@ def collect_findings(store: StoreLike, run: str | None = None) -> tuple[list[Fin
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    found.extend(gen(con, r))
+                    found.extend(_mfu(con, r, peak_tflops) if gen is _mfu else gen(con, r))
             except Exception as exc:  # one analysis failing must not sink the report; say why it is missing
                 notes.append(f"{name}: {first_line(exc)}")
     found.sort(key=lambda f: (-f.at_stake_ms, _SEVERITY.get(f.severity, 3), f.kind))
     return found, notes
 
 
-def ranked_findings(store: StoreLike, run: str | None = None) -> pl.DataFrame:
+def ranked_findings(store: StoreLike, run: str | None = None, *, peak_tflops: float | None = None) -> pl.DataFrame:
     """Ranked findings as a frame. Columns: rank, run_id, kind, severity, at_stake_ms, at_stake_pct, sentence,
-    numbers_json, sql."""
-    found, _ = collect_findings(store, run)
+    numbers_json, sql. ``peak_tflops`` as in ``collect_findings``."""
+    found, _ = collect_findings(store, run, peak_tflops=peak_tflops)
     rows = [{"rank": i + 1, **{k: v for k, v in asdict(f).items() if k != "numbers"},
              "numbers_json": json.dumps(f.numbers, default=str)} for i, f in enumerate(found)]
     schema = {"rank": pl.Int64, "run_id": pl.String, "kind": pl.String, "severity": pl.String,

@@ -4,8 +4,17 @@
   ``….loss``), a value is a spike when its robust z-score against the trailing ``window`` values,
   ``(x − median) / (1.4826 · MAD)``, exceeds ``z_threshold``. Only upward moves count (a falling loss is
   not instability); at least ``min_history`` earlier values are needed. The scale is floored at 1% of
-  |median| so a perfectly flat history does not turn a rounding wiggle into an infinite z. Without a
-  grad_norm scalar, the global gradient norm is rebuilt from ``tensor_stats`` (√Σ grad_norm² per rank).
+  |median| so a perfectly flat history does not turn a rounding wiggle into an infinite z.
+  That floor vanishes when the series sits at or near 0 (a GRPO loss is exactly 0 at every step whose
+  groups all had zero reward variance, small blips otherwise): the window's MAD is then 0 or tiny and
+  any blip scores a huge z. So a spike must also stand out series-wide: its rise above the trailing
+  median, less the series' median rise, must exceed ``min_rise`` × the series' typical deviation (the
+  median absolute deviation of all rises from that median rise, exact ties left out so flat or
+  zero-filled stretches cannot shrink it to nothing). A floor relative to the series' level (|x|) would
+  not do: one high enough to hide blips around 0 would hide a 2.0 → 2.5 spike on an ordinary loss.
+  With fewer than ``min_history`` untied deviations (a flat series with a jump or two) there is no floor.
+  Without a grad_norm scalar, the global gradient norm is rebuilt from ``tensor_stats`` (√Σ grad_norm²
+  per rank).
 - *Entropy collapse*: the first step where the scalar ``entropy`` falls below ``collapse_frac`` × its
   initial level (median of the first ``min_history`` values); one event per series.
 - *NaN/Inf*: any non-finite scalar, or tensor_stats rows with grad_nan/grad_inf/w_nan/w_inf > 0.
@@ -36,9 +45,10 @@ _SPIKE_RE = r"(^|[/.])(grad_norm|loss)$"
 _ENTROPY_RE = r"(^|[/.])entropy$"
 
 
-def _spikes(x: np.ndarray, window: int, z_threshold: float, min_history: int) -> list[tuple[int, float, float]]:
-    """Indices of upward spikes with (index, baseline median, robust z)."""
-    out = []
+def _spikes(x: np.ndarray, window: int, z_threshold: float, min_history: int,
+            min_rise: float = 6.0) -> list[tuple[int, float, float]]:
+    """Indices of upward spikes with (index, baseline median, robust z); see the module docstring."""
+    tested = []  # (index, trailing median, robust z) for every value with enough history
     for i in range(min_history, len(x)):
         if not math.isfinite(x[i]):
             continue
@@ -48,14 +58,20 @@ def _spikes(x: np.ndarray, window: int, z_threshold: float, min_history: int) ->
             continue
         med = float(np.median(hist))
         scale = max(1.4826 * float(np.median(np.abs(hist - med))), 0.01 * abs(med), 1e-12)
-        z = (x[i] - med) / scale
-        if z > z_threshold:
-            out.append((i, med, float(z)))
-    return out
+        tested.append((i, med, float((x[i] - med) / scale)))
+    if not any(z > z_threshold for _, _, z in tested):
+        return []
+    rise = np.array([x[i] - med for i, med, _ in tested])
+    centre = float(np.median(rise))
+    dev = np.abs(rise - centre)
+    dev = dev[dev > 0]  # ties: flat or zero-filled stretches say nothing about the series' usual blips
+    floor = min_rise * float(np.median(dev)) if len(dev) >= min_history else 0.0
+    return [(i, med, z) for (i, med, z), r in zip(tested, rise, strict=True)
+            if z > z_threshold and r - centre > floor]
 
 
 def _series_events(con, run: str | None, window: int, z_threshold: float, min_history: int,
-                   collapse_frac: float) -> list[dict]:
+                   collapse_frac: float, min_rise: float) -> list[dict]:
     rc = run_clause(run)
     series = frame(con, f"""
         SELECT run_id, coalesce(role, '') AS role, rank, key, step, AVG(value) AS value FROM scalars
@@ -91,7 +107,7 @@ def _series_events(con, run: str | None, window: int, z_threshold: float, min_hi
         kind = "grad_norm_spike" if "grad_norm" in key else "loss_spike"
         if key == "grad_norm(tensor_stats)":
             base["source"] = "tensor_stats:grad_norm"
-        for i, med, z in _spikes(x, window, z_threshold, min_history):
+        for i, med, z in _spikes(x, window, z_threshold, min_history, min_rise):
             events.append({**base, "step": int(steps[i]), "kind": kind, "severity": "warning", "value": float(x[i]),
                            "baseline": med, "robust_z": z,
                            "message": f"{key} = {x[i]:.4g} at step {int(steps[i])}, {x[i] / med:.1f}× the trailing "
@@ -126,15 +142,21 @@ def _nan_events(con, run: str | None) -> list[dict]:
 
 def detect_instability(store: StoreLike, run: str | None = None, *, write_to: str | os.PathLike | None = None,
                        window: int = 20, z_threshold: float = 6.0, min_history: int = 5,
-                       collapse_frac: float = 0.1) -> pl.DataFrame:
+                       collapse_frac: float = 0.1, min_rise: float = 6.0) -> pl.DataFrame:
     """Instability events, one row each (see the module docstring for the rules).
+
+    ``min_rise`` sets the series-wide floor for spikes, in multiples of the series' typical deviation
+    from its trailing median (0 turns it off and leaves only the windowed robust z).
 
     Columns: run_id, role, rank, step, kind (grad_norm_spike | loss_spike | entropy_collapse | nan_inf),
     severity, source, value, baseline, robust_z, message. With ``write_to`` the new ones are appended to
     that run directory's ``events`` table (the result must then come from one run).
     """
+    if min_rise < 0:
+        raise ValueError("min_rise must be >= 0")
     con = as_store(store)
-    rows = _series_events(con, run, window, z_threshold, min_history, collapse_frac) + _nan_events(con, run)
+    rows = _series_events(con, run, window, z_threshold, min_history, collapse_frac, min_rise)
+    rows += _nan_events(con, run)
     df = pl.DataFrame(rows, schema=_SCHEMA).sort(["run_id", "step", "rank", "kind"])
     if write_to is not None and not df.is_empty():
         _write(df, write_to)

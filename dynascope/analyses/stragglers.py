@@ -40,14 +40,18 @@ _G = ["run_id", "role", "step"]
 
 
 def straggler_scores(store: StoreLike, run: str | None = None, *, window: int = 10, threshold: float = 0.75,
-                     reference: str = "fastest", persistent_frac: float = 0.5) -> pl.DataFrame:
+                     reference: str = "fastest", persistent_frac: float = 0.5,
+                     min_median_ms: float = 5.0) -> pl.DataFrame:
     """Per rank and phase: relative performance score over windows of ``window`` steps.
 
     ``reference`` is ``"fastest"`` (NVIDIA's default: the fastest rank's median) or ``"median"`` (the
     cross-rank median). Columns: run_id, role, rank, phase, steps, windows, flagged_windows, score (median
     over windows), median_ms, cross_rank_median_ms, slowdown_x (1 / score: how many times slower than the
-    reference), slow_steps_pct (steps whose per-step score is below threshold), status (persistent |
-    transient | ok).
+    reference), slow_steps_pct (steps whose per-step score is below threshold), excess_ms (time at stake:
+    per window, the rank's median beyond the cross-rank median times the window's steps, summed over the
+    run), status (persistent | transient | ok). Rows come most time at stake first.
+    A phase whose median is under ``min_median_ms`` on every rank is left out: a 1 ms phase twice as slow
+    on one rank scores like a real straggler but costs nothing worth chasing.
     Phases are all ``category='phase'`` rows at any nesting level, summed per step and named by their
     place: ``backward`` at the top level, ``train/forward`` for a forward inside train (a forward in
     rollout is different work). Only phases seen on at least two ranks in a step are compared.
@@ -56,6 +60,8 @@ def straggler_scores(store: StoreLike, run: str | None = None, *, window: int = 
         raise ValueError(f"reference must be 'fastest' or 'median', not {reference!r}")
     if window < 1 or not 0 < threshold <= 1:
         raise ValueError("window must be ≥ 1 and threshold in (0, 1]")
+    if not min_median_ms >= 0:
+        raise ValueError("min_median_ms must be ≥ 0")
     agg = "MIN" if reference == "fastest" else "median"
     thr = float(threshold)
     con = as_store(store)
@@ -86,13 +92,16 @@ def straggler_scores(store: StoreLike, run: str | None = None, *, window: int = 
                    SUM(CASE WHEN score < {thr} THEN 1 ELSE 0 END)::BIGINT AS flagged_windows,
                    median(score) AS score, median(rank_med_us) / 1000.0 AS median_ms,
                    median(cross_med_us) / 1000.0 AS cross_rank_median_ms,
-                   100.0 * SUM(slow_steps) / SUM(n) AS slow_steps_pct
+                   100.0 * SUM(slow_steps) / SUM(n) AS slow_steps_pct,
+                   SUM(greatest(rank_med_us - cross_med_us, 0) * n) / 1000.0 AS excess_ms
             FROM ws GROUP BY ALL)
         SELECT run_id, role, rank, phase, steps, windows, flagged_windows, score, median_ms,
-               cross_rank_median_ms, 1.0 / nullif(score, 0) AS slowdown_x, slow_steps_pct,
+               cross_rank_median_ms, 1.0 / nullif(score, 0) AS slowdown_x, slow_steps_pct, excess_ms,
                CASE WHEN flagged_windows > {float(persistent_frac)} * windows THEN 'persistent'
                     WHEN flagged_windows > 0 THEN 'transient' ELSE 'ok' END AS status
-        FROM agg ORDER BY score ASC NULLS LAST, run_id, role, rank, phase""")
+        FROM agg
+        QUALIFY MAX(median_ms) OVER (PARTITION BY run_id, role, phase) >= {float(min_median_ms)}
+        ORDER BY excess_ms DESC, score ASC NULLS LAST, run_id, role, rank, phase""")
 
 
 def _segments(con, run: str | None) -> tuple[pl.DataFrame, pl.DataFrame]:

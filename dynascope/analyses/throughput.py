@@ -112,6 +112,8 @@ def throughput_mfu(store: StoreLike, run: str | None = None, *, n_params: float 
     rank, phase, steps, tokens, time_s, tokens_per_s, achieved_tflops, peak_tflops, mfu_pct,
     attention_included. Raises ValueError when the model size cannot be found.
     """
+    if peak_tflops is not None and not peak_tflops > 0:
+        raise ValueError(f"peak_tflops must be > 0, not {peak_tflops}")
     con = as_store(store)
     factors = dict(PHASE_FACTORS if phase_factors is None else phase_factors)
     names = ", ".join(quote_literal(p) for p in factors) or "''"
@@ -155,7 +157,8 @@ def throughput_mfu(store: StoreLike, run: str | None = None, *, n_params: float 
             peak = next((p for p in map(peak_tflops_for, names_seen) if p), None)
             if peak is None:
                 seen = ", ".join(sorted(set(names_seen))) or "none recorded"
-                raise ValueError(f"peak FLOP/s unknown for device ({seen}); pass peak_tflops=")
+                raise ValueError(f"peak FLOP/s unknown for device ({seen}); pass peak_tflops= "
+                                 f"(dynascope report --peak-tflops)")
         attn = bool(layers and width and r["has_sq"])
         flops = factors[r["phase"]] / 6 * (6 * n * r["tokens"] + (6 * layers * width * r["sq"] if attn else 0))
         achieved = flops / r["time_s"] / 1e12 if r["time_s"] else None

@@ -9,7 +9,6 @@ Every process records into the same run directory; the closing report reads it b
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,13 +16,9 @@ from pathlib import Path
 
 from rich.console import Console
 
+from dynascope._net import free_port
+
 __all__ = ["run_demo"]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _check(run_dir: Path, ranks: int, slow_rank: int | None, slow_factor: float, use_async: bool) -> None:
@@ -43,7 +38,7 @@ def _torchrun(settings_path: Path, ranks: int, console: Console) -> None:
     """The training under torchrun: one process per rank, gloo on CPU, one thread each."""
     script = Path(__file__).with_name("distributed.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--nnodes", "1",
-           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(script), str(settings_path)]
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script), str(settings_path)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     console.print(f"[dim]$ {' '.join(cmd[1:])}[/]", highlight=False)
     done = subprocess.run(cmd, env=env)

@@ -88,6 +88,12 @@ def _strings(parts: Sequence[Part], typ: pa.DataType, total: int) -> pa.Array:
     null = indices < 0
     has_null = bool(null.any())
     dict_values = pa.array([v if v is None or isinstance(v, str) else str(v) for v in dictionary], type=typ)
+    # Lists repeat values (a kind per tensor): a dictionary with duplicates makes Parquet fall back to PLAIN
+    # encoding, which made scans of such columns ~10x slower. Dedupe it (it is small next to the rows).
+    unique = dict_values.dictionary_encode(null_encoding="encode")
+    if len(unique.dictionary) < len(dict_values):
+        indices = unique.indices.to_numpy(zero_copy_only=False)[indices]
+        dict_values = unique.dictionary
     return pa.DictionaryArray.from_arrays(
         pa.array(np.where(null, 0, indices) if has_null else indices, mask=null if has_null else None), dict_values)
 
@@ -123,3 +129,19 @@ def _generic(parts: Sequence[Part], typ: pa.DataType, total: int) -> pa.Array:
     if total > row:
         arrays.append(pa.nulls(total - row, typ))
     return arrays[0] if len(arrays) == 1 else pa.concat_arrays(arrays)
+
+
+def parquet_options(schema: pa.Schema, compression: str = "auto") -> dict[str, Any]:
+    """``pq.write_table`` options for a segment of ``schema``: what readers scan fastest.
+
+    ``auto``: float columns LZ4 (metric mantissas are close to random, so zstd saved ~6% of bytes and cost
+    2-3x the decode time), everything else zstd. Dictionary encoding only where values repeat (strings,
+    integers, booleans): on floats pyarrow would build a dictionary per page, then throw it away.
+    """
+    floats = {f.name for f in schema if pa.types.is_floating(f.type)
+              or (pa.types.is_list(f.type) and pa.types.is_floating(f.type.value_type))}
+    codec: str | dict[str, str] = compression
+    if compression == "auto":
+        codec = {f.name: ("lz4" if f.name in floats else "zstd") for f in schema}
+    return {"compression": codec, "use_dictionary": [f.name for f in schema if f.name not in floats],
+            "store_schema": False}

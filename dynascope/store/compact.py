@@ -29,6 +29,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dynascope.store._columns import parquet_options
 from dynascope.store.layout import (
     first_line,
     list_segments,
@@ -156,7 +157,7 @@ def _merge(table: str, group: list[tuple[int, int, Path]], settle_us: int) -> in
     tmp = wdir / f".merge-{group[0][0]}-{group[-1][1]}.{uuid.uuid4().hex[:8]}.tmp"
     expected = 0
     try:
-        with pq.ParquetWriter(tmp, schema, compression="zstd", store_schema=False) as writer:
+        with pq.ParquetWriter(tmp, schema, **parquet_options(schema)) as writer:
             for _, _, src in group:
                 pf = pq.ParquetFile(src)
                 expected += pf.metadata.num_rows

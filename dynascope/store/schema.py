@@ -43,6 +43,21 @@ TABLES: dict[str, pa.Schema] = {
         ("grad_near_zero_count", _i64), ("grad_near_zero_frac", _f64),
         ("grad_max_abs", _f64), ("grad_nan", _i64), ("grad_inf", _i64),
     ]),
+    # Rollup of tensor_stats that the writer keeps beside it (dynascope/store/rollup.py): one row per
+    # (step, rank, stage, kind) with sums that pool exactly (Σ‖·‖², counts and the numel they are out of),
+    # so per-step series read ~tensors-per-kind times fewer rows. Each tensor_stats segment gets one.
+    "tensor_stats_by_kind": pa.schema([
+        ("run_id", _str), ("rank", _i32), ("role", _str),
+        ("step", _i64), ("time_us", _i64), ("stage", _str), ("kind", _str),
+        ("tensors", _i64), ("numel", _i64),
+        ("w_sq", _f64), ("dw_sq", _f64), ("update_ratio_max", _f64),
+        ("changed_count", _i64), ("changed_numel", _i64),
+        ("changed_bf16_count", _i64), ("changed_bf16_numel", _i64),
+        ("sign_flip_count", _i64), ("w_nan", _i64), ("w_inf", _i64),
+        ("drift_sq", _f64), ("drift_w_sq", _f64), ("drift_changed_count", _i64), ("drift_numel", _i64),
+        ("grad_sq", _f64), ("grad_max_abs", _f64), ("grad_zero_count", _i64), ("grad_near_zero_count", _i64),
+        ("grad_numel", _i64), ("grad_nan", _i64), ("grad_inf", _i64),
+    ]),
     # Low-rank summary of the cumulative ΔW = W_t − W_0 for one 2-D tensor at one record.
     "spectra": pa.schema([
         ("run_id", _str), ("rank", _i32), ("role", _str),

@@ -31,7 +31,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dynascope.store._columns import build_column, classify
+from dynascope.store._columns import build_column, classify, parquet_options
 from dynascope.store.layout import (
     MARKER,
     create_marker,
@@ -41,6 +41,7 @@ from dynascope.store.layout import (
     segment_name,
     writer_dir,
 )
+from dynascope.store.rollup import ROLLUP_FUNCS, ROLLUPS
 from dynascope.store.schema import SCHEMA_VERSION, TABLES
 
 _LIVE_WRITERS: weakref.WeakSet[RunWriter] = weakref.WeakSet()
@@ -87,7 +88,7 @@ class RunWriter:
         world_size: int = 1,
         framework: str = "pytorch",
         config: dict | None = None,
-        compression: str = "zstd",
+        compression: str = "auto",
     ) -> None:
         self.run_dir = Path(run_dir).expanduser().resolve()
         self.rank, self.role = int(rank), str(role)
@@ -97,6 +98,7 @@ class RunWriter:
         self.compression = compression
         self.writer_id = safe_id(f"r{self.rank}-{self.role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
         self.rows_written = 0
+        self._unwritten_rollups: list[tuple[str, pa.Table]] = []
         self.rows_dropped = 0
         self.write_errors = 0
         self._seq = 0
@@ -248,6 +250,22 @@ class RunWriter:
                         continue
                 if not self._write_segment(table, arrow):
                     self._requeue(table, buf)
+                elif table in ROLLUPS:
+                    self._write_rollup(table, arrow)
+            # Rollups whose write failed earlier: their source segment is on disk, so retry them as they are.
+            retry, self._unwritten_rollups = self._unwritten_rollups, []
+            for table, arrow in retry:
+                if not self._write_segment(table, arrow):
+                    self._unwritten_rollups.append((table, arrow))
+
+    def _write_rollup(self, table: str, arrow: pa.Table) -> None:
+        try:
+            rolled = ROLLUP_FUNCS[table](arrow)
+        except Exception as exc:  # a rollup bug must not cost the source rows, which are already written
+            self._problem("rollup_error", f"{ROLLUPS[table]}: rollup failed ({type(exc).__name__}: {exc})")
+            return
+        if not self._write_segment(ROLLUPS[table], rolled):
+            self._unwritten_rollups.append((ROLLUPS[table], rolled))
 
     def _to_arrow(self, table: str, buf: _TableBuffer) -> pa.Table:
         schema = TABLES[table]
@@ -314,7 +332,8 @@ class RunWriter:
                                              "message": "segment writes succeed again",
                                              "write_errors": self.write_errors})
         self._seq += 1
-        self.rows_written += arrow.num_rows
+        if table not in ROLLUPS.values():  # rows_written counts what was appended, not derived rows
+            self.rows_written += arrow.num_rows
         return True
 
     def _atomic_write(self, arrow: pa.Table, final: Path) -> None:
@@ -322,7 +341,7 @@ class RunWriter:
         try:
             with open(tmp, "wb") as fh:
                 # store_schema=False: string columns are dictionary arrays in memory; readers should see strings.
-                pq.write_table(arrow, fh, compression=self.compression, store_schema=False)
+                pq.write_table(arrow, fh, **parquet_options(arrow.schema, self.compression))
                 fh.flush()
                 os.fsync(fh.fileno())  # after a machine crash the renamed segment is whole, not empty
             os.replace(tmp, final)  # readers see the whole segment or nothing

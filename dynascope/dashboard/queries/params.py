@@ -7,17 +7,33 @@ import polars as pl
 from dynascope.dashboard.queries import BUCKET, MAX_POINTS, bounds_cte, frame, in_list
 from dynascope.store import StoreConnection, quote_literal
 
-# One scan of tensor_stats per run feeds the whole page: sums per (step bucket, layer, kind, stage) for the
-# heat maps and per (step, kind, stage) for the series. Kind and stage filters then pool these sums in
-# polars, so changing a filter never re-scans the table.
-_SUMS = """
+# Two scans feed the whole page: tensor_stats summed per (step bucket, layer, kind, stage) for the heat maps,
+# and the writer's per-kind rollup (tensor_stats_by_kind, ~tensors-per-kind times fewer rows) summed per
+# (step, kind, stage) for the series. Kind and stage filters then pool these sums in polars, so changing a
+# filter never re-scans the table.
+_HEAT_SUMS = """
     sum(dw_norm * dw_norm) AS dw2, sum(w_norm * w_norm) AS w2,
     CAST(sum(changed_count) AS DOUBLE) AS changed,
     CAST(sum(CASE WHEN changed_count IS NOT NULL THEN numel END) AS DOUBLE) AS changed_numel,
-    sum(drift_norm * drift_norm) AS drift2, sum(CASE WHEN drift_norm IS NOT NULL THEN w_norm * w_norm END) AS drift_w2,
+    sum(drift_norm * drift_norm) AS drift2, sum(CASE WHEN drift_norm IS NOT NULL THEN w_norm * w_norm END) AS drift_w2"""
+# The heat maps need only the sums above; the series also need the gradient and NaN/Inf ones. Leaving
+# those six columns out of the 10M-row heat scan is a third less to decode.
+_SUMS = _HEAT_SUMS + """,
     CAST(sum(grad_zero_count) AS DOUBLE) AS gzero, CAST(sum(grad_near_zero_count) AS DOUBLE) AS gnear,
     CAST(sum(CASE WHEN grad_zero_count IS NOT NULL THEN numel END) AS DOUBLE) AS grad_numel,
-    CAST(sum(nan) AS BIGINT) AS nan, CAST(sum(inf) AS BIGINT) AS inf"""
+    CAST(sum(coalesce(w_nan, 0) + coalesce(grad_nan, 0)) AS BIGINT) AS nan,
+    CAST(sum(coalesce(w_inf, 0) + coalesce(grad_inf, 0)) AS BIGINT) AS inf"""
+
+# The same sums from the rollup's pooled columns (see dynascope/store/rollup.py).
+_ROLLUP_SUMS = """
+    sum(dw_sq) AS dw2, sum(w_sq) AS w2, CAST(sum(changed_count) AS DOUBLE) AS changed,
+    CAST(sum(changed_numel) AS DOUBLE) AS changed_numel, sum(drift_sq) AS drift2, sum(drift_w_sq) AS drift_w2,
+    CAST(sum(grad_zero_count) AS DOUBLE) AS gzero, CAST(sum(grad_near_zero_count) AS DOUBLE) AS gnear,
+    CAST(sum(grad_numel) AS DOUBLE) AS grad_numel,
+    CAST(coalesce(sum(w_nan), 0) + coalesce(sum(grad_nan), 0) AS BIGINT) AS nan,
+    CAST(coalesce(sum(w_inf), 0) + coalesce(sum(grad_inf), 0) AS BIGINT) AS inf"""
+
+_KEYS = "coalesce(kind, 'other') AS kind, coalesce(stage, '') AS stage"
 
 # Heat-map metrics: label → pooled expression over the cube's sums.
 HEAT_METRICS = {
@@ -28,19 +44,29 @@ HEAT_METRICS = {
 
 
 def param_cube(store: StoreConnection, run: str, max_points: int = MAX_POINTS) -> pl.DataFrame:
-    """Sums of one run's tensor_stats by GROUPING SETS: ``per_step`` rows hold (step, kind, stage) and the
-    others (bucket, layer, kind, stage), bucket being the step rounded down to at most ``max_points``."""
+    """Sums of one run's tensor_stats: ``per_step`` rows hold (step, kind, stage) and the others
+    (bucket, layer, kind, stage), bucket being the step rounded down to at most ``max_points``.
+
+    The per-step rows come from the tensor_stats_by_kind rollup; a run written before the rollup existed
+    (none of its rows there) falls back to summing tensor_stats itself.
+    """
     where = f"run_id = {quote_literal(run)} AND step IS NOT NULL"
-    return frame(store, f"""
-        WITH {bounds_cte('tensor_stats', where, max_points)},
-        t AS (SELECT step, {BUCKET} AS bucket, coalesce(layer, -1) AS layer, coalesce(kind, 'other') AS kind,
-                     coalesce(stage, '') AS stage, numel, dw_norm, w_norm, changed_count, drift_norm,
-                     grad_zero_count, grad_near_zero_count,
-                     coalesce(w_nan, 0) + coalesce(grad_nan, 0) AS nan,
-                     coalesce(w_inf, 0) + coalesce(grad_inf, 0) AS inf
-              FROM tensor_stats, bounds WHERE {where})
-        SELECT GROUPING(step) = 0 AS per_step, step, bucket, layer, kind, stage, {_SUMS}
-        FROM t GROUP BY GROUPING SETS ((bucket, layer, kind, stage), (step, kind, stage))""")
+    heat = frame(store, f"""
+        WITH {bounds_cte('tensor_stats', where, max_points)}
+        SELECT false AS per_step, CAST(NULL AS BIGINT) AS step, {BUCKET} AS bucket,
+               coalesce(layer, -1) AS layer, {_KEYS}, {_HEAT_SUMS}
+        FROM tensor_stats, bounds WHERE {where} GROUP BY ALL""")
+    per_step_sql = """
+        SELECT true AS per_step, step, CAST(NULL AS BIGINT) AS bucket, CAST(NULL AS INTEGER) AS layer,
+               {keys}, {sums}
+        FROM {table} WHERE {where} GROUP BY ALL"""
+    per_step = frame(store, per_step_sql.format(keys=_KEYS, sums=_ROLLUP_SUMS, table="tensor_stats_by_kind",
+                                                where=where))
+    if per_step.height == 0 and heat.height > 0:
+        per_step = frame(store, per_step_sql.format(keys=_KEYS, sums=_SUMS, table="tensor_stats", where=where))
+    if heat.height == 0:
+        return per_step
+    return pl.concat([heat, per_step], how="diagonal_relaxed").select(per_step.columns)
 
 
 def stages_and_kinds(cube: pl.DataFrame) -> pl.DataFrame:
