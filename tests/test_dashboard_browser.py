@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,8 @@ from pathlib import Path
 import polars as pl
 import pytest
 from dashboard_fixtures import make_store
+
+from dynascope._net import free_port
 
 CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
@@ -33,12 +34,6 @@ _POINTS_JS = """els => els.map(el => (el.data || []).reduce((n, t) => {
     const len = v => (v == null ? 0 : (typeof v.length === 'number' ? v.length : (v.bdata ? v.bdata.length : 0)));
     return n + Math.max(len(t.x), len(t.y), len(t.z));
 }, 0))"""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(root: Path, port: int, log: Path) -> subprocess.Popen:

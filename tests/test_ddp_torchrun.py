@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import dynascope
+from dynascope._net import free_port
 
 WORKER = textwrap.dedent("""
     import sys, torch, torch.distributed as dist, torch.nn as nn
@@ -31,12 +31,6 @@ WORKER = textwrap.dedent("""
     scope.close()
     dist.destroy_process_group()
 """)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(tmp_path: Path, worker: str, run: Path, nproc: int = 2) -> None:

@@ -103,8 +103,8 @@ def _stragglers(path: str, run: str) -> None:
     left, right = st.columns([3, 2])
     with left:
         st.caption("Score per rank and phase: reference (fastest rank) median ÷ this rank's median, per window; "
-                   "below 0.75 is flagged.")
-        st.dataframe(scores.select("rank", "phase", "status", "score", "slowdown_x", "median_ms",
+                   "below 0.75 is flagged. Sorted by excess_ms, the time spent beyond the cross-rank median.")
+        st.dataframe(scores.select("rank", "phase", "status", "score", "excess_ms", "slowdown_x", "median_ms",
                                    "cross_rank_median_ms", "slow_steps_pct", "flagged_windows", "windows"),
                      hide_index=True, width="stretch", key="cl_straggler_table")
     with right:
