@@ -9,6 +9,8 @@ a fresh subprocess:
 
 Peak memory is the largest sum of RSS over the subprocess and its children (HTA parses ranks in a
 process pool), sampled every 20 ms; ``ru_maxrss`` of the largest single process is printed beside it.
+CPU time (user + system, the subprocess and the children it reaped) is printed too: on a shared machine it
+moves less than wall time does. Both sides parse several ranks at once (HTA: processes; dynascope: threads).
 Not run in CI.  Usage: ``python benchmarks/trace_import.py [--quick] [--keep DIR]``
 """
 
@@ -19,6 +21,7 @@ import copy
 import gzip
 import json
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -94,8 +97,9 @@ def build(out: Path, ranks: int, target_bytes: int) -> int:
     return total
 
 
-def measure(code: str, *args: str) -> tuple[float, float, float, str]:
-    """Run ``code`` in a fresh interpreter: (wall s, peak tree RSS MB, max single-process RSS MB, stdout)."""
+def measure(code: str, *args: str) -> tuple[float, float, float, float, str]:
+    """Run ``code`` in a fresh interpreter: (wall s, peak tree RSS MB, max single-process RSS MB, CPU s, stdout)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-c", code + MAXRSS, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     root, peak = psutil.Process(proc.pid), 0
@@ -106,12 +110,14 @@ def measure(code: str, *args: str) -> tuple[float, float, float, str]:
         except psutil.Error:
             pass
         time.sleep(0.02)
-    wall = time.perf_counter() - t
     out, err = proc.communicate()
+    wall = time.perf_counter() - t
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     if proc.returncode:
         raise SystemExit(f"subprocess failed ({proc.returncode}): {err.decode()[-2000:]}")
     text, _, single = out.decode().strip().rpartition("MAXRSS_KB ")
-    return wall, peak / 2**20, int(single) / 1024, text.strip()
+    return wall, peak / 2**20, int(single) / 1024, cpu, text.strip()
 
 
 def main() -> None:
@@ -135,7 +141,8 @@ def main() -> None:
         print(f"{'wall time (s)':28}{ours[0]:12.1f}{theirs[0]:12.1f}{theirs[0] / ours[0]:9.1f}x")
         print(f"{'peak RSS, process tree (MB)':28}{ours[1]:12.0f}{theirs[1]:12.0f}{theirs[1] / ours[1]:9.1f}x")
         print(f"{'max RSS, one process (MB)':28}{ours[2]:12.0f}{theirs[2]:12.0f}{theirs[2] / ours[2]:9.1f}x")
-        print(f"\ndynascope: {ours[3]}\nHTA:       {theirs[3]}")
+        print(f"{'CPU time, user+sys (s)':28}{ours[3]:12.1f}{theirs[3]:12.1f}{theirs[3] / ours[3]:9.1f}x")
+        print(f"\ndynascope: {ours[4]}\nHTA:       {theirs[4]}")
     finally:
         if a.keep is None:
             shutil.rmtree(work, ignore_errors=True)

@@ -29,12 +29,15 @@ from dynascope.store import StoreConnection, StoreError
 
 __all__ = ["comm_comp_overlap", "kernel_type_breakdown", "temporal_breakdown"]
 
+# HTA's rules, in an order that lets each regex run only where a plain prefix/substring test passed (the
+# regexes stay, for exactness: RE2's '.' stops at a newline). A leading '.*' regex on every kernel name
+# would cost more than the rest of the breakdown.
 _CLASS = """CASE
-    WHEN regexp_matches(phase, '^nccl.*Kernel') THEN 'COMMUNICATION'
-    WHEN regexp_matches(phase, '^(Memcpy|Memset|dma)') THEN 'MEMORY'
-    WHEN NOT (regexp_matches(phase, '^nccl.*Kernel') OR regexp_matches(phase, '^.*(Memcpy|Sync)')
-              OR starts_with(phase, 'Memset')) THEN 'COMPUTATION'
-    ELSE 'OTHER' END"""
+    WHEN starts_with(phase, 'nccl') AND regexp_matches(phase, '^nccl.*Kernel') THEN 'COMMUNICATION'
+    WHEN starts_with(phase, 'Memcpy') OR starts_with(phase, 'Memset') OR starts_with(phase, 'dma') THEN 'MEMORY'
+    WHEN (contains(phase, 'Memcpy') OR contains(phase, 'Sync')) AND regexp_matches(phase, '^.*(Memcpy|Sync)')
+        THEN 'OTHER'
+    ELSE 'COMPUTATION' END"""
 
 
 def _f64_us(ns: str) -> str:
@@ -122,16 +125,20 @@ def temporal_breakdown(store: StoreLike, run: str | None = None, *, exclude_last
     idle = span − union of all GPU intervals; compute = union of COMPUTATION kernels; non-compute = the rest.
     Raises StoreError when the store has no GPU activity rows.
     """
+    # Union lengths without building the islands: sorted by start, an interval adds what reaches past the
+    # furthest end before it. Compute kernels keep that order among themselves, so one window over all
+    # kernels gives both unions (the compute one from a running max over compute kernels only).
+    w = "PARTITION BY run_id, rank ORDER BY s, e ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING"
     sql = f"""
     WITH {_kernels_sql(run, exclude_last_step, rounding)},
-    iv AS (SELECT run_id, rank, 'all' AS grp, s, e FROM k
-           UNION ALL SELECT run_id, rank, 'compute', s, e FROM k WHERE cls = 'COMPUTATION'),
-    {_merged_sql('SELECT * FROM iv')},
-    per AS (SELECT run_id, rank,
-                   max(e) FILTER (WHERE grp = 'all') - min(s) FILTER (WHERE grp = 'all') AS span_ns,
-                   sum(e - s) FILTER (WHERE grp = 'all') AS busy_ns,
-                   coalesce(sum(e - s) FILTER (WHERE grp = 'compute'), 0) AS compute_ns
-            FROM merged GROUP BY run_id, rank)
+    prior AS (SELECT run_id, rank, s, e, cls = 'COMPUTATION' AS compute,
+                     max(e) OVER ({w}) AS pm, max(e) FILTER (WHERE cls = 'COMPUTATION') OVER ({w}) AS pm_compute
+              FROM k),
+    per AS (SELECT run_id, rank, max(e) - min(s) AS span_ns,
+                   sum(greatest(e - greatest(s, coalesce(pm, s)), 0)) AS busy_ns,
+                   coalesce(sum(greatest(e - greatest(s, coalesce(pm_compute, s)), 0)) FILTER (WHERE compute), 0)
+                       AS compute_ns
+            FROM prior GROUP BY run_id, rank)
     SELECT run_id, rank,
            (span_ns - busy_ns) / 1e3 AS idle_time_us,
            compute_ns / 1e3 AS compute_time_us,

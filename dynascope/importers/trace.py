@@ -23,24 +23,30 @@ only when all files are good are the rows written, as one writer directory that 
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import threading
 import time
 import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dynascope.importers.trace_json import BLOCK, TraceFormatError, stream_events
-from dynascope.importers.trace_stage import ChunkStager, connect
-from dynascope.store import RunWriter, StoreError, quote_literal
+from dynascope.importers.trace_stage import ChunkStager, connect, write_segment
+from dynascope.store import RunWriter, StoreError
 from dynascope.store.layout import MARKER, read_marker, safe_id, segment_name, writer_dir
-from dynascope.store.schema import TABLES
 
 __all__ = ["ImportResult", "import_command", "import_traces"]
 
 _RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
 _SUFFIXES = (".json", ".json.gz", ".gz")
+# Files parsed at once: each holds a few blocks and a DuckDB parse in memory.
+_MAX_PARALLEL_FILES = 4
 
 
 @dataclass
@@ -94,50 +100,100 @@ def _check_run_dir(run_dir: Path) -> None:
         raise StoreError(f"{run_dir}: exists, is not empty and is not a dynascope run")
 
 
+@dataclass
+class _Done:
+    """One imported file: its rank's segment, written in the staging directory."""
+
+    path: Path
+    rank: int
+    meta: dict[str, Any]
+    segment: Path
+    rows: dict[str, int]
+    bytes_read: int
+
+
 def import_traces(paths: list[Path], run_dir: Path, *, block: int = BLOCK, threads: int | None = None) -> ImportResult:
     """Import trace files into ``run_dir`` (created if missing); see the module docstring for the rows.
 
-    Raises StoreError (one line) for unreadable, truncated or non-trace files, rank clashes, or a run
-    that already holds an imported trace; in every such case the run is left as it was.
+    Up to ``threads`` files (default: the CPU count, at most 4) are parsed at once. Raises StoreError (one
+    line) for unreadable, truncated or non-trace files, rank clashes, or a run that already holds an
+    imported trace; in every such case the run is left as it was.
     """
     t0 = time.perf_counter()
     files = trace_files(paths)
     run_dir = Path(run_dir).expanduser().resolve()
     _check_run_dir(run_dir)
     run_dir.parent.mkdir(parents=True, exist_ok=True)
+    run_id = safe_id(run_dir.name)
+    if (run_dir / MARKER).exists():
+        run_id = str(read_marker(run_dir).get("run_id", run_id))
     import_id = f"trace-import-{uuid.uuid4().hex[:10]}"
     stage = run_dir.parent / f".{run_dir.name}.{import_id}.tmp"
-    con = connect(threads)
+    staged_writer = stage / "writer"
     result = ImportResult(run_dir)
     try:
-        by_rank: dict[int, tuple[Path, Path, dict[str, Any]]] = {}
-        for position, path in enumerate(files):
-            stager = ChunkStager(con, stage / f"file{position:05d}")
-            meta = stream_events(path, stager, block=block)
-            rank = _rank_of(meta, path, position)
-            if rank in by_rank:
-                raise TraceFormatError(f"{path}: claims rank {rank}, as does {by_rank[rank][0]}; "
-                                       "give one file per rank")
-            by_rank[rank] = (path, stager.out_dir, meta)
-            result.bytes_read += stager.bytes
-        run_id = safe_id(run_dir.name)
-        if (run_dir / MARKER).exists():
-            run_id = str(read_marker(run_dir).get("run_id", run_id))
-        staged_writer = stage / "writer"
-        staged_writer.mkdir()
-        for seq, rank in enumerate(sorted(by_rank)):
-            path, rows_dir, meta = by_rank[rank]
-            counts = _write_rank(con, rows_dir, staged_writer / segment_name(seq, seq), run_id, rank, meta)
-            for cat, n in counts.items():
+        staged_writer.mkdir(parents=True)
+        done: dict[int, _Done] = {}
+        with closing(_import_all(files, stage, run_id, block, threads)) as results:
+            for d in results:
+                if d.rank in done:
+                    raise TraceFormatError(f"{d.path}: claims rank {d.rank}, as does {done[d.rank].path}; "
+                                           "give one file per rank")
+                done[d.rank] = d
+        for seq, rank in enumerate(sorted(done)):
+            d = done[rank]
+            d.segment.rename(staged_writer / segment_name(seq, seq))
+            for cat, n in d.rows.items():
                 result.rows[cat] = result.rows.get(cat, 0) + n
-            result.files[rank] = path
-            result.time_base_ns[rank] = _time_base_ns(meta)
+            result.files[rank] = d.path
+            result.time_base_ns[rank] = _time_base_ns(d.meta)
+            result.bytes_read += d.bytes_read
         _publish(run_dir, staged_writer, import_id, result)
     finally:
-        con.close()
         shutil.rmtree(stage, ignore_errors=True)
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _import_all(files: list[Path], stage: Path, run_id: str, block: int,
+                threads: int | None) -> Iterator[_Done]:
+    """Import the files a few at a time (the work runs in DuckDB and zlib, outside the GIL) and yield them
+    in order, so the first bad file in the argument list is the one reported. Closing it (an error, Ctrl-C)
+    stops the others at their next chunk and waits for them: nothing may write into the staging directory
+    once it is removed."""
+    workers = max(1, min(len(files), threads or os.cpu_count() or 1, _MAX_PARALLEL_FILES))
+    stop = threading.Event()
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="dynascope-trace-import")
+    try:
+        futures = [pool.submit(_import_file, path, position, stage, run_id, block, workers, stop)
+                   for position, path in enumerate(files)]
+        for future in futures:
+            yield future.result()
+    finally:
+        stop.set()
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _import_file(path: Path, position: int, stage: Path, run_id: str, block: int, workers: int,
+                 stop: threading.Event) -> _Done:
+    """Stream one file's kept events to Parquet, then write its rank's segment."""
+    # A DuckDB of its own, closed after the file: its buffers go back rather than pile up across files.
+    # Files run in parallel: one thread each (more would only add buffers); a lone file gets them all.
+    con = connect(1 if workers > 1 else None)
+    staged = stage / f"file{position:05d}"
+    try:
+        stager = ChunkStager(con, staged, stop=stop)
+        try:
+            meta = stream_events(path, stager, block=block)
+        finally:
+            stager.close()
+        rank = _rank_of(meta, path, position)
+        segment = stage / f"file{position:05d}.segment"
+        rows = write_segment(con, staged, segment, run_id, rank, _time_base_ns(meta))
+    finally:
+        con.close()
+        shutil.rmtree(staged, ignore_errors=True)  # free the disk as soon as the segment is written
+    return _Done(path, rank, meta, segment, rows, stager.bytes)
 
 
 def _publish(run_dir: Path, staged_writer: Path, import_id: str, result: ImportResult) -> None:
@@ -157,61 +213,10 @@ def _publish(run_dir: Path, staged_writer: Path, import_id: str, result: ImportR
         writer.close()
 
 
-def _write_rank(con: Any, rows_dir: Path, out: Path, run_id: str, rank: int, meta: dict[str, Any]) -> dict[str, int]:
-    """Join one rank's staged rows (launch → step), write its final timings segment, count rows."""
-    base_ns = _time_base_ns(meta)
-    files = sorted(rows_dir.glob("*.parquet"))
-    tmp = out.with_name(out.name + ".tmp")  # COPY writes in place: a failure must not leave a segment
-    cols = ", ".join(f"CAST({c} AS {_duck_type(c)}) AS {c}" for c in TABLES["timings"].names)
-    source = ("SELECT * FROM read_parquet([" + ", ".join(quote_literal(str(f)) for f in files) + "])"
-              if files else "SELECT NULL::VARCHAR AS kind, NULL::VARCHAR AS cat, NULL::VARCHAR AS name, "
-              "NULL::BIGINT AS pid, NULL::BIGINT AS ts_ns, NULL::BIGINT AS dur_ns, NULL::BIGINT AS stream, "
-              "NULL::BIGINT AS corr, NULL::BIGINT AS device WHERE false")
-    con.execute(f"""
-    COPY (SELECT {cols} FROM (
-    WITH st AS ({source}),
-    launch AS (SELECT corr, min(ts_ns) AS launch_ns, arg_min(name, ts_ns) AS launcher
-               FROM st WHERE kind = 'launch' GROUP BY corr),
-    steps AS (SELECT ts_ns AS s, CAST(regexp_extract(name, 'ProfilerStep\\s*#\\s*(\\d+)', 1) AS BIGINT) AS n
-              FROM st WHERE kind = 'annotation' AND cat = 'user_annotation'
-                AND regexp_matches(name, 'ProfilerStep\\s*#\\s*\\d+')),
-    first_step AS (SELECT arg_min(n, s) AS n0 FROM steps),
-    rows AS (SELECT st.*, l.launcher, coalesce(l.launch_ns, st.ts_ns) AS step_key FROM st
-             LEFT JOIN launch l ON st.kind = 'gpu' AND st.corr = l.corr
-             WHERE st.kind IN ('gpu', 'annotation')),
-    stepped AS (SELECT rows.*, steps.n FROM rows
-                ASOF LEFT JOIN steps ON rows.step_key >= steps.s)
-    SELECT {quote_literal(run_id)} AS run_id, {int(rank)} AS rank, 'trainer' AS role,
-           coalesce(n, greatest((SELECT n0 FROM first_step) - 1, 0), 0) AS step,
-           name AS phase,
-           CASE WHEN kind = 'gpu' THEN launcher END AS parent,
-           (ts_ns + {base_ns}) // 1000 AS start_us, CAST(round(dur_ns / 1000.0) AS BIGINT) AS dur_us,
-           CASE WHEN kind = 'gpu' THEN 'cuda:' || coalesce(device, pid)
-                WHEN cat = 'gpu_user_annotation' THEN 'cuda:' || pid ELSE 'cpu' END AS device,
-           CASE WHEN kind = 'annotation' THEN 'annotation'
-                WHEN cat = 'cuda_sync' THEN 'wait'
-                WHEN regexp_matches(name, '^nccl', 'i') THEN 'comm'
-                WHEN cat IN ('gpu_memcpy', 'gpu_memset') OR regexp_matches(name, '^(Memcpy|Memset)') THEN 'memcpy'
-                ELSE 'kernel' END AS category,
-           CASE WHEN kind = 'gpu' THEN stream END AS stream,
-           ts_ns + {base_ns} AS start_ns, dur_ns
-    FROM stepped
-    ) ORDER BY start_ns) TO {quote_literal(str(tmp))} (FORMAT parquet, COMPRESSION zstd)
-    """)
-    tmp.rename(out)
-    counts = con.execute(f"SELECT category, count(*) FROM read_parquet({quote_literal(str(out))}) GROUP BY 1").fetchall()
-    return {c: int(n) for c, n in counts}
-
-
 def _time_base_ns(meta: dict[str, Any]) -> int:
     """Newer Kineto writes timestamps relative to ``baseTimeNanoseconds``; older ones are µs since epoch."""
     base = meta.get("baseTimeNanoseconds")
     return int(base) if isinstance(base, (int, float)) and not isinstance(base, bool) else 0
-
-
-def _duck_type(col: str) -> str:
-    t = str(TABLES["timings"].field(col).type)
-    return {"string": "VARCHAR", "int32": "INTEGER", "int64": "BIGINT", "double": "DOUBLE"}[t]
 
 
 def import_command(paths: list[Path], run: Path, *, console: Any = None) -> ImportResult:

@@ -4,13 +4,13 @@ A trace is one JSON object whose ``traceEvents`` array holds the events; other t
 (``distributedInfo``, ``baseTimeNanoseconds``, ...) may come before or after it. Parsing the whole document
 into Python objects costs ~1 KB per event (HTA's approach, hundreds of GB for big jobs), so instead:
 
-* the (gzip or plain) file is decompressed in ``block``-sized pieces;
+* the (gzip or plain) file is decompressed in ``block``-sized pieces, by zlib in a reader thread;
 * the keys before the array are parsed with ``json`` (they are small);
 * the array is cut into runs of whole events at a ``}`` ``,`` ``{`` boundary near the end of the buffer,
-  and each run is handed to ``sink`` (DuckDB's JSON reader, in C++). A cut that happens to fall inside a
-  string or a nested object makes the sink's parse fail, and an earlier cut is tried: a prefix of the
-  array's contents that parses as a list of values always ends on an element boundary, so a run the sink
-  accepts is exactly a run of events;
+  and each run is handed to ``sink`` (DuckDB's JSON reader, in C++) as a view, not a copy. A cut that
+  happens to fall inside a string or a nested object makes the sink's parse fail, and an earlier cut is
+  tried: a prefix of the array's contents that parses as a list of values always ends on an element
+  boundary, so a run the sink accepts is exactly a run of events;
 * at the end of the file the array's closing ``]`` is the one after which the rest parses as the
   remainder of the top-level object (searched from the end, verified the same way).
 
@@ -19,25 +19,28 @@ Memory stays at a few blocks whatever the file size.
 
 from __future__ import annotations
 
-import gzip
 import json
 import queue
 import re
 import threading
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from dynascope.store import StoreError, first_line
 
-BLOCK = 16 << 20
-_MAX_BUFFER = 8 * BLOCK      # no event boundary within this much data: the JSON is broken
+BLOCK = 8 << 20              # bytes of events per parse: larger saves little time and costs memory
+_MAX_BUFFER = 128 << 20      # no event boundary within this much data: the JSON is broken
 _HEADER_LIMIT = 64 << 20     # traceEvents must start within this many bytes
 _CUT = re.compile(rb"\}\s*,\s*\{")
 _WS = re.compile(r"\s*")
 _TAIL_WINDOW = 1 << 16
+_READ = 1 << 20              # compressed bytes per read
 _DECODE = json.JSONDecoder().raw_decode
+
+
+Sink = Callable[[memoryview], None]  # takes a run of whole events (bytes ``{...}, {...}``), raises ChunkRejected
 
 
 class TraceFormatError(StoreError):
@@ -48,23 +51,43 @@ class ChunkRejected(Exception):
     """Raised by a sink whose parser refused a run of events (the cut was not on an event boundary)."""
 
 
-def open_trace(path: Path) -> BinaryIO:
-    """The file's bytes, gunzipped when it starts with the gzip magic (whatever its name says)."""
-    f = open(path, "rb")
-    if f.peek(2)[:2] == b"\x1f\x8b":
-        return gzip.GzipFile(fileobj=f, mode="rb")  # type: ignore[return-value]
-    return f
+def _gunzip(fh: BinaryIO, block: int) -> Iterator[bytes]:
+    """Decompressed pieces of at most ``block`` bytes. zlib directly, fed 1 MiB at a time: no per-8 KiB
+    Python loop as in ``gzip.GzipFile``; the trailer's CRC and length are still checked, members that
+    follow one another (concatenated gzip files) are read in turn."""
+    d = zlib.decompressobj(wbits=31)
+    data = b""
+    while True:
+        if not data:
+            data = fh.read(_READ)
+            if not data:
+                if d.eof:
+                    return
+                raise EOFError("compressed file ended before the end-of-stream marker")
+        if d.eof:  # one member ended and more bytes follow: the next member
+            d = zlib.decompressobj(wbits=31)
+        out = d.decompress(data, block)
+        data = d.unused_data if d.eof else d.unconsumed_tail
+        if out:
+            yield out
+
+
+def _plain(fh: BinaryIO, block: int) -> Iterator[bytes]:
+    while data := fh.read(block):
+        yield data
 
 
 class _Source:
     """Decompressed bytes, read ahead by a thread (zlib releases the GIL, so gunzip overlaps parsing);
-    codec errors become one-line TraceFormatErrors."""
+    codec errors become one-line TraceFormatErrors. A file that starts with the gzip magic is gunzipped,
+    whatever its name says."""
 
     def __init__(self, path: Path, block: int) -> None:
-        self.path, self.block = path, block
-        self.fh = open_trace(path)
+        self.path = path
+        self.fh = open(path, "rb")
         self.eof = False
         self.consumed = 0
+        self._pieces = (_gunzip if self.fh.peek(2)[:2] == b"\x1f\x8b" else _plain)(self.fh, block)
         self._queue: queue.Queue[bytes | BaseException] = queue.Queue(maxsize=2)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._pump, name="dynascope-trace-read", daemon=True)
@@ -73,7 +96,7 @@ class _Source:
     def _pump(self) -> None:
         while not self._stop.is_set():
             try:
-                item: bytes | BaseException = self.fh.read(self.block)
+                item: bytes | BaseException = next(self._pieces, b"")
             except BaseException as exc:  # handed to the reading thread, which raises it
                 item = exc
             while not self._stop.is_set():
@@ -86,6 +109,7 @@ class _Source:
                 return
 
     def read(self) -> bytes:
+        """The next piece; b"" at the end of the file."""
         if self.eof:
             return b""
         item = self._queue.get()
@@ -99,6 +123,14 @@ class _Source:
             self.eof = True
         self.consumed += len(item)
         return item
+
+    def fill(self, buf: bytes, size: int) -> bytes:
+        """``buf`` followed by the next pieces, until it holds ``size`` bytes or the file ends (one copy)."""
+        pieces, n = [buf], len(buf)
+        while n < size and not self.eof:
+            pieces.append(self.read())
+            n += len(pieces[-1])
+        return b"".join(pieces)
 
     def close(self) -> None:
         self._stop.set()
@@ -215,7 +247,14 @@ def _plausible_end(buf: bytes, p: int) -> bool:
     return before == b"}" or (not before and not buf[:max(0, p - 256)].strip())
 
 
-def _finish(path: Path, buf: bytes, sink: Callable[[bytes], None], meta: dict[str, Any]) -> None:
+def _rstrip_end(buf: bytes, end: int) -> int:
+    """The index just past the last non-whitespace byte before ``end``."""
+    while end > 0 and buf[end - 1] in b" \t\r\n":
+        end -= 1
+    return end
+
+
+def _finish(path: Path, buf: bytes, sink: Sink, meta: dict[str, Any]) -> None:
     """At end of file: find the array's closing bracket from the end, sink the last events, read the trailer."""
     end, tried = len(buf), 0
     while True:
@@ -229,7 +268,7 @@ def _finish(path: Path, buf: bytes, sink: Callable[[bytes], None], meta: dict[st
         if trailer is None:
             continue
         tried += 1
-        events = buf[:p].rstrip()
+        events = memoryview(buf)[:_rstrip_end(buf, p)]
         if events:
             try:
                 sink(events)
@@ -239,7 +278,7 @@ def _finish(path: Path, buf: bytes, sink: Callable[[bytes], None], meta: dict[st
         return
 
 
-def stream_events(path: Path, sink: Callable[[bytes], None], *, block: int = BLOCK) -> dict[str, Any]:
+def stream_events(path: Path, sink: Sink, *, block: int = BLOCK) -> dict[str, Any]:
     """Feed ``path``'s trace events to ``sink`` as runs of whole events (``{...}, {...}`` bytes).
 
     ``sink`` raises ChunkRejected when its parser refuses a run. Returns the top-level keys other than
@@ -250,28 +289,27 @@ def stream_events(path: Path, sink: Callable[[bytes], None], *, block: int = BLO
     try:
         buf = _parse_header(src, meta)
         while True:
-            while not src.eof and len(buf) < block:
-                buf += src.read()
+            buf = src.fill(buf, block)
             if src.eof:
                 _finish(src.path, buf, sink, meta)
                 return meta
-            buf = _sink_prefix(buf, sink)
-            if len(buf) > _MAX_BUFFER:
+            rest = _sink_prefix(buf, sink)
+            if len(rest) > _MAX_BUFFER:
                 raise TraceFormatError(f"{src.path}: malformed JSON in traceEvents "
                                        f"(no parseable event boundary before byte {src.consumed})")
-            if len(buf) >= block:  # no cut worked: read one more block before trying again
-                buf += src.read()
+            # no cut worked: read at least one more piece before trying again
+            buf = src.fill(rest, len(rest) + 1) if len(rest) == len(buf) else rest
     finally:
         src.close()
 
 
-def _sink_prefix(buf: bytes, sink: Callable[[bytes], None]) -> bytes:
+def _sink_prefix(buf: bytes, sink: Sink) -> bytes:
     """Sink the longest prefix of whole events the sink accepts among the last few cut candidates."""
     window = max(0, len(buf) - (1 << 20))
     cuts = list(_CUT.finditer(buf, window)) or list(_CUT.finditer(buf))
     for m in reversed(cuts[-8:]):
         try:
-            sink(buf[: m.start() + 1])
+            sink(memoryview(buf)[: m.start() + 1])  # a view: the sink makes the one copy it needs
         except ChunkRejected:
             continue
         return buf[m.end() - 1:]

@@ -36,7 +36,7 @@ def tensor_stats_by_kind(t: pa.Table) -> pa.Table:
     """Pool a tensor_stats table per (run_id, rank, role, step, stage, kind); schema ``tensor_stats_by_kind``."""
     schema = TABLES["tensor_stats_by_kind"]
     if t.num_rows == 0:
-        return schema.empty_table()
+        return pa.Table.from_batches([], schema=schema)  # schema.empty_table() would import pandas
     # Group keys must be plain (dictionary keys would group fine but make the output schema differ).
     keys = {k: (t[k].cast(pa.string()) if pa.types.is_dictionary(t[k].type) else t[k]) for k in _KEYS}
     numel = t["numel"]
