@@ -1,9 +1,8 @@
 """Probe overhead: median step time and peak extra memory, dynascope vs no probe vs peers.
 
 Reference workload (the issue's): 6-layer d=256 pre-norm transformer, vocab 2048, batch 16×64, AdamW,
-``torch.set_num_threads(2)``. Each configuration runs in its own child process (same process tree,
-run one after another, repeated ``--rounds`` times) so hooks never leak between configurations and
-each child's peak memory is its own:
+``torch.set_num_threads(2)``. Every measurement runs in a fresh child process (one after another,
+configurations interleaved across ``--rounds``), so hooks never leak and each peak is the child's own:
 
     none            no probe (the loop still reads the loss, as every configuration does)
     ds-default      dynascope.watch(model, opt) — every=1, θ₀="init", memory_budget=0.1
@@ -12,14 +11,29 @@ each child's peak memory is its own:
     wandb           wandb.watch(model, log="all", log_freq=1), WANDB_MODE=offline, dir in a tmpdir
     tensorboard     per-tensor weight and gradient histograms every step (torch.utils.tensorboard)
 
-Peak extra memory is reported as a share of parameter bytes: on CUDA from the caching allocator's
-peak over the measured steps (exact); on CPU from the child's peak RSS (ru_maxrss) minus its RSS once
-every library (dynascope, wandb, tensorboard — imported by every child alike) and the model are
-loaded, so import costs cancel out (allocator caching makes it noisy by a few MB).
+Two parts:
+1. Step time at the reference size, every configuration: median step-time ratio to ``none``, and the
+   probe's own share measured inside the same steps (robust to a loaded machine).
+2. Memory at several model sizes (``--sizes``, d_model values; benchmarks/probe_memory.py): for each
+   ``--mem-configs`` configuration, the process's peak over ``none`` ("extra") and the probe's own
+   peak at the allocator ("held": snapshot + θ₀ chunks + temporaries), each fitted as
+   ``fixed + k · param_bytes``. k is the part that grows with the model — the goal, ≤ 10% at
+   ``memory_budget=0.1``, applies to it; fixed is what a probe costs whatever the model (writer and
+   resolver threads, Parquet codec state, buffers). These children take a window at every step
+   (``time_budget=None``) for a full rotation through the model: the worst case for the budget.
 
-    python3 benchmarks/probe_overhead.py                 # CPU, reference workload (~5 min)
-    python3 benchmarks/probe_overhead.py --quick         # smoke run (< 1 min)
-    python3 benchmarks/probe_overhead.py --device cuda   # the same on a GPU (add --d-model 1024 ...)
+Every child imports the same libraries (torch, dynascope, pyarrow, wandb, tensorboard) and initialises
+pyarrow's runtime (its first array builds the type and kernel registries, ~35 MiB of RSS) before its
+baseline RSS is taken, so these one-time costs, shared by anything that uses pyarrow, are not charged
+to the probe; the output says how large they were. On CPU the process peak is the child's peak RSS
+(ru_maxrss) minus its RSS once libraries and model are loaded; memory children run with a fixed glibc
+mmap threshold so freed blocks go back to the OS and RSS follows live memory (``--malloc-default`` to
+measure under glibc's own tuning, which keeps freed blocks: ±10 MiB of noise between children). On
+CUDA, the allocator's peak over the measured steps (exact).
+
+    python3 benchmarks/probe_overhead.py                   # CPU: reference timing + 3-size memory fit
+    python3 benchmarks/probe_overhead.py --quick           # smoke run (a few minutes on 2 cores)
+    python3 benchmarks/probe_overhead.py --device cuda --d-model 1024 --sizes 1024,1536,2048 --layers 12
 """
 
 from __future__ import annotations
@@ -35,6 +49,8 @@ import tempfile
 import time
 
 CONFIGS = ("none", "ds-default", "ds-noref", "ds-full", "wandb", "tensorboard")
+DS_KWARGS = {"ds-default": {}, "ds-noref": {"reference": None}, "ds-full": {"memory_budget": 2.0}}
+MiB = 2**20
 
 
 def build(args: argparse.Namespace):
@@ -78,21 +94,31 @@ def build(args: argparse.Namespace):
     return model, opt
 
 
+def _rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
 def child(args: argparse.Namespace) -> dict:
     import torch
     import torch.nn.functional as F
 
     torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
+    rss_start = _rss()
     for lib in ("dynascope", "wandb", "torch.utils.tensorboard"):  # same import footprint everywhere
         try:
             __import__(lib)
         except Exception:
             pass
-    model, opt = build(args)
-    import psutil
+    import pyarrow as pa
 
-    rss0 = psutil.Process().memory_info().rss
+    rss_imported = _rss()
+    pa.array([0])  # pyarrow's one-time runtime init, paid by every configuration alike
+    rss_arrow = _rss()
+    model, opt = build(args)
+    rss0 = _rss()
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     tmp = tempfile.mkdtemp(prefix="ds-bench-")
     scope, tb, wb = None, None, None
@@ -100,7 +126,9 @@ def child(args: argparse.Namespace) -> dict:
     if args.config.startswith("ds-"):
         import dynascope
 
-        kw = {"ds-default": {}, "ds-noref": {"reference": None}, "ds-full": {"memory_budget": 2.0}}[args.config]
+        kw = dict(DS_KWARGS[args.config])
+        if args.memory_run:
+            kw["time_budget"] = None  # a window every step: the worst case for memory
         scope = dynascope.watch(model, opt, run=os.path.join(tmp, "run"), **kw)
         # Time the probe's own work inside each step too: on a loaded machine the step-time ratio
         # across processes is noisy, while (step − probe)/step measured in the same steps is not.
@@ -118,13 +146,11 @@ def child(args: argparse.Namespace) -> dict:
         tb = SummaryWriter(tmp)
     g = torch.Generator(device=dev).manual_seed(1)
     x = torch.randint(0, args.vocab, (args.batch, args.seq + 1), device=dev, generator=g)
-    times, probes = [], []
-    for i in range(args.warmup + args.steps):
-        if i == args.warmup and dev.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        probe_s[0] = 0.0
+    cuda_peak = [0]
+    if scope is not None and dev.type == "cuda":  # the scope resets the CUDA peak at each record: read it first
+        scope.memory.read = _before(scope.memory.read, lambda: _note_cuda_peak(cuda_peak))
+
+    def one_step(i: int) -> None:
         logits = model(x[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
         loss.backward()
@@ -139,19 +165,49 @@ def child(args: argparse.Namespace) -> dict:
                 tb.add_histogram(n + ".grad", p.detach(), i)
         if dev.type == "cuda":
             torch.cuda.synchronize()
+
+    times, probes = [], []
+    for i in range(args.warmup + args.steps):
+        if i == args.warmup and dev.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            cuda_peak[0] = 0
+        t0 = time.perf_counter()
+        probe_s[0] = 0.0
+        one_step(i)
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
             probes.append(probe_s[0])
-    peak = (torch.cuda.max_memory_allocated() if dev.type == "cuda"
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0)
+    if dev.type == "cuda":
+        _note_cuda_peak(cuda_peak)
+    peak = cuda_peak[0] if dev.type == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0
+    held = None
+    if scope is not None and args.memory_run:  # after the peak above was read: this pass perturbs it
+        from probe_memory import held_peak
+
+        held = held_peak(scope.stats, lambda: one_step(0), args.steps, dev)
     if scope is not None:
         scope.close()
     if wb is not None:
         wb.finish()
     if tb is not None:
         tb.close()
-    return {"config": args.config, "times": times, "probe": probes, "peak_bytes": peak,
-            "param_bytes": param_bytes}
+    return {"config": args.config, "times": times, "probe": probes, "peak_bytes": peak, "held_bytes": held,
+            "param_bytes": param_bytes, "imports_bytes": rss_imported - rss_start,
+            "arrow_init_bytes": rss_arrow - rss_imported}
+
+
+def _note_cuda_peak(acc: list[int]) -> None:
+    import torch
+
+    acc[0] = max(acc[0], torch.cuda.max_memory_allocated())
+
+
+def _before(fn, first):
+    def wrapper(*a, **k):
+        first()
+        return fn(*a, **k)
+    return wrapper
 
 
 def _timed(fn, acc: list[float]):
@@ -164,10 +220,62 @@ def _timed(fn, acc: list[float]):
     return wrapper
 
 
+def run_child(args: argparse.Namespace, config: str, d_model: int, steps: int, memory_run: bool) -> dict | None:
+    flags = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
+             ("device", "warmup", "threads", "vocab", "layers", "batch", "seq")]
+    flags += [f"--d-model={d_model}", f"--steps={steps}"] + (["--memory-run"] if memory_run else [])
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    if memory_run and not args.malloc_default:
+        # A fixed mmap threshold: glibc then returns every large freed block at once instead of keeping
+        # it (its default raises the threshold as blocks are freed), so RSS tracks live memory and two
+        # configurations differ by what they hold, not by where glibc happened to keep free space.
+        env.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
+    out = subprocess.run([sys.executable, __file__, "--child", config, *flags], capture_output=True, text=True,
+                         env=env, timeout=3600)
+    if out.returncode != 0:
+        print(f"{config} d={d_model}: failed\n{out.stderr[-2000:]}", file=sys.stderr)
+        return None
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def timing_part(args: argparse.Namespace, configs: list[str]) -> dict[str, dict]:
+    results: dict[str, dict] = {}
+    for _ in range(args.rounds):
+        for c in configs:  # configurations interleave across rounds, so slow drift hits all of them
+            r = run_child(args, c, args.d_model, args.steps, memory_run=False)
+            if r is None:
+                continue
+            agg = results.setdefault(c, {"times": [], "probe": [], "peaks": [], **r})
+            agg["times"] += r["times"]
+            agg["probe"] += r["probe"]
+            agg["peaks"].append(r["peak_bytes"])
+    if "none" not in results:
+        sys.exit("the no-probe baseline failed")
+    base_t = statistics.median(results["none"]["times"])
+    base_m = statistics.median(results["none"]["peaks"])
+    pb = results["none"]["param_bytes"]
+    print(f"== step time: device={args.device} d={args.d_model} layers={args.layers} vocab={args.vocab} "
+          f"batch={args.batch}x{args.seq} threads={args.threads} params={pb / 4e6:.2f}M "
+          f"steps={args.steps}x{args.rounds} rounds")
+    print(f"{'config':<14}{'median step ms':>16}{'ratio':>9}{'in-step probe ratio':>21}"
+          f"{'peak extra MiB':>16}{'/ param bytes':>15}")
+    for c in configs:
+        if c not in results:
+            continue
+        t = statistics.median(results[c]["times"])
+        m = statistics.median(results[c]["peaks"]) - base_m
+        # step / (step − probe work), per step, then the median: the probe's cost in the same steps
+        own = statistics.median(s / max(s - p, 1e-9) for s, p in zip(results[c]["times"], results[c]["probe"],
+                                                                      strict=True))
+        own_s = f"{own:.3f}x" if any(results[c]["probe"]) else "-"
+        print(f"{c:<14}{t * 1e3:>16.1f}{t / base_t:>8.3f}x{own_s:>21}{m / MiB:>16.1f}{m / pb:>15.1%}")
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--quick", action="store_true", help="few steps, one round: a smoke run")
+    ap.add_argument("--quick", action="store_true", help="few steps, one round, small sizes: a smoke run")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2)
@@ -177,50 +285,30 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="step-time part ('' skips it)")
+    ap.add_argument("--sizes", default="256,512,768", help="d_model values of the memory fit ('' skips it)")
+    ap.add_argument("--mem-configs", default="ds-default,ds-noref")
+    ap.add_argument("--mem-steps", type=int, default=16, help="≥ one rotation of the window, ~1/(0.75·budget)")
+    ap.add_argument("--mem-rounds", type=int, default=1)
+    ap.add_argument("--malloc-default", action="store_true", help="memory runs under glibc's default tuning")
     ap.add_argument("--child", dest="config", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--memory-run", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.config:
         print(json.dumps(child(args)))
         return
     if args.quick:
         args.steps, args.warmup, args.rounds = 4, 2, 1
+        if args.sizes == ap.get_default("sizes"):  # the smallest where the embedding fits the budget
+            args.sizes, args.mem_configs = "256,320,384", "ds-default"
     configs = [c for c in args.configs.split(",") if c]
-    passthrough = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
-                   ("device", "steps", "warmup", "threads", "vocab", "d_model", "layers", "batch", "seq")]
-    results: dict[str, dict] = {}
-    for _ in range(args.rounds):
-        for c in configs:  # configurations interleave across rounds, so slow drift hits all of them
-            out = subprocess.run([sys.executable, __file__, "--child", c, *passthrough], capture_output=True,
-                                 text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=1800)
-            if out.returncode != 0:
-                print(f"{c}: failed\n{out.stderr[-2000:]}", file=sys.stderr)
-                continue
-            r = json.loads(out.stdout.strip().splitlines()[-1])
-            agg = results.setdefault(c, {"times": [], "probe": [], "peaks": [], "param_bytes": r["param_bytes"]})
-            agg["times"] += r["times"]
-            agg["probe"] += r["probe"]
-            agg["peaks"].append(r["peak_bytes"])
-    if "none" not in results:
-        sys.exit("the no-probe baseline failed")
-    base_t = statistics.median(results["none"]["times"])
-    base_m = min(results["none"]["peaks"])
-    pb = results["none"]["param_bytes"]
-    print(f"device={args.device} d={args.d_model} layers={args.layers} vocab={args.vocab} "
-          f"batch={args.batch}x{args.seq} threads={args.threads} params={pb / 4e6:.2f}M "
-          f"steps={args.steps}x{args.rounds} rounds")
-    print(f"{'config':<14}{'median step ms':>16}{'ratio':>9}{'in-step probe ratio':>21}"
-          f"{'peak extra mem / param bytes':>31}")
-    for c in configs:
-        if c not in results:
-            continue
-        t = statistics.median(results[c]["times"])
-        m = min(results[c]["peaks"]) - base_m
-        # step / (step − probe work), per step, then the median: the probe's cost in the same steps
-        own = statistics.median(s / max(s - p, 1e-9) for s, p in zip(results[c]["times"], results[c]["probe"],
-                                                                      strict=True))
-        own_s = f"{own:.3f}x" if any(results[c]["probe"]) else "-"
-        print(f"{c:<14}{t * 1e3:>16.1f}{t / base_t:>8.3f}x{own_s:>21}{m / pb:>30.1%}")
+    if configs:
+        timing_part(args, ["none", *[c for c in configs if c != "none"]])
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    if sizes:
+        from probe_memory import memory_part
+
+        memory_part(args, [c for c in args.mem_configs.split(",") if c and c != "none"], sizes, run_child)
 
 
 if __name__ == "__main__":

@@ -137,3 +137,24 @@ def test_signs_false_skips_only_the_sign_and_nonfinite_passes() -> None:
     lean = weight_update_stats(new, old, signs=False)
     assert torch.equal(lean[:, :4], full[:, :4])
     assert torch.isnan(lean[:, 4:]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_chunked_statistics_equal_whole_tensor_ones(dtype: torch.dtype, chunk: int) -> None:
+    """Chunk boundaries never change a count, and norms only by rounding (root of summed squares)."""
+    new, old = _pairs(dtype)
+    new[0] = new[0].clone()
+    new[0].view(-1)[[3, 50, 51]] = torch.tensor([float("nan"), float("inf"), float("-inf")], dtype=dtype)
+    whole = weight_update_stats(new, old)
+    got = weight_update_stats(new, old, chunk_elems=chunk)
+    assert torch.equal(got[:, 2:], whole[:, 2:])
+    torch.testing.assert_close(got[:, :2], whole[:, :2], rtol=1e-6, atol=1e-12, equal_nan=True)
+    lean = weight_update_stats(old, new, signs=False, chunk_elems=chunk)
+    torch.testing.assert_close(lean, weight_update_stats(old, new, signs=False), rtol=1e-6, atol=1e-12,
+                               equal_nan=True)
+    g = [t.to(dtype) for t in (torch.randn(50) * (torch.rand(50) < 0.5), torch.tensor([0.0, float("nan")]),
+                               torch.randn(0), torch.randn(3, 5))]
+    gn = grad_norms(g)[:, 0]
+    torch.testing.assert_close(grad_counts(g, gn, chunk_elems=chunk), grad_counts(g, gn), rtol=0, atol=0,
+                               equal_nan=True)

@@ -43,6 +43,7 @@ def trace(rank: int, n: int, *, shift: float = 0.0) -> dict:
     return {"schemaVersion": 1, "distributedInfo": {"rank": rank}, "traceEvents": ev}
 
 
+@pytest.mark.timeout(120)  # a reader that mishandles gzip members loops forever rather than failing
 def test_concatenated_gzip_members_read_in_full(tmp_path: Path) -> None:
     data = json.dumps(trace(0, 300), indent=1).encode()
     (tmp_path / "one").mkdir()

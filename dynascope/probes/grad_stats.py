@@ -14,7 +14,7 @@ import math
 import torch
 from torch import Tensor
 
-from dynascope.probes.update_stats import norms, wide
+from dynascope.probes.update_stats import DEFAULT_CHUNK_ELEMS, chunk_ranges, norms, wide
 
 __all__ = ["GRAD_COUNT_COLUMNS", "GRAD_NORM_COLUMNS", "GRAD_REDUCTIONS", "DEFAULT_GRAD_TOL", "grad_counts",
            "grad_norms"]
@@ -26,13 +26,6 @@ GRAD_REDUCTIONS = {"grad_norm": "norm", "grad_max_abs": "max", "grad_zero_count"
 DEFAULT_GRAD_TOL = 1e-8  # near zero: |g| <= tol · rms(g) of the same tensor
 
 
-def _max_abs(t: Tensor) -> Tensor:
-    if t.numel() == 0:
-        return torch.zeros((), dtype=torch.float64, device=t.device)
-    # One read pass (no |t| temporary); min/max propagate NaN, so a NaN gradient shows up here too.
-    return torch.stack(torch.aminmax(t)).abs().amax().to(torch.float64)
-
-
 def grad_norms(grads: list[Tensor]) -> Tensor:
     """float64 [n, 1]: L2 norm per gradient (fp32 accumulation for 16-bit grads)."""
     if not grads:
@@ -41,10 +34,12 @@ def grad_norms(grads: list[Tensor]) -> Tensor:
         return norms(grads).to(grads[0].device).unsqueeze(1)
 
 
-def grad_counts(grads: list[Tensor], grad_norm: Tensor | None = None, tol: float | None = None) -> Tensor:
+def grad_counts(grads: list[Tensor], grad_norm: Tensor | None = None, tol: float | None = None, *,
+                chunk_elems: int | None = DEFAULT_CHUNK_ELEMS) -> Tensor:
     """float64 [n, 5]: max |g|, then exact-zero, near-zero (|g| ≤ tol·rms), NaN and Inf element counts.
 
     ``grad_norm`` (float64 [n], from ``grad_norms``) saves recomputing the norms for the rms threshold.
+    Each gradient is read ``chunk_elems`` elements at a time, so |g| and the masks stay chunk-sized.
     """
     if not grads:
         return torch.zeros((0, 5), dtype=torch.float64)
@@ -53,17 +48,24 @@ def grad_counts(grads: list[Tensor], grad_norm: Tensor | None = None, tol: float
         if grad_norm is None:
             grad_norm = norms(grads)
         grad_norm = grad_norm.to(grads[0].device)
-        mx, zero, near, nan, inf = [], [], [], [], []
+        rows = []
         for i, g in enumerate(grads):
-            mx.append(_max_abs(g))
-            nz = torch.count_nonzero(g)
-            zero.append(g.numel() - nz)
-            a = wide(g).abs()
+            flat = g.reshape(-1)
             # rms = ‖g‖/√n, computed on device; threshold stays a 0-d tensor (no host sync).
-            # Counts use count_nonzero: bool.sum() takes a slow int64 path on CPU (~100× slower).
-            thr = grad_norm[i].to(a.dtype) * (tol / math.sqrt(max(g.numel(), 1)))
-            near.append(torch.count_nonzero(a <= thr))
-            nan.append(torch.count_nonzero(torch.isnan(g)))
-            inf.append(torch.count_nonzero(torch.isinf(a)))
-        cols = [torch.stack([x.to(torch.float64) for x in c]) for c in (mx, zero, near, nan, inf)]
-        return torch.stack(cols, dim=1)
+            wide_dtype = g.dtype if g.dtype in (torch.float32, torch.float64) else torch.float32
+            thr = grad_norm[i].to(wide_dtype) * (tol / math.sqrt(max(g.numel(), 1)))
+            extremes: list[Tensor] = []
+            counts: list[Tensor] = []
+            for lo, hi in chunk_ranges(flat.numel(), chunk_elems):
+                c = flat[lo:hi]
+                if c.numel():  # one read pass (no |c| temporary); min/max propagate NaN
+                    extremes += torch.aminmax(c)
+                a = wide(c).abs()
+                # Counts use count_nonzero: bool.sum() takes a slow int64 path on CPU (~100× slower).
+                counts += [c.numel() - torch.count_nonzero(c), torch.count_nonzero(a <= thr),
+                           torch.count_nonzero(torch.isnan(c)), torch.count_nonzero(torch.isinf(a))]
+                del a
+            mx = (torch.stack(extremes).abs().amax().to(torch.float64) if extremes
+                  else torch.zeros((), dtype=torch.float64, device=g.device))
+            rows.append(torch.cat([mx.reshape(1), torch.stack(counts).view(-1, 4).sum(0).to(torch.float64)]))
+        return torch.stack(rows)

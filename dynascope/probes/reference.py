@@ -4,8 +4,8 @@
 NULL. What the budget changes is *where* θ₀ lives:
 * resident: a full copy next to the parameters (needs ~1× parameter bytes of budget);
 * on demand: ``"init"``/``"current"`` are written once to ``<run>/reference/theta0-r<rank>.safetensors``
-  and the tensors of each record's window are read back (page cache, then the device) and freed;
-  a user state dict or checkpoint path is read the same way without copying it.
+  and the tensors of each record's window are read back one chunk at a time (page cache, then the
+  device) and freed; a user state dict or checkpoint path is read the same way without copying it.
 So ``memory_budget`` bounds device memory, and ``ref_covered`` says which tensors had θ₀ at a record.
 """
 
@@ -34,29 +34,45 @@ def normalize_name(name: str) -> str:
     return name
 
 
-class Reference:
-    """θ₀ by parameter name. ``get(name, like)`` returns it on ``like``'s device, or None if not held."""
+class _Source:
+    """θ₀ tensors by normalized name: their shapes, and flat element ranges read on demand."""
 
-    def __init__(self, kind: str, loader: Callable[[str], Tensor | None], names: set[str],
-                 resident: dict[str, Tensor] | None = None, path: Path | None = None) -> None:
+    def __init__(self, shapes: dict[str, tuple[int, ...]], read: Callable[[str, int, int], Tensor]) -> None:
+        self.shapes, self.read = shapes, read
+
+
+class Reference:
+    """θ₀ by parameter name. ``get(name, like)`` returns it on ``like``'s device, or None if not held;
+    ``reader(name, like)`` gives flat element ranges instead, so drift can stream θ₀ a chunk at a time."""
+
+    def __init__(self, kind: str, source: _Source, resident: dict[str, Tensor] | None = None,
+                 path: Path | None = None) -> None:
         self.kind, self.path = kind, path
-        self._loader, self._names, self._resident = loader, names, resident
+        self._source, self._resident = source, resident
 
     @property
     def resident(self) -> bool:
         return self._resident is not None
 
     def has(self, name: str) -> bool:
-        return normalize_name(name) in self._names
+        return normalize_name(name) in self._source.shapes
+
+    def reader(self, name: str, like: Tensor) -> Callable[[int, int], Tensor] | None:
+        """``read(lo, hi)``: θ₀'s flat elements ``[lo, hi)`` on ``like``'s device; None when θ₀ of
+        ``name`` is not held or its shape differs from ``like``'s."""
+        key = normalize_name(name)
+        if tuple(self._source.shapes.get(key, (-1,))) != tuple(like.shape):
+            return None
+        read, device = self._source.read, like.device
+
+        def chunk(lo: int, hi: int) -> Tensor:
+            t = read(key, lo, hi)
+            return t.to(device, non_blocking=True) if t.device != device else t
+        return chunk
 
     def get(self, name: str, like: Tensor) -> Tensor | None:
-        key = normalize_name(name)
-        if key not in self._names:
-            return None
-        t = self._resident[key] if self._resident is not None else self._loader(key)
-        if t is None or tuple(t.shape) != tuple(like.shape):
-            return None
-        return t.to(like.device, non_blocking=True) if t.device != like.device else t
+        read = self.reader(name, like)
+        return None if read is None else read(0, like.numel()).reshape(like.shape)
 
 
 class LazyRef:
@@ -74,7 +90,7 @@ class LazyRef:
         return t
 
 
-def _load_file(path: Path) -> tuple[Callable[[str], Tensor | None], set[str]]:
+def _load_file(path: Path) -> _Source:
     if path.suffix == ".safetensors":
         return _pread_safetensors(path)
     obj: Any = torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
@@ -83,39 +99,55 @@ def _load_file(path: Path) -> tuple[Callable[[str], Tensor | None], set[str]]:
             obj = obj[wrapper]
     if not isinstance(obj, Mapping):
         raise ValueError(f"{path}: expected a state dict, got {type(obj).__name__}")
-    return _dict_loader(obj)
+    return _dict_source(obj)
 
 
-def _pread_safetensors(path: Path) -> tuple[Callable[[str], Tensor | None], set[str]]:
-    """Read single tensors of a safetensors file with ``pread``, not mmap: mapped pages would count in
-    the training process's resident memory as the window rotates, while pread leaves them to the page
-    cache, which the kernel may drop under pressure."""
+def _pread_safetensors(path: Path) -> _Source:
+    """Read element ranges of a safetensors file with ``preadv`` straight into a fresh tensor, not mmap:
+    mapped pages would count in the training process's resident memory as the window rotates, while
+    pread leaves them to the page cache, which the kernel may drop under pressure."""
     from dynascope.importers.checkpoint_io import _ST_DTYPES as dtypes
 
     fd = os.open(path, os.O_RDONLY)
     (hlen,) = struct.unpack("<Q", os.pread(fd, 8, 0))
     header = json.loads(os.pread(fd, hlen, 8))
     header.pop("__metadata__", None)
-    by_norm = {normalize_name(k): k for k in header}
+    by_norm = {normalize_name(k): header[k] for k in header}
 
-    def load(key: str) -> Tensor | None:
-        if key not in by_norm:
-            return None
-        info = header[by_norm[key]]
-        lo, hi = info["data_offsets"]
-        buf = bytearray(os.pread(fd, hi - lo, 8 + hlen + lo))
+    def read(key: str, lo: int, hi: int) -> Tensor:
+        info = by_norm[key]
         dtype = dtypes[info["dtype"]]
-        if not buf:
-            return torch.empty(info["shape"], dtype=dtype)
-        return torch.frombuffer(buf, dtype=dtype).reshape(info["shape"])
+        out = torch.empty(max(hi - lo, 0), dtype=dtype)
+        if out.numel():
+            size = out.element_size()
+            _pread_into(fd, out.view(torch.uint8).numpy(), 8 + hlen + info["data_offsets"][0] + lo * size)
+        return out
 
-    weakref.finalize(load, os.close, fd)  # the file stays open exactly as long as its loader
-    return load, set(by_norm)
+    source = _Source({k: tuple(v["shape"]) for k, v in by_norm.items()}, read)
+    weakref.finalize(source, os.close, fd)  # the file stays open exactly as long as its source
+    return source
 
 
-def _dict_loader(sd: Mapping[str, Any]) -> tuple[Callable[[str], Tensor | None], set[str]]:
+def _pread_into(fd: int, buf: Any, offset: int) -> None:
+    view, done = memoryview(buf).cast("B"), 0
+    while done < len(view):  # a regular file reads fully, but a short read is legal: finish it
+        n = os.preadv(fd, [view[done:]], offset + done) if hasattr(os, "preadv") else _pread_copy(
+            fd, view[done:], offset + done)
+        if n <= 0:
+            raise OSError(f"θ₀ file ended early at byte {offset + done}")
+        done += n
+
+
+def _pread_copy(fd: int, view: memoryview, offset: int) -> int:
+    data = os.pread(fd, len(view), offset)  # platforms without preadv: one extra chunk-sized copy
+    view[:len(data)] = data
+    return len(data)
+
+
+def _dict_source(sd: Mapping[str, Any]) -> _Source:
     by_norm = {normalize_name(k): v for k, v in sd.items() if isinstance(v, Tensor)}
-    return (lambda key: by_norm.get(key)), set(by_norm)
+    return _Source({k: tuple(t.shape) for k, t in by_norm.items()},
+                   lambda key, lo, hi: by_norm[key].detach().reshape(-1)[lo:hi])
 
 
 def build_reference(spec: Any, named: list[tuple[str, Tensor]], run_dir: Path, rank: int,
@@ -126,7 +158,7 @@ def build_reference(spec: Any, named: list[tuple[str, Tensor]], run_dir: Path, r
     if isinstance(spec, str) and spec in ("init", "current"):
         if resident:
             held = {normalize_name(n): t.detach().clone() for n, t in named}
-            return Reference(spec, held.get, set(held), resident=held)
+            return Reference(spec, _dict_source(held), resident=held)
         path = Path(run_dir) / "reference" / f"theta0-r{rank}.safetensors"
         path.parent.mkdir(parents=True, exist_ok=True)
         from dynascope.importers.checkpoint_io import write_safetensors
@@ -135,25 +167,24 @@ def build_reference(spec: Any, named: list[tuple[str, Tensor]], run_dir: Path, r
         # second full copy of the model in host memory, which is exactly what the budget forbids.
         detached = [(normalize_name(n), t.detach()) for n, t in named]
         write_safetensors(path, [(n, tuple(t.shape), t.dtype) for n, t in detached], (t for _, t in detached))
-        loader, names = _load_file(path)
-        return Reference(spec, loader, names, path=path)
+        return Reference(spec, _load_file(path), path=path)
     if isinstance(spec, Mapping):
-        loader, names = _dict_loader(spec)
+        source = _dict_source(spec)
         kind = "state_dict"
     elif isinstance(spec, (str, os.PathLike)):
         path = Path(spec).expanduser()
         if not path.exists():
             raise FileNotFoundError(f"reference checkpoint {path} does not exist")
-        loader, names = _load_file(path)
+        source = _load_file(path)
         kind = "path"
     else:
         raise ValueError(f"reference must be 'init', 'current', None, a state dict or a path; got {spec!r}")
     if resident:
         by_name = {normalize_name(n): t for n, t in named}
         held = {}
-        for k in names:
-            t = loader(k)
-            if t is not None and k in by_name:
-                held[k] = t.to(by_name[k].device).clone()
-        return Reference(kind, held.get, set(held), resident=held)
-    return Reference(kind, loader, names)
+        for k, shape in source.shapes.items():
+            if k in by_name:
+                flat = source.read(k, 0, torch.Size(shape).numel())
+                held[k] = flat.to(by_name[k].device).reshape(shape).clone()
+        return Reference(kind, _dict_source(held), resident=held)
+    return Reference(kind, source)

@@ -3,10 +3,13 @@
 Cost model (see benchmarks/probe_overhead.py for the measured figures). Every recorded step, for every
 tracked tensor: ‖W‖ and ‖g‖ (batched norms, no extra memory; a finite norm also proves NaN/Inf counts
 are 0). The statistics that need the pre-step weights, θ₀ or several passes over the data — ‖ΔW‖,
-changed/sign-flip counts, drift, max|g| and zero/near-zero gradient counts — run on a *window* of tensors that rotates through the model, sized by
-``memory_budget`` (share of parameter bytes held for snapshots and θ₀). At the default 0.1 each
-tensor gets the full set every ~10 windows; ``memory_budget >= 2`` (θ₀ resident + a full snapshot)
-gives every statistic for every tensor at every record. Columns of tensors outside the window are NULL.
+changed/sign-flip counts, drift, max|g| and zero/near-zero gradient counts — run on a *window* of
+tensors that rotates through the model, sized by ``memory_budget``: the share of parameter bytes the
+probe may hold at its peak, i.e. the window's pre-step snapshot plus one chunk's temporaries (θ₀ is
+read from disk a chunk at a time, every statistic is computed a chunk at a time; see ``plan``). At the
+default 0.1 each tensor gets the full set every ~13 windows; ``memory_budget >= 2`` (θ₀ resident + a
+full snapshot) gives every statistic for every tensor at every record. Columns of tensors outside the
+window are NULL.
 The window also has a time budget (``time_budget``, share of wall-clock step time, default 1.5%): a
 window is taken only while the windows' measured host time stays under that share, so on a small or
 fast model the full set comes less often instead of slowing every step. ``memory_budget=None`` (or
@@ -28,10 +31,24 @@ import torch
 from dynascope.probes.grad_stats import grad_counts, grad_norms
 from dynascope.probes.params import Tracked
 from dynascope.probes.reference import Reference
-from dynascope.probes.update_stats import UpdateStats, norms, weight_update_stats
+from dynascope.probes.update_stats import (
+    DEFAULT_CHUNK_ELEMS,
+    UPDATE_STAT_COLUMNS,
+    UpdateStats,
+    chunked_update_stats,
+    norms,
+    transient_bytes,
+)
 from dynascope.store.writer import now_us
 
 __all__ = ["Record", "TensorStats", "rows_from_record", "summarize"]
+
+# Share of the budget a window's snapshot leaves to one chunk's temporaries (ΔW, masks, θ₀'s chunk).
+# The chunk is sized from whatever the snapshot leaves over, so a tensor alone in its window (often the
+# embedding: ~10% of a small model) may take more than 1 − RESERVE and still fit. A larger reserve means
+# larger chunks, i.e. fewer op launches per byte, at the price of more windows per rotation.
+RESERVE = 1 / 4
+MIN_CHUNK_ELEMS = 1024
 
 
 class Record:
@@ -41,6 +58,7 @@ class Record:
         self.step, self.stage, self.tracked = step, stage, tracked
         self.time_us = now_us()
         self.window: list[int] = []
+        self.chunk_elems: int | None = DEFAULT_CHUNK_ELEMS
         self.with_grad: list[int] = []
         self.window_grad: list[int] = []
         self.drift: list[int] = []
@@ -62,10 +80,12 @@ class TensorStats:
         self.update = UpdateStats(eta)
         self.reference: Reference | None = None
         self._cursor = 0
+        self._chunk: int | None = DEFAULT_CHUNK_ELEMS  # chunk size of the last planned window
         self._rec: Record | None = None
         self._early_window: list[int] | None = None
 
-    def window_bytes(self, tracked: list[Tracked]) -> float:
+    def budget_bytes(self, tracked: list[Tracked]) -> float:
+        """Bytes the windowed statistics may hold at peak: snapshot + one chunk's temporaries."""
         total = sum(t.nbytes for t in tracked)
         if self.memory_budget is None:
             return math.inf
@@ -81,20 +101,33 @@ class TensorStats:
         self._debt_s += time.perf_counter() - t0
 
     def plan(self, tracked: list[Tracked]) -> list[int]:
-        """Next window: tensors from the rotating cursor while they fit (always at least one)."""
+        """Next window and the chunk size of its statistics.
+
+        A budget that holds every tensor (``memory_budget >= 2`` with θ₀ resident, or None) takes them
+        all, in chunks of ``DEFAULT_CHUNK_ELEMS``. Otherwise tensors from the rotating cursor join while
+        their snapshot fits ``(1 − RESERVE)`` of the budget (always at least one), and the chunk is sized
+        so the temporaries fit what the snapshot leaves: the peak stays within the budget as long as
+        each tensor leaves room for a chunk of ``MIN_CHUNK_ELEMS`` (~22 KiB of fp32 temporaries).
+        """
         n = len(tracked)
         if n == 0:
             return []
-        limit, used, out = self.window_bytes(tracked), 0, []
+        budget = self.budget_bytes(tracked)
+        sizes = [t.nbytes for t in tracked]
+        if budget >= sum(sizes):
+            self._chunk = DEFAULT_CHUNK_ELEMS
+            return list(range(n))
+        limit, used, out = budget * (1 - RESERVE), 0, []
         start = self._cursor % n
         for j in range(n):
             i = (start + j) % n
-            b = tracked[i].nbytes
-            if out and used + b > limit:
+            if out and used + sizes[i] > limit:
                 break
             out.append(i)
-            used += b
+            used += sizes[i]
         self._cursor = start + len(out)
+        per_elem = transient_bytes(1, max(tracked[i].local().element_size() for i in out))
+        self._chunk = int(min(max((budget - used) // per_elem, MIN_CHUNK_ELEMS), DEFAULT_CHUNK_ELEMS))
         return sorted(out)
 
     @torch.no_grad()
@@ -107,6 +140,7 @@ class TensorStats:
             rec.window = early
         elif self.time_budget is None or self._debt_s <= 0:
             rec.window = self.plan(tracked)
+        rec.chunk_elems = self._chunk
         grads = []
         for i, t in enumerate(tracked):
             g = t.grad()
@@ -120,8 +154,10 @@ class TensorStats:
         rec.window_grad = [rec.with_grad[k] for k in pos]
         col = gn[:, 0].unbind() if pos else ()  # 0-d views: picking them needs no host→device index copy
         rec.parts["grad_counts"] = grad_counts([grads[k] for k in pos],
-                                               torch.stack([col[k] for k in pos]) if pos else None, self.grad_tol)
-        if snapshot and rec.window:
+                                               torch.stack([col[k] for k in pos]) if pos else None, self.grad_tol,
+                                               chunk_elems=rec.chunk_elems)
+        del grads, col
+        if snapshot and rec.window:  # after the gradient counts, whose temporaries are gone by now
             self.update.before([tracked[i].local() for i in rec.window])
         self._rec = rec
         if rec.window:
@@ -138,20 +174,11 @@ class TensorStats:
         device = locals_[0].device if locals_ else torch.device("cpu")
         rec.parts["w_norm"] = norms(locals_)
         t0 = time.perf_counter()
-        if self.update.pending:
-            rec.parts["update"] = self.update.after([locals_[i] for i in rec.window])
+        if self.update.pending:  # frees each snapshot tensor as soon as its statistics are computed
+            rec.parts["update"] = self.update.after([locals_[i] for i in rec.window], rec.chunk_elems)
             rec.has_update = True
         if self.reference is not None:
-            cur, refs = [], []
-            for i in rec.window:
-                r = self.reference.get(tracked[i].name, locals_[i])
-                if r is not None:
-                    rec.drift.append(i)
-                    cur.append(locals_[i])
-                    refs.append(r)
-            # (θ₀, W) order: the w_norm column is then ‖W₀‖, the rest is symmetric in the two.
-            rec.parts["drift"] = weight_update_stats(refs, cur, self.eta, signs=False)
-            del refs
+            rec.parts["drift"] = self._drift(rec, locals_, device)
         if rec.window:
             self._timed(t0)
         flat = torch.cat([p.to(device=device, dtype=torch.float64).reshape(-1) for p in rec.parts.values()])
@@ -165,6 +192,24 @@ class TensorStats:
             rec.host = flat.cpu()  # plain copy (a no-op view on CPU)
         rec.parts = shapes  # type: ignore[assignment]  # only the shapes travel to the resolver
         return rec
+
+    def _drift(self, rec: Record, locals_: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """Drift from θ₀ of the window, θ₀ streamed a chunk at a time (never a whole tensor of it)."""
+        assert self.reference is not None
+        rows = []
+        for i in rec.window:
+            w = locals_[i]
+            read_ref = self.reference.reader(rec.tracked[i].name, w)
+            if read_ref is None:
+                continue
+            rec.drift.append(i)
+            flat = w.reshape(-1)
+            # (θ₀, W) order: the w_norm column is then ‖W₀‖, the rest is symmetric in the two.
+            rows.append(chunked_update_stats(read_ref, lambda lo, hi, f=flat: f[lo:hi], flat.numel(), w.device,
+                                             self.eta, signs=False, chunk_elems=rec.chunk_elems))
+        if not rows:
+            return torch.zeros((0, len(UPDATE_STAT_COLUMNS)), dtype=torch.float64, device=device)
+        return torch.stack(rows)
 
     @torch.no_grad()
     def snapshot_early(self, tracked: list[Tracked]) -> None:
