@@ -1,0 +1,157 @@
+"""Memory half of benchmarks/probe_overhead.py: the model-size sweep and fit, and the probe's exact peak.
+
+``memory_part`` runs ``none`` and each dynascope configuration at several model sizes, each in a fresh
+child, and fits two quantities as ``fixed + k · param_bytes``:
+* extra: the process's peak memory over ``none`` (peak RSS on CPU, the allocator's peak on CUDA) —
+  what a run costs, fixed costs (threads, Parquet codec state, buffers) included;
+* held (``held_peak``): the largest number of bytes the windowed statistics hold at once, from
+  ``TensorStats.before`` (the ΔW snapshot is taken) to the end of ``TensorStats.after`` (snapshot,
+  θ₀ chunks and every temporary freed) — what ``memory_budget`` bounds. The probe works during the
+  optimizer step, rarely the process's peak, so peak RSS alone would not show it.
+
+``held_peak`` measures on CUDA with ``memory_allocated``/``max_memory_allocated`` around each half; on
+CPU, where torch keeps no allocator counters, each half runs under ``torch.profiler`` with
+``profile_memory=True``, whose ``[memory]`` events carry a running total of the bytes allocated while
+profiling and not yet freed — and only the probe's halves are profiled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["held_peak", "memory_part"]
+
+MiB = 2**20
+
+
+def _profiled_totals(fn: Callable[[], Any]) -> tuple[Any, list[int]]:
+    """Run ``fn`` under the profiler; (its result, [running total after each allocation or free])."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as fh:
+            events = json.load(fh)["traceEvents"]
+    finally:
+        os.unlink(path)
+    mem = sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"])
+    if not mem:
+        return out, []
+    first = mem[0]["args"]
+    # The total before the first event: what earlier profiled calls left alive (the snapshot, in after).
+    return out, [first["Total Allocated"] - first["Bytes"]] + [e["args"]["Total Allocated"] for e in mem]
+
+
+def held_peak(stats: Any, step: Callable[[], None], steps: int, device: torch.device) -> int:
+    """Largest bytes the probe held at once over ``steps`` calls of ``step`` (one training step each)."""
+    orig_before, orig_after = stats.before, stats.after
+    st = {"peak": 0, "base": 0, "held": 0}  # base: the level when ``before`` began; held: after it
+
+    if device.type == "cuda":
+        def before(*a: Any, **k: Any) -> Any:
+            torch.cuda.synchronize()
+            st["base"] = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            out = orig_before(*a, **k)
+            torch.cuda.synchronize()
+            st["peak"] = max(st["peak"], torch.cuda.max_memory_allocated() - st["base"])
+            st["held"] = torch.cuda.memory_allocated() - st["base"]  # the snapshot, kept across the step
+            return out
+
+        def after(*a: Any, **k: Any) -> Any:
+            torch.cuda.synchronize()
+            start = torch.cuda.memory_allocated()  # the optimizer ran in between: measure from here
+            torch.cuda.reset_peak_memory_stats()
+            out = orig_after(*a, **k)
+            torch.cuda.synchronize()
+            st["peak"] = max(st["peak"], st["held"] + torch.cuda.max_memory_allocated() - start)
+            return out
+    else:
+        def before(*a: Any, **k: Any) -> Any:
+            out, totals = _profiled_totals(lambda: orig_before(*a, **k))
+            if totals:
+                st["base"] = totals[0]
+                st["peak"] = max(st["peak"], max(totals) - st["base"])
+            return out
+
+        def after(*a: Any, **k: Any) -> Any:
+            out, totals = _profiled_totals(lambda: orig_after(*a, **k))
+            if totals:  # totals already include what before left alive, and nothing else allocated
+                st["peak"] = max(st["peak"], max(totals) - st["base"])
+            return out
+
+    stats.before, stats.after = before, after
+    try:
+        for _ in range(steps):
+            step()
+    finally:
+        stats.before, stats.after = orig_before, orig_after
+    return st["peak"]
+
+
+def memory_part(args: argparse.Namespace, configs: list[str], sizes: list[int], run_child: Callable[..., dict | None]) -> None:
+    """Run ``none`` and ``configs`` at each d_model in ``sizes`` (``run_child(args, config, d, steps,
+    memory_run=True)``), print extra and held bytes per size and their fits ``fixed + k·param_bytes``."""
+    steps = max(args.mem_steps, 4)
+    runs: dict[tuple[str, int], list[dict]] = {}
+    for _ in range(args.mem_rounds):
+        for d in sizes:
+            for c in ["none", *configs]:
+                r = run_child(args, c, d, steps, memory_run=True)
+                if r is not None:
+                    runs.setdefault((c, d), []).append(r)
+    sizes = [d for d in sizes if ("none", d) in runs]
+    if not sizes:
+        sys.exit("the no-probe baseline failed")
+    r0 = runs[("none", sizes[0])][0]
+    malloc = "glibc defaults" if args.malloc_default else "MALLOC_MMAP_THRESHOLD_=128 KiB"
+    print(f"\n== memory: {steps} steps with a window every step (time_budget=None), median of {args.mem_rounds} "
+          f"round(s), device={args.device}, {malloc}")
+    print(f"   not charged, paid by every configuration before its baseline: imports beyond torch "
+          f"{r0['imports_bytes'] / MiB:.0f} MiB, pyarrow runtime init {r0['arrow_init_bytes'] / MiB:.0f} MiB")
+    print("   extra: process peak over no probe (RSS on CPU); held: the probe's own peak at the allocator "
+          "(snapshot + θ₀ chunks + temporaries), whenever it happens")
+    print(f"{'config':<14}{'d_model':>8}{'param MiB':>11}{'extra MiB':>11}{'/ params':>10}{'held MiB':>10}"
+          f"{'/ params':>10}")
+    for c in configs:
+        pts: list[tuple[int, float, float]] = []
+        for d in sizes:
+            if (c, d) not in runs:
+                continue
+            pb = r0["param_bytes"] if d == sizes[0] else runs[("none", d)][0]["param_bytes"]
+            extra = (statistics.median(r["peak_bytes"] for r in runs[(c, d)])
+                     - statistics.median(r["peak_bytes"] for r in runs[("none", d)]))
+            held = statistics.median(r["held_bytes"] for r in runs[(c, d)])
+            pts.append((pb, extra, held))
+            print(f"{c:<14}{d:>8}{pb / MiB:>11.1f}{extra / MiB:>11.1f}{extra / pb:>10.1%}{held / MiB:>10.2f}"
+                  f"{held / pb:>10.1%}")
+        if len(pts) >= 2:
+            for label, col in (("extra", 1), ("held", 2)):
+                xs, ys = [p[0] for p in pts], [p[col] for p in pts]
+                k, fixed = _fit(xs, ys)
+                resid = max(abs(y - fixed - k * x) for x, y in zip(xs, ys, strict=True))
+                print(f"{c:<14}{label:>8} = {fixed / MiB:6.1f} MiB fixed + {k:6.1%} of param bytes "
+                      f"(fit over {len(pts)} sizes, max residual {resid / MiB:.1f} MiB)")
+    print("   goal: the proportional part ≤ 10% of parameter bytes at memory_budget=0.1")
+
+
+def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares line ``y = fixed + k·x``: (k, fixed)."""
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    k = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else math.nan
+    return k, my - k * mx
