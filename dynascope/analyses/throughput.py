@@ -102,6 +102,16 @@ def _model(con, run: str | None) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _peak_for(devices: list[str]) -> float:
+    """The first known peak TFLOP/s among the run's device names; ValueError naming them when none is."""
+    peak = next((p for p in map(peak_tflops_for, devices) if p), None)
+    if peak is None:
+        seen = ", ".join(sorted(set(devices))) or "none recorded"
+        raise ValueError(f"peak FLOP/s unknown for device ({seen}); pass peak_tflops= "
+                         f"(dynascope report --peak-tflops)")
+    return peak
+
+
 def throughput_mfu(store: StoreLike, run: str | None = None, *, n_params: float | None = None,
                    n_layers: int | None = None, hidden: int | None = None, peak_tflops: float | None = None,
                    device: str | None = None, phase_factors: dict[str, float] | None = None) -> pl.DataFrame:
@@ -115,6 +125,10 @@ def throughput_mfu(store: StoreLike, run: str | None = None, *, n_params: float 
     if peak_tflops is not None and not peak_tflops > 0:
         raise ValueError(f"peak_tflops must be > 0, not {peak_tflops}")
     con = as_store(store)
+    model = _model(con, run)
+    if peak_tflops is None and run is not None:
+        # Fail before the heavy aggregate when no peak can be found: the dashboard asks at every first render.
+        _peak_for([device] if device else model.get(run, {}).get("devices", []))
     factors = dict(PHASE_FACTORS if phase_factors is None else phase_factors)
     names = ", ".join(quote_literal(p) for p in factors) or "''"
     rc = run_clause(run)
@@ -142,7 +156,6 @@ def throughput_mfu(store: StoreLike, run: str | None = None, *, n_params: float 
         GROUP BY n.run_id, n.role, n.rank, n.phase ORDER BY n.run_id, n.role, n.rank, n.phase""")
     if agg.is_empty():
         return pl.DataFrame(schema=_SCHEMA)
-    model = _model(con, run)
     rows = []
     for r in agg.iter_rows(named=True):
         m = model.get(r["run_id"], {})
@@ -151,14 +164,8 @@ def throughput_mfu(store: StoreLike, run: str | None = None, *, n_params: float 
             raise ValueError(f"run {r['run_id']}: model size unknown; pass n_params=")
         layers = n_layers if n_layers is not None else m.get("n_layers")
         width = hidden if hidden is not None else m.get("hidden")
-        peak = peak_tflops
-        if peak is None:
-            names_seen = [device] if device else m.get("devices", [])
-            peak = next((p for p in map(peak_tflops_for, names_seen) if p), None)
-            if peak is None:
-                seen = ", ".join(sorted(set(names_seen))) or "none recorded"
-                raise ValueError(f"peak FLOP/s unknown for device ({seen}); pass peak_tflops= "
-                                 f"(dynascope report --peak-tflops)")
+        peak = peak_tflops if peak_tflops is not None else \
+            _peak_for([device] if device else m.get("devices", []))
         attn = bool(layers and width and r["has_sq"])
         flops = factors[r["phase"]] / 6 * (6 * n * r["tokens"] + (6 * layers * width * r["sq"] if attn else 0))
         achieved = flops / r["time_s"] / 1e12 if r["time_s"] else None

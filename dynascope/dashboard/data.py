@@ -64,10 +64,18 @@ def query(name: str, path: str, *args: Any) -> Any:
     return _query(name, path, version(path), *args)
 
 
+class _Refused(str):
+    """A ValueError an analysis raised (e.g. MFU without a known peak), cached like a result."""
+
+
 def analysis(name: str, path: str, **kwargs: Any) -> pl.DataFrame:
     """``dynascope.analyses.<name>(store, **kwargs)``, cached until the store changes; raises
-    ``MissingAnalysis`` when this dynascope has no such analysis."""
-    return _analysis(name, path, version(path), **kwargs)
+    ``MissingAnalysis`` when this dynascope has no such analysis, and the analysis's own ValueError (also
+    cached: a refusal would otherwise be recomputed at every rerun)."""
+    out = _analysis(name, path, version(path), **kwargs)
+    if isinstance(out, _Refused):
+        raise ValueError(str(out))
+    return out
 
 
 def clear() -> None:
@@ -97,7 +105,10 @@ def _analysis(name: str, path: str, token: tuple[int, int, int], **kwargs: Any) 
         func = getattr(func, name, None)
         if not callable(func):
             raise MissingAnalysis(name)
-    return func(store(path), **kwargs)
+    try:
+        return func(store(path), **kwargs)
+    except ValueError as exc:
+        return _Refused(str(exc))
 
 
 def prefer(name: str, path: str, fallback: Callable[[], pl.DataFrame], **kwargs: Any) -> tuple[pl.DataFrame, str]:
