@@ -28,7 +28,7 @@ from dynascope.dashboard.server import serving
 from dynascope.store import RunWriter, open_store
 from dynascope.store._columns import parquet_options
 from dynascope.store.layout import segment_name, writer_dir
-from dynascope.store.rollup import ROLLUP_FUNCS, ROLLUPS
+from dynascope.store.rollup import ROLLUPS
 from dynascope.store.schema import TABLES
 
 LAYERS, RANKS, SPEC_DIM = 32, 8, 128
@@ -74,8 +74,9 @@ def _write(run: Path, name: str, writer: str, seq: int, cols: dict) -> int:
     # The writer's own encodings, and the rollup it keeps beside each tensor_stats segment.
     pq.write_table(t, d / segment_name(seq, seq), **parquet_options(t.schema))
     if name in ROLLUPS:
-        rolled = ROLLUP_FUNCS[name](t)
-        rd = writer_dir(run, ROLLUPS[name], writer)
+        rollup, roll = ROLLUPS[name]
+        rolled = roll(t)
+        rd = writer_dir(run, rollup, writer)
         rd.mkdir(parents=True, exist_ok=True)
         pq.write_table(rolled, rd / segment_name(seq, seq), **parquet_options(rolled.schema))
     return t.num_rows

@@ -12,13 +12,12 @@ group-by; the rollup segment follows its source in the same flush.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from dynascope.store.schema import TABLES
-
-# source table -> rollup table; the writer writes the rollup of every segment of the source.
-ROLLUPS = {"tensor_stats": "tensor_stats_by_kind"}
 
 _KEYS = ["run_id", "rank", "role", "step", "stage", "kind"]
 
@@ -59,10 +58,13 @@ def tensor_stats_by_kind(t: pa.Table) -> pa.Table:
     aggs = [("time_us", "max"), ([], "count_all"), ("update_ratio", "max"), ("grad_max_abs", "max")]
     aggs += [(c, "sum") for c in derived if c not in _KEYS and c not in ("time_us", "update_ratio", "grad_max_abs")]
     out = pa.table(derived).group_by(_KEYS, use_threads=False).aggregate(aggs)
-    rename = {"time_us_max": "time_us", "count_all": "tensors", "update_ratio_max": "update_ratio_max",
-              "grad_max_abs_max": "grad_max_abs"}
+    rename = {"time_us_max": "time_us", "count_all": "tensors", "grad_max_abs_max": "grad_max_abs"}
     out = out.rename_columns([rename.get(c, c.removesuffix("_sum")) for c in out.column_names])
     return pa.table([out[f.name].cast(f.type) for f in schema], schema=schema)
 
 
-ROLLUP_FUNCS = {"tensor_stats": tensor_stats_by_kind}
+# source table -> (rollup table, how to make it); the writer writes the rollup of every segment of the source.
+ROLLUPS: dict[str, tuple[str, Callable[[pa.Table], pa.Table]]] = {
+    "tensor_stats": ("tensor_stats_by_kind", tensor_stats_by_kind),
+}
+ROLLUP_TABLES = frozenset(name for name, _ in ROLLUPS.values())

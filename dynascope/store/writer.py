@@ -41,7 +41,7 @@ from dynascope.store.layout import (
     segment_name,
     writer_dir,
 )
-from dynascope.store.rollup import ROLLUP_FUNCS, ROLLUPS
+from dynascope.store.rollup import ROLLUP_TABLES, ROLLUPS
 from dynascope.store.schema import SCHEMA_VERSION, TABLES
 
 _LIVE_WRITERS: weakref.WeakSet[RunWriter] = weakref.WeakSet()
@@ -260,13 +260,14 @@ class RunWriter:
                     self._unwritten_rollups.append((table, arrow))
 
     def _write_rollup(self, table: str, arrow: pa.Table) -> None:
+        name, roll = ROLLUPS[table]
         try:
-            rolled = ROLLUP_FUNCS[table](arrow)
+            rolled = roll(arrow)
         except Exception as exc:  # a rollup bug must not cost the source rows, which are already written
-            self._problem("rollup_error", f"{ROLLUPS[table]}: rollup failed ({type(exc).__name__}: {exc})")
+            self._problem("rollup_error", f"{name}: rollup failed ({type(exc).__name__}: {exc})")
             return
-        if not self._write_segment(ROLLUPS[table], rolled):
-            self._unwritten_rollups.append((ROLLUPS[table], rolled))
+        if not self._write_segment(name, rolled):
+            self._unwritten_rollups.append((name, rolled))
 
     def _to_arrow(self, table: str, buf: _TableBuffer) -> pa.Table:
         schema = TABLES[table]
@@ -333,7 +334,7 @@ class RunWriter:
                                              "message": "segment writes succeed again",
                                              "write_errors": self.write_errors})
         self._seq += 1
-        if table not in ROLLUPS.values():  # rows_written counts what was appended, not derived rows
+        if table not in ROLLUP_TABLES:  # rows_written counts what was appended, not derived rows
             self.rows_written += arrow.num_rows
         return True
 
