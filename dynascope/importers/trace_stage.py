@@ -26,7 +26,7 @@ import duckdb
 
 from dynascope.importers.trace_json import ChunkRejected
 from dynascope.store import quote_literal
-from dynascope.store.schema import TABLES
+from dynascope.store.schema import TABLES, sql_type
 
 COLUMNS = {
     "cat": "VARCHAR", "name": "VARCHAR", "pid": "VARCHAR", "ts": "VARCHAR", "dur": "VARCHAR",
@@ -135,7 +135,7 @@ def write_segment(con: duckdb.DuckDBPyConnection, staged: Path, out: Path, run_i
     """Join the rows a ChunkStager staged in ``staged`` (launch → parent and step), write the rank's
     ``timings`` segment to ``out`` (sorted by start), return the row count per category."""
     tmp = out.with_name(out.name + ".tmp")  # COPY writes in place: a failure must not leave a segment
-    cols = ", ".join(f"CAST({c} AS {_duck_type(c)}) AS {c}" for c in TABLES["timings"].names)
+    cols = ", ".join(f"CAST({f.name} AS {sql_type(f.type)}) AS {f.name}" for f in TABLES["timings"])
     files = sorted(staged.glob("*.parquet"))
     source = (_NS_SQL.format(files="[" + ", ".join(quote_literal(str(f)) for f in files) + "]") if files else _NO_ROWS)
     con.execute(f"""
@@ -173,7 +173,3 @@ def write_segment(con: duckdb.DuckDBPyConnection, staged: Path, out: Path, run_i
     counts = con.execute(f"SELECT category, count(*) FROM read_parquet({quote_literal(str(out))}) GROUP BY 1").fetchall()
     return {c: int(n) for c, n in counts}
 
-
-def _duck_type(col: str) -> str:
-    t = str(TABLES["timings"].field(col).type)
-    return {"string": "VARCHAR", "int32": "INTEGER", "int64": "BIGINT", "double": "DOUBLE"}[t]

@@ -25,7 +25,7 @@ import duckdb
 import pyarrow as pa
 
 from dynascope.store.layout import StoreError, StoreLocation, first_line, locate
-from dynascope.store.schema import TABLES
+from dynascope.store.schema import TABLES, sql_type
 
 T = TypeVar("T")
 
@@ -92,14 +92,7 @@ def retry_vanished(fetch: Callable[[], T], attempts: int = 8) -> T:
 
 
 def _typed_nulls(table: str) -> str:
-    return ", ".join(f"CAST(NULL AS {_sql_type(f.type)}) AS {quote_ident(f.name)}" for f in TABLES[table])
-
-
-def _sql_type(t: pa.DataType) -> str:
-    if pa.types.is_list(t):
-        return _sql_type(t.value_type) + "[]"
-    return {pa.int64(): "BIGINT", pa.int32(): "INTEGER", pa.float64(): "DOUBLE", pa.float32(): "FLOAT",
-            pa.string(): "VARCHAR", pa.bool_(): "BOOLEAN"}[t]
+    return ", ".join(f"CAST(NULL AS {sql_type(f.type)}) AS {quote_ident(f.name)}" for f in TABLES[table])
 
 
 class StoreConnection:

@@ -109,3 +109,11 @@ TABLE_NAMES = tuple(TABLES)
 def columns(table: str) -> list[str]:
     """Column names of ``table`` in schema order."""
     return TABLES[table].names
+
+
+def sql_type(t: pa.DataType) -> str:
+    """The DuckDB type of a schema column's Arrow type."""
+    if pa.types.is_list(t):
+        return sql_type(t.value_type) + "[]"
+    return {pa.int64(): "BIGINT", pa.int32(): "INTEGER", pa.float64(): "DOUBLE", pa.float32(): "FLOAT",
+            pa.string(): "VARCHAR", pa.bool_(): "BOOLEAN"}[t]
