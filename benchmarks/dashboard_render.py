@@ -71,10 +71,9 @@ def _write(run: Path, name: str, writer: str, seq: int, cols: dict) -> int:
     d = writer_dir(run, name, writer)
     d.mkdir(parents=True, exist_ok=True)
     t = _table(name, cols)
-    # The writer's own encodings, and the rollup it keeps beside each tensor_stats segment.
+    # The writer's own encodings, and the rollups it keeps beside each tensor_stats segment.
     pq.write_table(t, d / segment_name(seq, seq), **parquet_options(t.schema))
-    if name in ROLLUPS:
-        rollup, roll = ROLLUPS[name]
+    for rollup, roll in ROLLUPS.get(name, ()):
         rolled = roll(t)
         rd = writer_dir(run, rollup, writer)
         rd.mkdir(parents=True, exist_ok=True)
@@ -304,7 +303,7 @@ def main() -> None:
     rows = 300_000 if args.quick else args.rows
     run = args.dir / f"rows-{rows}"
     meta = run / "bench.json"
-    layout = 2  # bump when the build changes (2: the writer's encodings and the tensor_stats_by_kind rollup)
+    layout = 3  # bump when the build changes (2: the writer's encodings and the by_kind rollup; 3: by_layer)
     if not meta.exists() or json.loads(meta.read_text()).get("layout") != layout:
         import shutil
 

@@ -20,16 +20,24 @@ import numpy as np
 
 from dynascope.dashboard.queries.params import param_cube
 from dynascope.store import RunWriter, open_store
+from dynascope.store.schema import ROLLUP_BLOCK_STEPS
 
 KINDS = ["attn_q", "attn_k", "attn_v", "attn_o", "mlp_up", "mlp_gate", "mlp_down", "norm1", "norm2", "embed"]
 RANKS = 4
 
 QUERIES = {
+    # The layer x step heat map two ways: from every tensor row, and from the writer's rollup of 16-step blocks
+    # (tensor_stats_by_layer; {bucket} is a whole number of blocks), which is what the dashboard reads.
     "heat map layer x step": """
-        SELECT layer, step // {bucket} AS step_bin, avg(update_ratio) AS update_ratio
+        SELECT layer, step // {bucket} AS step_bin, sqrt(sum(dw_norm * dw_norm)) / sqrt(sum(w_norm * w_norm)) AS ratio,
+               sum(changed_count) AS changed
         FROM {src} WHERE kind = 'attn_q' GROUP BY ALL""",
+    "heat map, rollup": """
+        SELECT layer, step // {bucket} AS step_bin, sqrt(sum(dw_sq)) / sqrt(sum(w_sq)) AS ratio,
+               sum(changed_count) AS changed
+        FROM {layer_rollup} WHERE kind = 'attn_q' GROUP BY ALL""",
     # The same per-step, per-kind series two ways: from every tensor row, and from the rollup the writer keeps
-    # (tensor_stats_by_kind), which is what the dashboard reads. main() checks that both give the same numbers.
+    # (tensor_stats_by_kind), which is what the dashboard reads. main() checks that each pair gives the same numbers.
     "per-kind series": """
         SELECT step, kind, sqrt(sum(dw_norm * dw_norm)) / sqrt(sum(w_norm * w_norm)) AS update_ratio,
                max(grad_max_abs) AS grad_max_abs, sum(changed_count) AS changed
@@ -90,39 +98,45 @@ def main() -> None:
     args = ap.parse_args()
     rows = args.rows or (2_000_000 if args.quick else 50_000_000)
     run_dir = args.dir / f"tensor_stats_{rows}"
-    if not (run_dir / "dynascope.json").exists() or not (run_dir / ".complete").exists():
+    layout = "3"  # bump when the build changes (3: the tensor_stats_by_layer rollup)
+    done = run_dir / ".complete"
+    if not (run_dir / "dynascope.json").exists() or not done.exists() or done.read_text() != layout:
         shutil.rmtree(run_dir, ignore_errors=True)
         t0 = time.perf_counter()
         build(run_dir, rows)
-        (run_dir / ".complete").touch()
+        done.write_text(layout)
         print(f"built {rows:,} rows in {time.perf_counter() - t0:.1f} s -> {run_dir}")
     store = open_store(run_dir, threads=args.threads)
     con = store._con
     total = con.sql("SELECT count(*), max(step) FROM tensor_stats").fetchall()[0]
-    bucket = max(1, (total[1] + 1) // 200)
-    raw = f"read_parquet('{run_dir}/tensor_stats/*/*.parquet', union_by_name = true)"
-    raw_rollup = f"read_parquet('{run_dir}/tensor_stats_by_kind/*/*.parquet', union_by_name = true)"
-    rollup_rows = con.sql("SELECT count(*) FROM tensor_stats_by_kind").fetchall()[0][0]
-    print(f"\n{total[0]:,} rows ({rollup_rows:,} in the by-kind rollup), {total[1] + 1} steps, "
+    # ~200 heat-map columns, each a whole number of the layer rollup's blocks
+    bucket = max(1, -(-(total[1] + 1) // 200 // ROLLUP_BLOCK_STEPS)) * ROLLUP_BLOCK_STEPS
+    names = {"src": "tensor_stats", "rollup": "tensor_stats_by_kind", "layer_rollup": "tensor_stats_by_layer"}
+    raw = {k: f"read_parquet('{run_dir}/{v}/*/*.parquet', union_by_name = true)" for k, v in names.items()}
+    counts = {v: con.sql(f"SELECT count(*) FROM {v}").fetchall()[0][0] for v in names.values()}
+    print(f"\n{total[0]:,} rows ({counts['tensor_stats_by_kind']:,} in the by-kind rollup, "
+          f"{counts['tensor_stats_by_layer']:,} in the by-layer rollup), {total[1] + 1} steps, "
           f"threads={args.threads}, best of {args.repeat}\n")
     print(f"{'query':<26} {'view s':>8} {'raw s':>8} {'view/raw':>9}  goal < 1 s")
     for name, sql in QUERIES.items():
-        t_view = timed(con, sql.format(src="tensor_stats", rollup="tensor_stats_by_kind", bucket=bucket), args.repeat)
-        t_raw = timed(con, sql.format(src=raw, rollup=raw_rollup, bucket=bucket), args.repeat)
+        t_view = timed(con, sql.format(**names, bucket=bucket), args.repeat)
+        t_raw = timed(con, sql.format(**raw, bucket=bucket), args.repeat)
         ok = "ok" if t_view < 1.0 else "SLOW"
         print(f"{name:<26} {t_view:>8.3f} {t_raw:>8.3f} {t_view / t_raw:>9.2f}  {ok}")
-    # The rollup must give what the raw rows give, or its speed means nothing.
-    series = [con.sql(QUERIES[q].format(src="tensor_stats", rollup="tensor_stats_by_kind") + " ORDER BY ALL")
-              .fetchnumpy() for q in ("per-kind series", "per-kind series, rollup")]
-    for col in series[0]:
-        a, b = series[0][col], series[1][col]
-        same = np.allclose(a, b, rtol=1e-9) if a.dtype.kind == "f" else bool((a == b).all())
-        assert same, f"rollup differs from the raw rows in {col}"
-    print("\nrollup series == raw series (checked)")
-    t0 = time.perf_counter()
-    cube = param_cube(store, con.sql("SELECT any_value(run_id) FROM runs").fetchall()[0][0])
-    print(f"dashboard param_cube (whole Parameter-dynamics page): {time.perf_counter() - t0:.3f} s, "
-          f"{cube.height:,} rows")
+    # A rollup must give what the raw rows give, or its speed means nothing.
+    for pair in (("per-kind series", "per-kind series, rollup"), ("heat map layer x step", "heat map, rollup")):
+        got = [con.sql(QUERIES[q].format(**names, bucket=bucket) + " ORDER BY ALL").fetchnumpy() for q in pair]
+        for col in got[0]:
+            a, b = got[0][col], got[1][col]
+            same = np.allclose(a, b, rtol=1e-9) if a.dtype.kind == "f" else bool((a == b).all())
+            assert same, f"{pair[1]} differs from the raw rows in {col}"
+    print("\nrollup results == raw results (checked for both rollups)")
+    run_id = con.sql("SELECT any_value(run_id) FROM runs").fetchall()[0][0]
+    for attempt in ("first", "again"):
+        t0 = time.perf_counter()
+        cube = param_cube(store, run_id)
+        print(f"dashboard param_cube (whole Parameter-dynamics page), {attempt}: {time.perf_counter() - t0:.3f} s, "
+              f"{cube.height:,} rows")
     store.close()
 
 

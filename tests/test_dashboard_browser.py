@@ -176,6 +176,25 @@ def store(tmp_path_factory):
         yield s
 
 
+def test_server_warms_its_imports_without_noise(tmp_path):
+    """The server process (dynascope.dashboard._serve) imports the pages during start-up; its log must stay
+    free of tracebacks and of the "No runtime found" warning an import before the runtime would log."""
+    from dashboard_fixtures import write_small_run
+
+    from dynascope.dashboard.server import serving
+
+    log = tmp_path / "server.log"
+    with serving(write_small_run(tmp_path / "run"), log=log) as base:
+        with urllib.request.urlopen(f"{base}/", timeout=30) as r:
+            assert r.status == 200
+        deadline = time.monotonic() + 60  # the warm-up thread runs on after the server is healthy
+        while "dynascope: dashboard pages loaded" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+    text = log.read_text()
+    assert "You can now view your Streamlit app" in text and "dynascope: dashboard pages loaded in" in text, text
+    assert "No runtime found" not in text and "Traceback" not in text, text[-2000:]
+
+
 def test_launch_checks_path_and_warns_off_loopback(tmp_path, monkeypatch, capsys):
     from dynascope import dashboard
     from dynascope.store import StoreError
@@ -271,6 +290,25 @@ def test_cluster_queries_find_the_slow_rank(store):
     assert per_rank[0] == pytest.approx(per_rank[1], rel=0.05)  # synchronous: the fast rank waits
     g = cluster.gantt(store, "grpo-sync", 20, 22, limit=5)
     assert g.height == 5 and g["total"][0] > 5 and g["dur_ms"].is_sorted(descending=True)
+
+
+def test_cluster_queries_match_the_step_analyses(store):
+    """The page's breakdown and busy-time queries skip the analyses' per-phase grouping; the numbers must not move."""
+    from dynascope.analyses import step_breakdown
+    from dynascope.analyses.steps import top_level_sql
+    from dynascope.dashboard.queries import cluster
+
+    sb = step_breakdown(store, run="grpo-sync")
+    n = sb.filter(pl.col("step_ms").is_not_null()).group_by("role", "rank").agg(pl.col("step").n_unique().alias("n"))
+    want = (sb.group_by("role", "rank", "phase").agg(pl.col("dur_ms").sum()).join(n, on=["role", "rank"])
+            .select("role", "rank", "phase", (pl.col("dur_ms") / pl.col("n")).alias("ms_per_step")).sort(pl.all()))
+    got = cluster.phase_breakdown(store, "grpo-sync").sort(pl.all())
+    assert got.select("role", "rank", "phase").equals(want.select("role", "rank", "phase"))
+    assert got["ms_per_step"].to_list() == pytest.approx(want["ms_per_step"].to_list(), rel=1e-12)
+    busy = store.sql(f"SELECT rank, avg(d) / 1000.0 FROM (SELECT rank, step, sum(dur_us) AS d FROM "
+                     f"({top_level_sql('grpo-sync')}) WHERE NOT sync GROUP BY ALL) GROUP BY rank ORDER BY rank").fetchall()
+    sc = cluster.straggler_fallback(store, "grpo-sync").sort("rank")
+    assert sc["mean_busy_ms"].to_list() == pytest.approx([b for _, b in busy], rel=1e-12)
 
 
 def test_spectra_series_matches_rank1_dominance(store):

@@ -118,7 +118,7 @@ def test_hostile_names_are_escaped_everywhere(tmp_path):
         assert s._con.sql("SELECT name, role FROM runs").fetchall() == [(HOSTILE, HOSTILE)]
     assert list_runs(root)["name"].to_list() == [HOSTILE]
     stats = compact_store(root, grace_s=0.0, settle_s=0.05, wait=True)
-    assert stats.new_segments == 2 and not stats.skipped  # tensor_stats and its rollup, tensor_stats_by_kind
+    assert stats.new_segments == 3 and not stats.skipped  # tensor_stats and its two rollups (by kind, by layer)
     counts = export_store(root, duckdb_path=tmp_path / "it's; out.duckdb")
     assert counts["tensor_stats"] == 3 and counts["tensor_stats_by_kind"] == 3  # (1, hostile) (2, ok) (3, null)
     out = CliRunner().invoke(app, ["runs", str(root)])

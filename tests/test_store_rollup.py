@@ -1,5 +1,5 @@
-"""The writer's tensor_stats_by_kind rollup against a naive SQL pooling of tensor_stats, and the segment layout
-readers depend on for speed (dictionary-encoded strings, LZ4 floats)."""
+"""The writer's tensor_stats rollups (by_kind, by_layer) against a naive SQL pooling of tensor_stats, and the
+segment layout readers depend on for speed (dictionary-encoded strings, LZ4 floats)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from dynascope.store import RunWriter, open_store
-from dynascope.store.rollup import tensor_stats_by_kind
+from dynascope.store.rollup import tensor_stats_by_kind, tensor_stats_by_layer
+from dynascope.store.schema import ROLLUP_BLOCK_STEPS
 
 KINDS = ["attn_q", "attn_k", "mlp_up", None]
 
@@ -79,9 +80,53 @@ def test_rollup_equals_naive_pooling_across_flushes_and_ranks(tmp_path):
         assert all(_same(g, x) for g, x in zip(got, want, strict=True)), (got, want)
 
 
+# by_layer: the same sums per (block of ROLLUP_BLOCK_STEPS steps, layer); a block split across flushes has a
+# row per flush, so the rolled side sums its rows again (max for the peaks), as a query over it does.
+_SUMMED = ["tensors", "numel", "w_sq", "dw_sq", "changed_count", "changed_numel", "drift_sq", "drift_w_sq",
+           "grad_zero_count", "grad_numel", "grad_nan"]
+NAIVE_BY_LAYER = f"""
+    SELECT run_id, rank, role, step // {ROLLUP_BLOCK_STEPS} * {ROLLUP_BLOCK_STEPS} AS block, stage, kind, layer,
+           max(time_us), count(*), sum(numel), sum(w_norm * w_norm), sum(dw_norm * dw_norm),
+           sum(changed_count), sum(CASE WHEN changed_count IS NOT NULL THEN numel END),
+           sum(drift_norm * drift_norm), sum(CASE WHEN drift_norm IS NOT NULL THEN w_norm * w_norm END),
+           sum(grad_zero_count), sum(CASE WHEN grad_zero_count IS NOT NULL THEN numel END), sum(grad_nan),
+           max(update_ratio), max(grad_max_abs)
+    FROM tensor_stats GROUP BY ALL ORDER BY ALL"""
+ROLLED_BY_LAYER = f"""
+    SELECT run_id, rank, role, step, stage, kind, layer, max(time_us), {", ".join(f"sum({c})" for c in _SUMMED)},
+           max(update_ratio_max), max(grad_max_abs)
+    FROM tensor_stats_by_layer GROUP BY ALL ORDER BY ALL"""
+
+
+def test_layer_rollup_equals_naive_pooling_over_split_blocks(tmp_path):
+    rng = np.random.default_rng(1)
+    run = tmp_path / "r"
+    steps = 2 * ROLLUP_BLOCK_STEPS + 5
+    for rank in (0, 1):
+        with RunWriter(run, rank=rank, world_size=2, flush_secs=60) as w:
+            for step in range(steps):
+                batch = _batch(rng, step, 7, with_drift=step >= 9)
+                batch["layer"] = [None if i == 6 else i % 3 for i in range(7)]  # tensors outside the blocks
+                w.append("tensor_stats", batch)
+                if step % 5 == 4:
+                    w.flush()  # flushes split blocks: 5 does not divide the block size
+    with open_store(run) as s:
+        naive = s._con.sql(NAIVE_BY_LAYER).fetchall()
+        rolled = s._con.sql(ROLLED_BY_LAYER).fetchall()
+        split = s._con.sql("SELECT count(*) FROM (SELECT rank, step, stage, kind, layer FROM tensor_stats_by_layer "
+                           "GROUP BY ALL HAVING count(*) > 1)").fetchall()[0][0]
+        blocks = {r[0] for r in s._con.sql("SELECT DISTINCT step FROM tensor_stats_by_layer").fetchall()}
+    assert split > 0  # the test exercises blocks written in pieces
+    assert blocks == {0, ROLLUP_BLOCK_STEPS, 2 * ROLLUP_BLOCK_STEPS}
+    assert len(rolled) == len(naive) > 0
+    for got, want in zip(rolled, naive, strict=True):
+        assert all(_same(g, x) for g, x in zip(got, want, strict=True)), (got, want)
+
+
 def test_rollup_of_an_empty_table_is_empty():
     from dynascope.store.schema import TABLES
     assert tensor_stats_by_kind(TABLES["tensor_stats"].empty_table()).num_rows == 0
+    assert tensor_stats_by_layer(TABLES["tensor_stats"].empty_table()).num_rows == 0
 
 
 def test_segments_use_the_fast_encodings(tmp_path):
@@ -109,3 +154,59 @@ def test_an_explicit_codec_applies_to_every_column(tmp_path, codec):
     seg = next(p for p in (tmp_path / "r" / "scalars").glob("writer=r0*/*.parquet"))
     meta = pq.ParquetFile(seg).metadata.row_group(0)
     assert {meta.column(i).compression for i in range(meta.num_columns)} == {codec.upper()}
+
+
+@pytest.mark.parametrize("first,last,max_points", [(0, 99, 3), (5, 104, 3), (0, 24_999, 400), (7, 7, 400),
+                                                   (0, 399, 400), (3, 6402, 400), (100, 130, 2),
+                                                   (0, 1598, 400), (0, 1599, 400)])
+def test_heat_buckets_cover_every_step_in_at_most_max_points(first, last, max_points):
+    from dynascope.dashboard.queries.params import heat_buckets
+    s0, w = heat_buckets(first, last, max_points)
+    buckets = {s0 + (s - s0) // w * w for s in range(first, last + 1)}
+    assert s0 <= first and len(buckets) <= max_points
+    steps = last - first + 1  # whole blocks when 100 columns of them fit, or when buckets are that wide anyway
+    assert (w >= ROLLUP_BLOCK_STEPS) == (steps >= 100 * ROLLUP_BLOCK_STEPS or -(-steps // max_points) >= ROLLUP_BLOCK_STEPS)
+    if w >= ROLLUP_BLOCK_STEPS:  # whole, aligned blocks: each layer-rollup row falls in one bucket
+        assert w % ROLLUP_BLOCK_STEPS == 0 and s0 % ROLLUP_BLOCK_STEPS == 0
+    else:
+        assert s0 == first
+
+
+@pytest.mark.parametrize("max_points", [3, 400])  # wide buckets read tensor_stats_by_layer; narrow ones, raw rows
+def test_heat_cells_from_the_layer_rollup_equal_the_raw_rows(tmp_path, monkeypatch, max_points):
+    import polars as pl
+
+    from dynascope.dashboard.queries import params
+    from dynascope.dashboard.queries.params import heat_buckets, param_cube
+    issued: list[str] = []
+    real_frame = params.frame
+    monkeypatch.setattr(params, "frame", lambda store, sql: issued.append(sql) or real_frame(store, sql))
+    rng = np.random.default_rng(2)
+    run = tmp_path / "r"
+    for rank in (0, 1):
+        with RunWriter(run, rank=rank, world_size=2, flush_secs=60) as w:
+            for step in range(5, 105):
+                w.append("tensor_stats", _batch(rng, step, 9, with_drift=step >= 40))
+                if step % 7 == 0:
+                    w.flush()
+    with open_store(run) as s:
+        run_id = s._con.sql("SELECT any_value(run_id) FROM tensor_stats").fetchall()[0][0]
+        cube = param_cube(s, run_id, max_points=max_points).filter(~pl.col("per_step"))
+        raw = s._con.sql("SELECT * FROM tensor_stats").pl()
+    s0, width = heat_buckets(5, 104, max_points)
+
+    def sql_sum(e: pl.Expr) -> pl.Expr:  # SQL's sum: NULL when every value is NULL (polars gives 0)
+        return pl.when(e.count() > 0).then(e.sum())
+    assert (width >= ROLLUP_BLOCK_STEPS) == (max_points == 3)
+    assert any("FROM tensor_stats_by_layer" in q for q in issued) == (max_points == 3)
+    want = (raw.with_columns(bucket=s0 + (pl.col("step") - s0) // width * width,
+                             layer=pl.col("layer").fill_null(-1), kind=pl.col("kind").fill_null("other"))
+            .group_by("bucket", "layer", "kind", "stage")
+            .agg(dw2=sql_sum(pl.col("dw_norm") ** 2), w2=sql_sum(pl.col("w_norm") ** 2),
+                 changed=sql_sum(pl.col("changed_count").cast(pl.Float64)), drift2=sql_sum(pl.col("drift_norm") ** 2),
+                 drift_w2=sql_sum(pl.when(pl.col("drift_norm").is_not_null()).then(pl.col("w_norm") ** 2))))
+    key = ["bucket", "layer", "kind", "stage"]
+    got, want = cube.sort(key), want.sort(key)
+    assert got.height == want.height > 0 and got.select(key).equals(want.select(key).cast(got.select(key).schema))
+    for col in ("dw2", "w2", "changed", "drift2", "drift_w2"):
+        assert got[col].to_list() == pytest.approx(want[col].to_list(), rel=1e-12), col

@@ -24,7 +24,8 @@ def is_loopback(host: str) -> bool:
 
 def command(path: str | os.PathLike, host: str = "127.0.0.1", port: int = 8501) -> list[str]:
     """The ``streamlit run`` command line that serves the dashboard for ``path``."""
-    return [sys.executable, "-m", "streamlit", "run", str(APP), "--server.address", host, "--server.port",
+    # dynascope.dashboard._serve is `streamlit` with the first page's imports warmed during start-up.
+    return [sys.executable, "-m", "dynascope.dashboard._serve", "run", str(APP), "--server.address", host, "--server.port",
             str(int(port)), "--server.headless", "true", "--browser.gatherUsageStats", "false", "--client.toolbarMode", "viewer",
             # No source watching: on every rerun Streamlit's watcher resolves the path of each loaded module
             # (thousands, with torch and polars), ~0.7 s of CPU per page on 2 cores. Users do not edit the app.

@@ -11,12 +11,15 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import threading
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import polars as pl
 import streamlit as st
+from streamlit.runtime.scriptrunner import add_script_run_ctx, get_script_run_ctx
 from streamlit.runtime.scriptrunner_utils.exceptions import ScriptControlException
 
 from dynascope.store import StoreConnection, StoreError, open_store
@@ -76,6 +79,29 @@ def analysis(name: str, path: str, **kwargs: Any) -> pl.DataFrame:
     if isinstance(out, _Refused):
         raise ValueError(str(out))
     return out
+
+
+# Two workers: the machine this must be fast on has 2 cores, and DuckDB parallelises each query itself.
+_PREFETCH = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dynascope-prefetch")
+
+
+def prefetch(path: str, queries: Iterable[tuple[str, tuple[Any, ...]]] = (),
+             analyses: Iterable[tuple[str, dict[str, Any]]] = ()) -> None:
+    """Start queries and analyses a page will ask for further down, so DuckDB works on them while the
+    script draws what comes first. Each lands in the same cache the page reads (a page that gets there
+    first waits on the cache's per-key lock instead of computing twice); a failure is left for the page's
+    own call to raise inside its guard."""
+    ctx, token = get_script_run_ctx(), version(path)
+
+    def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        add_script_run_ctx(threading.current_thread(), ctx)  # Streamlit's caches expect a script context
+        with contextlib.suppress(Exception):
+            fn(*args, **kwargs)
+
+    for name, args in queries:
+        _PREFETCH.submit(run, _query, name, path, token, *args)
+    for name, kwargs in analyses:
+        _PREFETCH.submit(run, _analysis, name, path, token, **kwargs)
 
 
 def clear() -> None:

@@ -15,6 +15,21 @@ _f64, _i64, _i32, _str, _bool = pa.float64(), pa.int64(), pa.int32(), pa.string(
 # Columns every table starts with, filled in by the writer (the caller never passes them).
 WRITER_COLUMNS = ("run_id", "rank", "role")
 
+# Pooled columns of the tensor_stats rollups: sums of squares and counts, each count beside the element
+# count it is out of, so a ratio over any set of rows is Σ/Σ.
+_POOLED = [
+    ("tensors", _i64), ("numel", _i64),
+    ("w_sq", _f64), ("dw_sq", _f64), ("update_ratio_max", _f64),
+    ("changed_count", _i64), ("changed_numel", _i64),
+    ("changed_bf16_count", _i64), ("changed_bf16_numel", _i64),
+    ("sign_flip_count", _i64), ("w_nan", _i64), ("w_inf", _i64),
+    ("drift_sq", _f64), ("drift_w_sq", _f64), ("drift_changed_count", _i64), ("drift_numel", _i64),
+    ("grad_sq", _f64), ("grad_max_abs", _f64), ("grad_zero_count", _i64), ("grad_near_zero_count", _i64),
+    ("grad_numel", _i64), ("grad_nan", _i64), ("grad_inf", _i64),
+]
+# Steps per row of tensor_stats_by_layer (blocks start at multiples of it).
+ROLLUP_BLOCK_STEPS = 16
+
 TABLES: dict[str, pa.Schema] = {
     "runs": pa.schema([
         ("run_id", _str), ("rank", _i32), ("role", _str),
@@ -43,20 +58,19 @@ TABLES: dict[str, pa.Schema] = {
         ("grad_near_zero_count", _i64), ("grad_near_zero_frac", _f64),
         ("grad_max_abs", _f64), ("grad_nan", _i64), ("grad_inf", _i64),
     ]),
-    # Rollup of tensor_stats that the writer keeps beside it (dynascope/store/rollup.py): one row per
-    # (step, rank, stage, kind) with sums that pool exactly (Σ‖·‖², counts and the numel they are out of),
-    # so per-step series read ~tensors-per-kind times fewer rows. Each tensor_stats segment gets one.
+    # Rollups of tensor_stats that the writer keeps beside it (dynascope/store/rollup.py), each with sums
+    # that pool exactly (Σ‖·‖², counts and the numel they are out of). Each tensor_stats segment gets one of
+    # each. by_kind: one row per (step, rank, stage, kind), for per-step series (~tensors-per-kind times
+    # fewer rows). by_layer: one row per (block of ROLLUP_BLOCK_STEPS steps, rank, stage, kind, layer), for
+    # layer × step heat maps whose step buckets are whole blocks; ``step`` is the block's first step, and a
+    # block that two flushes split has a row from each (sum them).
     "tensor_stats_by_kind": pa.schema([
         ("run_id", _str), ("rank", _i32), ("role", _str),
-        ("step", _i64), ("time_us", _i64), ("stage", _str), ("kind", _str),
-        ("tensors", _i64), ("numel", _i64),
-        ("w_sq", _f64), ("dw_sq", _f64), ("update_ratio_max", _f64),
-        ("changed_count", _i64), ("changed_numel", _i64),
-        ("changed_bf16_count", _i64), ("changed_bf16_numel", _i64),
-        ("sign_flip_count", _i64), ("w_nan", _i64), ("w_inf", _i64),
-        ("drift_sq", _f64), ("drift_w_sq", _f64), ("drift_changed_count", _i64), ("drift_numel", _i64),
-        ("grad_sq", _f64), ("grad_max_abs", _f64), ("grad_zero_count", _i64), ("grad_near_zero_count", _i64),
-        ("grad_numel", _i64), ("grad_nan", _i64), ("grad_inf", _i64),
+        ("step", _i64), ("time_us", _i64), ("stage", _str), ("kind", _str), *_POOLED,
+    ]),
+    "tensor_stats_by_layer": pa.schema([
+        ("run_id", _str), ("rank", _i32), ("role", _str),
+        ("step", _i64), ("time_us", _i64), ("stage", _str), ("kind", _str), ("layer", _i32), *_POOLED,
     ]),
     # Low-rank summary of the cumulative ΔW = W_t − W_0 for one 2-D tensor at one record.
     "spectra": pa.schema([

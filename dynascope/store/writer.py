@@ -260,14 +260,14 @@ class RunWriter:
                     self._unwritten_rollups.append((table, arrow))
 
     def _write_rollup(self, table: str, arrow: pa.Table) -> None:
-        name, roll = ROLLUPS[table]
-        try:
-            rolled = roll(arrow)
-        except Exception as exc:  # a rollup bug must not cost the source rows, which are already written
-            self._problem("rollup_error", f"{name}: rollup failed ({type(exc).__name__}: {exc})")
-            return
-        if not self._write_segment(name, rolled):
-            self._unwritten_rollups.append((name, rolled))
+        for name, roll in ROLLUPS[table]:
+            try:
+                rolled = roll(arrow)
+            except Exception as exc:  # a rollup bug must not cost the source rows, which are already written
+                self._problem("rollup_error", f"{name}: rollup failed ({type(exc).__name__}: {exc})")
+                continue
+            if not self._write_segment(name, rolled):
+                self._unwritten_rollups.append((name, rolled))
 
     def _to_arrow(self, table: str, buf: _TableBuffer) -> pa.Table:
         schema = TABLES[table]

@@ -6,10 +6,12 @@ import polars as pl
 
 from dynascope.dashboard.queries import BUCKET, MAX_POINTS, bounds_cte, frame, in_list
 from dynascope.store import StoreConnection, quote_literal
+from dynascope.store.schema import ROLLUP_BLOCK_STEPS
 
-# Two scans feed the whole page: tensor_stats summed per (step bucket, layer, kind, stage) for the heat maps,
-# and the writer's per-kind rollup (tensor_stats_by_kind, ~tensors-per-kind times fewer rows) summed per
-# (step, kind, stage) for the series. Kind and stage filters then pool these sums in polars, so changing a
+# Two scans feed the whole page: the writer's per-kind rollup (tensor_stats_by_kind, ~tensors-per-kind
+# times fewer rows than tensor_stats) summed per (step, kind, stage) for the series, and its per-layer
+# rollup of 16-step blocks (tensor_stats_by_layer) summed per (step bucket, layer, kind, stage) for the heat
+# maps (tensor_stats itself when buckets are narrower than a block). Kind and stage filters then pool these sums in polars, so changing a
 # filter never re-scans the table.
 _HEAT_SUMS = """
     sum(dw_norm * dw_norm) AS dw2, sum(w_norm * w_norm) AS w2,
@@ -24,10 +26,11 @@ _SUMS = _HEAT_SUMS + """,
     CAST(sum(coalesce(w_nan, 0) + coalesce(grad_nan, 0)) AS BIGINT) AS nan,
     CAST(sum(coalesce(w_inf, 0) + coalesce(grad_inf, 0)) AS BIGINT) AS inf"""
 
-# The same sums from the rollup's pooled columns (see dynascope/store/rollup.py).
-_ROLLUP_SUMS = """
+# The same sums from the rollups' pooled columns (see dynascope/store/rollup.py).
+_HEAT_ROLLUP_SUMS = """
     sum(dw_sq) AS dw2, sum(w_sq) AS w2, CAST(sum(changed_count) AS DOUBLE) AS changed,
-    CAST(sum(changed_numel) AS DOUBLE) AS changed_numel, sum(drift_sq) AS drift2, sum(drift_w_sq) AS drift_w2,
+    CAST(sum(changed_numel) AS DOUBLE) AS changed_numel, sum(drift_sq) AS drift2, sum(drift_w_sq) AS drift_w2"""
+_ROLLUP_SUMS = _HEAT_ROLLUP_SUMS + """,
     CAST(sum(grad_zero_count) AS DOUBLE) AS gzero, CAST(sum(grad_near_zero_count) AS DOUBLE) AS gnear,
     CAST(sum(grad_numel) AS DOUBLE) AS grad_numel,
     CAST(coalesce(sum(w_nan), 0) + coalesce(sum(grad_nan), 0) AS BIGINT) AS nan,
@@ -47,26 +50,51 @@ def param_cube(store: StoreConnection, run: str, max_points: int = MAX_POINTS) -
     """Sums of one run's tensor_stats: ``per_step`` rows hold (step, kind, stage) and the others
     (bucket, layer, kind, stage), bucket being the step rounded down to at most ``max_points``.
 
-    The per-step rows come from the tensor_stats_by_kind rollup; a run written before the rollup existed
-    (none of its rows there) falls back to summing tensor_stats itself.
+    The per-step rows come from the tensor_stats_by_kind rollup. The heat cells of a run of at least 1,600
+    steps are whole 16-step blocks (``heat_buckets``), read from the tensor_stats_by_layer rollup. A run
+    written before a rollup existed (none of its rows there) falls back to tensor_stats.
     """
     where = f"run_id = {quote_literal(run)} AND step IS NOT NULL"
-    heat = frame(store, f"""
-        WITH {bounds_cte('tensor_stats', where, max_points)}
-        SELECT false AS per_step, CAST(NULL AS BIGINT) AS step, {BUCKET} AS bucket,
-               coalesce(layer, -1) AS layer, {_KEYS}, {_HEAT_SUMS}
-        FROM tensor_stats, bounds WHERE {where} GROUP BY ALL""")
     per_step_sql = """
         SELECT true AS per_step, step, CAST(NULL AS BIGINT) AS bucket, CAST(NULL AS INTEGER) AS layer,
                {keys}, {sums}
         FROM {table} WHERE {where} GROUP BY ALL"""
     per_step = frame(store, per_step_sql.format(keys=_KEYS, sums=_ROLLUP_SUMS, table="tensor_stats_by_kind",
                                                 where=where))
-    if per_step.height == 0 and heat.height > 0:
+    if per_step.height == 0:
         per_step = frame(store, per_step_sql.format(keys=_KEYS, sums=_SUMS, table="tensor_stats", where=where))
-    if heat.height == 0:
+    if per_step.height == 0:
         return per_step
+    s0, width = heat_buckets(int(per_step["step"].min()), int(per_step["step"].max()), max_points)
+    heat_sql = """
+        SELECT false AS per_step, CAST(NULL AS BIGINT) AS step, {s0} + (step - {s0}) // {w} * {w} AS bucket,
+               coalesce(layer, -1) AS layer, {keys}, {sums}
+        FROM {table} WHERE {where} GROUP BY ALL"""
+    heat = pl.DataFrame()
+    if width % ROLLUP_BLOCK_STEPS == 0:  # whole blocks: the layer rollup has every sum the cells need
+        heat = frame(store, heat_sql.format(s0=s0, w=width, keys=_KEYS, sums=_HEAT_ROLLUP_SUMS,
+                                            table="tensor_stats_by_layer", where=where))
+    if heat.height == 0:
+        heat = frame(store, heat_sql.format(s0=s0, w=width, keys=_KEYS, sums=_HEAT_SUMS, table="tensor_stats",
+                                            where=where))
     return pl.concat([heat, per_step], how="diagonal_relaxed").select(per_step.columns)
+
+
+def heat_buckets(first: int, last: int, max_points: int = MAX_POINTS, min_points: int = 100) -> tuple[int, int]:
+    """(first bucket's step, bucket width) cutting steps ``first..last`` into at most ``max_points`` buckets.
+
+    A width of at least ``ROLLUP_BLOCK_STEPS`` is rounded up to whole blocks, aligned on block starts, so a
+    bucket is a union of tensor_stats_by_layer rows. So is any run long enough for ``min_points`` whole
+    blocks: 100 columns are a readable heat map, and reading the rollup is 16× fewer rows. Only shorter
+    runs get narrower buckets, starting at ``first``.
+    """
+    steps = last - first + 1
+    width = max(1, -(-steps // max_points))
+    if width < ROLLUP_BLOCK_STEPS and steps < ROLLUP_BLOCK_STEPS * min_points:
+        return first, width
+    s0 = first // ROLLUP_BLOCK_STEPS * ROLLUP_BLOCK_STEPS
+    blocks = -(-(last - s0 + 1) // ROLLUP_BLOCK_STEPS)
+    return s0, -(-blocks // max_points) * ROLLUP_BLOCK_STEPS
 
 
 def stages_and_kinds(cube: pl.DataFrame) -> pl.DataFrame:

@@ -32,6 +32,10 @@ def _body() -> None:
         st.info(f"No step timings in {run}.")
         return
     first, last, fine_rows = int(span["first_step"][0]), int(span["last_step"][0]), int(span["fine_rows"][0])
+    # The tables below the timeline do not depend on its widgets: start them while the Gantt is drawn.
+    data.prefetch(path, queries=[("cluster.phase_breakdown", (run,)), ("cluster.throughput_fallback", (run,)),
+                                 ("cluster.straggler_fallback", (run,))],
+                  analyses=[("throughput_mfu", {"run": run, "peak_tflops": st.session_state.get("cl_peak") or None})])
 
     with data.guard("Per-rank timeline"):
         lo, hi = (first, last) if first == last else st.slider(
