@@ -3,7 +3,9 @@
 ``memory_part`` runs ``none`` and each dynascope configuration at several model sizes, each in a fresh
 child, and fits two quantities as ``fixed + k · param_bytes``:
 * extra: the process's peak memory over ``none`` (peak RSS on CPU, the allocator's peak on CUDA) —
-  what a run costs, fixed costs (threads, Parquet codec state, buffers) included;
+  what a run costs, fixed costs (threads, Parquet codec state, buffers) included; on CPU the output
+  also says how much of it is library code first run by the probe (torch kernels, Parquet writer,
+  codecs: file-backed pages, shared by a node's processes and evictable, unlike the rest);
 * held (``held_peak``): the largest number of bytes the windowed statistics hold at once, from
   ``TensorStats.before`` (the ΔW snapshot is taken) to the end of ``TensorStats.after`` (snapshot,
   θ₀ chunks and every temporary freed) — what ``memory_budget`` bounds. The probe works during the
@@ -123,10 +125,11 @@ def memory_part(args: argparse.Namespace, configs: list[str], sizes: list[int], 
           f"round(s), device={args.device}, {malloc}")
     print(f"   not charged, paid by every configuration before its baseline: imports beyond torch "
           f"{r0['imports_bytes'] / MiB:.0f} MiB, pyarrow runtime init {r0['arrow_init_bytes'] / MiB:.0f} MiB")
-    print("   extra: process peak over no probe (RSS on CPU); held: the probe's own peak at the allocator "
-          "(snapshot + θ₀ chunks + temporaries), whenever it happens")
-    print(f"{'config':<14}{'d_model':>8}{'param MiB':>11}{'extra MiB':>11}{'/ params':>10}{'held MiB':>10}"
-          f"{'/ params':>10}")
+    print("   extra: process peak over no probe (RSS on CPU); code: the part of extra that is library code paged in "
+          "(file-backed RSS over no probe: shared by the processes of a node, evictable); held: the probe's "
+          "own peak at the allocator (snapshot + θ₀ chunks + temporaries), whenever it happens")
+    print(f"{'config':<14}{'d_model':>8}{'param MiB':>11}{'extra MiB':>11}{'/ params':>10}{'code MiB':>10}"
+          f"{'held MiB':>10}{'/ params':>10}")
     for c in configs:
         pts: list[tuple[int, float, float]] = []
         for d in sizes:
@@ -136,9 +139,12 @@ def memory_part(args: argparse.Namespace, configs: list[str], sizes: list[int], 
             extra = (statistics.median(r["peak_bytes"] for r in runs[(c, d)])
                      - statistics.median(r["peak_bytes"] for r in runs[("none", d)]))
             held = statistics.median(r["held_bytes"] for r in runs[(c, d)])
+            code = (statistics.median(r.get("code_bytes", 0) for r in runs[(c, d)])
+                    - statistics.median(r.get("code_bytes", 0) for r in runs[("none", d)]))
             pts.append((pb, extra, held))
-            print(f"{c:<14}{d:>8}{pb / MiB:>11.1f}{extra / MiB:>11.1f}{extra / pb:>10.1%}{held / MiB:>10.2f}"
-                  f"{held / pb:>10.1%}")
+            code_s = "-" if args.device.startswith("cuda") else f"{code / MiB:.1f}"  # RSS is not the CUDA peak
+            print(f"{c:<14}{d:>8}{pb / MiB:>11.1f}{extra / MiB:>11.1f}{extra / pb:>10.1%}{code_s:>10}"
+                  f"{held / MiB:>10.2f}{held / pb:>10.1%}")
         if len(pts) >= 2:
             for label, col in (("extra", 1), ("held", 2)):
                 xs, ys = [p[0] for p in pts], [p[col] for p in pts]

@@ -100,6 +100,16 @@ def _rss() -> int:
     return psutil.Process().memory_info().rss
 
 
+def _rss_file() -> int:
+    """File-backed resident bytes (library code and data pages; Linux, else 0): shared between the
+    processes that map the same library, and dropped by the kernel under memory pressure."""
+    try:
+        with open("/proc/self/status") as fh:
+            return next((int(line.split()[1]) * 1024 for line in fh if line.startswith("RssFile:")), 0)
+    except OSError:
+        return 0
+
+
 def child(args: argparse.Namespace) -> dict:
     import torch
     import torch.nn.functional as F
@@ -118,7 +128,7 @@ def child(args: argparse.Namespace) -> dict:
     pa.array([0])  # pyarrow's one-time runtime init, paid by every configuration alike
     rss_arrow = _rss()
     model, opt = build(args)
-    rss0 = _rss()
+    rss0, file0 = _rss(), _rss_file()
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     tmp = tempfile.mkdtemp(prefix="ds-bench-")
     scope, tb, wb = None, None, None
@@ -181,6 +191,7 @@ def child(args: argparse.Namespace) -> dict:
     if dev.type == "cuda":
         _note_cuda_peak(cuda_peak)
     peak = cuda_peak[0] if dev.type == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0
+    code = _rss_file() - file0  # pages of code first run during the steps: part of the peak RSS above
     held = None
     if scope is not None and args.memory_run:  # after the peak above was read: this pass perturbs it
         from probe_memory import held_peak
@@ -192,7 +203,7 @@ def child(args: argparse.Namespace) -> dict:
         wb.finish()
     if tb is not None:
         tb.close()
-    return {"config": args.config, "times": times, "probe": probes, "peak_bytes": peak, "held_bytes": held,
+    return {"config": args.config, "times": times, "probe": probes, "peak_bytes": peak, "code_bytes": code, "held_bytes": held,
             "param_bytes": param_bytes, "imports_bytes": rss_imported - rss_start,
             "arrow_init_bytes": rss_arrow - rss_imported}
 
