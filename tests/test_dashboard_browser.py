@@ -24,7 +24,7 @@ from dynascope._net import free_port
 CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 # page → (url path, least number of plotly charts the fixture store must fill on it); Runs is the default page
-PAGES = {"runs": ("", 2), "dynamics": ("dynamics", 10), "cluster": ("cluster", 3), "rollouts": ("rollouts", 5),
+PAGES = {"runs": ("", 2), "dynamics": ("dynamics", 8), "cluster": ("cluster", 3), "rollouts": ("rollouts", 5),
          "events": ("events", 1), "sql": ("sql", 0)}
 
 needs_browser = pytest.mark.browser
@@ -124,6 +124,26 @@ def test_every_page_renders_charts_with_data(dashboard):
 def run_query(page, sql: str) -> None:
     page.get_by_label("Query").fill(sql)
     page.get_by_role("button", name="Run query").click()
+
+
+@needs_browser
+@pytest.mark.slow
+def test_heat_map_metric_picker_draws_each_metric(dashboard):
+    """The page draws one heat map at a time; each metric of the picker must draw its own cells (Streamlit's
+    theme wraps titles in <b>, hence includes)."""
+    from dynascope.dashboard.queries.params import HEAT_METRICS
+
+    _, base, page = dashboard
+    open_page(page, base, "dynamics")
+    for name in HEAT_METRICS:
+        page.locator('[data-testid="stRadio"] label', has_text=name).first.click()
+        wait_idle(page)
+        page.wait_for_function("t => [...document.querySelectorAll('.js-plotly-plot')].some(e => e._fullLayout && "
+                               "String(e._fullLayout.title && e._fullLayout.title.text).includes(t))", arg=name,
+                               timeout=30_000)
+        cells = page.eval_on_selector_all(".js-plotly-plot", """(els, t) => els.filter(e =>
+            String(e._fullLayout.title && e._fullLayout.title.text).includes(t)).map(e => (e._fullData[0].z || []).length)""", name)
+        assert cells and cells[0] > 0, f"{name}: heat map drew no rows"
 
 
 @needs_browser

@@ -30,6 +30,9 @@ def command(path: str | os.PathLike, host: str = "127.0.0.1", port: int = 8501) 
             # No source watching: on every rerun Streamlit's watcher resolves the path of each loaded module
             # (thousands, with torch and polars), ~0.7 s of CPU per page on 2 cores. Users do not edit the app.
             "--server.fileWatcherType", "none", "--server.runOnSave", "false",
+            # Streamlit runs gc.collect(2) after every script run: ~0.2 s over torch's and polars' objects,
+            # holding the GIL while the event loop should be telling the browser the page is done.
+            "--runner.postScriptGC", "false",
             "--", str(Path(path).expanduser().resolve())]
 
 

@@ -12,6 +12,7 @@ import contextlib
 import importlib
 import os
 import threading
+import time
 import types
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +25,8 @@ from streamlit.runtime.scriptrunner_utils.exceptions import ScriptControlExcepti
 
 from dynascope.store import StoreConnection, StoreError, open_store
 
-TTL_S = 2.0  # how stale the store's file listing (and the run catalog) may be
+TTL_S = 2.0  # how stale the store's file listing may be
+STATUS_S = 15.0  # how stale a run's live/finished/crashed status may be (the live window is 60 s)
 KEEP_S = 3600.0  # how long results of an unchanged store stay cached
 
 
@@ -54,9 +56,14 @@ def version(path: str) -> tuple[int, int, int]:
     return n, size, newest
 
 
-@st.cache_data(ttl=TTL_S, show_spinner=False)
 def catalog(path: str) -> pl.DataFrame:
-    """The run list with status; on a short TTL because live/crashed depends on the clock, not only files."""
+    """The run list with status, cached until the store changes or ``STATUS_S`` passes: live/crashed also
+    depends on the clock (a run that stopped writing turns from live to finished), not only on files."""
+    return _catalog(path, version(path), int(time.time() // STATUS_S))
+
+
+@st.cache_resource(ttl=KEEP_S, show_spinner=False, max_entries=64)
+def _catalog(path: str, token: tuple[int, int, int], clock: int) -> pl.DataFrame:
     from dynascope.dashboard.queries.runs import run_list
 
     return run_list(store(path))
@@ -106,7 +113,7 @@ def prefetch(path: str, queries: Iterable[tuple[str, tuple[Any, ...]]] = (),
 
 def clear() -> None:
     """Forget every cached result (the sidebar's "Refresh now")."""
-    for cached in (version, catalog, _query, _analysis):
+    for cached in (version, _catalog, _query, _analysis):
         cached.clear()
 
 
