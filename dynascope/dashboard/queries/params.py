@@ -11,8 +11,8 @@ from dynascope.store.schema import ROLLUP_BLOCK_STEPS
 # Two scans feed the whole page: the writer's per-kind rollup (tensor_stats_by_kind, ~tensors-per-kind
 # times fewer rows than tensor_stats) summed per (step, kind, stage) for the series, and its per-layer
 # rollup of 16-step blocks (tensor_stats_by_layer) summed per (step bucket, layer, kind, stage) for the heat
-# maps (tensor_stats itself when buckets are narrower than a block). Kind and stage filters then pool these sums in polars, so changing a
-# filter never re-scans the table.
+# maps (tensor_stats itself when buckets are narrower than a block). Kind and stage filters then pool
+# these sums in polars, so changing a filter never re-scans the table.
 _HEAT_SUMS = """
     sum(dw_norm * dw_norm) AS dw2, sum(w_norm * w_norm) AS w2,
     CAST(sum(changed_count) AS DOUBLE) AS changed,
@@ -67,15 +67,15 @@ def param_cube(store: StoreConnection, run: str, max_points: int = MAX_POINTS) -
         return per_step
     s0, width = heat_buckets(int(per_step["step"].min()), int(per_step["step"].max()), max_points)
     heat_sql = """
-        SELECT false AS per_step, CAST(NULL AS BIGINT) AS step, {s0} + (step - {s0}) // {w} * {w} AS bucket,
+        SELECT false AS per_step, CAST(NULL AS BIGINT) AS step, {bucket} AS bucket,
                coalesce(layer, -1) AS layer, {keys}, {sums}
-        FROM {table} WHERE {where} GROUP BY ALL"""
+        FROM {table}, (SELECT {s0} AS s0, {w} AS w) bounds WHERE {where} GROUP BY ALL"""
     heat = pl.DataFrame()
     if width % ROLLUP_BLOCK_STEPS == 0:  # whole blocks: the layer rollup has every sum the cells need
-        heat = frame(store, heat_sql.format(s0=s0, w=width, keys=_KEYS, sums=_HEAT_ROLLUP_SUMS,
+        heat = frame(store, heat_sql.format(bucket=BUCKET, s0=s0, w=width, keys=_KEYS, sums=_HEAT_ROLLUP_SUMS,
                                             table="tensor_stats_by_layer", where=where))
     if heat.height == 0:
-        heat = frame(store, heat_sql.format(s0=s0, w=width, keys=_KEYS, sums=_HEAT_SUMS, table="tensor_stats",
+        heat = frame(store, heat_sql.format(bucket=BUCKET, s0=s0, w=width, keys=_KEYS, sums=_HEAT_SUMS, table="tensor_stats",
                                             where=where))
     return pl.concat([heat, per_step], how="diagonal_relaxed").select(per_step.columns)
 
