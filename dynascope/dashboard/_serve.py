@@ -3,7 +3,7 @@ with the first page's imports warmed beside the server's start-up.
 
 Streamlit imports a page's modules inside the first browser session's script run, so the first visitor
 waits for plotly, pandas (``st.dataframe``), the analyses and plotly's lazily built trace validators:
-about a second on 2 cores, on top of the JavaScript. Here a thread imports them while Tornado starts, so
+about a second on 2 cores, on top of the JavaScript. Here a thread imports them while the web server starts, so
 they are (mostly) in ``sys.modules`` by the time anyone connects. Python's import lock makes a race with
 the first script run safe: whichever thread imports a module first, the other waits for it.
 """
