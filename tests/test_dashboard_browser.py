@@ -138,12 +138,15 @@ def test_heat_map_metric_picker_draws_each_metric(dashboard):
     for name in HEAT_METRICS:
         page.locator('[data-testid="stRadio"] label', has_text=name).first.click()
         wait_idle(page)
-        page.wait_for_function("t => [...document.querySelectorAll('.js-plotly-plot')].some(e => e._fullLayout && "
-                               "String(e._fullLayout.title && e._fullLayout.title.text).includes(t))", arg=name,
-                               timeout=30_000)
-        cells = page.eval_on_selector_all(".js-plotly-plot", """(els, t) => els.filter(e =>
-            String(e._fullLayout.title && e._fullLayout.title.text).includes(t)).map(e => (e._fullData[0].z || []).length)""", name)
-        assert cells and cells[0] > 0, f"{name}: heat map drew no rows"
+        # One poll finds the titled chart and reads its rows: a chart Streamlit is redrawing has no
+        # _fullLayout yet, so a second, separate read could catch it half-drawn. Rows + 1 keeps an
+        # empty heat map truthy, so the assert below (not a timeout) reports it.
+        found = page.wait_for_function("""t => {
+            const e = [...document.querySelectorAll('.js-plotly-plot')].find(e => e._fullLayout && e._fullData &&
+                String(e._fullLayout.title && e._fullLayout.title.text).includes(t));
+            return e ? (e._fullData[0] && e._fullData[0].z || []).length + 1 : false; }""", arg=name, timeout=30_000)
+        cells = found.json_value() - 1
+        assert cells > 0, f"{name}: heat map drew no rows"
 
 
 @needs_browser
