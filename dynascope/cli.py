@@ -135,7 +135,8 @@ def compact(
         raise UserError("--grace-s and --settle-s must be >= 0")
     stats = compact_store(path, grace_s=grace_s, settle_s=settle_s, wait=wait)
     console.print(f"merged {stats.merged_segments} segments ({stats.rows_merged} rows) into {stats.new_segments}; "
-                  f"removed {stats.removed_segments} merged-away or stale files", highlight=False)
+                  f"removed {stats.removed_segments} merged-away or stale files; "
+                  f"repaired {stats.repaired_segments} missing rollup segments", highlight=False)
     for line in stats.skipped:
         err_console.print(f"warning: skipped {line}", highlight=False, markup=False, soft_wrap=True)
 

@@ -29,11 +29,15 @@ PAGES = {"runs": ("", 2), "dynamics": ("dynamics", 8), "cluster": ("cluster", 3)
 
 needs_browser = pytest.mark.browser
 
+# The page's own plotly charts: the app's hidden one-point chart that preloads plotly.js is not one of them.
+_CHARTS_JS = "[...document.querySelectorAll('.js-plotly-plot')].filter(e => !e.closest('.st-key-plotly_preload'))"
+# At least n charts, every one drawn (a chart Streamlit is still drawing has no data or _fullLayout yet).
+_DRAWN_JS = f"n => {{ const els = {_CHARTS_JS}; return els.length >= n && els.every(e => e.data && e._fullLayout); }}"
 # Count the points each plotly chart really drew (typed arrays, plain arrays, or heat-map rows).
-_POINTS_JS = """els => els.map(el => (el.data || []).reduce((n, t) => {
+_POINTS_JS = f"""() => {_CHARTS_JS}.map(el => (el.data || []).reduce((n, t) => {{
     const len = v => (v == null ? 0 : (typeof v.length === 'number' ? v.length : (v.bdata ? v.bdata.length : 0)));
     return n + Math.max(len(t.x), len(t.y), len(t.z));
-}, 0))"""
+}}, 0))"""
 
 
 def start_server(root: Path, port: int, log: Path) -> subprocess.Popen:
@@ -100,13 +104,12 @@ def open_page(page, base: str, name: str) -> list[int]:
     url, charts = PAGES[name]
     page.goto(f"{base}/{url}")
     wait_idle(page)
-    if charts:
-        page.wait_for_function(f"document.querySelectorAll('.js-plotly-plot').length >= {charts}", timeout=60_000)
     wait_idle(page)
+    page.wait_for_function(_DRAWN_JS, arg=charts, timeout=60_000)
     errors = page.locator('[data-testid="stException"]')
     assert errors.count() == 0, f"{name}: Streamlit exception: {errors.first.inner_text()[:1000]}"
     page.screenshot(path=str(ARTIFACTS / f"dashboard-{name}.png"), full_page=True)
-    return page.eval_on_selector_all(".js-plotly-plot", _POINTS_JS)
+    return page.evaluate(_POINTS_JS)
 
 
 @needs_browser
@@ -138,13 +141,15 @@ def test_heat_map_metric_picker_draws_each_metric(dashboard):
     for name in HEAT_METRICS:
         page.locator('[data-testid="stRadio"] label', has_text=name).first.click()
         wait_idle(page)
-        # One poll finds the titled chart and reads its rows: a chart Streamlit is redrawing has no
-        # _fullLayout yet, so a second, separate read could catch it half-drawn. Rows + 1 keeps an
+        # One poll finds the heat map with this title and reads its rows: a chart Streamlit is redrawing has
+        # no _fullLayout yet, so a second, separate read could catch it half-drawn (and line charts share
+        # the metric's name in their titles, hence the trace type). Rows + 1 keeps an
         # empty heat map truthy, so the assert below (not a timeout) reports it.
         found = page.wait_for_function("""t => {
             const e = [...document.querySelectorAll('.js-plotly-plot')].find(e => e._fullLayout && e._fullData &&
+                e._fullData.length && e._fullData[0].type === 'heatmap' &&
                 String(e._fullLayout.title && e._fullLayout.title.text).includes(t));
-            return e ? (e._fullData[0] && e._fullData[0].z || []).length + 1 : false; }""", arg=name, timeout=30_000)
+            return e ? (e._fullData[0].z || []).length + 1 : false; }""", arg=name, timeout=30_000)
         cells = found.json_value() - 1
         assert cells > 0, f"{name}: heat map drew no rows"
 

@@ -11,6 +11,8 @@ adds files, and deletes a file only when no query can still be reading it:
    before and is still reading the source can finish. By default that happens on a later call;
    ``wait=True`` sleeps out settle + grace and deletes them in the same call.
 
+Before merging a run, ``repair.repair_rollups`` writes the rollup segments a dead writer never wrote.
+
 A live writer keeps numbering its segments above any merged range, so its older segments are safe to merge
 while it runs. The ``writer=_schema`` directories (one empty typed file per table) are left alone.
 """
@@ -38,6 +40,7 @@ from dynascope.store.layout import (
     segment_name,
     valid_from_us,
 )
+from dynascope.store.repair import REPAIR_AFTER_S, conform, repair_rollups
 from dynascope.store.schema import TABLES
 
 LOCK = ".compact.lock"
@@ -55,11 +58,13 @@ class CompactStats:
     new_segments: int = 0  # merged segments written
     removed_segments: int = 0  # merged-away segments and stale temp files deleted
     rows_merged: int = 0
+    repaired_segments: int = 0  # rollup segments written for sources whose writer never wrote them (``repair``)
     skipped: list[str] = field(default_factory=list)  # one line per writer directory left alone, and why
 
 
 def compact_store(path: str | os.PathLike, grace_s: float = 60.0, *, settle_s: float = 2.0,
-                  target_rows: int = 4_000_000, wait: bool = False) -> CompactStats:
+                  target_rows: int = 4_000_000, wait: bool = False,
+                  repair_after_s: float = REPAIR_AFTER_S) -> CompactStats:
     """Merge small segments of every run under ``path`` (a run directory or a store root).
 
     Args:
@@ -67,6 +72,7 @@ def compact_store(path: str | os.PathLike, grace_s: float = 60.0, *, settle_s: f
         settle_s: a merged file takes effect this long after it is written.
         target_rows: a merged segment holds at most about this many rows.
         wait: sleep out ``settle_s + grace_s`` and delete the merged-away segments before returning.
+        repair_after_s: write missing rollup segments only for sources (and writers) quiet this long.
     """
     loc = locate(path)
     stats = CompactStats()
@@ -77,9 +83,16 @@ def compact_store(path: str | os.PathLike, grace_s: float = 60.0, *, settle_s: f
             if not locked:  # two compactors could write partly overlapping merges: one run, one compactor
                 stats.skipped.append(f"{run_dir}: another compaction is running")
                 continue
+            # Before any merge: a merge must never join a writer's rollup segments across a missing one, whose
+            # rows could then no longer be told apart. Directories still waiting for a repair are not merged.
+            repair = repair_rollups(run_dir, repair_after_s)
+            stats.repaired_segments += repair.repaired
+            stats.skipped += repair.skipped
             for wdir, table, segs in _writer_dirs(run_dir):
                 stats.removed_segments += _remove_expired(wdir, segs, grace_s)
                 segs = [s for s in segs if s[2].exists()]
+                if wdir in repair.held:
+                    continue
                 try:
                     # Build on every earlier merge, in effect yet or not (an earlier call may have used a longer
                     # settle): a new merge then contains or avoids each old one, never half-overlaps it.
@@ -162,7 +175,7 @@ def _merge(table: str, group: list[tuple[int, int, Path]], settle_us: int) -> in
                 pf = pq.ParquetFile(src)
                 expected += pf.metadata.num_rows
                 for batch in pf.iter_batches(batch_size=262_144):
-                    writer.write_table(_conform(pa.Table.from_batches([batch]), schema))
+                    writer.write_table(conform(pa.Table.from_batches([batch]), schema))
         got = pq.ParquetFile(tmp).metadata.num_rows
         if got != expected:
             raise OSError(f"merged file has {got} rows, its sources {expected}")
@@ -173,13 +186,6 @@ def _merge(table: str, group: list[tuple[int, int, Path]], settle_us: int) -> in
     finally:
         tmp.unlink(missing_ok=True)
     return valid_from
-
-
-def _conform(t: pa.Table, schema: pa.Schema) -> pa.Table:
-    """``t`` in the current schema: columns cast to its types, columns added since it was written as NULL."""
-    cols = [t.column(f.name).cast(f.type) if f.name in t.column_names else pa.nulls(t.num_rows, f.type)
-            for f in schema]
-    return pa.Table.from_arrays(cols, schema=schema)
 
 
 def _remove_expired(wdir: Path, segs: list[tuple[int, int, Path]], grace_s: float) -> int:
