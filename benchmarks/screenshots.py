@@ -21,13 +21,12 @@ CHROMIUM = "/usr/bin/chromium"
 READY_JS = """() => {
     const app = document.querySelector('[data-testid="stApp"]');
     if (!app || app.getAttribute('data-test-script-state') !== 'notRunning') return false;
-    if (document.querySelector('[data-testid="stSkeleton"]')) return false;
-    // the app's hidden one-point chart (app._preload_plotly) is waited for, not counted
+    // The app's hidden one-point chart (app._preload_plotly) is not part of what the user sees: not waited for.
     const shown = e => !e.closest('.st-key-plotly_preload');
+    if ([...document.querySelectorAll('[data-testid="stSkeleton"]')].some(shown)) return false;
     const boxes = [...document.querySelectorAll('[data-testid="stPlotlyChart"]')].filter(shown).length;
     const drawn = [...document.querySelectorAll('.js-plotly-plot')].filter(e => shown(e) && e.data && e._fullLayout).length;
-    const hidden = [...document.querySelectorAll('.st-key-plotly_preload .js-plotly-plot')].filter(e => !e._fullLayout).length;
-    return drawn >= boxes && !hidden ? String(drawn) : false;  // "0" is truthy, 0 would keep waiting
+    return drawn >= boxes ? String(drawn) : false;  // "0" is truthy, 0 would keep waiting
 }"""
 
 

@@ -46,8 +46,11 @@ def _sidebar(path: str) -> None:
             data.clear()
 
 
+_NO_CHARTS = {"sql"}  # url paths of pages that draw no plotly chart
+
+
 def _preload_plotly() -> None:
-    """Send an invisible one-point chart before any query runs.
+    """Send an invisible one-point chart before any query runs (on pages that draw charts).
 
     The browser fetches and compiles plotly.js (~4.6 MB) only when the first chart element arrives, and
     every page's first chart arrives after its queries: on 2 cores that was ~1.5 s of the first load spent
@@ -69,8 +72,6 @@ def main() -> None:
     st.set_page_config(page_title="dynascope", layout="wide")
     path = _store_path()
     st.session_state["store_path"] = path
-    _preload_plotly()
-    _sidebar(path)
     pages = [
         st.Page(runs.page, title="Runs", url_path="runs", default=True),
         st.Page(dynamics.page, title="Parameter dynamics", url_path="dynamics"),
@@ -79,7 +80,14 @@ def main() -> None:
         st.Page(events.page, title="Events", url_path="events"),
         st.Page(sql.page, title="SQL", url_path="sql"),
     ]
-    st.navigation(pages).run()
+    page = st.navigation(pages)
+    # A page without charts does not load plotly.js: opened in a new tab, its ~1 s of script evaluation would
+    # come before the page is drawn (it blocks the browser's main thread), and a chart page clicked next
+    # loads it then.
+    if page.url_path not in _NO_CHARTS:
+        _preload_plotly()
+    _sidebar(path)
+    page.run()
 
 
 main()
