@@ -54,18 +54,20 @@ def grad_counts(grads: list[Tensor], grad_norm: Tensor | None = None, tol: float
             # rms = ‖g‖/√n, computed on device; threshold stays a 0-d tensor (no host sync).
             wide_dtype = g.dtype if g.dtype in (torch.float32, torch.float64) else torch.float32
             thr = grad_norm[i].to(wide_dtype) * (tol / math.sqrt(max(g.numel(), 1)))
-            extremes: list[Tensor] = []
-            counts: list[Tensor] = []
-            for lo, hi in chunk_ranges(flat.numel(), chunk_elems):
+            # Per-chunk results go into rows allocated before the loop (see ``update_stats.chunk_rows`` for why), one
+            # same-dtype stack each: a mixed-dtype stack copies its inputs one by one (~3x the time).
+            n_chunks = len(ranges := list(chunk_ranges(flat.numel(), chunk_elems)))
+            extremes = torch.zeros((n_chunks, 2), dtype=g.dtype, device=g.device)  # an empty chunk has none
+            counts = torch.empty((n_chunks, 4), dtype=torch.int64, device=g.device)
+            for j, (lo, hi) in enumerate(ranges):
                 c = flat[lo:hi]
                 if c.numel():  # one read pass (no |c| temporary); min/max propagate NaN
-                    extremes += torch.aminmax(c)
+                    torch.stack(torch.aminmax(c), out=extremes[j])
                 a = wide(c).abs()
                 # Counts use count_nonzero: bool.sum() takes a slow int64 path on CPU (~100× slower).
-                counts += [c.numel() - torch.count_nonzero(c), torch.count_nonzero(a <= thr),
-                           torch.count_nonzero(torch.isnan(c)), torch.count_nonzero(torch.isinf(a))]
+                torch.stack([c.numel() - torch.count_nonzero(c), torch.count_nonzero(a <= thr),
+                             torch.count_nonzero(torch.isnan(c)), torch.count_nonzero(torch.isinf(a))], out=counts[j])
                 del a
-            mx = (torch.stack(extremes).abs().amax().to(torch.float64) if extremes
-                  else torch.zeros((), dtype=torch.float64, device=g.device))
-            rows.append(torch.cat([mx.reshape(1), torch.stack(counts).view(-1, 4).sum(0).to(torch.float64)]))
+            rows.append(torch.cat([extremes.abs().amax().to(torch.float64).reshape(1),
+                                   counts.sum(0).to(torch.float64)]))
         return torch.stack(rows)
