@@ -14,13 +14,9 @@ This serves two hello-world apps with the dashboard's own server options and tim
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,6 +24,7 @@ from screenshots import CHROMIUM, wait_rendered  # benchmarks/ is on sys.path wh
 
 from dynascope._net import free_port
 from dynascope.dashboard import command
+from dynascope.dashboard.server import serving_command
 
 APPS = {
     "empty": 'import streamlit as st\nst.header("Empty")\nst.write("hello")\n',
@@ -48,22 +45,8 @@ def serve_app(source: str) -> Iterator[str]:
         cmd = command(tmp, "127.0.0.1", port)
         cmd = [sys.executable, "-m", "streamlit", *cmd[3:cmd.index("--")]]
         cmd[cmd.index("run") + 1] = str(app)
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        try:
-            deadline = time.monotonic() + 120
-            while True:
-                try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2):
-                        break
-                except OSError:
-                    if proc.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"floor app did not start: {' '.join(cmd)}") from None
-                    time.sleep(0.2)
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(15)
+        with serving_command(cmd, port) as base:
+            yield base
 
 
 def time_tab(context, url: str) -> float:

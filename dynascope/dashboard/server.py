@@ -21,9 +21,16 @@ def serving(path: str | os.PathLike, port: int | None = None, log: Path | None =
     """Start ``streamlit run app.py -- PATH`` on a loopback port, wait for /_stcore/health, yield the base
     URL, and stop the whole process group on exit."""
     port = port or free_port()
+    with serving_command(command(path, "127.0.0.1", port), port, log, timeout_s) as base:
+        yield base
+
+
+@contextlib.contextmanager
+def serving_command(cmd: list[str], port: int, log: Path | None = None, timeout_s: float = 120.0) -> Iterator[str]:
+    """``serving`` for any Streamlit command line that listens on 127.0.0.1:``port`` (benchmarks serve
+    other apps with the dashboard's options)."""
     out = log.open("wb") if log else subprocess.DEVNULL
-    proc = subprocess.Popen(command(path, "127.0.0.1", port), stdout=out, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + timeout_s
         while True:
