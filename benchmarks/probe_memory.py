@@ -31,13 +31,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["held_peak", "memory_part"]
+__all__ = ["held_peak", "memory_events", "memory_part"]
 
 MiB = 2**20
 
 
-def _profiled_totals(fn: Callable[[], Any]) -> tuple[Any, list[int]]:
-    """Run ``fn`` under the profiler; (its result, [running total after each allocation or free])."""
+def memory_events(fn: Callable[[], Any]) -> tuple[Any, list[dict]]:
+    """Run ``fn`` under the profiler with ``profile_memory``; (its result, its ``[memory]`` events in time
+    order, each with ``args`` ``Bytes`` (+ allocated, − freed) and ``Total Allocated``)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -50,7 +51,12 @@ def _profiled_totals(fn: Callable[[], Any]) -> tuple[Any, list[int]]:
             events = json.load(fh)["traceEvents"]
     finally:
         os.unlink(path)
-    mem = sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"])
+    return out, sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"])
+
+
+def _profiled_totals(fn: Callable[[], Any]) -> tuple[Any, list[int]]:
+    """Run ``fn`` under the profiler; (its result, [running total after each allocation or free])."""
+    out, mem = memory_events(fn)
     if not mem:
         return out, []
     first = mem[0]["args"]

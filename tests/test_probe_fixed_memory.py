@@ -10,32 +10,19 @@ allocator's own events: the number of live allocations during a call does not gr
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from collections.abc import Callable
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.probe_memory import memory_events
 from dynascope.probes.grad_stats import grad_counts, grad_norms
 from dynascope.probes.update_stats import tensor_update_stats
 
 
 def _most_live_allocations(fn: Callable[[], object]) -> int:
     """Largest number of CPU allocations alive at once while ``fn`` runs (profiler memory events)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    fd, path = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    try:
-        prof.export_chrome_trace(path)
-        with open(path) as fh:
-            events = json.load(fh)["traceEvents"]
-    finally:
-        os.unlink(path)
     live = most = 0
-    for e in sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"]):
+    for e in memory_events(fn)[1]:
         live += 1 if e["args"]["Bytes"] > 0 else -1
         most = max(most, live)
     return most
