@@ -92,9 +92,9 @@ def naive_heatmap(path: Path) -> float:
 
     with open_store(path) as store:
         t = time.perf_counter()
-        df = store.sql("SELECT layer, step, dw_norm, w_norm, changed_count, numel FROM tensor_stats").pl()
+        df = store.sql("SELECT layer, step, update_norm, w_norm, changed_count, numel FROM tensor_stats").pl()
         df.group_by("layer", (pl.col("step") // max(1, int(df["step"].max()) // 400)).alias("b")).agg(
-            ((pl.col("dw_norm") ** 2).sum().sqrt() / (pl.col("w_norm") ** 2).sum().sqrt()).alias("ratio"),
+            ((pl.col("update_norm") ** 2).sum().sqrt() / (pl.col("w_norm") ** 2).sum().sqrt()).alias("ratio"),
             (pl.col("changed_count").sum() / pl.col("numel").sum()).alias("changed"))
         return time.perf_counter() - t
 

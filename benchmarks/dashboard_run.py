@@ -102,12 +102,12 @@ def build(run: Path, rows: int) -> dict:
             "step": step, "time_us": T0 + step * 1_000_000, "stage": _strings(np.where(sft, 0, 1), ["sft", "rl"]),
             "tensor": _strings(ti, names), "layer": np.where(layer_of[ti] < 0, None, layer_of[ti]).astype(object),
             "kind": _strings(kind_idx[ti], kinds_u), "dtype": _strings(np.zeros(n), ["bfloat16"]), "numel": numel,
-            "w_norm": w, "dw_norm": dw, "update_ratio": dw / w, "changed_count": (changed * numel).astype(np.int64),
-            "changed_frac": changed, "w_nan": np.zeros(n, np.int64), "w_inf": np.zeros(n, np.int64),
+            "w_norm": w, "update_norm": dw, "update_ratio": dw / w, "changed_count": (changed * numel).astype(np.int64),
+            "changed_frac": changed, "w_nan_count": np.zeros(n, np.int64), "w_inf_count": np.zeros(n, np.int64),
             "drift_norm": drift, "drift_ratio": drift / w, "grad_norm": dw * 40,
             "grad_zero_count": (gzero * numel).astype(np.int64), "grad_zero_frac": gzero,
             "grad_near_zero_count": (gzero * 1.3 * numel).astype(np.int64), "grad_near_zero_frac": gzero * 1.3,
-            "grad_nan": nan, "grad_inf": np.zeros(n, np.int64),
+            "grad_nan_count": nan, "grad_inf_count": np.zeros(n, np.int64),
         })
     _build_rest(run, rng, steps, sft_end, names, layer_of, kind_of, counts)
     return counts
@@ -134,7 +134,7 @@ def _build_rest(run: Path, rng, steps: int, sft_end: int, names, layer_of, kind_
         "run_id": [run.name] * n, "rank": [0] * n, "step": cols[0], "stage": ["sft" if s <= sft_end else "rl"
                                                                           for s in cols[0]],
         "tensor": cols[1], "layer": cols[2], "kind": cols[3], "rows": [SPEC_DIM] * n, "cols": [SPEC_DIM] * n,
-        "k": [4] * n, "dw_fro": cols[8], "sigma": cols[4],
+        "k": [4] * n, "drift_norm": cols[8], "sigma": cols[4],
         "rank1_energy": cols[5], "stable_rank": cols[6], "u1": cols[7], "v1": cols[7]})
     # timings: 8 ranks, a step row and 6 phases per step; rank 5 is 30 % slower in backward
     phases = [("rollout", "phase", 900.0), ("reward", "phase", 40.0), ("forward", "phase", 120.0),

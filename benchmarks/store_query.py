@@ -29,25 +29,25 @@ QUERIES = {
     # The layer x step heat map two ways: from every tensor row, and from the writer's rollup of 16-step blocks
     # (tensor_stats_by_layer; {bucket} is a whole number of blocks), which is what the dashboard reads.
     "heat map layer x step": """
-        SELECT layer, step // {bucket} AS step_bin, sqrt(sum(dw_norm * dw_norm)) / sqrt(sum(w_norm * w_norm)) AS ratio,
+        SELECT layer, step // {bucket} AS step_bin, sqrt(sum(update_norm * update_norm)) / sqrt(sum(w_norm * w_norm)) AS ratio,
                sum(changed_count) AS changed
         FROM {src} WHERE kind = 'attn_q' GROUP BY ALL""",
     "heat map, rollup": """
-        SELECT layer, step // {bucket} AS step_bin, sqrt(sum(dw_sq)) / sqrt(sum(w_sq)) AS ratio,
+        SELECT layer, step // {bucket} AS step_bin, sqrt(sum(update_sq)) / sqrt(sum(w_sq)) AS ratio,
                sum(changed_count) AS changed
         FROM {layer_rollup} WHERE kind = 'attn_q' GROUP BY ALL""",
     # The same per-step, per-kind series two ways: from every tensor row, and from the rollup the writer keeps
     # (tensor_stats_by_kind), which is what the dashboard reads. main() checks that each pair gives the same numbers.
     "per-kind series": """
-        SELECT step, kind, sqrt(sum(dw_norm * dw_norm)) / sqrt(sum(w_norm * w_norm)) AS update_ratio,
+        SELECT step, kind, sqrt(sum(update_norm * update_norm)) / sqrt(sum(w_norm * w_norm)) AS update_ratio,
                max(grad_max_abs) AS grad_max_abs, sum(changed_count) AS changed
         FROM {src} GROUP BY ALL""",
     "per-kind series, rollup": """
-        SELECT step, kind, sqrt(sum(dw_sq)) / sqrt(sum(w_sq)) AS update_ratio,
+        SELECT step, kind, sqrt(sum(update_sq)) / sqrt(sum(w_sq)) AS update_ratio,
                max(grad_max_abs) AS grad_max_abs, sum(changed_count) AS changed
         FROM {rollup} GROUP BY ALL""",
     "top tensors": """
-        SELECT tensor, max(update_ratio) AS peak, avg(dw_norm) AS mean_dw
+        SELECT tensor, max(update_ratio) AS peak, avg(update_norm) AS mean_dw
         FROM {src} GROUP BY tensor ORDER BY peak DESC LIMIT 20""",
     "one tensor's history": """
         SELECT step, rank, update_ratio, grad_norm FROM {src} WHERE tensor = 'layers.7.attn_q.weight' ORDER BY step""",
@@ -73,7 +73,7 @@ def build(run_dir: Path, rows: int, layers: int = 50) -> None:
             w.append("tensor_stats", {
                 "step": step, "time_us": 1_700_000_000_000_000 + step * 1000, "stage": "rl",
                 "tensor": tensors, "layer": layer_of, "kind": kind_of, "numel": 4096, "dtype": "bfloat16",
-                "w_norm": rng.random(n), "dw_norm": rng.random(n), "update_ratio": rng.random(n) * 1e-3,
+                "w_norm": rng.random(n), "update_norm": rng.random(n), "update_ratio": rng.random(n) * 1e-3,
                 "changed_count": rng.integers(0, 4096, n), "changed_frac": rng.random(n),
                 "grad_norm": rng.random(n), "grad_max_abs": rng.random(n),
             })

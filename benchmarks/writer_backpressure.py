@@ -55,7 +55,7 @@ def train(steps: int, writer: RunWriter | None, rows: int, out: list[float]) -> 
         loss.backward()
         opt.step()
         # The probes' numbers exist whether or not they are stored: only the append differs between configs.
-        batch = {"step": step, "tensor": names, "dw_norm": rng.random(rows), "update_ratio": rng.random(rows),
+        batch = {"step": step, "tensor": names, "update_norm": rng.random(rows), "update_ratio": rng.random(rows),
                  "grad_norm": loss.item()}
         if writer is not None:
             writer.append("tensor_stats", batch)
@@ -100,7 +100,7 @@ def main() -> None:
         print(f"{name:<22} {med * 1e3:>15.3f} {p90 * 1e3:>12.3f} {med / base:>7.3f}")
     events = open_store(root)._con.sql(
         "SELECT count(*), coalesce(sum(CAST(json_extract(fields_json, '$.dropped') AS BIGINT)), 0) "
-        "FROM events WHERE kind = 'rows_dropped'").fetchall()[0]
+        "FROM events WHERE event = 'rows_dropped'").fetchall()[0]
     print(f"\nslow writer: {written:,} rows written, {dropped:,} dropped (oldest first); "
           f"{events[0]} rows_dropped events recording {events[1]:,} rows")
     print("goal: slow-writer / no-writer median step ratio <= 1.02")

@@ -51,21 +51,21 @@ def _param_rows(w: RunWriter, rng: np.random.Generator, nan_step: int) -> None:
         w_norm = w_norm + dw * rng.normal(0, 0.1, len(tensors))
         changed = rng.uniform(0.85, 1.0, len(tensors)) if stage == "sft" else rng.uniform(0.05, 0.4, len(tensors))
         gzero = rng.uniform(0.0, 0.02, len(tensors)) if stage == "sft" else rng.uniform(0.1, 0.6, len(tensors))
-        grad_nan = np.zeros(len(tensors), dtype=np.int64)
+        grad_nan_count = np.zeros(len(tensors), dtype=np.int64)
         if step == nan_step:
-            grad_nan[rng.integers(0, len(tensors))] = 3
+            grad_nan_count[rng.integers(0, len(tensors))] = 3
         w.append("tensor_stats", {
             "step": step, "stage": stage, "tensor": names, "layer": [t[1] for t in tensors],
             "kind": [t[2] for t in tensors], "shape": [str(list(t[3])) for t in tensors], "dtype": "bfloat16",
-            "numel": numel, "sharded": False, "w_norm": w_norm, "dw_norm": dw, "update_ratio": dw / w_norm,
+            "numel": numel, "sharded": False, "w_norm": w_norm, "update_norm": dw, "update_ratio": dw / w_norm,
             "changed_count": (changed * numel).astype(np.int64), "changed_frac": changed,
             "changed_bf16_count": (changed * 0.7 * numel).astype(np.int64), "changed_bf16_frac": changed * 0.7,
             "sign_flip_count": (changed * 0.01 * numel).astype(np.int64), "sign_flip_frac": changed * 0.01,
-            "w_nan": 0, "w_inf": 0, "ref_covered": True, "drift_norm": drift, "drift_ratio": drift / w_norm,
+            "w_nan_count": 0, "w_inf_count": 0, "ref_covered": True, "drift_norm": drift, "drift_ratio": drift / w_norm,
             "grad_norm": dw * 50, "grad_zero_count": (gzero * numel).astype(np.int64), "grad_zero_frac": gzero,
             "grad_near_zero_count": (np.minimum(1, gzero * 1.5) * numel).astype(np.int64),
             "grad_near_zero_frac": np.minimum(1, gzero * 1.5), "grad_max_abs": dw * 10,
-            "grad_nan": grad_nan, "grad_inf": 0,
+            "grad_nan_count": grad_nan_count, "grad_inf_count": 0,
         })
         if step % 2:
             continue
@@ -81,7 +81,7 @@ def _param_rows(w: RunWriter, rng: np.random.Generator, nan_step: int) -> None:
             u1, v1 = u1 / np.linalg.norm(u1), v0 / np.linalg.norm(v0)
             w.append("spectra", {
                 "step": step, "stage": stage, "tensor": name, "layer": layer, "kind": kind, "rows": shape[0],
-                "cols": shape[1], "k": 4, "dw_fro": float(np.sqrt(fro2)), "sigma": [sig.tolist()],
+                "cols": shape[1], "k": 4, "drift_norm": float(np.sqrt(fro2)), "sigma": [sig.tolist()],
                 "rank1_energy": float(energy[0] / fro2), "topk_energy": float(energy.sum() / fro2),
                 "stable_rank": float(fro2 / energy[0]), "u1": [u1.tolist()], "v1": [v1.tolist()],
                 "effective_rank": float(np.exp(-((energy / energy.sum()) * np.log(energy / energy.sum())).sum())),

@@ -19,10 +19,10 @@ from dynascope.importers import checkpoint_diff
 from dynascope.importers.checkpoint_diff import checkpoint_steps, diff_checkpoints
 from dynascope.store import StoreError, open_store
 
-STAT_COLS = ("w_norm", "dw_norm", "update_ratio", "changed_count", "changed_frac", "changed_bf16_count",
-             "sign_flip_count", "w_nan", "w_inf", "drift_norm", "drift_ratio", "drift_changed_count",
+STAT_COLS = ("w_norm", "update_norm", "update_ratio", "changed_count", "changed_frac", "changed_bf16_count",
+             "sign_flip_count", "w_nan_count", "w_inf_count", "drift_norm", "drift_ratio", "drift_changed_count",
              "drift_changed_bf16_count", "numel", "kind", "layer", "shape", "dtype")
-SPECTRA_COLS = ("dw_fro", "sigma", "rank1_energy", "topk_energy", "stable_rank", "effective_rank", "u1", "v1",
+SPECTRA_COLS = ("drift_norm", "sigma", "rank1_energy", "topk_energy", "stable_rank", "effective_rank", "u1", "v1",
                 "angle_left_deg", "angle_right_deg", "off_principal_energy", "spectral_drift", "rows", "cols", "k")
 
 
@@ -196,7 +196,7 @@ def test_tensors_regex_step_order_and_memory_bound(tmp_path, monkeypatch):
     assert only_mlp.tensors == 1
     with open_store(tmp_path / "run") as con:
         steps = [s for (s,) in con.execute("SELECT DISTINCT step FROM spectra ORDER BY 1").fetchall()]
-        drift = con.execute("SELECT step, drift_norm, dw_norm FROM tensor_stats WHERE tensor LIKE '%up_proj%' "
+        drift = con.execute("SELECT step, drift_norm, update_norm FROM tensor_stats WHERE tensor LIKE '%up_proj%' "
                             "ORDER BY step").fetchall()
     assert steps == [100, 200, 300]
     assert drift[0][1] == pytest.approx(drift[0][2])  # first checkpoint: previous = BASE
@@ -253,7 +253,7 @@ def test_cli_diff_and_its_errors(tmp_path):
     assert code == 0 and "model.final_norm.weight" in out and "model.norm.weight" in out, out
     with open_store(tmp_path / "skip") as con:
         assert con.execute("SELECT count(DISTINCT tensor) FROM tensor_stats").fetchone()[0] == 2
-        assert con.execute("SELECT count(*) FROM events WHERE kind = 'checkpoint_diff_skipped'").fetchone()[0] == 1
+        assert con.execute("SELECT count(*) FROM events WHERE event = 'checkpoint_diff_skipped'").fetchone()[0] == 1
     code, out = _cli(tmp_path / "base.safetensors", tmp_path / "ckpt-1.safetensors", "--run", tmp_path / "ok")
     assert code == 2 and "already exists" in out
     code, out = _cli(tmp_path / "base.safetensors", tmp_path / "ckpt-1.safetensors", "--run", tmp_path / "re",

@@ -260,8 +260,8 @@ def _write_series(run_dir: Path) -> None:
         entropy = [1.0] * 20 + [0.05] * 20
         w.append("scalars", {"step": steps * 3, "key": ["grad_norm"] * 40 + ["loss"] * 40 + ["entropy"] * 40,
                              "value": grad + loss + entropy})
-        w.append("tensor_stats", {"step": 12, "tensor": ["a.weight", "b.weight"], "grad_nan": [3, 0],
-                                  "w_inf": [0, 1], "numel": 10})
+        w.append("tensor_stats", {"step": 12, "tensor": ["a.weight", "b.weight"], "grad_nan_count": [3, 0],
+                                  "w_inf_count": [0, 1], "numel": 10})
 
 
 def test_detect_instability_finds_and_writes_events_once(tmp_path):
@@ -275,7 +275,7 @@ def test_detect_instability_finds_and_writes_events_once(tmp_path):
     assert "a.weight" in df.filter(pl.col("step") == 12)["source"][0]
     instability.detect_instability(run_dir, write_to=run_dir)  # a second call adds nothing
     with open_store(run_dir) as con:
-        ev = con.sql("SELECT kind, step, rank, role, fields_json FROM events WHERE role = 'analysis' "
+        ev = con.sql("SELECT event, step, rank, role, fields_json FROM events WHERE role = 'analysis' "
                      "AND kind <> 'run_end' ORDER BY step").fetchall()
     assert [(k, s, r) for k, s, r, _, _ in ev] == [("nan_inf", 12, 1), ("entropy_collapse", 20, 1),
                                                    ("grad_norm_spike", 25, 1), ("nan_inf", 33, 1)]
@@ -290,7 +290,7 @@ def test_goodput_from_checkpoint_fault_restart_events(tmp_path):
         starts = [T0 + i * s for i in range(8)] + [T0 + 10.5 * s + i * s for i in range(5)]
         w.append("timings", {"phase": "step", "category": "step", "step": steps,
                              "start_us": [int(x) for x in starts], "dur_us": s})
-        w.append("events", {"kind": ["checkpoint_save", "fault", "restart", "checkpoint_load"],
+        w.append("events", {"event": ["checkpoint_save", "fault", "restart", "checkpoint_load"],
                             "time_us": [T0 + 5 * s, int(T0 + 8.5 * s), T0 + 10 * s, int(T0 + 10.3 * s)],
                             "step": [5, None, 5, 5], "dur_us": [200_000, None, None, 300_000]})
     inc = goodput.goodput_incidents(tmp_path / "gp").row(0, named=True)

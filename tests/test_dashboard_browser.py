@@ -257,11 +257,11 @@ def test_heatmap_cells_pool_the_raw_rows(store):
 
     cube = params.param_cube(store, "grpo-sync")
     hm = params.layer_heatmap(cube, ("sft", "rl"), ("q", "k", "mlp"))
-    raw = store.sql("SELECT step, dw_norm, w_norm, changed_count, numel FROM tensor_stats "
+    raw = store.sql("SELECT step, update_norm, w_norm, changed_count, numel FROM tensor_stats "
                     "WHERE run_id = 'grpo-sync' AND layer = 2 AND kind IN ('q', 'k', 'mlp') AND step = 11").pl()
     cell = hm.filter((pl.col("layer") == 2) & (pl.col("step") == 11)).row(0, named=True)
     assert cell["update ratio ‖ΔW‖/‖W‖"] == pytest.approx(
-        (raw["dw_norm"] ** 2).sum() ** 0.5 / (raw["w_norm"] ** 2).sum() ** 0.5)
+        (raw["update_norm"] ** 2).sum() ** 0.5 / (raw["w_norm"] ** 2).sum() ** 0.5)
     assert cell["step-changed fraction"] == pytest.approx(raw["changed_count"].sum() / raw["numel"].sum())
     nf = params.nonfinite_steps(cube, "grpo-sync")
     assert nf["step"].to_list() == [13] and nf["nan"].to_list() == [3]

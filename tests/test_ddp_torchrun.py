@@ -56,7 +56,7 @@ def test_ddp_two_ranks(tmp_path: Path) -> None:
     assert names == {"module.0.weight", "module.0.bias", "module.2.weight", "module.2.bias"}
     # DDP all-reduces gradients and keeps replicas in sync: both ranks see the same update
     same = q("select count(*) as n from tensor_stats a join tensor_stats b using (step, tensor) "
-             "where a.rank = 0 and b.rank = 1 and abs(a.dw_norm - b.dw_norm) <= 1e-6 * a.dw_norm "
+             "where a.rank = 0 and b.rank = 1 and abs(a.update_norm - b.update_norm) <= 1e-6 * a.update_norm "
              "and abs(a.grad_norm - b.grad_norm) <= 1e-5 * a.grad_norm")
     assert same[0]["n"] == 12
     t = q("select rank, phase, count(*) as n from timings group by rank, phase order by rank, phase")

@@ -43,7 +43,7 @@ def one(con, sql: str) -> tuple:
 
 
 def rl_start(con) -> int:
-    (step,) = one(con, "SELECT min(step) FROM events WHERE kind = 'stage'")
+    (step,) = one(con, "SELECT min(step) FROM events WHERE event = 'stage'")
     assert step is not None, "no 'stage' event marking the start of RL"
     return step
 

@@ -91,11 +91,11 @@ def _spectra_run(path, records: list[dict]):
 
 def test_rank1_dominance_energy_weighted_per_layer_and_overall(tmp_path):
     recs = [
-        {"step": 10, "tensor": Q, "layer": 0, "kind": "q", "dw_fro": 2.0, "sigma": [1.8, 0.5],
+        {"step": 10, "tensor": Q, "layer": 0, "kind": "q", "drift_norm": 2.0, "sigma": [1.8, 0.5],
          "rank1_energy": 0.81, "topk_energy": (1.8**2 + 0.25) / 4, "stable_rank": 4 / 3.24, "effective_rank": 1.5},
-        {"step": 10, "tensor": MLP, "layer": 1, "kind": "mlp", "dw_fro": 1.0, "sigma": [0.5, 0.5],
+        {"step": 10, "tensor": MLP, "layer": 1, "kind": "mlp", "drift_norm": 1.0, "sigma": [0.5, 0.5],
          "rank1_energy": 0.25, "topk_energy": 0.5, "stable_rank": 4.0, "effective_rank": 2.0},
-        {"step": 10, "tensor": "model.layers.1.mlp.down_proj.weight", "layer": 1, "kind": "mlp", "dw_fro": 0.0,
+        {"step": 10, "tensor": "model.layers.1.mlp.down_proj.weight", "layer": 1, "kind": "mlp", "drift_norm": 0.0,
          "sigma": [], "rank1_energy": None},  # ΔW = 0: not counted
     ]
     df = rank1_dominance(_spectra_run(tmp_path / "r", recs))
@@ -120,7 +120,7 @@ def test_rank1_linear_fit_on_exactly_linear_records_with_sign_flips(tmp_path):
         m = c + 0.05 * step * p  # σ₁u₁ = m(t), a line in the step; v₁ fixed
         sign = -1.0 if i % 3 == 1 else 1.0  # stored signs flip: the fit must align them
         recs.append({"step": step, "tensor": Q, "layer": 0, "kind": "q", "rows": 30, "cols": 20,
-                     "dw_fro": float(np.linalg.norm(m)) * 1.01, "sigma": [float(np.linalg.norm(m))],
+                     "drift_norm": float(np.linalg.norm(m)) * 1.01, "sigma": [float(np.linalg.norm(m))],
                      "u1": (sign * m / np.linalg.norm(m)).astype(np.float32), "v1": (sign * v).astype(np.float32)})
     df = rank1_linear_fit(_spectra_run(tmp_path / "r", recs), fit_frac=0.3)
     row = df.row(0, named=True)
@@ -184,7 +184,7 @@ def test_rank1_reconstruction_writes_norm_scaled_top_direction(tmp_path):
     out = load_file(tmp_path / "r1.safetensors")
     w20 = load_file(dirs[20] / "model.safetensors")
     with open_store(run) as con:
-        u1, v1, fro = con.execute(f"SELECT u1, v1, dw_fro FROM spectra WHERE tensor = '{Q}' AND step = 20").fetchone()
+        u1, v1, fro = con.execute(f"SELECT u1, v1, drift_norm FROM spectra WHERE tensor = '{Q}' AND step = 20").fetchone()
     want = w0[Q] + fro * torch.outer(torch.tensor(u1), torch.tensor(v1))
     torch.testing.assert_close(out[Q], want, rtol=1e-5, atol=1e-6)
     # The planted update is rank-1 up to 1e-7 noise, so the reconstruction is the checkpoint itself.

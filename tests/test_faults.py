@@ -46,7 +46,7 @@ def tiny_training(steps, scope=None, writer=None, on_step=None):
 
 def events(run, kind):
     with open_store(run) as s:
-        return s._con.sql(f"SELECT count(*) FROM events WHERE kind = '{kind}'").fetchall()[0][0]
+        return s._con.sql(f"SELECT count(*) FROM events WHERE event = '{kind}'").fetchall()[0][0]
 
 
 def test_run_dir_deleted_mid_training(tmp_path):

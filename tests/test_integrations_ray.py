@@ -76,7 +76,7 @@ def test_two_actors_two_roles_one_run(ray_cluster, tmp_path):
         assert per_role == {("trainer", 0): 3, ("rollout", 1): 2}
         phases = set(con.sql("SELECT role, phase FROM timings WHERE phase IN ('trainer', 'rollout')").fetchall())
         assert phases == {("trainer", "trainer"), ("rollout", "rollout")}
-        events = con.sql("SELECT role, fields_json FROM events WHERE kind = 'ray_actor'").fetchall()
+        events = con.sql("SELECT role, fields_json FROM events WHERE event = 'ray_actor'").fetchall()
         actor_ids = {role: json.loads(f)["actor_id"] for role, f in events}
         assert actor_ids == {"trainer": got[0]["actor_id"], "rollout": got[1]["actor_id"]}
         assert {json.loads(f)["pid"] for _, f in events} == {g["pid"] for g in got}

@@ -41,7 +41,7 @@ def test_watch_on_cuda(tmp_path: Path) -> None:
                 opt.zero_grad()
     q = lambda sql: dynascope.open_store(run)._con.sql(sql).pl().to_dicts()  # noqa: E731
     stats = q("select * from tensor_stats where step = 3 order by tensor")
-    assert len(stats) == 4 and all(r["dw_norm"] > 0 and r["ref_covered"] for r in stats)
+    assert len(stats) == 4 and all(r["update_norm"] > 0 and r["ref_covered"] for r in stats)
     t = q("select phase, min(dur_us) as lo, max(device) as dev from timings group by phase")
     by = {r["phase"]: r for r in t}
     assert {"forward", "backward", "optimizer", "train", "step"} <= set(by)

@@ -36,7 +36,7 @@ def test_probe_holds_at_most_its_budget(tmp_path: Path) -> None:
         assert scope.stats.reference is not None and not scope.stats.reference.resident
         peak = held_peak(scope.stats, step, 20, torch.device("cpu"))
     covered = dynascope.open_store(tmp_path / "run")._con.sql(
-        "select count(distinct tensor) from tensor_stats where dw_norm is not null and ref_covered").fetchall()
+        "select count(distinct tensor) from tensor_stats where update_norm is not null and ref_covered").fetchall()
     assert covered == [(32,)]  # the rotation reached every tensor, ΔW and drift alike
     assert 0.05 * param_bytes < peak <= 0.1 * param_bytes, peak / param_bytes
 

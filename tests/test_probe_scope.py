@@ -75,8 +75,8 @@ def test_full_coverage_matches_naive(tmp_path: Path) -> None:
     for r in got:
         (upd, grad, drift) = truth[r["step"]][r["tensor"]]
         assert r["w_norm"] == pytest.approx(upd[0], rel=1e-5, abs=1e-12)
-        assert r["dw_norm"] == pytest.approx(upd[1], rel=1e-5, abs=1e-12)
-        assert [r["changed_count"], r["changed_bf16_count"], r["sign_flip_count"], r["w_nan"], r["w_inf"]] == upd[2:]
+        assert r["update_norm"] == pytest.approx(upd[1], rel=1e-5, abs=1e-12)
+        assert [r["changed_count"], r["changed_bf16_count"], r["sign_flip_count"], r["w_nan_count"], r["w_inf_count"]] == upd[2:]
         n = r["numel"]
         if n:
             assert r["changed_frac"] == pytest.approx(upd[2] / n)
@@ -89,10 +89,10 @@ def test_full_coverage_matches_naive(tmp_path: Path) -> None:
         else:
             assert r["grad_norm"] == pytest.approx(grad[0], rel=1e-5, abs=1e-30)
             assert r["grad_max_abs"] == pytest.approx(grad[1], rel=1e-6, abs=1e-30)
-            assert [r["grad_zero_count"], r["grad_near_zero_count"], r["grad_nan"], r["grad_inf"]] == grad[2:]
+            assert [r["grad_zero_count"], r["grad_near_zero_count"], r["grad_nan_count"], r["grad_inf_count"]] == grad[2:]
     by = {(r["step"], r["tensor"]): r for r in got}
     assert by[(0, "lowp.weight")]["dtype"] == "bfloat16"
-    assert by[(2, "frozen.weight")]["dw_norm"] == 0.0 and by[(2, "frozen.weight")]["grad_norm"] is None
+    assert by[(2, "frozen.weight")]["update_norm"] == 0.0 and by[(2, "frozen.weight")]["grad_norm"] is None
     assert by[(2, "unused.weight")]["grad_norm"] is None and by[(2, "unused.weight")]["changed_count"] == 0
     assert by[(1, "empty")]["numel"] == 0 and by[(1, "empty")]["changed_frac"] is None
     assert by[(1, "mid.weight")]["changed_count"] > 0
@@ -104,16 +104,16 @@ def test_default_budget_rotates_a_window(tmp_path: Path) -> None:
     got = rows(run, "select * from tensor_stats order by step, tensor")
     assert len(got) == 12 * len(truth[0])
     # light stats on every tensor: norms, and NaN/Inf counts proven 0 by the finite norms
-    assert all(r["w_norm"] is not None and r["w_nan"] == 0 for r in got)
-    assert all(r["grad_norm"] is not None and r["grad_inf"] == 0 for r in got if r["tensor"] != "unused.weight"
+    assert all(r["w_norm"] is not None and r["w_nan_count"] == 0 for r in got)
+    assert all(r["grad_norm"] is not None and r["grad_inf_count"] == 0 for r in got if r["tensor"] != "unused.weight"
                and not r["tensor"].startswith(("frozen", "unused")))
-    covered = [r for r in got if r["dw_norm"] is not None]
+    covered = [r for r in got if r["update_norm"] is not None]
     per_step = {s: sum(1 for r in covered if r["step"] == s) for s in range(12)}
     assert all(1 <= c < len(truth[0]) for c in per_step.values())  # a window, never everything
     assert {r["tensor"] for r in covered} == set(truth[0])  # ...that reaches every tensor
     for r in covered:
         upd, _, drift = truth[r["step"]][r["tensor"]]
-        assert r["dw_norm"] == pytest.approx(upd[1], rel=1e-5, abs=1e-12)
+        assert r["update_norm"] == pytest.approx(upd[1], rel=1e-5, abs=1e-12)
         assert r["changed_count"] == upd[2]
         assert r["ref_covered"] and r["drift_changed_count"] == drift[2]
     assert all(r["drift_norm"] is None for r in got if not r["ref_covered"])
@@ -152,7 +152,7 @@ def test_reference_from_path_and_set_reference(tmp_path: Path) -> None:
     got = rows(tmp_path / "cur", "select * from tensor_stats order by step, tensor")
     assert [r["ref_covered"] for r in got] == [False, False, True, True]
     for r in got[2:]:
-        assert r["drift_norm"] == pytest.approx(r["dw_norm"])
+        assert r["drift_norm"] == pytest.approx(r["update_norm"])
 
 
 def test_mid_run_param_group_and_skipped_params(tmp_path: Path) -> None:
@@ -172,7 +172,7 @@ def test_mid_run_param_group_and_skipped_params(tmp_path: Path) -> None:
             opt.zero_grad()
     got = rows(run, "select step, count(*) as n from tensor_stats group by step order by step")
     assert [r["n"] for r in got] == [2, 3, 3]
-    ev = rows(run, "select message from events where kind = 'probe_skip'")
+    ev = rows(run, "select message from events where event = 'probe_skip'")
     assert len(ev) == 2 and any("complex" in e["message"] for e in ev) and any("int64" in e["message"] for e in ev)
 
 
@@ -194,7 +194,7 @@ def test_probe_errors_never_break_training(tmp_path: Path, monkeypatch: pytest.M
                 opt.step()
     assert not torch.equal(model.weight, w0)  # training went on
     assert scope.step_index == 3
-    ev = rows(run, "select kind, message from events where kind = 'probe_error'")
+    ev = rows(run, "select event, message from events where event = 'probe_error'")
     assert len(ev) == 3 and all("kaboom" in e["message"] for e in ev)
 
 
@@ -211,7 +211,7 @@ def test_no_grad_steps_and_manual_steps(tmp_path: Path) -> None:
     assert [r["step"] for r in got] == [0, 1]
     assert got[0]["changed_count"] == 0 and got[0]["grad_norm"] is None
     want = naive_update(model.weight.detach(), old)
-    assert got[1]["dw_norm"] == pytest.approx(want[1]) and got[1]["changed_count"] == 9
+    assert got[1]["update_norm"] == pytest.approx(want[1]) and got[1]["changed_count"] == 9
     assert not math.isnan(got[1]["w_norm"])
 
 
@@ -228,18 +228,18 @@ def test_spectral_probe_is_wired(tmp_path: Path) -> None:
             model(torch.randn(8, 16)).pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
-    got = rows(run, "select step, tensor, k, dw_fro from spectra order by step, tensor")
+    got = rows(run, "select step, tensor, k, drift_norm from spectra order by step, tensor")
     assert {r["step"] for r in got} == {2} or {r["step"] for r in got} == {0, 2}
     assert {r["tensor"] for r in got} <= {"0.weight", "2.weight"} and got
     at2 = [r for r in got if r["step"] == 2]
-    assert at2 and all(r["dw_fro"] > 0 for r in at2)
+    assert at2 and all(r["drift_norm"] > 0 for r in at2)
     assert any("spectral/rank1_energy" in s for s in seen)
 
 
 def test_time_budget_thins_windows_but_not_light_stats(tmp_path: Path) -> None:
     run = tmp_path / "tb"
     truth, _ = train(run, 12, time_budget=1e-9)  # windows cost more than this budget ever earns back
-    got = rows(run, "select step, count(dw_norm) as windowed, count(w_norm) as light from tensor_stats "
+    got = rows(run, "select step, count(update_norm) as windowed, count(w_norm) as light from tensor_stats "
                     "group by step order by step")
     assert [r["light"] for r in got] == [len(truth[0])] * 12
     assert got[0]["windowed"] > 0 and sum(r["windowed"] > 0 for r in got) < 12

@@ -17,11 +17,11 @@ def naive_update(new: torch.Tensor, old: torch.Tensor, eta: float = 1e-3) -> lis
     nb = new.reshape(-1).view({2: torch.int16, 4: torch.int32, 8: torch.int64}[new.element_size()]).tolist()
     ob = old.reshape(-1).view({2: torch.int16, 4: torch.int32, 8: torch.int64}[old.element_size()]).tolist()
     w_norm = math.sqrt(sum(x * x for x in n))
-    dw_norm = math.sqrt(sum((x - y) ** 2 for x, y in zip(n, o, strict=False)))
+    update_norm = math.sqrt(sum((x - y) ** 2 for x, y in zip(n, o, strict=False)))
     changed = sum(a != b for a, b in zip(nb, ob, strict=False))
     rel = sum(abs(x - y) > eta * max(abs(x), abs(y)) for x, y in zip(n, o, strict=False))
     flips = sum((x > 0 and y < 0) or (x < 0 and y > 0) for x, y in zip(n, o, strict=False))
-    return [w_norm, dw_norm, changed, rel, flips, sum(math.isnan(x) for x in n), sum(math.isinf(x) for x in n)]
+    return [w_norm, update_norm, changed, rel, flips, sum(math.isnan(x) for x in n), sum(math.isinf(x) for x in n)]
 
 
 def _pairs(dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

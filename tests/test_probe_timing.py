@@ -72,7 +72,7 @@ def test_events_log_samples_and_stage(tmp_path: Path) -> None:
         scope.set_stage("rl")
         scope.log(step=99, kl=0.1)
         assert scope.step_index == 1 and scope.run_dir == run.resolve()
-    ev = rows(run, "select * from events where kind = 'checkpoint_save'")
+    ev = rows(run, "select * from events where event = 'checkpoint_save'")
     assert ev[0]["dur_us"] == 1234 and ev[0]["step"] == 0 and '"/x"' in ev[0]["fields_json"]
     sc = {r["key"]: r for r in rows(run, "select * from scalars")}
     assert sc["loss"]["value"] == 0.5 and sc["reward"]["value"] == 2.0 and sc["loss"]["stage"] == "sft"
@@ -96,7 +96,7 @@ def test_listener_and_wandb_failures_are_contained(tmp_path: Path, monkeypatch: 
             for _ in range(2):
                 model(torch.ones(1, 2)).sum().backward()
                 opt.step()
-    kinds = [r["message"] for r in rows(run, "select message from events where kind = 'probe_error'")]
+    kinds = [r["message"] for r in rows(run, "select message from events where event = 'probe_error'")]
     assert any(m.startswith("wandb") for m in kinds) and sum("ZeroDivisionError" in m for m in kinds) == 2
 
 

@@ -89,7 +89,7 @@ def test_row_scalars_match_full_svd_reference():
     row, _ = spectrum_row(dw, w0 + dw, w0b, None, k)
     s = torch.linalg.svdvals(dw)
     fro2 = float(dw.pow(2).sum())
-    assert row["dw_fro"] == pytest.approx(math.sqrt(fro2), rel=1e-12)
+    assert row["drift_norm"] == pytest.approx(math.sqrt(fro2), rel=1e-12)
     assert row["rank1_energy"] == pytest.approx(float(s[0] ** 2) / fro2, rel=1e-10)
     assert row["topk_energy"] == pytest.approx(1.0, rel=1e-10)
     assert row["stable_rank"] == pytest.approx(fro2 / float(s[0] ** 2), rel=1e-10)
@@ -192,7 +192,7 @@ def test_probe_never_raises_and_leaves_rng_alone():
     assert any("b.weight" in str(w.message) for w in caught)
     # ΔW = 0 (a frozen tensor): a row with the norm and no ratios, not a division by zero.
     (zero,) = SpectralProbe(k=4).record(0, None, [("c.weight", good)], {"c.weight": good.clone()})
-    assert zero["dw_fro"] == 0.0 and zero["rank1_energy"] is None and zero["sigma"] == []
+    assert zero["drift_norm"] == 0.0 and zero["rank1_energy"] is None and zero["sigma"] == []
 
 
 def test_identical_inputs_give_identical_rows_and_default_schedule():

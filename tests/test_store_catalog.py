@@ -87,7 +87,7 @@ def test_export_duckdb_and_parquet(tmp_path):
     assert out.exit_code == 0, out.output
     con = duckdb.connect(str(tmp_path / "out.duckdb"), read_only=True)
     assert con.sql("SELECT count(*), count(DISTINCT rank) FROM scalars").fetchall() == [(100, 2)]
-    assert con.sql("SELECT count(*) FROM events WHERE kind = 'run_end'").fetchall() == [(2,)]
+    assert con.sql("SELECT count(*) FROM events WHERE event = 'run_end'").fetchall() == [(2,)]
     con.close()
     again = CliRunner().invoke(app, ["export", str(tmp_path / "r"), str(tmp_path / "out.duckdb")])
     assert again.exit_code == 2 and "refusing to overwrite" in again.stderr

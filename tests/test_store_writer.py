@@ -23,12 +23,12 @@ def test_every_column_form_round_trips(tmp_path):
         for step in range(3):  # the same list object every step: the dictionary fast path
             w.append("tensor_stats", {"step": step, "tensor": names, "layer": [0, 1, None],
                                       "w_norm": np.array([1.5, 2.5, 3.5]) * step, "numel": np.int64(7),
-                                      "dw_norm": torch.tensor([0.25, 0.5, 0.75]), "sharded": [True, False, None]})
+                                      "update_norm": torch.tensor([0.25, 0.5, 0.75]), "sharded": [True, False, None]})
         w.append("tensor_stats", {"step": 9, "tensor": ["fresh", None], "rank": 5, "kind": "mlp",
                                   "changed_count": [1, 2]})
         w.append("spectra", {"step": 1, "tensor": "x", "sigma": [[3.0, 1.0]], "u1": [[0.5, 0.25]]})
         w.append("scalars", {"step": list(range(1000)), "key": "loss", "value": np.arange(1000.0)})
-    got = rows(tmp_path / "r", "SELECT step, tensor, layer, w_norm, numel, dw_norm, sharded, rank, role, kind, "
+    got = rows(tmp_path / "r", "SELECT step, tensor, layer, w_norm, numel, update_norm, sharded, rank, role, kind, "
                                "changed_count FROM tensor_stats ORDER BY step, tensor NULLS LAST")
     want = []
     for step in range(3):
@@ -49,7 +49,7 @@ def test_close_records_run_end_and_runs_row(tmp_path):
     w.append("scalars", {"step": 0, "key": "k", "value": 1.0})
     w.close()
     w.close()  # idempotent
-    (fields,) = rows(tmp_path / "r", "SELECT fields_json FROM events WHERE kind = 'run_end'")[0]
+    (fields,) = rows(tmp_path / "r", "SELECT fields_json FROM events WHERE event = 'run_end'")[0]
     assert json.loads(fields)["writer_id"] == w.writer_id
     assert json.loads(fields)["rows_written"] >= 2
     assert rows(tmp_path / "r", "SELECT name, config_json FROM runs") == [("my 'run'", '{"lr": 0.001}')]
@@ -64,7 +64,7 @@ def test_bad_batches_become_events_not_exceptions(tmp_path):
             w.append("scalars", {"step": "not a number", "key": "k"})  # fails when typed at flush
             w.append("scalars", {"step": 5, "key": "ok", "value": 2.0})
     assert any("dynascope" in str(c.message) for c in caught)
-    kinds = rows(tmp_path / "r", "SELECT kind, count(*) FROM events WHERE kind = 'bad_batch' GROUP BY 1")
+    kinds = rows(tmp_path / "r", "SELECT event, count(*) FROM events WHERE event = 'bad_batch' GROUP BY 1")
     assert kinds == [("bad_batch", 3)]
     # the untypeable batch was flushed with a good one: only it is dropped (and counted)
     assert w.rows_dropped == 1
@@ -89,7 +89,7 @@ def test_slow_writer_drops_oldest_without_blocking_append(tmp_path):
     assert kept[0] + w.rows_dropped == 300 * 100
     assert kept[2] == 299  # the newest rows survive; the oldest went
     dropped = rows(tmp_path / "r", "SELECT sum(CAST(json_extract(fields_json, '$.dropped') AS BIGINT)) "
-                                   "FROM events WHERE kind = 'rows_dropped'")[0][0]
+                                   "FROM events WHERE event = 'rows_dropped'")[0][0]
     assert dropped == w.rows_dropped
 
 

@@ -124,7 +124,7 @@ def rank1_reconstruction(store: StoreLike, base_checkpoint: str | os.PathLike, o
         i = _record_at(t, step)
         if i is None:
             continue
-        a = (t.u[i] * t.dw_fro[i])[:, None]
+        a = (t.u[i] * t.drift_norm[i])[:, None]
         deltas[t.tensor] = (_factors_delta(a, t.v[i][:, None]),
                             {"rows": t.rows, "cols": t.cols, "records": 1, "step": float(t.steps[i])})
     if not deltas:

@@ -118,11 +118,11 @@ def rank1_dominance(store: StoreLike, run: str | None = None) -> pl.DataFrame:
     """
     con = as_store(store)
     base = f"""
-        SELECT * FROM spectra WHERE dw_fro > 0 AND rank1_energy IS NOT NULL AND step IS NOT NULL{run_clause(run)}
+        SELECT * FROM spectra WHERE drift_norm > 0 AND rank1_energy IS NOT NULL AND step IS NOT NULL{run_clause(run)}
         QUALIFY row_number() OVER (PARTITION BY run_id, step, tensor ORDER BY rank) = 1"""
     agg = """COUNT(*) AS tensors,
-             SUM(sigma[1] * sigma[1]) / SUM(dw_fro * dw_fro) AS rank1_energy,
-             SUM(list_sum(list_transform(sigma, lambda x: x * x))) / SUM(dw_fro * dw_fro) AS topk_energy,
+             SUM(sigma[1] * sigma[1]) / SUM(drift_norm * drift_norm) AS rank1_energy,
+             SUM(list_sum(list_transform(sigma, lambda x: x * x))) / SUM(drift_norm * drift_norm) AS topk_energy,
              AVG(rank1_energy) AS mean_rank1_energy, AVG(stable_rank) AS mean_stable_rank,
              AVG(effective_rank) AS mean_effective_rank"""
     return frame(con, f"""

@@ -36,7 +36,7 @@ class Rank1Track:
     cols: int
     steps: np.ndarray   # [n] float64
     sigma1: np.ndarray  # [n]
-    dw_fro: np.ndarray  # [n] ‖ΔW‖_F
+    drift_norm: np.ndarray  # [n] ‖ΔW‖_F
     u: np.ndarray       # [n, rows] float64, unit rows
     v: np.ndarray       # [n, cols]
 
@@ -65,9 +65,9 @@ def rank1_tracks(store: StoreLike, run: str | None = None) -> list[Rank1Track]:
     """Every tensor's rank-1 records (ΔW ≠ 0, lowest rank when several ranks recorded it)."""
     con = as_store(store)
     df = frame(con, f"""
-        SELECT run_id, tensor, layer, kind, rows, cols, step, sigma[1] AS sigma1, dw_fro, u1, v1
+        SELECT run_id, tensor, layer, kind, rows, cols, step, sigma[1] AS sigma1, drift_norm, u1, v1
         FROM spectra
-        WHERE u1 IS NOT NULL AND v1 IS NOT NULL AND dw_fro > 0 AND step IS NOT NULL{run_clause(run)}
+        WHERE u1 IS NOT NULL AND v1 IS NOT NULL AND drift_norm > 0 AND step IS NOT NULL{run_clause(run)}
         QUALIFY row_number() OVER (PARTITION BY run_id, tensor, step ORDER BY rank) = 1
         ORDER BY run_id, tensor, step""")
     out = []
@@ -80,7 +80,7 @@ def rank1_tracks(store: StoreLike, run: str | None = None) -> list[Rank1Track]:
                 u[i], v[i] = -u[i], -v[i]
         out.append(Rank1Track(run_id, tensor, g["layer"][0], g["kind"][0], rows, cols,
                               g["step"].to_numpy().astype(np.float64), g["sigma1"].to_numpy(),
-                              g["dw_fro"].to_numpy(), u, v))
+                              g["drift_norm"].to_numpy(), u, v))
     return out
 
 
@@ -110,7 +110,7 @@ def _fit_one(t: Rank1Track, fit_frac: float) -> dict:
         "rel_error_u_last": float(np.linalg.norm(pred[last] - y[last]) / np.linalg.norm(y[last])),
         "rel_error_last": math.sqrt(err_sq) / float(t.sigma1[last]),
         "u_cos_first_last": float(abs(t.u[0] @ t.u[last])),
-        "rank1_energy_last": float(t.sigma1[last] ** 2 / t.dw_fro[last] ** 2),
+        "rank1_energy_last": float(t.sigma1[last] ** 2 / t.drift_norm[last] ** 2),
     }
 
 

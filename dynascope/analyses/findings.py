@@ -271,8 +271,8 @@ def _goodput(con, run: str) -> list[Finding]:
     return [Finding(run, "goodput", "warning" if lost else "info",
                     "; ".join(parts) + f"; goodput {r['goodput_pct']:.0f}%", ckpt + lost, 100 * (ckpt + lost) / r["wall_ms"],
                     {k: _r(v) for k, v in r.items() if k != "run_id"},
-                    f"SELECT kind, step, time_us, dur_us / 1000 AS dur_ms, message FROM events WHERE run_id = "
-                    f"{quote_literal(run)} AND kind IN ('checkpoint_save', 'checkpoint_load', 'fault', 'restart') "
+                    f"SELECT event, step, time_us, dur_us / 1000 AS dur_ms, message FROM events WHERE run_id = "
+                    f"{quote_literal(run)} AND event IN ('checkpoint_save', 'checkpoint_load', 'fault', 'restart') "
                     f"ORDER BY time_us")]
 
 
@@ -325,8 +325,8 @@ def _dynamics(con, run: str) -> list[Finding]:
                                f"at step {last['step']} the cumulative update ΔW is {100 * last['rank1_energy']:.0f}% "
                                f"rank-1 (σ₁² share of ‖ΔW‖², {last['tensors']} tensors)", 0.0, None,
                                {"step": last["step"], "rank1_energy": _r(last["rank1_energy"])},
-                               f"SELECT step, SUM(sigma[1] * sigma[1]) / SUM(dw_fro * dw_fro) AS rank1_energy FROM "
-                               f"spectra WHERE run_id = {quote_literal(run)} AND dw_fro > 0 GROUP BY step ORDER BY step"))
+                               f"SELECT step, SUM(sigma[1] * sigma[1]) / SUM(drift_norm * drift_norm) AS rank1_energy FROM "
+                               f"spectra WHERE run_id = {quote_literal(run)} AND drift_norm > 0 GROUP BY step ORDER BY step"))
     sc = getattr(A, "sparsity_comparison", None)
     stages = frame(con, f"SELECT stage FROM tensor_stats WHERE run_id = {quote_literal(run)} AND stage IS NOT NULL "
                         f"GROUP BY stage ORDER BY MIN(step)")["stage"].to_list()

@@ -31,8 +31,8 @@ def _ctes(run: str | None) -> str:
     rc = run_clause(run)
     kinds = ", ".join(f"'{k}'" for k in EVENT_KINDS)
     return f"""
-        ev AS (SELECT run_id, kind, time_us, step, dur_us, fields_json FROM events
-               WHERE kind IN ({kinds}) AND time_us IS NOT NULL{rc}),
+        ev AS (SELECT run_id, event, time_us, step, dur_us, fields_json FROM events
+               WHERE event IN ({kinds}) AND time_us IS NOT NULL{rc}),
         act AS (SELECT run_id, start_us + coalesce(dur_us, 0) AS t, start_us AS t0, step FROM timings
                 WHERE start_us IS NOT NULL{rc}
                 UNION ALL SELECT run_id, time_us, time_us, step FROM scalars WHERE time_us IS NOT NULL{rc}),
@@ -42,9 +42,9 @@ def _ctes(run: str | None) -> str:
         rs AS (SELECT run_id, time_us AS restart_us,
                       coalesce(step, TRY_CAST(json_extract_string(fields_json, '$.resumed_step') AS BIGINT)) AS resumed_step,
                       coalesce(LAG(time_us) OVER (PARTITION BY run_id ORDER BY time_us), -1) AS prev_us
-               FROM ev WHERE kind = 'restart'),
+               FROM ev WHERE event = 'restart'),
         f AS (SELECT rs.*,
-                  (SELECT MAX(time_us) FROM ev WHERE ev.run_id = rs.run_id AND ev.kind = 'fault'
+                  (SELECT MAX(time_us) FROM ev WHERE ev.run_id = rs.run_id AND ev.event = 'fault'
                       AND ev.time_us <= rs.restart_us AND ev.time_us > rs.prev_us) AS fault_us,
                   (SELECT MAX(t) FROM act WHERE act.run_id = rs.run_id AND act.t <= rs.restart_us
                       AND act.t > rs.prev_us) AS last_act_us,
@@ -54,9 +54,9 @@ def _ctes(run: str | None) -> str:
         g AS (SELECT *, coalesce(fault_us, last_act_us) AS failure_us,
                      CASE WHEN fault_us IS NOT NULL THEN 'fault' ELSE 'last_activity' END AS failure_source FROM f),
         inc AS (SELECT g.*,
-                    (SELECT MAX(time_us) FROM ev WHERE ev.run_id = g.run_id AND ev.kind = 'checkpoint_save'
+                    (SELECT MAX(time_us) FROM ev WHERE ev.run_id = g.run_id AND ev.event = 'checkpoint_save'
                         AND ev.time_us <= g.failure_us) AS ckpt_us,
-                    (SELECT arg_max(step, time_us) FROM ev WHERE ev.run_id = g.run_id AND ev.kind = 'checkpoint_save'
+                    (SELECT arg_max(step, time_us) FROM ev WHERE ev.run_id = g.run_id AND ev.event = 'checkpoint_save'
                         AND ev.time_us <= g.failure_us) AS ckpt_step,
                     span.first_us
                 FROM g JOIN span USING (run_id))"""
@@ -89,11 +89,11 @@ def goodput_summary(store: StoreLike, run: str | None = None) -> pl.DataFrame:
         lost AS (SELECT run_id, SUM(greatest(failure_us - coalesce(ckpt_us, first_us), 0)) AS lost_us,
                         SUM(greatest(restart_us - failure_us, 0)) AS down_us FROM inc GROUP BY run_id),
         cnt AS (SELECT run_id,
-                    COUNT(*) FILTER (kind = 'checkpoint_save') AS checkpoint_saves,
-                    coalesce(SUM(dur_us) FILTER (kind = 'checkpoint_save'), 0) AS save_us,
-                    COUNT(*) FILTER (kind = 'checkpoint_load') AS checkpoint_loads,
-                    coalesce(SUM(dur_us) FILTER (kind = 'checkpoint_load'), 0) AS load_us,
-                    COUNT(*) FILTER (kind = 'fault') AS faults, COUNT(*) FILTER (kind = 'restart') AS restarts
+                    COUNT(*) FILTER (event = 'checkpoint_save') AS checkpoint_saves,
+                    coalesce(SUM(dur_us) FILTER (event = 'checkpoint_save'), 0) AS save_us,
+                    COUNT(*) FILTER (event = 'checkpoint_load') AS checkpoint_loads,
+                    coalesce(SUM(dur_us) FILTER (event = 'checkpoint_load'), 0) AS load_us,
+                    COUNT(*) FILTER (event = 'fault') AS faults, COUNT(*) FILTER (event = 'restart') AS restarts
                 FROM ev GROUP BY run_id),
         t AS (SELECT span.run_id, (span.last_us - span.first_us)::DOUBLE AS wall_us,
                      coalesce(checkpoint_saves, 0) AS checkpoint_saves, coalesce(save_us, 0) AS save_us,

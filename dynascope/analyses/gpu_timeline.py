@@ -63,7 +63,7 @@ def _kernels_sql(run: str | None, exclude_last_step: bool, rounding: str) -> str
            WHERE start_ns IS NOT NULL {rc} GROUP BY run_id, rank),
     tb AS (SELECT e.run_id, CAST(b.key AS INTEGER) AS rank, max(CAST(b.value AS BIGINT)) AS base_ns
            FROM events e, json_each(e.fields_json, '$.time_base_ns') b
-           WHERE e.kind = 'trace_import' {run_clause(run, "e.run_id")} GROUP BY ALL),
+           WHERE e.event = 'trace_import' {run_clause(run, "e.run_id")} GROUP BY ALL),
     g0 AS (SELECT t.run_id, t.rank, phase, step, parent,
                   coalesce(start_ns, start_us * 1000) AS s, coalesce(dur_ns, dur_us * 1000) AS d,
                   coalesce(tb.base_ns, 0) AS base, {hta} AS hta

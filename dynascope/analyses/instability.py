@@ -17,7 +17,7 @@
   per rank).
 - *Entropy collapse*: the first step where the scalar ``entropy`` falls below ``collapse_frac`` × its
   initial level (median of the first ``min_history`` values); one event per series.
-- *NaN/Inf*: any non-finite scalar, or tensor_stats rows with grad_nan/grad_inf/w_nan/w_inf > 0.
+- *NaN/Inf*: any non-finite scalar, or tensor_stats rows with grad_nan_count/grad_inf_count/w_nan_count/w_inf_count > 0.
 
 With ``write_to`` (a run directory) the events are also appended to that run's ``events`` table through a
 ``RunWriter`` with role ``analysis``; ``fields_json`` carries ``{"detector": "dynascope.instability",
@@ -125,10 +125,10 @@ def _nan_events(con, run: str | None) -> list[dict]:
         UNION ALL
         SELECT run_id, coalesce(role, '') AS role, rank, step,
                'tensor_stats:' || string_agg(tensor, ',' ORDER BY tensor) AS source,
-               SUM(coalesce(grad_nan, 0) + coalesce(grad_inf, 0) + coalesce(w_nan, 0) + coalesce(w_inf, 0))::DOUBLE
+               SUM(coalesce(grad_nan_count, 0) + coalesce(grad_inf_count, 0) + coalesce(w_nan_count, 0) + coalesce(w_inf_count, 0))::DOUBLE
         FROM tensor_stats
-        WHERE step IS NOT NULL AND coalesce(grad_nan, 0) + coalesce(grad_inf, 0) + coalesce(w_nan, 0)
-              + coalesce(w_inf, 0) > 0{rc}
+        WHERE step IS NOT NULL AND coalesce(grad_nan_count, 0) + coalesce(grad_inf_count, 0) + coalesce(w_nan_count, 0)
+              + coalesce(w_inf_count, 0) > 0{rc}
         GROUP BY ALL ORDER BY run_id, step, rank""")
     out = []
     for r in df.iter_rows(named=True):
@@ -170,7 +170,7 @@ def _write(df: pl.DataFrame, run_dir: str | os.PathLike) -> None:
         raise ValueError("detect_instability(write_to=...) needs one run: pass run=")
     with open_store(run_dir) as target:
         done = set(frame(target, f"""
-            SELECT rank, step, kind, json_extract_string(fields_json, '$.source') FROM events
+            SELECT rank, step, event, json_extract_string(fields_json, '$.source') FROM events
             WHERE json_extract_string(fields_json, '$.detector') = '{DETECTOR}'""").iter_rows())
     new = df.filter([(r["rank"], r["step"], r["kind"], r["source"]) not in done for r in df.iter_rows(named=True)])
     if new.is_empty():

@@ -158,7 +158,7 @@ def print_report(s: DemoSettings, console: Console, train_s: float) -> None:
     """Print the report for the finished run ``s.run_dir``."""
     run_dir = Path(s.run_dir)
     with open_store(run_dir) as con:
-        ev = frame(con, "SELECT min(step) AS s FROM events WHERE kind = 'stage'")
+        ev = frame(con, "SELECT min(step) AS s FROM events WHERE event = 'stage'")
         rl_start = None if ev.is_empty() or ev["s"][0] is None else int(ev["s"][0])
         console.rule(f"dynascope demo — trained in {train_s:.0f} s")
         _reward_table(s, con, console)

@@ -5,7 +5,7 @@ Checkpoint i becomes step i (1-based, BASE is step 0) unless every name carries 
 the checkpoints are taken in step order, whatever order the shell listed them in.
 
 Per tensor and checkpoint it writes the rows the live probe writes (same pure functions):
-- ``tensor_stats``: the step columns (w_norm, dw_norm, changed/sign-flip counts, …) against the
+- ``tensor_stats``: the step columns (w_norm, update_norm, changed/sign-flip counts, …) against the
   *previous* checkpoint (BASE for the first), exactly as the probe compares step t with step t−1, and
   the drift columns (drift_norm, drift_changed_*) against BASE = θ₀;
 - ``spectra`` (2-D float weights, unless k = 0): the low-rank summary of W_i − W_BASE.
@@ -163,8 +163,8 @@ def _diff_tensor(name: str, base_ck: Checkpoint, cks: list[Checkpoint], steps: l
         progress(nbytes)
     read = nbytes
     prev = w0
-    cols: dict[str, list] = {c: [] for c in ("step", "time_us", "w_norm", "dw_norm", "changed_count",
-                                             "changed_bf16_count", "sign_flip_count", "w_nan", "w_inf",
+    cols: dict[str, list] = {c: [] for c in ("step", "time_us", "w_norm", "update_norm", "changed_count",
+                                             "changed_bf16_count", "sign_flip_count", "w_nan_count", "w_inf_count",
                                              "drift_norm", "drift_changed_count", "drift_changed_bf16_count",
                                              "w0_norm")}
     w0_norm = float(norms([w0])[0])
@@ -182,10 +182,10 @@ def _diff_tensor(name: str, base_ck: Checkpoint, cks: list[Checkpoint], steps: l
             d[_COL["w_norm"]] = w0_norm
         else:
             s, d = weight_update_stats([cur, w0], [prev, cur], eta).tolist()
-        for c in ("w_norm", "dw_norm", "changed_count", "changed_bf16_count", "sign_flip_count", "w_nan", "w_inf"):
+        for c in ("w_norm", "update_norm", "changed_count", "changed_bf16_count", "sign_flip_count", "w_nan_count", "w_inf_count"):
             cols[c].append(s[_COL[c]])
         cols["w0_norm"].append(d[_COL["w_norm"]])
-        cols["drift_norm"].append(d[_COL["dw_norm"]])
+        cols["drift_norm"].append(d[_COL["update_norm"]])
         cols["drift_changed_count"].append(d[_COL["changed_count"]])
         cols["drift_changed_bf16_count"].append(d[_COL["changed_bf16_count"]])
         cols["step"].append(step)
@@ -238,11 +238,11 @@ def _write_rows(name: str, spec: tuple[tuple[int, ...], torch.dtype], cols: dict
         "step": cols["step"], "time_us": cols["time_us"], "stage": stage, "tensor": name,
         "layer": tensor_layer(name), "kind": tensor_kind(name), "shape": "x".join(str(d) for d in spec[0]),
         "dtype": str(spec[1]).removeprefix("torch."), "numel": numel, "sharded": False,
-        "w_norm": cols["w_norm"], "dw_norm": cols["dw_norm"], "update_ratio": ratio(cols["dw_norm"], cols["w_norm"]),
+        "w_norm": cols["w_norm"], "update_norm": cols["update_norm"], "update_ratio": ratio(cols["update_norm"], cols["w_norm"]),
         **{c: [None if x is None else int(x) for x in v] for c, v in counts.items()},
         "changed_frac": frac(counts["changed_count"]), "changed_bf16_frac": frac(counts["changed_bf16_count"]),
         "sign_flip_frac": frac(counts["sign_flip_count"]),
-        "w_nan": [int(x) for x in cols["w_nan"]], "w_inf": [int(x) for x in cols["w_inf"]],
+        "w_nan_count": [int(x) for x in cols["w_nan_count"]], "w_inf_count": [int(x) for x in cols["w_inf_count"]],
         "ref_covered": True, "drift_norm": cols["drift_norm"], "drift_ratio": ratio(cols["drift_norm"], cols["w0_norm"]),
         "drift_changed_frac": frac(counts["drift_changed_count"]),
         "drift_changed_bf16_frac": frac(counts["drift_changed_bf16_count"]),

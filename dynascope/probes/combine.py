@@ -70,7 +70,7 @@ def combine_shards(rows: Any) -> pl.DataFrame:
     out = sharded.group_by(_KEYS, maintain_order=True).agg(aggs)
     ratio = lambda a, b: pl.when(pl.col(b) > 0).then(pl.col(a) / pl.col(b)).otherwise(None)  # noqa: E731
     out = out.with_columns(
-        ratio("dw_norm", "w_norm").alias("update_ratio"),
+        ratio("update_norm", "w_norm").alias("update_ratio"),
         ratio("drift_norm", "_ref_norm").alias("drift_ratio"),
         *[ratio(count, "numel").alias(frac) for frac, count in _FRACS.items() if count in out.columns],
     ).drop("_ref_norm")

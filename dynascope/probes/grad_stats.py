@@ -20,9 +20,9 @@ __all__ = ["GRAD_COUNT_COLUMNS", "GRAD_NORM_COLUMNS", "GRAD_REDUCTIONS", "DEFAUL
            "grad_norms"]
 
 GRAD_NORM_COLUMNS = ("grad_norm",)
-GRAD_COUNT_COLUMNS = ("grad_max_abs", "grad_zero_count", "grad_near_zero_count", "grad_nan", "grad_inf")
+GRAD_COUNT_COLUMNS = ("grad_max_abs", "grad_zero_count", "grad_near_zero_count", "grad_nan_count", "grad_inf_count")
 GRAD_REDUCTIONS = {"grad_norm": "norm", "grad_max_abs": "max", "grad_zero_count": "sum",
-                   "grad_near_zero_count": "sum", "grad_nan": "sum", "grad_inf": "sum"}
+                   "grad_near_zero_count": "sum", "grad_nan_count": "sum", "grad_inf_count": "sum"}
 DEFAULT_GRAD_TOL = 1e-8  # near zero: |g| <= tol · rms(g) of the same tensor
 
 

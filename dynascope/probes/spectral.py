@@ -133,7 +133,7 @@ def spectrum_row(
     fro_sq = dw.pow(2).sum()
     row: dict[str, Any] = {"rows": dw.shape[0], "cols": dw.shape[1], "k": min(k, min(dw.shape))}
     if not bool(fro_sq > 0) or not bool(torch.isfinite(fro_sq)):
-        row.update(dw_fro=float(fro_sq.sqrt()), sigma=[], rank1_energy=None, topk_energy=None,
+        row.update(drift_norm=float(fro_sq.sqrt()), sigma=[], rank1_energy=None, topk_energy=None,
                    stable_rank=None, effective_rank=None, u1=None, v1=None, angle_left_deg=None,
                    angle_right_deg=None, off_principal_energy=None, spectral_drift=None)
         return row, None
@@ -151,7 +151,7 @@ def spectrum_row(
     # One device→host copy per tensor for the scalars, one per vector.
     vals = torch.stack([x.to(dw.dtype) for x in scalars]).double().cpu().tolist()
     vals = [None if not math.isfinite(x) else x for x in vals]
-    row.update(dw_fro=vals[0], sigma=b.S.double().cpu().tolist(), rank1_energy=vals[1], topk_energy=vals[2],
+    row.update(drift_norm=vals[0], sigma=b.S.double().cpu().tolist(), rank1_energy=vals[1], topk_energy=vals[2],
                stable_rank=vals[3], effective_rank=vals[4], off_principal_energy=vals[5], spectral_drift=vals[6],
                u1=u1.float().cpu().numpy(), v1=v1.float().cpu().numpy())
     row["angle_left_deg"] = row["angle_right_deg"] = None

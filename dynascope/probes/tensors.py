@@ -271,9 +271,9 @@ def rows_from_record(rec: Record) -> dict[str, list]:
             nan_c, inf_c = _count(u[5]), _count(u[6])
         else:  # a finite norm proves there is no NaN/Inf element; otherwise unknown here
             nan_c = inf_c = 0 if math.isfinite(w) else None
-        put("w_nan", nan_c), put("w_inf", inf_c)
+        put("w_nan_count", nan_c), put("w_inf_count", inf_c)
         dw = float(u[1]) if u is not None else None
-        put("dw_norm", dw), put("update_ratio", _ratio(dw, w))
+        put("update_norm", dw), put("update_ratio", _ratio(dw, w))
         for col, j in (("changed", 2), ("changed_bf16", 3), ("sign_flip", 4)):
             c = _count(u[j]) if u is not None else None
             put(f"{col}_count", c), put(f"{col}_frac", _frac(c, numel))
@@ -291,10 +291,10 @@ def rows_from_record(rec: Record) -> dict[str, list]:
             c = _count(k[j]) if k is not None else None
             put(f"{col}_count", c), put(f"{col}_frac", _frac(c, numel))
         if k is not None:
-            put("grad_nan", _count(k[3])), put("grad_inf", _count(k[4]))
+            put("grad_nan_count", _count(k[3])), put("grad_inf_count", _count(k[4]))
         else:
             known = g is not None and math.isfinite(float(g[0]))
-            put("grad_nan", 0 if known else None), put("grad_inf", 0 if known else None)
+            put("grad_nan_count", 0 if known else None), put("grad_inf_count", 0 if known else None)
     if n:
         cols.update(step=rec.step, time_us=rec.time_us, stage=rec.stage)
     return cols

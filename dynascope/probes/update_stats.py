@@ -25,13 +25,13 @@ from torch import Tensor
 __all__ = ["DEFAULT_CHUNK_ELEMS", "UPDATE_STAT_COLUMNS", "UPDATE_REDUCTIONS", "Reader", "UpdateStats", "chunk_ranges", "chunk_rows", "chunked_update_stats",
            "norms", "tensor_update_stats", "transient_bytes", "wide", "weight_update_stats"]
 
-UPDATE_STAT_COLUMNS = ("w_norm", "dw_norm", "changed_count", "changed_bf16_count", "sign_flip_count",
-                       "w_nan", "w_inf")
+UPDATE_STAT_COLUMNS = ("w_norm", "update_norm", "changed_count", "changed_bf16_count", "sign_flip_count",
+                       "w_nan_count", "w_inf_count")
 
 # How each state combines across ranks when a tensor is sharded (FSDP/DTensor): "norm" = root of the
 # sum of squares, "sum" = plain sum. Used by dynascope.probes.combine.
-UPDATE_REDUCTIONS = {"w_norm": "norm", "dw_norm": "norm", "changed_count": "sum", "changed_bf16_count": "sum",
-                     "sign_flip_count": "sum", "w_nan": "sum", "w_inf": "sum"}
+UPDATE_REDUCTIONS = {"w_norm": "norm", "update_norm": "norm", "changed_count": "sum", "changed_bf16_count": "sum",
+                     "sign_flip_count": "sum", "w_nan_count": "sum", "w_inf_count": "sum"}
 
 # Without a budget: 4M elements, i.e. temporaries of at most ~100 MB whatever the tensor's size.
 DEFAULT_CHUNK_ELEMS = 1 << 22

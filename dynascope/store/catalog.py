@@ -110,7 +110,7 @@ def _query(run_dir: Path) -> tuple[str, int | None, set[str]]:
         union = " UNION ALL ".join(f"SELECT max(step) AS s FROM {quote_ident(t)}" for t in _STEP_TABLES)
         top = con.sql(f"SELECT max(s) FROM ({union})").fetchall()[0][0]
         ended = set()
-        for (fields,) in con.sql("SELECT fields_json FROM events WHERE kind = 'run_end'").fetchall():
+        for (fields,) in con.sql("SELECT fields_json FROM events WHERE event = 'run_end'").fetchall():
             try:
                 ended.add(json.loads(fields)["writer_id"])
             except (TypeError, ValueError, KeyError):

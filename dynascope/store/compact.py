@@ -175,7 +175,7 @@ def _merge(table: str, group: list[tuple[int, int, Path]], settle_us: int) -> in
                 pf = pq.ParquetFile(src)
                 expected += pf.metadata.num_rows
                 for batch in pf.iter_batches(batch_size=262_144):
-                    writer.write_table(conform(pa.Table.from_batches([batch]), schema))
+                    writer.write_table(conform(pa.Table.from_batches([batch]), table))
         got = pq.ParquetFile(tmp).metadata.num_rows
         if got != expected:
             raise OSError(f"merged file has {got} rows, its sources {expected}")

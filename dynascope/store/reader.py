@@ -25,7 +25,7 @@ import duckdb
 import pyarrow as pa
 
 from dynascope.store.layout import StoreError, StoreLocation, first_line, locate
-from dynascope.store.schema import TABLES, sql_type
+from dynascope.store.schema import RENAMED, TABLES, sql_type
 
 T = TypeVar("T")
 
@@ -45,8 +45,8 @@ def quote_ident(name: str) -> str:
 
 def _view_sql(loc: StoreLocation, table: str) -> str:
     pattern = quote_literal(loc.table_glob(table))
-    cols = ", ".join(quote_ident(c) for c in TABLES[table].names)
-    typed = _typed_nulls(table)
+    cols = ", ".join(_column_sql(table, c) for c in TABLES[table].names)
+    typed = _typed_nulls(table, with_old_names=True)
     # The rule in ``layout``: a segment counts when it is in effect (merged ones carry a valid-from time,
     # compared with the query's start) and no earlier segment in (lo, hi desc, name) order of the same
     # writer dir reaches as far. A window, not a self-join: writer dirs can hold thousands of segments.
@@ -91,8 +91,18 @@ def retry_vanished(fetch: Callable[[], T], attempts: int = 8) -> T:
     raise AssertionError("unreachable")
 
 
-def _typed_nulls(table: str) -> str:
-    return ", ".join(f"CAST(NULL AS {sql_type(f.type)}) AS {quote_ident(f.name)}" for f in TABLES[table])
+def _column_sql(table: str, name: str) -> str:
+    """A view column: a column renamed since an older schema reads its old name in that schema's segments."""
+    old = RENAMED.get(table, {}).get(name)
+    return f"coalesce({quote_ident(name)}, {quote_ident(old)}) AS {quote_ident(name)}" if old else quote_ident(name)
+
+
+def _typed_nulls(table: str, with_old_names: bool = False) -> str:
+    fields = [(f.name, f.type) for f in TABLES[table]]
+    if with_old_names:  # so the view binds whether or not any segment of an older schema is present
+        types = dict(fields)
+        fields += [(old, types[new]) for new, old in RENAMED.get(table, {}).items()]
+    return ", ".join(f"CAST(NULL AS {sql_type(t)}) AS {quote_ident(n)}" for n, t in fields)
 
 
 class StoreConnection:

@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 from dynascope.store._columns import parquet_options
 from dynascope.store.layout import first_line, heartbeat_path, list_segments, live_segments
 from dynascope.store.rollup import ROLLUP_TABLES, ROLLUPS
-from dynascope.store.schema import TABLES
+from dynascope.store.schema import RENAMED, TABLES
 
 # A source this recent, or of a writer whose heartbeat is this recent, may still get its rollup from the
 # writer (it writes them right after the source, and retries failed ones every flush).
@@ -150,10 +150,10 @@ def _roll_segment(path: Path, g: _Pair) -> pa.Table:
     memory: a group split across two batches is two rows, which pool like a step split across two flushes."""
     try:
         batches = pq.ParquetFile(path).iter_batches(batch_size=_BATCH)
-        parts = [g.roll(conform(pa.Table.from_batches([b]), TABLES[g.source])) for b in batches]
+        parts = [g.roll(conform(pa.Table.from_batches([b]), g.source)) for b in batches]
     except (OSError, pa.ArrowException) as exc:
         raise OSError(f"{path.name}: corrupt segment ({first_line(exc)})") from None
-    return conform(pa.concat_tables(parts), TABLES[g.name])
+    return conform(pa.concat_tables(parts), g.name)
 
 
 def _free_after(run_dir: Path, writer: str, most: int) -> Callable[[int], int]:
@@ -204,7 +204,7 @@ def _rollup_keys(step_rows: Counter, source: str, roll: Callable[[pa.Table], pa.
     """
     distinct = pa.table({"step": pa.array(list(step_rows), pa.int64()),
                          "numel": pa.array(list(step_rows.values()), pa.int64())})
-    t = roll(conform(distinct, TABLES[source]))
+    t = roll(conform(distinct, source))
     return _sum_by(t["step"], t["numel"])
 
 
@@ -234,12 +234,17 @@ def _is_fresh(path: Path, run_dir: Path, wdir: Path, quiet_s: float) -> bool:
         return False
 
 
-def conform(t: pa.Table, schema: pa.Schema) -> pa.Table:
-    """``t`` in ``schema``: columns cast to its types, columns added since it was written NULL (old
-    segments; compaction's merge uses it too)."""
-    cols = [t.column(f.name).cast(f.type) if f.name in t.column_names else pa.nulls(t.num_rows, f.type)
-            for f in schema]
-    return pa.Table.from_arrays(cols, schema=schema)
+def conform(t: pa.Table, table: str) -> pa.Table:
+    """``t`` in ``table``'s current schema: columns cast to its types, columns renamed since it was written
+    read from their old name, columns added since then NULL (old segments; compaction's merge uses it too)."""
+    schema, renamed = TABLES[table], RENAMED.get(table, {})
+
+    def column(f: pa.Field) -> pa.ChunkedArray | pa.Array:
+        for name in (f.name, renamed.get(f.name)):
+            if name in t.column_names:
+                return t.column(name).cast(f.type)
+        return pa.nulls(t.num_rows, f.type)
+    return pa.Table.from_arrays([column(f) for f in schema], schema=schema)
 
 
 def _atomic_write(table: pa.Table, final: Path) -> None:

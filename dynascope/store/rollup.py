@@ -89,10 +89,10 @@ def _pool(t: pa.Table, keys: list[str], schema: pa.Schema) -> pa.Table:
         return pa.array(best, mask=np.bincount(group, weights=valid, minlength=n) == 0)
 
     numel, numel_ok = _numbers(t["numel"])
-    cols = {c: _numbers(t[c]) for c in ("w_norm", "dw_norm", "update_ratio", "changed_count", "changed_bf16_count",
-                                         "sign_flip_count", "w_nan", "w_inf", "drift_norm", "drift_changed_count",
+    cols = {c: _numbers(t[c]) for c in ("w_norm", "update_norm", "update_ratio", "changed_count", "changed_bf16_count",
+                                         "sign_flip_count", "w_nan_count", "w_inf_count", "drift_norm", "drift_changed_count",
                                          "grad_norm", "grad_max_abs", "grad_zero_count", "grad_near_zero_count",
-                                         "grad_nan", "grad_inf", "time_us")}
+                                         "grad_nan_count", "grad_inf_count", "time_us")}
 
     def sq(c: str) -> pa.Array:
         return total(cols[c][0] ** 2, cols[c][1])
@@ -102,19 +102,19 @@ def _pool(t: pa.Table, keys: list[str], schema: pa.Schema) -> pa.Table:
 
     out |= {
         "time_us": peak(*cols["time_us"]), "tensors": pa.array(np.bincount(group, minlength=n)),
-        "numel": total(numel, numel_ok), "w_sq": sq("w_norm"), "dw_sq": sq("dw_norm"),
+        "numel": total(numel, numel_ok), "w_sq": sq("w_norm"), "update_sq": sq("update_norm"),
         "update_ratio_max": peak(*cols["update_ratio"]),
         "changed_count": total(*cols["changed_count"]), "changed_numel": numel_where("changed_count"),
         "changed_bf16_count": total(*cols["changed_bf16_count"]),
         "changed_bf16_numel": numel_where("changed_bf16_count"),
-        "sign_flip_count": total(*cols["sign_flip_count"]), "w_nan": total(*cols["w_nan"]),
-        "w_inf": total(*cols["w_inf"]), "drift_sq": sq("drift_norm"),
+        "sign_flip_count": total(*cols["sign_flip_count"]), "w_nan_count": total(*cols["w_nan_count"]),
+        "w_inf_count": total(*cols["w_inf_count"]), "drift_sq": sq("drift_norm"),
         "drift_w_sq": total(cols["w_norm"][0] ** 2, cols["w_norm"][1] & cols["drift_norm"][1]),
         "drift_changed_count": total(*cols["drift_changed_count"]), "drift_numel": numel_where("drift_norm"),
         "grad_sq": sq("grad_norm"), "grad_max_abs": peak(*cols["grad_max_abs"]),
         "grad_zero_count": total(*cols["grad_zero_count"]),
         "grad_near_zero_count": total(*cols["grad_near_zero_count"]), "grad_numel": numel_where("grad_zero_count"),
-        "grad_nan": total(*cols["grad_nan"]), "grad_inf": total(*cols["grad_inf"]),
+        "grad_nan_count": total(*cols["grad_nan_count"]), "grad_inf_count": total(*cols["grad_inf_count"]),
     }
     return pa.table([out[f.name].cast(f.type) for f in schema], schema=schema)
 

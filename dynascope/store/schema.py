@@ -1,4 +1,4 @@
-"""Schema v1 of the dynascope store: one Arrow schema per table, long format, typed columns.
+"""Schema v2 of the dynascope store: one Arrow schema per table, long format, typed columns.
 
 Every table carries ``run_id``; per-step tables carry ``step`` and ``rank``; rows that happen at a
 moment carry ``time_us`` (wall clock, µs since the epoch). Units live in column names.
@@ -8,7 +8,22 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+
+# Columns renamed since an earlier schema, per table: {new name: old name}. Readers map the old name onto
+# the new one, so runs written with schema v1 still open. v2 gave each quantity one word: "update" is the
+# per-step ΔW = W_t − W_{t−1}, "drift" is W_t − W₀, counts end in _count, and an event's type is `event`
+# (`kind` is only ever a tensor's module kind).
+_V1_POOLED = {"update_sq": "dw_sq", "w_nan_count": "w_nan", "w_inf_count": "w_inf",
+              "grad_nan_count": "grad_nan", "grad_inf_count": "grad_inf"}
+RENAMED: dict[str, dict[str, str]] = {
+    "tensor_stats": {"update_norm": "dw_norm", "w_nan_count": "w_nan", "w_inf_count": "w_inf",
+                     "grad_nan_count": "grad_nan", "grad_inf_count": "grad_inf"},
+    "tensor_stats_by_kind": _V1_POOLED,
+    "tensor_stats_by_layer": _V1_POOLED,
+    "spectra": {"drift_norm": "dw_fro"},
+    "events": {"event": "kind"},
+}
 
 _f64, _i64, _i32, _str, _bool = pa.float64(), pa.int64(), pa.int32(), pa.string(), pa.bool_()
 
@@ -19,13 +34,13 @@ WRITER_COLUMNS = ("run_id", "rank", "role")
 # count it is out of, so a ratio over any set of rows is Σ/Σ.
 _POOLED = [
     ("tensors", _i64), ("numel", _i64),
-    ("w_sq", _f64), ("dw_sq", _f64), ("update_ratio_max", _f64),
+    ("w_sq", _f64), ("update_sq", _f64), ("update_ratio_max", _f64),
     ("changed_count", _i64), ("changed_numel", _i64),
     ("changed_bf16_count", _i64), ("changed_bf16_numel", _i64),
-    ("sign_flip_count", _i64), ("w_nan", _i64), ("w_inf", _i64),
+    ("sign_flip_count", _i64), ("w_nan_count", _i64), ("w_inf_count", _i64),
     ("drift_sq", _f64), ("drift_w_sq", _f64), ("drift_changed_count", _i64), ("drift_numel", _i64),
     ("grad_sq", _f64), ("grad_max_abs", _f64), ("grad_zero_count", _i64), ("grad_near_zero_count", _i64),
-    ("grad_numel", _i64), ("grad_nan", _i64), ("grad_inf", _i64),
+    ("grad_numel", _i64), ("grad_nan_count", _i64), ("grad_inf_count", _i64),
 ]
 # Steps per row of tensor_stats_by_layer (blocks start at multiples of it).
 ROLLUP_BLOCK_STEPS = 16
@@ -44,11 +59,11 @@ TABLES: dict[str, pa.Schema] = {
         ("tensor", _str), ("layer", _i32), ("kind", _str), ("shape", _str), ("dtype", _str),
         ("numel", _i64), ("sharded", _bool),
         # weights and the step update ΔW = W_t − W_{t−1}
-        ("w_norm", _f64), ("dw_norm", _f64), ("update_ratio", _f64),
+        ("w_norm", _f64), ("update_norm", _f64), ("update_ratio", _f64),
         ("changed_count", _i64), ("changed_frac", _f64),            # bit-exact in the param's dtype
         ("changed_bf16_count", _i64), ("changed_bf16_frac", _f64),  # |ŵ−w| > η·max(|w|,|ŵ|)
         ("sign_flip_count", _i64), ("sign_flip_frac", _f64),
-        ("w_nan", _i64), ("w_inf", _i64),
+        ("w_nan_count", _i64), ("w_inf_count", _i64),
         # drift against the reference weights θ₀ (null when this tensor's θ₀ is not held)
         ("ref_covered", _bool), ("drift_norm", _f64), ("drift_ratio", _f64),
         ("drift_changed_count", _i64), ("drift_changed_frac", _f64),
@@ -56,7 +71,7 @@ TABLES: dict[str, pa.Schema] = {
         # gradient at the step (null when the param had no grad)
         ("grad_norm", _f64), ("grad_zero_count", _i64), ("grad_zero_frac", _f64),
         ("grad_near_zero_count", _i64), ("grad_near_zero_frac", _f64),
-        ("grad_max_abs", _f64), ("grad_nan", _i64), ("grad_inf", _i64),
+        ("grad_max_abs", _f64), ("grad_nan_count", _i64), ("grad_inf_count", _i64),
     ]),
     # Rollups of tensor_stats that the writer keeps beside it (dynascope/store/rollup.py), each with sums
     # that pool exactly (Σ‖·‖², counts and the numel they are out of). Each tensor_stats segment gets one of
@@ -77,7 +92,7 @@ TABLES: dict[str, pa.Schema] = {
         ("run_id", _str), ("rank", _i32), ("role", _str),
         ("step", _i64), ("time_us", _i64), ("stage", _str),
         ("tensor", _str), ("layer", _i32), ("kind", _str), ("rows", _i64), ("cols", _i64), ("k", _i32),
-        ("dw_fro", _f64), ("sigma", pa.list_(_f64)),
+        ("drift_norm", _f64), ("sigma", pa.list_(_f64)),
         ("rank1_energy", _f64), ("topk_energy", _f64), ("stable_rank", _f64), ("effective_rank", _f64),
         ("u1", pa.list_(pa.float32())), ("v1", pa.list_(pa.float32())),
         ("angle_left_deg", _f64), ("angle_right_deg", _f64),
@@ -87,7 +102,7 @@ TABLES: dict[str, pa.Schema] = {
         ("run_id", _str), ("rank", _i32), ("role", _str),
         ("step", _i64), ("phase", _str), ("parent", _str),
         ("start_us", _i64), ("dur_us", _i64), ("device", _str),
-        ("category", _str),  # phase | kernel | memcpy | comm | annotation | cpu_op (trace import)
+        ("category", _str),  # step | phase | wait | comm (probes); kernel | memcpy | comm | annotation | cpu_op (traces)
         ("stream", _i64),
         # Exact times of imported profiler traces (ns-resolution Kineto traces); NULL for probe rows.
         ("start_ns", _i64), ("dur_ns", _i64),
@@ -105,7 +120,7 @@ TABLES: dict[str, pa.Schema] = {
     ]),
     "events": pa.schema([
         ("run_id", _str), ("rank", _i32), ("role", _str),
-        ("step", _i64), ("time_us", _i64), ("kind", _str), ("severity", _str),
+        ("step", _i64), ("time_us", _i64), ("event", _str), ("severity", _str),
         ("message", _str), ("dur_us", _i64), ("fields_json", _str),
     ]),
     "system": pa.schema([

@@ -189,7 +189,7 @@ class RunWriter:
               dur_us: int | None = None, **fields: Any) -> None:
         """Record an event row (checkpoint, fault, restart, warning...)."""
         self.append("events", {
-            "step": step, "time_us": now_us(), "kind": kind, "severity": severity, "message": message,
+            "step": step, "time_us": now_us(), "event": kind, "severity": severity, "message": message,
             "dur_us": dur_us, "fields_json": json.dumps(fields, default=str) if fields else None,
         })
 
@@ -333,7 +333,7 @@ class RunWriter:
         if self._failing:
             self._failing = False
             with self._lock:
-                self._pending_events.append({"kind": "write_recovered", "severity": "info",
+                self._pending_events.append({"event": "write_recovered", "severity": "info",
                                              "message": "segment writes succeed again",
                                              "write_errors": self.write_errors})
         self._seq += 1
@@ -360,7 +360,7 @@ class RunWriter:
         create_marker(self.run_dir, meta)
         self._heartbeat()
         with self._lock:
-            self._pending_events.append({"kind": "run_dir_recreated", "severity": "warning",
+            self._pending_events.append({"event": "run_dir_recreated", "severity": "warning",
                                          "message": f"{self.run_dir} was deleted during the run and recreated"})
 
     def _requeue(self, table: str, buf: _TableBuffer) -> None:
@@ -394,7 +394,7 @@ class RunWriter:
             warnings.warn(f"dynascope: {message}", RuntimeWarning, stacklevel=3)
         if emit_event:
             with self._lock:
-                self._pending_events.append({"kind": kind, "severity": "warning", "message": message})
+                self._pending_events.append({"event": kind, "severity": "warning", "message": message})
 
     # ---- shutdown -----------------------------------------------------------------------------------
     def close(self, timeout_s: float = 30.0) -> None:

@@ -14,7 +14,7 @@ from dynascope.store.schema import ROLLUP_BLOCK_STEPS
 # maps (tensor_stats itself when buckets are narrower than a block). Kind and stage filters then pool
 # these sums in polars, so changing a filter never re-scans the table.
 _HEAT_SUMS = """
-    sum(dw_norm * dw_norm) AS dw2, sum(w_norm * w_norm) AS w2,
+    sum(update_norm * update_norm) AS dw2, sum(w_norm * w_norm) AS w2,
     CAST(sum(changed_count) AS DOUBLE) AS changed,
     CAST(sum(CASE WHEN changed_count IS NOT NULL THEN numel END) AS DOUBLE) AS changed_numel,
     sum(drift_norm * drift_norm) AS drift2, sum(CASE WHEN drift_norm IS NOT NULL THEN w_norm * w_norm END) AS drift_w2"""
@@ -23,18 +23,18 @@ _HEAT_SUMS = """
 _SUMS = _HEAT_SUMS + """,
     CAST(sum(grad_zero_count) AS DOUBLE) AS gzero, CAST(sum(grad_near_zero_count) AS DOUBLE) AS gnear,
     CAST(sum(CASE WHEN grad_zero_count IS NOT NULL THEN numel END) AS DOUBLE) AS grad_numel,
-    CAST(sum(coalesce(w_nan, 0) + coalesce(grad_nan, 0)) AS BIGINT) AS nan,
-    CAST(sum(coalesce(w_inf, 0) + coalesce(grad_inf, 0)) AS BIGINT) AS inf"""
+    CAST(sum(coalesce(w_nan_count, 0) + coalesce(grad_nan_count, 0)) AS BIGINT) AS nan,
+    CAST(sum(coalesce(w_inf_count, 0) + coalesce(grad_inf_count, 0)) AS BIGINT) AS inf"""
 
 # The same sums from the rollups' pooled columns (see dynascope/store/rollup.py).
 _HEAT_ROLLUP_SUMS = """
-    sum(dw_sq) AS dw2, sum(w_sq) AS w2, CAST(sum(changed_count) AS DOUBLE) AS changed,
+    sum(update_sq) AS dw2, sum(w_sq) AS w2, CAST(sum(changed_count) AS DOUBLE) AS changed,
     CAST(sum(changed_numel) AS DOUBLE) AS changed_numel, sum(drift_sq) AS drift2, sum(drift_w_sq) AS drift_w2"""
 _ROLLUP_SUMS = _HEAT_ROLLUP_SUMS + """,
     CAST(sum(grad_zero_count) AS DOUBLE) AS gzero, CAST(sum(grad_near_zero_count) AS DOUBLE) AS gnear,
     CAST(sum(grad_numel) AS DOUBLE) AS grad_numel,
-    CAST(coalesce(sum(w_nan), 0) + coalesce(sum(grad_nan), 0) AS BIGINT) AS nan,
-    CAST(coalesce(sum(w_inf), 0) + coalesce(sum(grad_inf), 0) AS BIGINT) AS inf"""
+    CAST(coalesce(sum(w_nan_count), 0) + coalesce(sum(grad_nan_count), 0) AS BIGINT) AS nan,
+    CAST(coalesce(sum(w_inf_count), 0) + coalesce(sum(grad_inf_count), 0) AS BIGINT) AS inf"""
 
 _KEYS = "coalesce(kind, 'other') AS kind, coalesce(stage, '') AS stage"
 
@@ -166,11 +166,11 @@ def nonfinite_tensors(store: StoreConnection, run: str, steps: tuple[int, ...]) 
     if not steps:
         return pl.DataFrame(schema={"step": pl.Int64, "tensor": pl.String, "nonfinite": pl.Int64})
     return frame(store, f"""
-        SELECT step, tensor, CAST(coalesce(w_nan, 0) + coalesce(w_inf, 0) + coalesce(grad_nan, 0)
-                                  + coalesce(grad_inf, 0) AS BIGINT) AS nonfinite
+        SELECT step, tensor, CAST(coalesce(w_nan_count, 0) + coalesce(w_inf_count, 0) + coalesce(grad_nan_count, 0)
+                                  + coalesce(grad_inf_count, 0) AS BIGINT) AS nonfinite
         FROM tensor_stats
         WHERE run_id = {quote_literal(run)} AND step IN ({', '.join(str(int(s)) for s in steps)})
-          AND (w_nan > 0 OR w_inf > 0 OR grad_nan > 0 OR grad_inf > 0)
+          AND (w_nan_count > 0 OR w_inf_count > 0 OR grad_nan_count > 0 OR grad_inf_count > 0)
         ORDER BY step, nonfinite DESC""")
 
 
@@ -188,13 +188,13 @@ def spectra_series(store: StoreConnection, runs: tuple[str, ...], kinds: tuple[s
     through that analysis because it reads only scalar columns (the analysis also reads the u₁/v₁ lists)
     and honours the kind filter.
     """
-    where = _where(runs, kinds) + " AND dw_fro > 0 AND len(sigma) > 0"
+    where = _where(runs, kinds) + " AND drift_norm > 0 AND len(sigma) > 0"
     return frame(store, f"""
         WITH per_step AS (
             SELECT run_id, coalesce(stage, '') AS stage, step,
-                   sum(sigma[1] * sigma[1]) / sum(dw_fro * dw_fro) AS rank1,
-                   min(sigma[1] * sigma[1] / (dw_fro * dw_fro)) AS lo,
-                   max(sigma[1] * sigma[1] / (dw_fro * dw_fro)) AS hi, avg(stable_rank) AS stable_rank,
+                   sum(sigma[1] * sigma[1]) / sum(drift_norm * drift_norm) AS rank1,
+                   min(sigma[1] * sigma[1] / (drift_norm * drift_norm)) AS lo,
+                   max(sigma[1] * sigma[1] / (drift_norm * drift_norm)) AS hi, avg(stable_rank) AS stable_rank,
                    min(stable_rank) AS sr_lo, max(stable_rank) AS sr_hi
             FROM spectra WHERE {where} GROUP BY ALL),
         {bounds_cte('per_step', 'TRUE', max_points, partition='run_id')}

@@ -36,8 +36,8 @@ def run_list(store: StoreConnection) -> pl.DataFrame:
                    UNION ALL SELECT run_id, step, rank FROM scalars UNION ALL SELECT run_id, step, rank FROM samples)
         SELECT s.run_id, max(step) AS steps, count(DISTINCT rank) AS ranks,
                (SELECT count(*) FROM events e WHERE e.run_id = s.run_id AND e.severity IN ('error', 'critical')
-                  AND {in_list('e.kind', _CRASH_KINDS)}) AS crash_events,
-               (SELECT count(*) FROM events e WHERE e.run_id = s.run_id AND e.kind IN ('run_end', 'finished')) AS ends
+                  AND {in_list('e.event', _CRASH_KINDS)}) AS crash_events,
+               (SELECT count(*) FROM events e WHERE e.run_id = s.run_id AND e.event IN ('run_end', 'finished')) AS ends
         FROM s GROUP BY s.run_id""")
     out = disk.join(stats, on="run_id", how="left")
     now = time.time() * 1e6
@@ -94,7 +94,7 @@ def scalar_series(store: StoreConnection, runs: tuple[str, ...], key: str) -> pl
 def events(store: StoreConnection, runs: tuple[str, ...], limit: int = 5000) -> pl.DataFrame:
     """The newest events (instability, faults, checkpoints, restarts...) with their step."""
     return frame(store, f"""
-        SELECT run_id, step, rank, kind, severity, message, dur_us / 1000.0 AS dur_ms,
+        SELECT run_id, step, rank, event, severity, message, dur_us / 1000.0 AS dur_ms,
                make_timestamp(time_us) AS time, fields_json
         FROM events WHERE {in_list('run_id', runs)}
         ORDER BY time_us DESC NULLS LAST LIMIT {int(limit)}""")
@@ -109,8 +109,8 @@ def step_context(store: StoreConnection, run: str, step: int) -> dict[str, pl.Da
         "phases": frame(store, f"SELECT rank, phase, sum(dur_us) / 1000.0 AS ms FROM timings "
                                f"WHERE run_id = {r} AND step = {s} AND category <> 'kernel' "
                                "GROUP BY ALL ORDER BY rank, ms DESC"),
-        "tensors": frame(store, f"SELECT tensor, update_ratio, grad_norm, grad_nan + grad_inf AS grad_nonfinite, "
-                                f"w_nan + w_inf AS w_nonfinite FROM tensor_stats WHERE run_id = {r} AND step = {s} "
-                                "ORDER BY (grad_nan + grad_inf + w_nan + w_inf) DESC, update_ratio DESC NULLS LAST "
+        "tensors": frame(store, f"SELECT tensor, update_ratio, grad_norm, grad_nan_count + grad_inf_count AS grad_nonfinite, "
+                                f"w_nan_count + w_inf_count AS w_nonfinite FROM tensor_stats WHERE run_id = {r} AND step = {s} "
+                                "ORDER BY (grad_nan_count + grad_inf_count + w_nan_count + w_inf_count) DESC, update_ratio DESC NULLS LAST "
                                 "LIMIT 10"),
     }
