@@ -34,7 +34,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 def test_findings_name_the_straggler_and_rank_by_time_at_stake(runs):
     df = ranked_findings(runs["straggler"])
     assert df["at_stake_ms"].to_list() == sorted(df["at_stake_ms"].to_list(), reverse=True)
-    strag = df.filter(pl.col("kind") == "straggler")
+    strag = df.filter(pl.col("finding") == "straggler")
     assert strag.height == 1
     row = strag.row(0, named=True)
     assert row["sentence"].startswith(f"rank {SLOW_RANK} (trainer) is 1.50× slower in backward")
@@ -42,23 +42,23 @@ def test_findings_name_the_straggler_and_rank_by_time_at_stake(runs):
     nums = json.loads(row["numbers_json"])
     assert (nums["rank"], nums["phase"]) == (SLOW_RANK, "backward")
     assert row["at_stake_pct"] == pytest.approx(100 * BACKWARD * (SLOW_FACTOR - 1) / planted_step_ms(), rel=0.02)
-    tail = df.filter(pl.col("kind") == "rollout_tail").row(0, named=True)
+    tail = df.filter(pl.col("finding") == "rollout_tail").row(0, named=True)
     assert tail["sentence"].startswith("45% of RL step time is tail wait after the median rollout finished")
-    assert "zero_variance_groups" in df["kind"].to_list()
+    assert "zero_variance_groups" in df["finding"].to_list()
 
 
 def test_even_run_has_no_straggler_finding(runs):
-    kinds = ranked_findings(runs["even"])["kind"].to_list()
+    kinds = ranked_findings(runs["even"])["finding"].to_list()
     assert "straggler" not in kinds and "imbalance" not in kinds and "rollout_tail" in kinds
 
 
 def test_async_run_reports_overlap_and_sync_run_does_not(runs, tmp_path):
     df = ranked_findings(write_async_run(tmp_path / "async"))
-    row = df.filter(pl.col("kind") == "async_overlap").row(0, named=True)
+    row = df.filter(pl.col("finding") == "async_overlap").row(0, named=True)
     assert row["sentence"] == ("rollout and training overlapped 38% of wall time (150 ms); 100 ms of the shorter "
                                "side ran alone; weight sync took 20 ms over 2 syncs")
     assert row["at_stake_ms"] == 120
-    assert "async_overlap" not in ranked_findings(runs["straggler"])["kind"].to_list()
+    assert "async_overlap" not in ranked_findings(runs["straggler"])["finding"].to_list()
 
 
 def test_every_findings_sql_runs_on_a_read_only_store(runs):
@@ -66,7 +66,7 @@ def test_every_findings_sql_runs_on_a_read_only_store(runs):
     with open_store(runs["straggler"]) as con:
         for sql in df["sql"]:
             assert run_sql(con, sql).num_rows > 0, sql
-        slow = run_sql(con, df.filter(pl.col("kind") == "straggler")["sql"][0]).to_pylist()
+        slow = run_sql(con, df.filter(pl.col("finding") == "straggler")["sql"][0]).to_pylist()
     assert slow[0]["rank"] == SLOW_RANK  # the backing query shows the slow rank first
 
 
@@ -93,7 +93,7 @@ def test_cli_report_renders_every_format(runs, tmp_path, fmt):
     text = out.read_text(encoding="utf-8")
     assert f"rank {SLOW_RANK} (trainer) is 1.50× slower in backward" in text
     assert "tail wait after the median rollout finished" in text
-    assert "SELECT rank, role, COUNT(*)" in text.replace("&#x27;", "'")
+    assert "SELECT rank, COUNT(*) AS steps, median(us)" in text.replace("&#x27;", "'")
     if fmt == "html":
         tags = _Tags()
         tags.feed(text)

@@ -46,7 +46,7 @@ def spiky(tmp_path_factory) -> Path:
 
 def test_loss_spikes_near_zero_need_to_stand_out_series_wide(spiky):
     df = instability.detect_instability(spiky)
-    assert df.select("rank", "step", "kind").rows() == [(1, SPIKE_STEP, "loss_spike"), (2, SPIKE_STEP, "loss_spike")]
+    assert df.select("rank", "step", "event").rows() == [(1, SPIKE_STEP, "loss_spike"), (2, SPIKE_STEP, "loss_spike")]
     # Without the floor the windowed robust z alone turns the blips around 0 into spikes on ranks 0 and 1.
     bare = instability.detect_instability(spiky, min_rise=0)
     assert bare.filter(pl.col("rank") == 0).height >= 5
@@ -101,7 +101,7 @@ def test_report_keeps_the_straggler_with_the_most_time_at_stake(tmp_path):
     ms = {f"p{r}": [40.0 if rank == r else 10.0 for rank in range(4)] for r in (1, 2, 3)}
     ms["train"] = [420.0, 300.0, 300.0, 300.0]
     found = findings.ranked_findings(write_phases(tmp_path / "run", ms))
-    strag = found.filter(pl.col("kind") == "straggler")
+    strag = found.filter(pl.col("finding") == "straggler")
     assert strag.height == 3
     first = strag.row(0, named=True)
     assert first["sentence"].startswith("rank 0 (trainer) is 1.40× slower in train")

@@ -2,14 +2,19 @@
 
 Each finding carries the time at stake over the whole run (``at_stake_ms``: what fixing it would save, or
 the time it already cost), so findings sort by what matters most; findings that cost no time directly
-(instability, MFU, staleness) follow, ordered by severity. ``sql`` is a read-only query over the store's
-tables that shows the underlying numbers (``dynascope sql RUN "<sql>"``).
+(instability, MFU, staleness) follow, ordered by severity.
+
+``numbers`` holds everything the sentence says (``findings_text`` writes the sentence from them alone), and
+``sql`` is a read-only query over the store's tables (``dynascope sql RUN "<sql>"``) whose first row
+returns the finding's numbers under the same names: recomputed from the raw rows where the analysis is
+plain SQL, and the inputs it ranked on (per-rank medians, step counts) where it is a model such as the
+what-if simulation. ``tests/test_findings_sql.py`` runs every finding's query and compares.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
+import re
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -18,22 +23,41 @@ from typing import Any
 import polars as pl
 
 from dynascope.analyses._common import StoreLike, as_store, frame
+from dynascope.analyses.dynamics import rank1_dominance, sparsity_comparison
+from dynascope.analyses.findings_text import fmt_ms, fmt_pct, sentence
 from dynascope.analyses.goodput import goodput_summary
 from dynascope.analyses.instability import detect_instability
 from dynascope.analyses.rollouts import (
+    WEIGHT_SYNC_PHASES,
     async_staleness,
     rollout_train_overlap,
     tail_wait_share,
     zero_variance_groups,
 )
-from dynascope.analyses.steps import idle_time, step_breakdown
+from dynascope.analyses.steps import STEP_ROW, idle_time, step_breakdown, step_rows_sql, top_level_sql
 from dynascope.analyses.stragglers import straggler_scores, what_if
 from dynascope.analyses.throughput import throughput_mfu
-from dynascope.store import first_line, quote_literal
+from dynascope.core.errors import first_line
+from dynascope.store import quote_literal
 
-__all__ = ["Finding", "collect_findings", "ranked_findings"]
+__all__ = ["Finding", "collect_findings", "fmt_ms", "fmt_pct", "ranked_findings"]
 
 _SEVERITY = {"error": 0, "warning": 1, "info": 2}
+
+# Thresholds: below these a finding is noise on a real cluster, or not worth a reader's attention.
+MIN_SLOWDOWN_X = 1.05  # a rank under 5% slower than the fastest is within step-to-step jitter
+MIN_SAVED_PCT = 0.5  # a straggler whose what-if saves under 0.5% of step time costs nothing to chase
+MAX_STRAGGLERS = 3  # slow (rank, phase) pairs reported; the what-if orders them by time at stake
+MIN_RANK_COST_PCT = 5.0  # a whole rank worth naming costs at least 5% of step time...
+WARN_RANK_COST_PCT = 10.0  # ...and is a warning from 10%
+MIN_IMBALANCE_PCT = 2.0  # evenly fast ranks still lose this much to ordinary spread; below it, no finding
+MIN_TAIL_PCT = 1.0  # tail wait under 1% of step time is sampling noise
+WARN_TAIL_PCT = 10.0
+WARN_ZERO_VARIANCE_PCT = 20.0  # a fifth of the groups teaching nothing is worth changing the batch for
+MIN_IDLE_PCT = 2.0
+WARN_IDLE_PCT = 10.0
+MIN_UNINSTRUMENTED_PCT = 10.0  # the probe's own boundaries leave a few percent outside any phase
+SQL_STEPS_SHOWN = 50  # instability queries list at most this many steps
 
 
 @dataclass
@@ -41,7 +65,7 @@ class Finding:
     """One finding: a sentence, the time at stake, the numbers behind it and a query that shows them."""
 
     run_id: str
-    kind: str
+    finding: str
     severity: str
     sentence: str
     at_stake_ms: float = 0.0
@@ -50,30 +74,33 @@ class Finding:
     sql: str = ""
 
 
-def fmt_ms(ms: float) -> str:
-    """A duration for a sentence: '850 ms', '12.3 s', '4.2 min'."""
-    if abs(ms) < 1000:
-        return f"{ms:.0f} ms"
-    return f"{ms / 1000:.1f} s" if abs(ms) < 120_000 else f"{ms / 60_000:.1f} min"
-
-
-def fmt_pct(pct: float) -> str:
-    """A share for a sentence: one decimal below 10%, none above."""
-    return f"{pct:.1f}%" if abs(pct) < 10 else f"{pct:.0f}%"
+def _found(run: str, finding: str, severity: str, numbers: dict[str, Any], sql: str, at_stake_ms: float = 0.0,
+           at_stake_pct: float | None = None) -> Finding:
+    sql = re.sub(r"\s*\n\s*", " ", sql).strip()  # one line: the analyses' SQL blocks are indented for reading
+    return Finding(run, finding, severity, sentence(finding, numbers), at_stake_ms, at_stake_pct, numbers, sql)
 
 
 def _r(x: Any, nd: int = 3) -> Any:
-    return x if x is None or isinstance(x, (bool, str)) else round(float(x), nd)
+    return x if x is None or isinstance(x, (bool, str, int)) else round(float(x), nd)
 
 
-def _phase_sql(run: str, path: str) -> str:
-    """Per-rank medians of one phase path (``backward`` or ``train/backward``) — the straggler's evidence."""
+def _first_row(con, sql: str) -> dict[str, Any]:
+    rows = frame(con, sql)
+    return rows.row(0, named=True) if rows.height else {}
+
+
+def _phase_sql(run: str, role: str, rank: int, path: str) -> str:
+    """Per-rank step count and whole-run median of one phase path (``backward`` or ``train/backward``),
+    over the steps at least two ranks ran it (as ``straggler_scores`` compares them); the named rank first."""
     parent, _, leaf = path.rpartition("/")
     where = f"phase = {quote_literal(leaf)}" + (f" AND parent = {quote_literal(parent)}" if parent else
                                                  " AND coalesce(parent, '') IN ('', 'step')")
-    return (f"SELECT rank, role, COUNT(*) AS steps, median(dur_us) / 1000 AS median_ms FROM timings "
-            f"WHERE run_id = {quote_literal(run)} AND {where} AND coalesce(category, 'phase') = 'phase' "
-            f"GROUP BY rank, role ORDER BY median_ms DESC")
+    return (f"WITH d AS (SELECT rank, step, SUM(dur_us) AS us FROM timings WHERE run_id = {quote_literal(run)} "
+            f"AND coalesce(role, '') = {quote_literal(role)} AND {where} AND step IS NOT NULL AND stream IS NULL "
+            f"AND coalesce(category, 'phase') = 'phase' GROUP BY rank, step), "
+            f"n AS (SELECT *, COUNT(*) OVER (PARTITION BY step) AS nranks FROM d) "
+            f"SELECT rank, COUNT(*) AS steps, median(us) / 1000.0 AS run_median_ms FROM n WHERE nranks >= 2 "
+            f"GROUP BY rank ORDER BY rank = {int(rank)} DESC, run_median_ms DESC")
 
 
 def _stragglers(con, run: str) -> list[Finding]:
@@ -85,9 +112,8 @@ def _stragglers(con, run: str) -> list[Finding]:
     for s in scores.iter_rows(named=True):
         top = s["phase"].split("/")[0]  # what-if replaces top-level phases: price a nested one by its parent
         w = saved.get((s["role"], s["rank"], top))
-        # Under 5% slower than the fastest rank, or costing under 0.5% of step time, is noise here;
-        # without step rows there is no what-if, so only persistent stragglers are reported then.
-        if s["slowdown_x"] < 1.05 or (w is not None and w["saved_pct"] < 0.5) or (
+        # Without step rows there is no what-if, so only persistent stragglers are reported then.
+        if s["slowdown_x"] < MIN_SLOWDOWN_X or (w is not None and w["saved_pct"] < MIN_SAVED_PCT) or (
                 w is None and s["status"] != "persistent"):
             continue
         # Time at stake: the what-if's saving, else the time the rank spent beyond the cross-rank median.
@@ -99,51 +125,42 @@ def _stragglers(con, run: str) -> list[Finding]:
         if (s["role"], s["rank"], top) in seen:
             continue
         seen.add((s["role"], s["rank"], top))
-        saved_pct = w["saved_pct"] if w else None
-        role = f" ({s['role']})" if s["role"] else ""
-        what = "it" if top == s["phase"] else f"its {top}"
-        cut = f"; making {what} median would cut step time {fmt_pct(saved_pct)} ({fmt_ms(stake)} over " \
-              f"{w['steps']} steps)" if w else f"; {fmt_ms(stake)} beyond the cross-rank median over the run"
-        out.append(Finding(
-            run, "straggler", "warning" if s["status"] == "persistent" else "info",
-            f"rank {s['rank']}{role} is {s['slowdown_x']:.2f}× slower in {s['phase']} than the fastest rank in "
-            f"{s['slow_steps_pct']:.0f}% of steps ({s['status']} straggler, score {s['score']:.2f}){cut}",
-            stake, saved_pct,
-            {"rank": s["rank"], "phase": s["phase"], "slowdown_x": _r(s["slowdown_x"]), "score": _r(s["score"]),
-             "median_ms": _r(s["median_ms"]), "cross_rank_median_ms": _r(s["cross_rank_median_ms"]),
-             "slow_steps_pct": _r(s["slow_steps_pct"], 1), "flagged_windows": s["flagged_windows"],
-             "windows": s["windows"], "excess_ms": _r(s["excess_ms"]), "saved_ms": _r(w["saved_ms"] if w else 0.0),
-             "saved_pct": _r(saved_pct, 2)},
-            _phase_sql(run, s["phase"])))
-        if len(out) == 3:
+        sql = _phase_sql(run, s["role"], s["rank"], s["phase"])
+        n = {"rank": s["rank"], "role": s["role"], "phase": s["phase"], "status": s["status"], "steps": s["steps"],
+             "run_median_ms": _r(_first_row(con, sql).get("run_median_ms")), "slowdown_x": _r(s["slowdown_x"]),
+             "score": _r(s["score"]), "median_ms": _r(s["median_ms"]),
+             "cross_rank_median_ms": _r(s["cross_rank_median_ms"]), "slow_steps_pct": _r(s["slow_steps_pct"], 1),
+             "flagged_windows": s["flagged_windows"], "windows": s["windows"], "excess_ms": _r(s["excess_ms"]),
+             "whatif_phase": top, "whatif_steps": w["steps"] if w else None,
+             "saved_ms": _r(w["saved_ms"]) if w else None, "saved_pct": _r(w["saved_pct"], 2) if w else None}
+        out.append(_found(run, "straggler", "warning" if s["status"] == "persistent" else "info", n, sql,
+                          stake, n["saved_pct"]))
+        if len(out) == MAX_STRAGGLERS:
             break
     # Whole ranks: "rank 3 costs 27% of step time", when no straggler finding already names that rank.
-    ranks = wi.filter(pl.col("rank").is_not_null() & pl.col("phase").is_null() & (pl.col("saved_pct") >= 5))
+    ranks = wi.filter(pl.col("rank").is_not_null() & pl.col("phase").is_null()
+                      & (pl.col("saved_pct") >= MIN_RANK_COST_PCT))
     named = {(role, rank) for role, rank, _ in seen}
-    for r in ranks.head(3).iter_rows(named=True):
+    for r in ranks.head(MAX_STRAGGLERS).iter_rows(named=True):
         if (r["role"], r["rank"]) in named:
             continue
         by_phase = wi.filter((pl.col("rank") == r["rank"]) & (pl.col("role") == r["role"]) & pl.col("phase").is_not_null())
-        worst = f"; most of it in {by_phase['phase'][0]} ({fmt_pct(by_phase['saved_pct'][0])})" if by_phase.height else ""
-        out.append(Finding(run, "rank_cost", "warning" if r["saved_pct"] >= 10 else "info",
-                           f"rank {r['rank']} costs {fmt_pct(r['saved_pct'])} of step time: at the cross-rank median in "
-                           f"every phase it would save {fmt_ms(r['saved_ms'])} over {r['steps']} steps{worst}",
-                           r["saved_ms"], r["saved_pct"],
-                           {"rank": r["rank"], "saved_ms": _r(r["saved_ms"]), "saved_pct": _r(r["saved_pct"], 2),
-                            **{f"saved_pct_{p}": _r(v, 2) for p, v in by_phase.select("phase", "saved_pct").head(3).iter_rows()}},
-                           f"SELECT rank, phase, median(dur_us) / 1000 AS median_ms FROM timings WHERE run_id = "
-                           f"{quote_literal(run)} AND rank = {int(r['rank'])} AND category IN ('phase', 'step') "
-                           f"AND coalesce(parent, '') IN ('', 'step') GROUP BY rank, phase ORDER BY median_ms DESC"))
+        n = {"rank": r["rank"], "steps": r["steps"], "saved_ms": _r(r["saved_ms"]), "saved_pct": _r(r["saved_pct"], 2),
+             "worst_phase": by_phase["phase"][0] if by_phase.height else None,
+             "worst_phase_saved_pct": _r(by_phase["saved_pct"][0], 2) if by_phase.height else None}
+        out.append(_found(run, "rank_cost", "warning" if r["saved_pct"] >= WARN_RANK_COST_PCT else "info", n,
+                          f"SELECT rank, COUNT(*) AS steps, median(dur_us) / 1000.0 AS median_step_ms FROM timings "
+                          f"WHERE run_id = {quote_literal(run)} AND coalesce(role, '') = {quote_literal(r['role'])} "
+                          f"AND rank = {int(r['rank'])} AND {STEP_ROW} GROUP BY rank",
+                          r["saved_ms"], r["saved_pct"]))
     if not out:  # no slow rank stands out: is time still lost to ranks being unevenly fast?
         every = wi.filter(pl.col("scenario") == "all ranks")
-        if not every.is_empty() and every["saved_pct"][0] >= 2:
+        if not every.is_empty() and every["saved_pct"][0] >= MIN_IMBALANCE_PCT:
             r = every.row(0, named=True)
-            out.append(Finding(run, "imbalance", "info",
-                               f"ranks are unevenly fast: if every rank ran at the cross-rank median, step time would "
-                               f"drop {fmt_pct(r['saved_pct'])} ({fmt_ms(r['saved_ms'])})", r["saved_ms"], r["saved_pct"],
-                               {"saved_ms": _r(r["saved_ms"]), "saved_pct": _r(r["saved_pct"], 2)},
-                               f"SELECT step, rank, dur_us / 1000 AS step_ms FROM timings WHERE run_id = "
-                               f"{quote_literal(run)} AND category = 'step' ORDER BY step, rank"))
+            n = {"steps": r["steps"], "saved_ms": _r(r["saved_ms"]), "saved_pct": _r(r["saved_pct"], 2)}
+            out.append(_found(run, "imbalance", "info", n,
+                              f"SELECT COUNT(DISTINCT step) AS steps, COUNT(DISTINCT rank) AS ranks FROM timings "
+                              f"WHERE run_id = {quote_literal(run)} AND {STEP_ROW}", r["saved_ms"], r["saved_pct"]))
     return out
 
 
@@ -153,17 +170,21 @@ def _tail(con, run: str) -> list[Finding]:
         return []
     tail, total = tw["tail_wait_ms"].sum(), tw["step_ms"].sum()
     pct = 100 * tail / total
-    if pct < 1:
+    if pct < MIN_TAIL_PCT:
         return []
-    where = "RL step time" if (tw["step_source"] == "step_rows").all() else "rollout time"
-    return [Finding(run, "rollout_tail", "warning" if pct >= 10 else "info",
-                    f"{fmt_pct(pct)} of {where} is tail wait after the median rollout finished "
-                    f"({fmt_ms(tw['tail_wait_ms'].median())} per step at the median, {fmt_ms(tail)} in all)",
-                    tail, pct, {"tail_wait_ms": _r(tail), "step_ms": _r(total), "tail_wait_pct": _r(pct, 2),
-                                "steps": tw.height},
-                    f"SELECT step, COUNT(*) AS samples, (MAX(gen_end_us) - quantile_cont(gen_end_us, 0.5)) / 1000 "
-                    f"AS tail_wait_ms, quantile_cont(response_len, 0.5) AS p50_len, MAX(response_len) AS max_len "
-                    f"FROM samples WHERE run_id = {quote_literal(run)} GROUP BY step ORDER BY step")]
+    n = {"steps": tw.height, "tail_wait_ms": _r(tail), "step_ms": _r(total), "tail_wait_pct": _r(pct, 2),
+         "median_tail_wait_ms": _r(tw["tail_wait_ms"].median()),
+         "step_source": "step_rows" if (tw["step_source"] == "step_rows").all() else "rollout_span"}
+    rl = quote_literal(run)
+    return [_found(run, "rollout_tail", "warning" if pct >= WARN_TAIL_PCT else "info", n,
+                   f"WITH s AS (SELECT step, (MAX(gen_end_us) - quantile_cont(gen_end_us, 0.5)) / 1000.0 AS tail_ms, "
+                   f"(MAX(gen_end_us) - MIN(gen_start_us)) / 1000.0 AS span_ms FROM samples WHERE run_id = {rl} "
+                   f"AND step IS NOT NULL AND gen_end_us IS NOT NULL GROUP BY step), "
+                   f"st AS (SELECT step, MAX(dur_us) / 1000.0 AS step_ms FROM timings WHERE run_id = {rl} AND "
+                   f"{STEP_ROW} GROUP BY step) "
+                   f"SELECT COUNT(*) AS steps, SUM(tail_ms) AS tail_wait_ms, SUM(coalesce(st.step_ms, span_ms)) AS "
+                   f"step_ms, 100 * SUM(tail_ms) / SUM(coalesce(st.step_ms, span_ms)) AS tail_wait_pct, "
+                   f"median(tail_ms) AS median_tail_wait_ms FROM s LEFT JOIN st USING (step)", tail, pct)]
 
 
 def _zero_variance(con, run: str) -> list[Finding]:
@@ -174,15 +195,16 @@ def _zero_variance(con, run: str) -> list[Finding]:
     pct = 100 * zero / groups
     rollout_ms = frame(con, f"""SELECT coalesce(SUM(m), 0) AS ms FROM (SELECT step, MAX(dur_us) / 1000.0 AS m
         FROM timings WHERE run_id = {quote_literal(run)} AND phase = 'rollout' GROUP BY step)""")["ms"][0]
-    stake = rollout_ms * wasted / max(z["samples"].sum(), 1)
-    return [Finding(run, "zero_variance_groups", "warning" if pct >= 20 else "info",
-                    f"{fmt_pct(pct)} of GRPO groups ({zero} of {groups}) had zero reward variance: their {wasted} "
-                    f"rollouts carried no learning signal" + (f" (~{fmt_ms(stake)} of rollout time)" if stake else ""),
-                    stake, None, {"groups": groups, "zero_variance_groups": zero, "wasted_samples": wasted,
-                                  "zero_variance_pct": _r(pct, 2)},
-                    f"SELECT step, group_id, COUNT(*) AS n, MIN(reward) AS min_reward, MAX(reward) AS max_reward "
-                    f"FROM samples WHERE run_id = {quote_literal(run)} AND group_id IS NOT NULL "
-                    f"GROUP BY step, group_id HAVING MAX(reward) = MIN(reward) ORDER BY step, group_id")]
+    stake = rollout_ms * wasted / max(z["samples"].sum(), 1)  # rollout time in proportion to wasted samples
+    n = {"groups": groups, "zero_variance_groups": zero, "wasted_samples": wasted, "zero_variance_pct": _r(pct, 2),
+         "wasted_rollout_ms": _r(stake)}
+    return [_found(run, "zero_variance_groups", "warning" if pct >= WARN_ZERO_VARIANCE_PCT else "info", n,
+                   f"WITH g AS (SELECT step, group_id, COUNT(*) AS n, MAX(reward) = MIN(reward) AS zero FROM samples "
+                   f"WHERE run_id = {quote_literal(run)} AND step IS NOT NULL AND group_id IS NOT NULL AND reward IS NOT "
+                   f"NULL AND isfinite(reward) GROUP BY step, group_id HAVING COUNT(*) >= 2) "
+                   f"SELECT COUNT(*) AS groups, COUNT(*) FILTER (zero) AS zero_variance_groups, "
+                   f"coalesce(SUM(n) FILTER (zero), 0) AS wasted_samples, "
+                   f"100.0 * COUNT(*) FILTER (zero) / COUNT(*) AS zero_variance_pct FROM g", stake)]
 
 
 def _idle(con, run: str) -> list[Finding]:
@@ -192,15 +214,21 @@ def _idle(con, run: str) -> list[Finding]:
     per = df.group_by("rank").agg(pl.col("idle_ms").sum(), pl.col("step_ms").sum()).with_columns(
         pct=100 * pl.col("idle_ms") / pl.col("step_ms")).sort("pct", descending=True)
     pct = 100 * per["idle_ms"].sum() / per["step_ms"].sum()
-    if pct < 2:
+    if pct < MIN_IDLE_PCT:
         return []
     stake = per["idle_ms"].sum() / per.height  # wall time: the mean rank's idle time
-    return [Finding(run, "idle", "warning" if pct >= 10 else "info",
-                    f"ranks spend {fmt_pct(pct)} of step time waiting for peers in collectives and barriers "
-                    f"(most: rank {per['rank'][0]}, {fmt_pct(per['pct'][0])})", stake, pct,
-                    {"idle_pct": _r(pct, 2), "worst_rank": per["rank"][0], "worst_rank_idle_pct": _r(per["pct"][0], 2)},
-                    f"SELECT rank, SUM(dur_us) / 1000 AS wait_ms, COUNT(*) AS rows FROM timings WHERE run_id = "
-                    f"{quote_literal(run)} AND category IN ('wait', 'comm') GROUP BY rank ORDER BY wait_ms DESC")]
+    n = {"idle_pct": _r(pct, 2), "worst_rank": per["rank"][0], "worst_rank_idle_pct": _r(per["pct"][0], 2)}
+    # Idle = the measured wait in collectives, or the wait implied by the slowest rank's busy time, whichever is more.
+    return [_found(run, "idle", "warning" if pct >= WARN_IDLE_PCT else "info", n,
+                   f"WITH ph AS ({top_level_sql(run)}), st AS ({step_rows_sql(run)}), "
+                   f"per AS (SELECT run_id, role, rank, step, coalesce(SUM(dur_us) FILTER (NOT sync), 0) AS busy, "
+                   f"coalesce(SUM(dur_us) FILTER (sync), 0) AS wait FROM ph GROUP BY ALL), "
+                   f"i AS (SELECT *, greatest(wait, MAX(busy) OVER (PARTITION BY run_id, role, step) - busy) AS idle "
+                   f"FROM per), r AS (SELECT rank, SUM(idle) AS idle, SUM(step_us) AS step_us FROM i JOIN st "
+                   f"USING (run_id, role, rank, step) GROUP BY rank) "
+                   f"SELECT rank AS worst_rank, 100 * idle / step_us AS worst_rank_idle_pct, "
+                   f"100 * SUM(idle) OVER () / SUM(step_us) OVER () AS idle_pct FROM r ORDER BY worst_rank_idle_pct DESC",
+                   stake, pct)]
 
 
 def _remainder(con, run: str) -> list[Finding]:
@@ -209,14 +237,22 @@ def _remainder(con, run: str) -> list[Finding]:
     if rem.is_empty():
         return []
     pct = 100 * rem["dur_ms"].sum() / rem["step_ms"].sum()
-    if pct < 10:
+    if pct < MIN_UNINSTRUMENTED_PCT:
         return []
     stake = rem["dur_ms"].sum() / rem["rank"].n_unique()
-    return [Finding(run, "uninstrumented", "info",
-                    f"{pct:.0f}% of step time is outside every instrumented phase (data loading, host work, "
-                    f"logging?)", stake, pct, {"uninstrumented_pct": _r(pct, 2)},
-                    f"SELECT step, rank, dur_us / 1000 AS step_ms FROM timings WHERE run_id = {quote_literal(run)} "
-                    f"AND category = 'step' ORDER BY step, rank")]
+    return [_found(run, "uninstrumented", "info", {"uninstrumented_pct": _r(pct, 2), "uninstrumented_ms": _r(
+                       rem["dur_ms"].sum())},
+                   f"WITH ph AS ({top_level_sql(run)}), st AS ({step_rows_sql(run)}), "
+                   f"c AS (SELECT run_id, role, rank, step, SUM(dur_us) AS us FROM ph GROUP BY ALL), "
+                   f"rem AS (SELECT greatest(step_us - us, 0) AS rem_us, step_us FROM st JOIN c USING "
+                   f"(run_id, role, rank, step)) SELECT SUM(rem_us) / 1000.0 AS uninstrumented_ms, "
+                   f"100 * SUM(rem_us) / SUM(step_us) AS uninstrumented_pct FROM rem", stake, pct)]
+
+
+def _sync_sql(run: str) -> str:
+    phases = ", ".join(quote_literal(p) for p in WEIGHT_SYNC_PHASES)
+    return (f"SELECT COUNT(*) AS weight_syncs, coalesce(SUM(dur_us), 0) / 1000.0 AS weight_sync_ms FROM timings "
+            f"WHERE run_id = {quote_literal(run)} AND phase IN ({phases})")
 
 
 def _async(con, run: str) -> list[Finding]:
@@ -224,31 +260,21 @@ def _async(con, run: str) -> list[Finding]:
     st = async_staleness(con, run)
     if not st.is_empty() and st["staleness_steps"].max() > 0:
         mean = (st["staleness_steps"] * st["samples"]).sum() / st["samples"].sum()
-        out.append(Finding(run, "staleness", "info",
-                           f"samples were on average {mean:.2f} policy versions stale when trained on "
-                           f"(max {st['staleness_steps'].max()})", 0.0, None,
-                           {"mean_staleness": _r(mean), "max_staleness": st["staleness_steps"].max()},
-                           f"SELECT trainer_version - policy_version AS staleness, COUNT(*) AS samples FROM samples "
-                           f"WHERE run_id = {quote_literal(run)} GROUP BY 1 ORDER BY 1"))
+        out.append(_found(run, "staleness", "info", {"mean_staleness": _r(mean), "max_staleness": st["staleness_steps"].max()},
+                          f"SELECT avg(trainer_version - policy_version) AS mean_staleness, "
+                          f"max(trainer_version - policy_version) AS max_staleness FROM samples WHERE run_id = "
+                          f"{quote_literal(run)} AND trainer_version IS NOT NULL AND policy_version IS NOT NULL"))
     ov = rollout_train_overlap(con, run)
     r = ov.row(0, named=True) if not ov.is_empty() else None
     if r and r["disaggregated"] and r["rollout_ms"] and r["train_ms"]:
         # time rollout and training could have run side by side but did not
-        idle = min(r["rollout_ms"], r["train_ms"]) - r["overlap_ms"]
-        sync = f"; weight sync took {fmt_ms(r['weight_sync_ms'])} over {r['weight_syncs']} syncs" if r["weight_syncs"] else ""
-        out.append(Finding(run, "async_overlap", "info",
-                           f"rollout and training overlapped {fmt_pct(r['overlap_pct'])} of wall time "
-                           f"({fmt_ms(r['overlap_ms'])}); {fmt_ms(idle)} of the shorter side ran alone{sync}",
-                           idle + r["weight_sync_ms"], None, {k: _r(v) for k, v in r.items() if k != "run_id"},
-                           f"SELECT role, rank, phase, start_us, dur_us FROM timings WHERE run_id = {quote_literal(run)}"
-                           f" AND phase IN ('rollout', 'train', 'weight_sync') ORDER BY start_us"))
+        alone = min(r["rollout_ms"], r["train_ms"]) - r["overlap_ms"]
+        n = {**{k: _r(v) for k, v in r.items() if k not in ("run_id", "disaggregated")}, "alone_ms": _r(alone)}
+        out.append(_found(run, "async_overlap", "info", n, _sync_sql(run), alone + r["weight_sync_ms"]))
     elif r and r["weight_syncs"]:
-        out.append(Finding(run, "weight_sync", "info",
-                           f"weight sync took {fmt_ms(r['weight_sync_ms'])} over {r['weight_syncs']} syncs",
-                           r["weight_sync_ms"], None, {"weight_syncs": r["weight_syncs"],
-                                                        "weight_sync_ms": _r(r["weight_sync_ms"])},
-                           f"SELECT step, rank, dur_us / 1000 AS ms FROM timings WHERE run_id = {quote_literal(run)}"
-                           f" AND phase IN ('weight_sync', 'sync_weights', 'update_weights') ORDER BY step, rank"))
+        out.append(_found(run, "weight_sync", "info", {"weight_syncs": r["weight_syncs"],
+                                                       "weight_sync_ms": _r(r["weight_sync_ms"])},
+                          _sync_sql(run), r["weight_sync_ms"]))
     return out
 
 
@@ -261,33 +287,48 @@ def _goodput(con, run: str) -> list[Finding]:
     lost = r["lost_work_ms"] + r["downtime_ms"]
     if not ckpt and not lost:
         return []
-    parts = []
-    if ckpt:
-        parts.append(f"checkpointing took {100 * ckpt / r['wall_ms']:.1f}% of wall time ({r['checkpoint_saves']} saves, "
-                     f"{r['checkpoint_loads']} loads, {fmt_ms(ckpt)})")
-    if r["restarts"]:
-        parts.append(f"{r['restarts']} restart(s) lost {fmt_ms(r['lost_work_ms'])} of work since the last checkpoint "
-                     f"plus {fmt_ms(r['downtime_ms'])} down")
-    return [Finding(run, "goodput", "warning" if lost else "info",
-                    "; ".join(parts) + f"; goodput {r['goodput_pct']:.0f}%", ckpt + lost, 100 * (ckpt + lost) / r["wall_ms"],
-                    {k: _r(v) for k, v in r.items() if k != "run_id"},
-                    f"SELECT event, step, time_us, dur_us / 1000 AS dur_ms, message FROM events WHERE run_id = "
-                    f"{quote_literal(run)} AND event IN ('checkpoint_save', 'checkpoint_load', 'fault', 'restart') "
-                    f"ORDER BY time_us")]
+    n = {k: _r(v) for k, v in r.items() if k != "run_id"}
+    ev = "time_us IS NOT NULL AND event = "
+    return [_found(run, "goodput", "warning" if lost else "info", n,
+                   f"SELECT COUNT(*) FILTER ({ev}'checkpoint_save') AS checkpoint_saves, "
+                   f"coalesce(SUM(dur_us) FILTER ({ev}'checkpoint_save'), 0) / 1000.0 AS checkpoint_save_ms, "
+                   f"COUNT(*) FILTER ({ev}'checkpoint_load') AS checkpoint_loads, "
+                   f"coalesce(SUM(dur_us) FILTER ({ev}'checkpoint_load'), 0) / 1000.0 AS checkpoint_load_ms, "
+                   f"COUNT(*) FILTER ({ev}'fault') AS faults, COUNT(*) FILTER ({ev}'restart') AS restarts "
+                   f"FROM events WHERE run_id = {quote_literal(run)}", ckpt + lost, 100 * (ckpt + lost) / r["wall_ms"])]
+
+
+def _instability_sql(run: str, first: dict[str, Any], steps: list[int]) -> str:
+    """The series behind the first event of a kind, at its flagged steps: (step, rank, value) first row = it."""
+    rl, shown = quote_literal(run), ", ".join(map(str, steps[:SQL_STEPS_SHOWN]))
+    rank = "rank IS NULL" if first["rank"] is None else f"rank = {int(first['rank'])}"
+    where = f"run_id = {rl} AND coalesce(role, '') = {quote_literal(first['role'])} AND {rank} AND step IN ({shown})"
+    table, _, what = first["source"].partition(":")
+    if first["event"] == "nan_inf" and table == "tensor_stats":
+        return (f"SELECT step, rank, SUM(coalesce(grad_nan_count, 0) + coalesce(grad_inf_count, 0) + "
+                f"coalesce(w_nan_count, 0) + coalesce(w_inf_count, 0))::DOUBLE AS value FROM tensor_stats "
+                f"WHERE {where} GROUP BY step, rank HAVING value > 0 ORDER BY step")
+    if first["event"] == "nan_inf":
+        return (f"SELECT step, rank, COUNT(*)::DOUBLE AS value FROM scalars WHERE {where} AND value IS NOT NULL "
+                f"AND NOT isfinite(value) GROUP BY step, rank ORDER BY step")
+    if table == "tensor_stats":  # the global gradient norm rebuilt from the per-tensor norms
+        return (f"SELECT step, rank, sqrt(SUM(grad_norm * grad_norm)) AS value FROM tensor_stats WHERE {where} "
+                f"AND grad_norm IS NOT NULL GROUP BY step, rank ORDER BY step")
+    return (f"SELECT step, rank, AVG(value) AS value FROM scalars WHERE {where} AND key = {quote_literal(what)} "
+            f"GROUP BY step, rank ORDER BY step")
 
 
 def _instability(con, run: str) -> list[Finding]:
     ev = detect_instability(con, run)
     out = []
-    for (kind,), g in ev.group_by(["kind"], maintain_order=True):
+    for (event,), g in ev.group_by(["event"], maintain_order=True):
+        first = g.sort("step").row(0, named=True)
         steps = sorted(set(g["step"].to_list()))
-        shown = ", ".join(map(str, steps[:5])) + (f" and {len(steps) - 5} more" if len(steps) > 5 else "")
-        label = {"grad_norm_spike": "grad-norm spikes", "loss_spike": "loss spikes",
-                 "entropy_collapse": "entropy collapse", "nan_inf": "NaN/Inf values"}[kind]
-        out.append(Finding(run, kind, g["severity"][0], f"{label} at step {shown}: {g['message'][0]}", 0.0, None,
-                           {"events": g.height, "first_step": steps[0], "source": g["source"][0]},
-                           f"SELECT step, rank, key, value FROM scalars WHERE run_id = {quote_literal(run)} "
-                           f"AND step IN ({', '.join(map(str, steps[:50]))}) ORDER BY key, step, rank"))
+        series = g.filter((pl.col("source") == first["source"]) & (pl.col("role") == first["role"])
+                          & (pl.col("rank").eq_missing(first["rank"])))["step"].to_list()
+        n = {"events": g.height, "steps": steps, "step": first["step"], "rank": first["rank"],
+             "source": first["source"], "value": _r(first["value"], 6), "message": first["message"]}
+        out.append(_found(run, event, first["severity"], n, _instability_sql(run, first, sorted(series))))
     return out
 
 
@@ -299,47 +340,40 @@ def _mfu(con, run: str, peak_tflops: float | None = None) -> list[Finding]:
         return []
     phase = "train" if "train" in df["phase"].to_list() else "step"
     d = df.filter(pl.col("phase") == phase)
-    mfu = d["mfu_pct"].mean()
-    return [Finding(run, "mfu", "info", f"{phase} MFU is {mfu:.1f}% of the {d['peak_tflops'][0]:g} TFLOP/s peak "
-                    f"({d['achieved_tflops'].mean():.3g} TFLOP/s and {d['tokens_per_s'].mean():.0f} tokens/s per rank)",
-                    0.0, None, {"mfu_pct": _r(mfu, 2), "peak_tflops": d["peak_tflops"][0]},
-                    f"SELECT step, SUM(prompt_len + response_len) AS tokens FROM samples WHERE run_id = "
-                    f"{quote_literal(run)} GROUP BY step ORDER BY step")]
+    n = {"phase": phase, "mfu_pct": _r(d["mfu_pct"].mean(), 2), "peak_tflops": d["peak_tflops"][0],
+         "achieved_tflops": _r(d["achieved_tflops"].mean(), 4), "tokens_per_s": _r(d["tokens_per_s"].mean(), 1),
+         "tokens": _r(d["tokens"].sum(), 1)}
+    return [_found(run, "mfu", "info", n,
+                   f"SELECT SUM(coalesce(prompt_len, 0) + coalesce(response_len, 0))::DOUBLE AS tokens FROM samples "
+                   f"WHERE run_id = {quote_literal(run)} AND step IS NOT NULL")]
 
 
 def _dynamics(con, run: str) -> list[Finding]:
-    # Guarded: the dynamics analyses may be absent. Imported by module path, not through the package's
-    # lazy index, which would import every analysis module (some pull in torch).
-    try:
-        A = importlib.import_module("dynascope.analyses.dynamics")
-    except ImportError:
-        return []
     out = []
-    r1 = getattr(A, "rank1_dominance", None)
-    if r1 is not None:
-        df = r1(con, run)
-        df = df.filter(pl.col("level") == "overall") if "level" in df.columns else df.clear()
-        if not df.is_empty():
-            last = df.sort("step").row(-1, named=True)
-            out.append(Finding(run, "rank1_dominance", "info",
-                               f"at step {last['step']} the cumulative update ΔW is {100 * last['rank1_energy']:.0f}% "
-                               f"rank-1 (σ₁² share of ‖ΔW‖², {last['tensors']} tensors)", 0.0, None,
-                               {"step": last["step"], "rank1_energy": _r(last["rank1_energy"])},
-                               f"SELECT step, SUM(sigma[1] * sigma[1]) / SUM(drift_norm * drift_norm) AS rank1_energy FROM "
-                               f"spectra WHERE run_id = {quote_literal(run)} AND drift_norm > 0 GROUP BY step ORDER BY step"))
-    sc = getattr(A, "sparsity_comparison", None)
+    df = rank1_dominance(con, run).filter(pl.col("level") == "overall")
+    if not df.is_empty():
+        last = df.sort("step").row(-1, named=True)
+        out.append(_found(run, "rank1_dominance", "info",
+                          {"step": last["step"], "rank1_energy": _r(last["rank1_energy"], 4), "tensors": last["tensors"]},
+                          f"SELECT step, SUM(sigma[1] * sigma[1]) / SUM(drift_norm * drift_norm) AS rank1_energy, "
+                          f"COUNT(*) AS tensors FROM spectra WHERE run_id = {quote_literal(run)} AND drift_norm > 0 "
+                          f"GROUP BY step ORDER BY step DESC"))
     stages = frame(con, f"SELECT stage FROM tensor_stats WHERE run_id = {quote_literal(run)} AND stage IS NOT NULL "
                         f"GROUP BY stage ORDER BY MIN(step)")["stage"].to_list()
-    if sc is not None and len(stages) >= 2:
-        df = sc(con, stages[0], stages[1]).filter(pl.col("kind") == "all")
+    if len(stages) >= 2:
+        a, b = stages[0], stages[1]
+        df = sparsity_comparison(con, a, b).filter(pl.col("kind") == "all")
         if not df.is_empty() and df["step_unchanged_frac_a"][0] is not None:
             r = df.row(0, named=True)
-            out.append(Finding(run, "update_sparsity", "info",
-                               f"a {stages[1]} step left {100 * r['step_unchanged_frac_b']:.1f}% of parameters "
-                               f"bit-identical vs {100 * r['step_unchanged_frac_a']:.1f}% in {stages[0]}", 0.0, None,
-                               {k: _r(v) for k, v in r.items() if isinstance(v, float)},
-                               f"SELECT stage, 1 - SUM(changed_count)::DOUBLE / SUM(numel) AS unchanged_frac FROM "
-                               f"tensor_stats WHERE run_id = {quote_literal(run)} GROUP BY stage"))
+            n = {"stage_a": a, "stage_b": b, **{k: _r(v, 4) for k, v in r.items() if isinstance(v, float)}}
+
+            def side(s: str, col: str) -> str:
+                cond = f"stage = {quote_literal(s)} AND changed_count IS NOT NULL"
+                return (f"1 - SUM(changed_count) FILTER ({cond})::DOUBLE / SUM(numel) FILTER ({cond}) "
+                        f"AS step_unchanged_frac_{col}")
+
+            out.append(_found(run, "update_sparsity", "info", n,
+                              f"SELECT {side(a, 'a')}, {side(b, 'b')} FROM tensor_stats WHERE run_id = {quote_literal(run)}"))
     return out
 
 
@@ -366,18 +400,19 @@ def collect_findings(store: StoreLike, run: str | None = None, *,
                     found.extend(_mfu(con, r, peak_tflops) if gen is _mfu else gen(con, r))
             except Exception as exc:  # one analysis failing must not sink the report; say why it is missing
                 notes.append(f"{name}: {first_line(exc)}")
-    found.sort(key=lambda f: (-f.at_stake_ms, _SEVERITY.get(f.severity, 3), f.kind))
+    found.sort(key=lambda f: (-f.at_stake_ms, _SEVERITY.get(f.severity, 3), f.finding))
     return found, notes
 
 
+_COLUMNS = {"position": pl.Int64, "run_id": pl.String, "finding": pl.String, "severity": pl.String,
+            "at_stake_ms": pl.Float64, "at_stake_pct": pl.Float64, "sentence": pl.String, "numbers_json": pl.String,
+            "sql": pl.String}
+
+
 def ranked_findings(store: StoreLike, run: str | None = None, *, peak_tflops: float | None = None) -> pl.DataFrame:
-    """Ranked findings as a frame. Columns: rank, run_id, kind, severity, at_stake_ms, at_stake_pct, sentence,
-    numbers_json, sql. ``peak_tflops`` as in ``collect_findings``."""
+    """Ranked findings as a frame. Columns: position (1 = most time at stake), run_id, finding, severity,
+    at_stake_ms, at_stake_pct, sentence, numbers_json, sql. ``peak_tflops`` as in ``collect_findings``."""
     found, _ = collect_findings(store, run, peak_tflops=peak_tflops)
-    rows = [{"rank": i + 1, **{k: v for k, v in asdict(f).items() if k != "numbers"},
+    rows = [{"position": i + 1, **{k: v for k, v in asdict(f).items() if k != "numbers"},
              "numbers_json": json.dumps(f.numbers, default=str)} for i, f in enumerate(found)]
-    schema = {"rank": pl.Int64, "run_id": pl.String, "kind": pl.String, "severity": pl.String,
-              "sentence": pl.String, "at_stake_ms": pl.Float64, "at_stake_pct": pl.Float64, "sql": pl.String,
-              "numbers_json": pl.String}
-    return pl.DataFrame(rows, schema=schema).select(
-        "rank", "run_id", "kind", "severity", "at_stake_ms", "at_stake_pct", "sentence", "numbers_json", "sql")
+    return pl.DataFrame(rows, schema=_COLUMNS).select(*_COLUMNS)

@@ -19,16 +19,13 @@
   initial level (median of the first ``min_history`` values); one event per series.
 - *NaN/Inf*: any non-finite scalar, or tensor_stats rows with grad_nan_count/grad_inf_count/w_nan_count/w_inf_count > 0.
 
-With ``write_to`` (a run directory) the events are also appended to that run's ``events`` table through a
-``RunWriter`` with role ``analysis``; ``fields_json`` carries ``{"detector": "dynascope.instability",
-"source", "value", "baseline", "robust_z"}`` and events already written by an earlier call are skipped.
+The result is a frame only; ``dynascope.store.events.write_detected_events`` appends it to a run's
+``events`` table (``dynascope report --write-events``).
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
 
 import numpy as np
 import polars as pl
@@ -38,7 +35,7 @@ from dynascope.analyses._common import StoreLike, as_store, frame, run_clause
 __all__ = ["detect_instability"]
 
 DETECTOR = "dynascope.instability"
-_SCHEMA = {"run_id": pl.String, "role": pl.String, "rank": pl.Int32, "step": pl.Int64, "kind": pl.String,
+_SCHEMA = {"run_id": pl.String, "role": pl.String, "rank": pl.Int32, "step": pl.Int64, "event": pl.String,
            "severity": pl.String, "source": pl.String, "value": pl.Float64, "baseline": pl.Float64,
            "robust_z": pl.Float64, "message": pl.String}
 _SPIKE_RE = r"(^|[/.])(grad_norm|loss)$"
@@ -99,16 +96,16 @@ def _series_events(con, run: str | None, window: int, z_threshold: float, min_hi
             below = below[below >= min_history]
             if level > 0 and len(below):
                 i = int(below[0])
-                events.append({**base, "step": int(steps[i]), "kind": "entropy_collapse", "severity": "warning",
+                events.append({**base, "step": int(steps[i]), "event": "entropy_collapse", "severity": "warning",
                                "value": float(x[i]), "baseline": level, "robust_z": None,
                                "message": f"{key} fell to {x[i]:.4g}, {100 * x[i] / level:.1f}% of its initial "
                                           f"{level:.4g}"})
             continue
-        kind = "grad_norm_spike" if "grad_norm" in key else "loss_spike"
+        event = "grad_norm_spike" if "grad_norm" in key else "loss_spike"
         if key == "grad_norm(tensor_stats)":
             base["source"] = "tensor_stats:grad_norm"
         for i, med, z in _spikes(x, window, z_threshold, min_history, min_rise):
-            events.append({**base, "step": int(steps[i]), "kind": kind, "severity": "warning", "value": float(x[i]),
+            events.append({**base, "step": int(steps[i]), "event": event, "severity": "warning", "value": float(x[i]),
                            "baseline": med, "robust_z": z,
                            "message": f"{key} = {x[i]:.4g} at step {int(steps[i])}, {x[i] / med:.1f}× the trailing "
                                       f"median {med:.4g} (robust z {z:.1f})" if med else f"{key} spiked to {x[i]:.4g}"})
@@ -135,58 +132,24 @@ def _nan_events(con, run: str | None) -> list[dict]:
         src = r["source"] if len(r["source"]) <= 200 else r["source"][:197] + "..."
         what = "non-finite values" if src.startswith("scalars") else "NaN/Inf elements"
         n = r.pop("n")
-        out.append({**r, "source": src, "kind": "nan_inf", "severity": "error", "value": n, "baseline": None,
+        out.append({**r, "source": src, "event": "nan_inf", "severity": "error", "value": n, "baseline": None,
                     "robust_z": None, "message": f"{int(n)} {what} at step {r['step']} in {src}"})
     return out
 
 
-def detect_instability(store: StoreLike, run: str | None = None, *, write_to: str | os.PathLike | None = None,
-                       window: int = 20, z_threshold: float = 6.0, min_history: int = 5,
-                       collapse_frac: float = 0.1, min_rise: float = 6.0) -> pl.DataFrame:
+def detect_instability(store: StoreLike, run: str | None = None, *, window: int = 20, z_threshold: float = 6.0,
+                       min_history: int = 5, collapse_frac: float = 0.1, min_rise: float = 6.0) -> pl.DataFrame:
     """Instability events, one row each (see the module docstring for the rules).
 
     ``min_rise`` sets the series-wide floor for spikes, in multiples of the series' typical deviation
     from its trailing median (0 turns it off and leaves only the windowed robust z).
 
-    Columns: run_id, role, rank, step, kind (grad_norm_spike | loss_spike | entropy_collapse | nan_inf),
-    severity, source, value, baseline, robust_z, message. With ``write_to`` the new ones are appended to
-    that run directory's ``events`` table (the result must then come from one run).
+    Columns: run_id, role, rank, step, event (grad_norm_spike | loss_spike | entropy_collapse | nan_inf),
+    severity, source, value, baseline, robust_z, message.
     """
     if min_rise < 0:
         raise ValueError("min_rise must be >= 0")
     con = as_store(store)
     rows = _series_events(con, run, window, z_threshold, min_history, collapse_frac, min_rise)
     rows += _nan_events(con, run)
-    df = pl.DataFrame(rows, schema=_SCHEMA).sort(["run_id", "step", "rank", "kind"])
-    if write_to is not None and not df.is_empty():
-        _write(df, write_to)
-    return df
-
-
-def _write(df: pl.DataFrame, run_dir: str | os.PathLike) -> None:
-    from dynascope.store import RunWriter, now_us, open_store
-
-    if df["run_id"].n_unique() > 1:
-        raise ValueError("detect_instability(write_to=...) needs one run: pass run=")
-    with open_store(run_dir) as target:
-        done = set(frame(target, f"""
-            SELECT rank, step, event, json_extract_string(fields_json, '$.source') FROM events
-            WHERE json_extract_string(fields_json, '$.detector') = '{DETECTOR}'""").iter_rows())
-    new = df.filter([(r["rank"], r["step"], r["kind"], r["source"]) not in done for r in df.iter_rows(named=True)])
-    if new.is_empty():
-        return
-
-    def clean(v: float | None) -> float | str | None:
-        return v if v is None or math.isfinite(v) else str(v)
-
-    fields = [json.dumps({"detector": DETECTOR, "source": r["source"], "value": clean(r["value"]),
-                          "baseline": clean(r["baseline"]), "robust_z": clean(r["robust_z"])})
-              for r in new.iter_rows(named=True)]
-    writer = RunWriter(run_dir, role="analysis")
-    try:
-        writer.append("events", {"rank": new["rank"].to_list(), "role": "analysis", "step": new["step"].to_list(),
-                                 "time_us": now_us(), "kind": new["kind"].to_list(),
-                                 "severity": new["severity"].to_list(), "message": new["message"].to_list(),
-                                 "fields_json": fields})
-    finally:
-        writer.close()
+    return pl.DataFrame(rows, schema=_SCHEMA).sort(["run_id", "step", "rank", "event"])

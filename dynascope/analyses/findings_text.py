@@ -1,0 +1,130 @@
+"""Every sentence a finding says, in one place: ``sentence(finding, numbers)``.
+
+A sentence is a function of the finding's ``numbers`` only, so what the report says is exactly what its
+numbers (and its SQL, see ``findings``) show.
+"""
+
+from __future__ import annotations
+
+import string
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["INSTABILITY_LABELS", "fmt_ms", "fmt_pct", "sentence"]
+
+N = dict[str, Any]
+
+
+def fmt_ms(ms: float) -> str:
+    """A duration for a sentence: '850 ms', '12.3 s', '4.2 min'."""
+    if abs(ms) < 1000:
+        return f"{ms:.0f} ms"
+    return f"{ms / 1000:.1f} s" if abs(ms) < 120_000 else f"{ms / 60_000:.1f} min"
+
+
+def fmt_pct(pct: float) -> str:
+    """A share for a sentence: one decimal below 10%, none above."""
+    return f"{pct:.1f}%" if abs(pct) < 10 else f"{pct:.0f}%"
+
+
+def _steps(steps: list[int]) -> str:
+    return ", ".join(map(str, steps[:5])) + (f" and {len(steps) - 5} more" if len(steps) > 5 else "")
+
+
+class _Formatter(string.Formatter):
+    """``{x!t}`` formats milliseconds with ``fmt_ms``, ``{x!p}`` a percentage with ``fmt_pct``."""
+
+    def convert_field(self, value: Any, conversion: str | None) -> Any:
+        if conversion == "t":
+            return fmt_ms(value)
+        if conversion == "p":
+            return fmt_pct(value)
+        return super().convert_field(value, conversion)
+
+
+_fmt = _Formatter().format
+
+
+def _straggler(n: N) -> str:
+    role = f" ({n['role']})" if n["role"] else ""
+    what = "it" if n["whatif_phase"] == n["phase"] else f"its {n['whatif_phase']}"
+    cut = (_fmt("; making {what} median would cut step time {saved_pct!p} ({saved_ms!t} over {whatif_steps} steps)",
+                what=what, **n) if n["saved_pct"] is not None
+           else _fmt("; {excess_ms!t} beyond the cross-rank median over the run", **n))
+    return _fmt("rank {rank}{role_} is {slowdown_x:.2f}× slower in {phase} than the fastest rank in "
+                "{slow_steps_pct:.0f}% of steps ({status} straggler, score {score:.2f})", role_=role, **n) + cut
+
+
+def _rank_cost(n: N) -> str:
+    worst = _fmt("; most of it in {worst_phase} ({worst_phase_saved_pct!p})", **n) if n["worst_phase"] else ""
+    return _fmt("rank {rank} costs {saved_pct!p} of step time: at the cross-rank median in every phase it would "
+                "save {saved_ms!t} over {steps} steps", **n) + worst
+
+
+def _rollout_tail(n: N) -> str:
+    where = "RL step time" if n["step_source"] == "step_rows" else "rollout time"
+    return _fmt("{tail_wait_pct!p} of {where} is tail wait after the median rollout finished ({median_tail_wait_ms!t} "
+                "per step at the median, {tail_wait_ms!t} in all)", where=where, **n)
+
+
+def _zero_variance(n: N) -> str:
+    cost = _fmt(" (~{wasted_rollout_ms!t} of rollout time)", **n) if n["wasted_rollout_ms"] else ""
+    return _fmt("{zero_variance_pct!p} of GRPO groups ({zero_variance_groups} of {groups}) had zero reward variance: "
+                "their {wasted_samples} rollouts carried no learning signal", **n) + cost
+
+
+def _async_overlap(n: N) -> str:
+    sync = _fmt("; weight sync took {weight_sync_ms!t} over {weight_syncs} syncs", **n) if n["weight_syncs"] else ""
+    return _fmt("rollout and training overlapped {overlap_pct!p} of wall time ({overlap_ms!t}); {alone_ms!t} of the "
+                "shorter side ran alone", **n) + sync
+
+
+def _goodput(n: N) -> str:
+    parts = []
+    ckpt = n["checkpoint_save_ms"] + n["checkpoint_load_ms"]
+    if ckpt:
+        parts.append(_fmt("checkpointing took {share:.1f}% of wall time ({checkpoint_saves} saves, {checkpoint_loads} "
+                          "loads, {ckpt!t})", share=100 * ckpt / n["wall_ms"], ckpt=ckpt, **n))
+    if n["restarts"]:
+        parts.append(_fmt("{restarts} restart(s) lost {lost_work_ms!t} of work since the last checkpoint plus "
+                          "{downtime_ms!t} down", **n))
+    return "; ".join(parts) + _fmt("; goodput {goodput_pct:.0f}%", **n)
+
+
+INSTABILITY_LABELS = {"grad_norm_spike": "grad-norm spikes", "loss_spike": "loss spikes",
+                      "entropy_collapse": "entropy collapse", "nan_inf": "NaN/Inf values"}
+
+
+def _instability(label: str) -> Callable[[N], str]:
+    return lambda n: f"{label} at step {_steps(n['steps'])}: {n['message']}"
+
+
+def _template(text: str) -> Callable[[N], str]:
+    return lambda n: _fmt(text, **n)
+
+
+SENTENCES: dict[str, Callable[[N], str]] = {
+    "straggler": _straggler, "rank_cost": _rank_cost, "rollout_tail": _rollout_tail,
+    "zero_variance_groups": _zero_variance, "async_overlap": _async_overlap, "goodput": _goodput,
+    **{k: _instability(label) for k, label in INSTABILITY_LABELS.items()},
+    "imbalance": _template("ranks are unevenly fast: if every rank ran at the cross-rank median, step time would "
+                           "drop {saved_pct!p} ({saved_ms!t})"),
+    "idle": _template("ranks spend {idle_pct!p} of step time waiting for peers in collectives and barriers (most: "
+                      "rank {worst_rank}, {worst_rank_idle_pct!p})"),
+    "uninstrumented": _template("{uninstrumented_pct:.0f}% of step time is outside every instrumented phase (data "
+                                "loading, host work, logging?)"),
+    "staleness": _template("samples were on average {mean_staleness:.2f} policy versions stale when trained on "
+                           "(max {max_staleness})"),
+    "weight_sync": _template("weight sync took {weight_sync_ms!t} over {weight_syncs} syncs"),
+    "mfu": _template("{phase} MFU is {mfu_pct:.1f}% of the {peak_tflops:g} TFLOP/s peak ({achieved_tflops:.3g} "
+                     "TFLOP/s and {tokens_per_s:.0f} tokens/s per rank)"),
+    "rank1_dominance": _template("at step {step} the cumulative update ΔW is {rank1_energy:.0%} rank-1 (σ₁² share "
+                                 "of ‖ΔW‖², {tensors} tensors)"),
+    "update_sparsity": _template("a {stage_b} step left {step_unchanged_frac_b:.1%} of parameters bit-identical vs "
+                                 "{step_unchanged_frac_a:.1%} in {stage_a}"),
+}
+
+
+def sentence(finding: str, numbers: N) -> str:
+    """The plain sentence for one finding, from its numbers."""
+    return SENTENCES[finding](numbers)
