@@ -25,7 +25,7 @@ from dashboard_run import build  # benchmarks/ is on sys.path when run as a scri
 from screenshots import CHROMIUM, wait_rendered
 from streamlit_floor import VIEWPORT, floor
 
-from dynascope.dashboard.server import serving
+from dynascope.dashboard.serve import serving
 from dynascope.store import open_store
 
 PAGES = [("runs", ""), ("dynamics", "dynamics"), ("cluster", "cluster"), ("rollouts", "rollouts"),
@@ -113,8 +113,8 @@ def time_queries(run: Path, skip_on_demand: bool = False) -> list[tuple[str, flo
         ("dynamics: rank1_linear_fit (on demand)", lambda s: A.rank1_linear_fit(s, run=rid)),
         ("cluster: gantt window", lambda s: cluster.gantt(s, rid, 1, 3)),
         ("cluster: phase breakdown", lambda s: cluster.phase_breakdown(s, rid)),
-        ("cluster: step stragglers", lambda s: cluster.straggler_fallback(s, rid)),
-        ("cluster: throughput", lambda s: cluster.throughput_fallback(s, rid)),
+        ("cluster: step stragglers", lambda s: cluster.straggler_table(s, rid)),
+        ("cluster: throughput", lambda s: cluster.throughput(s, rid)),
         ("cluster: straggler_scores (on demand)", lambda s: A.straggler_scores(s, run=rid)),
         ("cluster: what_if (on demand)", lambda s: A.what_if(s, run=rid)),
         ("rollouts: rollout_long_tail", lambda s: A.rollout_long_tail(s, run=rid)),

@@ -4,8 +4,9 @@
     python3 benchmarks/screenshots.py runs/demo --quick      # smoke run: the Runs page only
 
 Each page is opened in a fresh tab, the script waits until Streamlit finished its run and every plotly
-chart drew, then saves ``<out>/dashboard-<page>.png`` (``--height`` sets how much of the page is captured;
-Streamlit scrolls inside its main pane, so a tall viewport is what captures a long page).
+chart drew, then saves ``<out>/dashboard-<page>.png`` of the whole page. Streamlit scrolls inside its own
+main pane, so the browser's full-page capture would stop at the window: the window is instead grown to the
+pane's scroll height (``--height`` is the starting height) until the page fits, and captured then.
 """
 
 from __future__ import annotations
@@ -30,6 +31,25 @@ READY_JS = """() => {
 }"""
 
 
+# The tallest scrolling pane's content height (Streamlit's main pane scrolls, the document does not).
+CONTENT_HEIGHT_JS = """() => Math.max(document.documentElement.scrollHeight, ...[...document.querySelectorAll('*')]
+    .filter(e => ['auto', 'scroll'].includes(getComputedStyle(e).overflowY)).map(e => e.scrollHeight))"""
+
+
+def fit_to_content(page, width: int, max_height: int = 12_000) -> int:
+    """Grow the viewport until the page's scrolling pane shows all of its content; returns the height."""
+    height = page.viewport_size["height"]
+    for _ in range(6):  # content may grow once it has room (lazily drawn tables, charts re-laid out)
+        need = min(max_height, int(page.evaluate(CONTENT_HEIGHT_JS)) + 40)
+        if need <= height:
+            break
+        height = need
+        page.set_viewport_size({"width": width, "height": height})
+        wait_rendered(page)
+        page.wait_for_timeout(300)  # plotly re-lays out charts on resize
+    return height
+
+
 def wait_rendered(page, timeout_ms: int = 300_000) -> int:
     """Block until the page is fully drawn (see READY_JS); returns the number of charts.
 
@@ -39,11 +59,11 @@ def wait_rendered(page, timeout_ms: int = 300_000) -> int:
     return int(page.wait_for_function(READY_JS, timeout=timeout_ms, polling=50).json_value())
 
 
-def screenshots(store: Path, pages: list[str], out: Path, width: int = 1400, height: int = 2200) -> list[Path]:
+def screenshots(store: Path, pages: list[str], out: Path, width: int = 1400, height: int = 1000) -> list[Path]:
     """Serve ``store``, open each page, save a PNG per page; returns the files written."""
     from playwright.sync_api import sync_playwright
 
-    from dynascope.dashboard.server import serving
+    from dynascope.dashboard.serve import serving
 
     out.mkdir(parents=True, exist_ok=True)
     written = []
@@ -54,6 +74,7 @@ def screenshots(store: Path, pages: list[str], out: Path, width: int = 1400, hei
             page = browser.new_page(viewport={"width": width, "height": height})
             page.goto(f"{base}/{PAGES[name]}")
             wait_rendered(page)
+            fit_to_content(page, width)
             if page.locator('[data-testid="stException"]').count():
                 print(f"warning: {name} shows a Streamlit exception", file=sys.stderr)
             path = out / f"dashboard-{name}.png"
@@ -70,7 +91,7 @@ def main() -> None:
     ap.add_argument("--pages", nargs="+", choices=list(PAGES), default=list(PAGES))
     ap.add_argument("--out", type=Path, default=Path("test-artifacts/screenshots"))
     ap.add_argument("--width", type=int, default=1400)
-    ap.add_argument("--height", type=int, default=2200)
+    ap.add_argument("--height", type=int, default=1000, help="starting window height (grown to fit the page)")
     ap.add_argument("--quick", action="store_true", help="only the Runs page (smoke run)")
     args = ap.parse_args()
     for path in screenshots(args.store, ["runs"] if args.quick else args.pages, args.out, args.width, args.height):

@@ -22,9 +22,8 @@ from pathlib import Path
 
 from screenshots import CHROMIUM, wait_rendered  # benchmarks/ is on sys.path when run as a script
 
-from dynascope._net import free_port
-from dynascope.dashboard import command
-from dynascope.dashboard.server import serving_command
+from dynascope.core.net import free_port
+from dynascope.dashboard.serve import command, serving_command
 
 APPS = {
     "empty": 'import streamlit as st\nst.header("Empty")\nst.write("hello")\n',

@@ -19,7 +19,7 @@ import polars as pl
 import pytest
 from dashboard_fixtures import make_store
 
-from dynascope._net import free_port
+from dynascope.core.net import free_port
 
 CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
@@ -205,11 +205,11 @@ def store(tmp_path_factory):
 
 
 def test_server_warms_its_imports_without_noise(tmp_path):
-    """The server process (dynascope.dashboard._serve) imports the pages during start-up; its log must stay
+    """The server process (dynascope.dashboard.serve) imports the pages during start-up; its log must stay
     free of tracebacks and of the "No runtime found" warning an import before the runtime would log."""
     from dashboard_fixtures import write_small_run
 
-    from dynascope.dashboard.server import serving
+    from dynascope.dashboard.serve import serving
 
     log = tmp_path / "server.log"
     with serving(write_small_run(tmp_path / "run"), log=log) as base:
@@ -224,7 +224,7 @@ def test_server_warms_its_imports_without_noise(tmp_path):
 
 
 def test_launch_checks_path_and_warns_off_loopback(tmp_path, monkeypatch, capsys):
-    from dynascope import dashboard
+    from dynascope.dashboard import serve as dashboard
     from dynascope.store import StoreError
 
     with pytest.raises(StoreError, match="no such file"):
@@ -251,6 +251,18 @@ def test_launch_checks_path_and_warns_off_loopback(tmp_path, monkeypatch, capsys
         [True, True, True, False, False]
 
 
+def test_server_process_binds_loopback_unless_told():
+    """``python -m dynascope.dashboard.serve run app.py`` adds 127.0.0.1 where Streamlit would bind every
+    interface; an explicit address is kept."""
+    from dynascope.dashboard.serve import server_args
+
+    assert server_args(["run", "app.py", "--", "/runs"]) == \
+        ["run", "app.py", "--server.address", "127.0.0.1", "--", "/runs"]
+    assert server_args(["run", "app.py", "--server.address", "0.0.0.0"]).count("--server.address") == 1
+    assert server_args(["run", "app.py", "--server.address=::1"]) == ["run", "app.py", "--server.address=::1"]
+    assert server_args(["version"]) == ["version"]
+
+
 def test_heatmap_cells_pool_the_raw_rows(store):
     """A heat-map cell is √Σ‖ΔW‖²/√Σ‖W‖² and Σchanged/Σnumel of its rows, checked against the raw table."""
     from dynascope.dashboard.queries import params
@@ -272,10 +284,10 @@ def test_heatmap_cells_pool_the_raw_rows(store):
 def test_per_step_sums_from_the_rollup_equal_the_raw_rows(store):
     """The page's series read tensor_stats_by_kind; summing tensor_stats itself (the fallback for runs
     written before the rollup existed) must give the same frame."""
-    from dynascope.dashboard.queries import frame, params
+    from dynascope.dashboard.queries import params
 
     cube = params.param_cube(store, "grpo-sync").filter(pl.col("per_step"))
-    raw = frame(store, f"""
+    raw = store.frame(f"""
         SELECT true AS per_step, step, CAST(NULL AS BIGINT) AS bucket, CAST(NULL AS INTEGER) AS layer,
                {params._KEYS}, {params._SUMS}
         FROM tensor_stats WHERE run_id = 'grpo-sync' AND step IS NOT NULL GROUP BY ALL""").cast(cube.schema)
@@ -283,7 +295,8 @@ def test_per_step_sums_from_the_rollup_equal_the_raw_rows(store):
     key = ["step", "kind", "stage"]
     a, b = cube.sort(key), raw.sort(key)
     assert a.select(key).equals(b.select(key))
-    for col in ("dw2", "w2", "changed", "changed_numel", "drift2", "drift_w2", "gzero", "gnear", "grad_numel"):
+    for col in ("dw2", "w2", "changed", "changed_numel", "bf16", "bf16_numel", "drift2", "drift_w2", "gzero", "gnear",
+                "grad_numel"):
         assert a[col].to_list() == pytest.approx(b[col].to_list(), rel=1e-12, nan_ok=True), col
     assert a["nan"].equals(b["nan"]) and a["inf"].equals(b["inf"])
 
@@ -306,7 +319,7 @@ def test_overlay_and_gradients_follow_the_stages(store):
 def test_cluster_queries_find_the_slow_rank(store):
     from dynascope.dashboard.queries import cluster
 
-    sc = cluster.straggler_fallback(store, "grpo-sync")
+    sc = cluster.straggler_table(store, "grpo-sync")
     slow = sc.row(0, named=True)
     assert slow["rank"] == 1 and slow["slowest_share_pct"] == 100.0 and slow["whatif_saved_s"] > 0
     assert sc.filter(pl.col("rank") == 0)["whatif_saved_s"].item() == 0
@@ -335,7 +348,7 @@ def test_cluster_queries_match_the_step_analyses(store):
     assert got["ms_per_step"].to_list() == pytest.approx(want["ms_per_step"].to_list(), rel=1e-12)
     busy = store.sql(f"SELECT rank, avg(d) / 1000.0 FROM (SELECT rank, step, sum(dur_us) AS d FROM "
                      f"({top_level_sql('grpo-sync')}) WHERE NOT sync GROUP BY ALL) GROUP BY rank ORDER BY rank").fetchall()
-    sc = cluster.straggler_fallback(store, "grpo-sync").sort("rank")
+    sc = cluster.straggler_table(store, "grpo-sync").sort("rank")
     assert sc["mean_busy_ms"].to_list() == pytest.approx([b for _, b in busy], rel=1e-12)
 
 

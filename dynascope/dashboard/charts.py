@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import plotly.graph_objects as go
@@ -10,12 +11,83 @@ import streamlit as st
 
 PALETTE = ("#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2", "#EECA3B", "#9D755D")
 
+# One colour per phase on every chart of the Cluster page, whatever phases a window happens to hold: a
+# colour given by position in the legend changes with the set of phases, and two phases could share it.
+PHASE_COLORS = {
+    "rollout": "#4C78A8", "reward": "#EECA3B", "ref_logprob": "#A0CBE8", "train": "#2F4B7C", "forward": "#54A24B",
+    "backward": "#F58518", "optimizer": "#E45756", "weight_sync": "#B279A2", "eval": "#72B7B2", "checkpoint": "#9D755D",
+    "data": "#FF9DA6", "(uninstrumented)": "#BAB0AC",
+}
+# Phases without a fixed colour take these, in name order, after every fixed colour is spent.
+_SPARE = ("#1B9E77", "#7570B3", "#D95F02", "#E7298A", "#66A61E", "#A6761D", "#17BECF", "#BCBD22", "#8C564B",
+          "#393B79", "#637939", "#843C39", "#7B4173", "#3182BD", "#E6550D", "#31A354")
+
+# Legends with more entries than this go to the right of the plot: above it they wrap onto the title.
+_TOP_LEGEND_MAX = 4
+
+
+def phase_colors(names: Sequence[str]) -> dict[str, str]:
+    """A distinct colour for each phase name: fixed ones for known phases, spare ones for the others."""
+    out = {n: PHASE_COLORS[n] for n in names if n in PHASE_COLORS}
+    spare = [c for c in _SPARE if c not in out.values()]
+    for i, n in enumerate(sorted(set(names) - set(out))):
+        out[n] = spare[i % len(spare)]
+    return out
+
 
 def layout(fig: go.Figure, title: str, xtitle: str = "", ytitle: str = "", height: int = 330) -> go.Figure:
-    # Legend above the plot, right-aligned: below it, it collides with the x-axis title on short charts.
+    """Title, axis titles and a legend that never covers the title: above the plot (right-aligned; below it
+    collides with the x-axis title on short charts) for a few entries, on the right for more."""
+    entries = sum(1 for t in fig.data if t.showlegend is not False)
+    if entries > _TOP_LEGEND_MAX:
+        legend = dict(orientation="v", yanchor="top", y=1.0, xanchor="left", x=1.01)
+    else:
+        legend = dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1.0)
     fig.update_layout(title=dict(text=title, y=0.98, yanchor="top"), height=height, margin=dict(l=10, r=10, t=70, b=10),
-                      legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1.0), xaxis_title=xtitle, yaxis_title=ytitle)
+                      legend=legend, xaxis_title=xtitle, yaxis_title=ytitle)
     return fig
+
+
+def fraction_axis(fig: go.Figure, hi: float | None) -> go.Figure:
+    """A fraction's y axis from 0: the whole [0, 1] unless every value is below 0.2, then 0 to a round top
+    above the data, said in the axis title, so a wiggle of a few thousandths does not read as a swing.
+    Call after ``layout`` (it appends to the axis title)."""
+    top = float(hi) if hi is not None and math.isfinite(hi) else 1.0
+    if top > 0.2:
+        fig.update_yaxes(range=[0, 1.0], tickformat=".0%")
+        return fig
+    step = 10 ** math.floor(math.log10(top * 1.25)) if top > 0 else 0.01
+    zoom = math.ceil(top * 1.25 / step) * step
+    title = fig.layout.yaxis.title.text or "fraction"
+    fig.update_yaxes(range=[0, zoom], tickformat=".2%" if zoom < 0.01 else ".1%",
+                     title_text=f"{title}<br>(axis zoomed to 0–{100 * zoom:.3g} %)")
+    return fig
+
+
+def log_axis(fig: go.Figure, lo: float | None, hi: float | None) -> go.Figure:
+    """A log y axis labelled only at powers of ten (unlabelled minor ticks between) once the data spans a
+    decade; plotly's default labels 2 and 5 of every decade, which crowds a short chart."""
+    fig.update_yaxes(type="log", exponentformat="power")
+    if lo and hi and lo > 0 and hi / lo >= 10:
+        fig.update_yaxes(dtick=1, minor=dict(ticks="outside", dtick="D1", showgrid=False))
+    return fig
+
+
+def gapped(xs: list, ys: list, factor: float = 3.0) -> tuple[list, list]:
+    """Insert a break (None) wherever x jumps by more than ``factor`` times its usual spacing, so a line
+    does not draw straight across steps where nothing was logged (between stages, before a restart)."""
+    if len(xs) < 3:
+        return xs, ys
+    gaps = sorted(xs[i + 1] - xs[i] for i in range(len(xs) - 1))
+    usual = gaps[len(gaps) // 2] or 1
+    ox, oy = [xs[0]], [ys[0]]
+    for i in range(1, len(xs)):
+        if xs[i] - xs[i - 1] > factor * usual:
+            ox.append(None)
+            oy.append(None)
+        ox.append(xs[i])
+        oy.append(ys[i])
+    return ox, oy
 
 
 def show(fig: go.Figure, key: str) -> None:
@@ -35,10 +107,12 @@ def banded(df: pl.DataFrame, x: str, y: str, lo: str | None, hi: str | None, by:
             fig.add_trace(go.Scatter(x=xs + xs[::-1], y=g[hi].to_list() + g[lo].to_list()[::-1], fill="toself",
                                      fillcolor=color, opacity=0.18, line=dict(width=0), hoverinfo="skip",
                                      showlegend=False, name=f"{name} min–max"))
-        fig.add_trace(go.Scatter(x=xs, y=g[y].to_list(), mode="lines+markers" if len(xs) < 60 else "lines",
+        lx, ly = gapped(xs, g[y].to_list())
+        fig.add_trace(go.Scatter(x=lx, y=ly, mode="lines+markers" if len(xs) < 60 else "lines",
                                  name=name, line=dict(color=color)))
     if log_y:
-        fig.update_yaxes(type="log")
+        vals = df[y].filter(df[y] > 0)
+        log_axis(fig, vals.min(), vals.max())
     return layout(fig, title, xtitle, ytitle)
 
 
@@ -60,13 +134,14 @@ def heatmap(df: pl.DataFrame, value: str, title: str, log_z: bool = False) -> go
 
 
 def bars(df: pl.DataFrame, x: str, y: str, color: str | None, title: str, ytitle: str = "",
-         horizontal: bool = False, stacked: bool = True) -> go.Figure:
-    """Grouped or stacked bars, one trace per value of ``color``."""
+         horizontal: bool = False, stacked: bool = True, colors: dict[str, str] | None = None) -> go.Figure:
+    """Grouped or stacked bars, one trace per value of ``color`` (coloured by ``colors`` when given)."""
     fig = go.Figure()
     groups = df.partition_by(color, maintain_order=True, as_dict=True) if color else {(y,): df}
     for i, (key, g) in enumerate(groups.items()):
         xs, ys = g[x].to_list(), g[y].to_list()
         fig.add_trace(go.Bar(x=ys if horizontal else xs, y=xs if horizontal else ys, name=str(key[0]),
-                             orientation="h" if horizontal else "v", marker_color=PALETTE[i % len(PALETTE)]))
+                             orientation="h" if horizontal else "v",
+                             marker_color=(colors or {}).get(str(key[0]), PALETTE[i % len(PALETTE)])))
     fig.update_layout(barmode="stack" if stacked else "group")
     return layout(fig, title, ytitle if horizontal else x, x if horizontal else ytitle)

@@ -9,11 +9,9 @@ results stay cached, so clicking around a 10M-row run does not re-scan it every 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 import threading
 import time
-import types
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -28,10 +26,6 @@ from dynascope.store import StoreConnection, StoreError, open_store
 TTL_S = 2.0  # how stale the store's file listing may be
 STATUS_S = 15.0  # how stale a run's live/finished/crashed status may be (the live window is 60 s)
 KEEP_S = 3600.0  # how long results of an unchanged store stay cached
-
-
-class MissingAnalysis(LookupError):
-    """The analysis a chart prefers is not installed in this version of dynascope."""
 
 
 @st.cache_resource(show_spinner=False)
@@ -69,20 +63,28 @@ def _catalog(path: str, token: tuple[int, int, int], clock: int) -> pl.DataFrame
     return run_list(store(path))
 
 
-def query(name: str, path: str, *args: Any) -> Any:
-    """``dynascope.dashboard.queries.<module>.<fn>(store, *args)``, cached until the store changes."""
-    return _query(name, path, version(path), *args)
+Query = Callable[..., Any]  # a dashboard query or an analysis: (store, ...) -> frame
+
+
+def _name(fn: Query) -> str:
+    """The cache key of a query function (the function itself is passed unhashed beside it)."""
+    return f"{fn.__module__}.{fn.__qualname__}"
+
+
+def query(fn: Query, path: str, *args: Any) -> Any:
+    """``fn(store, *args)`` for a function of ``dynascope.dashboard.queries``, cached until the store changes."""
+    return _query(_name(fn), fn, path, version(path), *args)
 
 
 class _Refused(str):
     """A ValueError an analysis raised (e.g. MFU without a known peak), cached like a result."""
 
 
-def analysis(name: str, path: str, **kwargs: Any) -> pl.DataFrame:
-    """``dynascope.analyses.<name>(store, **kwargs)``, cached until the store changes; raises
-    ``MissingAnalysis`` when this dynascope has no such analysis, and the analysis's own ValueError (also
-    cached: a refusal would otherwise be recomputed at every rerun)."""
-    out = _analysis(name, path, version(path), **kwargs)
+def analysis(fn: Query, path: str, **kwargs: Any) -> pl.DataFrame:
+    """``fn(store, **kwargs)`` for an analysis of ``dynascope.analyses``, cached until the store changes;
+    raises the analysis's own ValueError (also cached: a refusal would otherwise be recomputed at every
+    rerun)."""
+    out = _analysis(_name(fn), fn, path, version(path), **kwargs)
     if isinstance(out, _Refused):
         raise ValueError(str(out))
     return out
@@ -92,8 +94,8 @@ def analysis(name: str, path: str, **kwargs: Any) -> pl.DataFrame:
 _PREFETCH = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dynascope-prefetch")
 
 
-def prefetch(path: str, queries: Iterable[tuple[str, tuple[Any, ...]]] = (),
-             analyses: Iterable[tuple[str, dict[str, Any]]] = ()) -> None:
+def prefetch(path: str, queries: Iterable[tuple[Query, tuple[Any, ...]]] = (),
+             analyses: Iterable[tuple[Query, dict[str, Any]]] = ()) -> None:
     """Start queries and analyses a page will ask for further down, so DuckDB works on them while the
     script draws what comes first. Each lands in the same cache the page reads (a page that gets there
     first waits on the cache's per-key lock instead of computing twice); a failure is left for the page's
@@ -105,10 +107,10 @@ def prefetch(path: str, queries: Iterable[tuple[str, tuple[Any, ...]]] = (),
         with contextlib.suppress(Exception):
             fn(*args, **kwargs)
 
-    for name, args in queries:
-        _PREFETCH.submit(run, _query, name, path, token, *args)
-    for name, kwargs in analyses:
-        _PREFETCH.submit(run, _analysis, name, path, token, **kwargs)
+    for fn, args in queries:
+        _PREFETCH.submit(run, _query, _name(fn), fn, path, token, *args)
+    for fn, kwargs in analyses:
+        _PREFETCH.submit(run, _analysis, _name(fn), fn, path, token, **kwargs)
 
 
 def clear() -> None:
@@ -119,37 +121,18 @@ def clear() -> None:
 
 # cache_resource, not cache_data: results are returned as the same (immutable) polars frames instead of
 # being pickled and copied on every read, which for a page's 40 MB parameter cube costs more than a scan.
+# The function itself is not hashed (leading underscore): its module-qualified name is the key.
 @st.cache_resource(ttl=KEEP_S, show_spinner=False, max_entries=512)
-def _query(name: str, path: str, token: tuple[int, int, int], *args: Any) -> Any:
-    module, fn = name.rsplit(".", 1)
-    func = getattr(importlib.import_module(f"dynascope.dashboard.queries.{module}"), fn)
-    return func(store(path), *args)
+def _query(name: str, _fn: Query, path: str, token: tuple[int, int, int], *args: Any) -> Any:
+    return _fn(store(path), *args)
 
 
 @st.cache_resource(ttl=KEEP_S, show_spinner=False, max_entries=256)
-def _analysis(name: str, path: str, token: tuple[int, int, int], **kwargs: Any) -> pl.DataFrame:
-    import dynascope.analyses as analyses
-
+def _analysis(name: str, _fn: Query, path: str, token: tuple[int, int, int], **kwargs: Any) -> pl.DataFrame:
     try:
-        func = getattr(analyses, name)
-    except (AttributeError, ImportError) as exc:
-        raise MissingAnalysis(name) from exc
-    if isinstance(func, types.ModuleType):  # a submodule named like its function shadows it once imported
-        func = getattr(func, name, None)
-        if not callable(func):
-            raise MissingAnalysis(name)
-    try:
-        return func(store(path), **kwargs)
+        return _fn(store(path), **kwargs)
     except ValueError as exc:
         return _Refused(str(exc))
-
-
-def prefer(name: str, path: str, fallback: Callable[[], pl.DataFrame], **kwargs: Any) -> tuple[pl.DataFrame, str]:
-    """The analysis' frame when it exists, else the fallback query's; also says which was used."""
-    try:
-        return analysis(name, path, **kwargs), f"dynascope.analyses.{name}"
-    except MissingAnalysis:
-        return fallback(), "dashboard query (analysis not available)"
 
 
 def current() -> tuple[str, tuple[str, ...]]:
@@ -164,8 +147,6 @@ def guard(title: str) -> Iterator[None]:
         yield
     except ScriptControlException:  # st.rerun / st.stop must pass through
         raise
-    except MissingAnalysis as exc:
-        st.info(f"{title}: the analysis `{exc}` is not available in this dynascope.")
     except StoreError as exc:
         st.info(f"{title}: {exc}")
     except Exception as exc:
@@ -187,9 +168,9 @@ def empty(df: pl.DataFrame | None, what: str) -> bool:
     return False
 
 
-def per_run(name: str, path: str, runs: tuple[str, ...], **kwargs: Any) -> pl.DataFrame:
+def per_run(fn: Query, path: str, runs: tuple[str, ...], **kwargs: Any) -> pl.DataFrame:
     """An analysis run once per selected run (each cached on its own) and stacked."""
-    frames = [analysis(name, path, run=r, **kwargs) for r in runs]
+    frames = [analysis(fn, path, run=r, **kwargs) for r in runs]
     full = [f for f in frames if f.height]
     return pl.concat(full, how="vertical_relaxed") if full else frames[0]
 

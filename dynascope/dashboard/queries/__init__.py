@@ -1,30 +1,20 @@
 """Aggregate SQL behind the dashboard's charts, pushed down to DuckDB.
 
-Every function takes an open ``StoreConnection`` and returns a small polars frame: rows per chart point,
-never per stored row. Long series are cut into at most ``MAX_POINTS`` step buckets and keep the min and
-max of each bucket, so a spike survives downsampling. Where an analysis in ``dynascope.analyses`` gives
-the same figure, the page prefers the analysis; these queries are its fallback and the heavy lifting for
-chart-shaped aggregates (heat maps, Gantt windows) that analyses do not return.
+Every function takes an open ``StoreConnection`` and returns a small polars frame (``store.frame``: a
+cursor per call, so Streamlit's script threads and the prefetch pool query one store at once): rows per
+chart point, never per stored row. Long series are cut into at most ``MAX_POINTS`` step buckets and keep
+the min and max of each bucket, so a spike survives downsampling. Where an analysis in ``dynascope.analyses`` gives
+the figure, the page calls the analysis; these queries are the chart-shaped aggregates (heat maps, Gantt
+windows, bucketed series) that analyses do not return.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-import polars as pl
-
-from dynascope.store import StoreConnection, quote_literal
+from dynascope.store import quote_literal
 
 MAX_POINTS = 400
-
-
-def frame(store: StoreConnection, sql: str) -> pl.DataFrame:
-    """Run toolkit SQL on its own cursor: Streamlit serves sessions from several threads at once."""
-    cur = store._con.cursor()
-    try:
-        return cur.sql(sql).pl()
-    finally:
-        cur.close()
 
 
 def in_list(column: str, values: Iterable[object]) -> str:

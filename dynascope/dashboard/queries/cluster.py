@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import polars as pl
 
-from dynascope.dashboard.queries import BUCKET, MAX_POINTS, bounds_cte, frame
+from dynascope.dashboard.queries import BUCKET, MAX_POINTS, bounds_cte
 from dynascope.store import StoreConnection, quote_literal
 
 # Categories drawn on the Gantt unless the user asks for kernels; trace imports can hold millions.
@@ -16,11 +16,20 @@ _COARSE = "('phase', 'wait', 'comm', 'annotation')"
 
 
 def timing_span(store: StoreConnection, run: str) -> pl.DataFrame:
-    """First and last step with timings, rank count and whether fine-grained (kernel) rows exist."""
-    return frame(store, f"""
+    """First and last step with timings, rank count, whether fine-grained (kernel) rows exist, and
+    ``typical_step``: the last step whose set of top-level phases is the run's most common one (the last
+    step is often an evaluation or checkpoint step, a poor first view of the timeline)."""
+    from dynascope.analyses.steps import TOP_LEVEL
+
+    r = f"run_id = {quote_literal(run)}"
+    return store.frame(f"""
+        WITH sets AS (SELECT step, list_sort(list_distinct(list(phase))) AS phases FROM timings
+                      WHERE {r} AND {TOP_LEVEL} GROUP BY step),
+             common AS (SELECT phases FROM sets GROUP BY phases ORDER BY count(*) DESC, max(step) DESC LIMIT 1)
         SELECT min(step) AS first_step, max(step) AS last_step, count(DISTINCT rank) AS ranks,
-               count(*) FILTER (WHERE category IN ('kernel', 'memcpy', 'cpu_op')) AS fine_rows
-        FROM timings WHERE run_id = {quote_literal(run)} AND step IS NOT NULL""")
+               count(*) FILTER (WHERE category IN ('kernel', 'memcpy', 'cpu_op')) AS fine_rows,
+               (SELECT max(step) FROM sets WHERE phases = (SELECT phases FROM common)) AS typical_step
+        FROM timings WHERE {r} AND step IS NOT NULL""")
 
 
 def gantt(store: StoreConnection, run: str, lo: int, hi: int, fine: bool = False, limit: int = 4000) -> pl.DataFrame:
@@ -30,7 +39,7 @@ def gantt(store: StoreConnection, run: str, lo: int, hi: int, fine: bool = False
     """
     cats = "category <> 'step'" if fine else f"category IN {_COARSE}"
     where = f"run_id = {quote_literal(run)} AND step BETWEEN {int(lo)} AND {int(hi)} AND start_us IS NOT NULL"
-    return frame(store, f"""
+    return store.frame(f"""
         WITH w AS (SELECT rank, step, phase, category, parent, start_us, dur_us
                    FROM timings WHERE {where} AND {cats}),
              t0 AS (SELECT min(start_us) AS t0, count(*) AS total FROM w)
@@ -50,7 +59,7 @@ def phase_breakdown(store: StoreConnection, run: str) -> pl.DataFrame:
     from dynascope.analyses.steps import STEP_ROW, TOP_LEVEL
 
     r = f"run_id = {quote_literal(run)}"
-    return frame(store, f"""
+    return store.frame(f"""
         WITH per_step AS (
             SELECT coalesce(role, '') AS role, rank, step, sum(dur_us) FILTER (WHERE {TOP_LEVEL}) AS phases_us,
                    max(dur_us) FILTER (WHERE {STEP_ROW}) AS step_us
@@ -66,7 +75,7 @@ def phase_breakdown(store: StoreConnection, run: str) -> pl.DataFrame:
         ORDER BY role, rank, phase""")
 
 
-def straggler_fallback(store: StoreConnection, run: str) -> pl.DataFrame:
+def straggler_table(store: StoreConnection, run: str) -> pl.DataFrame:
     """Per rank: busy time per step against the per-step median, how often it was the slowest, what-if savings.
 
     Busy time is the top-level phases minus waits and collectives (``dynascope.analyses.steps``): in a
@@ -78,7 +87,7 @@ def straggler_fallback(store: StoreConnection, run: str) -> pl.DataFrame:
 
     # Busy rows summed straight to (rank, step): grouping by phase first, as the analyses do to merge a
     # phase's spans, changes no sum here and cost 3× the time.
-    return frame(store, f"""
+    return store.frame(f"""
         WITH st AS (SELECT rank, step, sum(dur_us) AS d FROM timings
                     WHERE run_id = {quote_literal(run)} AND {TOP_LEVEL} AND NOT ({SYNC}) GROUP BY ALL),
              ranked AS (SELECT *, row_number() OVER (PARTITION BY step ORDER BY d DESC, rank) AS pos FROM st),
@@ -96,10 +105,10 @@ def straggler_fallback(store: StoreConnection, run: str) -> pl.DataFrame:
         FROM whatif GROUP BY rank ORDER BY score_pct DESC""")
 
 
-def throughput_fallback(store: StoreConnection, run: str, max_points: int = MAX_POINTS) -> pl.DataFrame:
+def throughput(store: StoreConnection, run: str, max_points: int = MAX_POINTS) -> pl.DataFrame:
     """Tokens/s and samples/s per step bucket: sample tokens over the slowest rank's step time."""
     r = quote_literal(run)
-    return frame(store, f"""
+    return store.frame(f"""
         WITH tok AS (SELECT step, sum(coalesce(prompt_len, 0) + coalesce(response_len, 0)) AS tokens,
                             count(*) AS n FROM samples WHERE run_id = {r} GROUP BY step),
              dur AS (SELECT step, max(dur_us) AS d FROM timings WHERE run_id = {r} AND category = 'step'

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import polars as pl
 
-from dynascope.dashboard.queries import BUCKET, MAX_POINTS, bounds_cte, frame, in_list
+from dynascope.dashboard.queries import BUCKET, MAX_POINTS, bounds_cte, in_list
 from dynascope.store import StoreConnection, quote_literal
 from dynascope.store.schema import ROLLUP_BLOCK_STEPS
 
@@ -21,6 +21,8 @@ _HEAT_SUMS = """
 # The heat maps need only the sums above; the series also need the gradient and NaN/Inf ones. Leaving
 # those six columns out of the 10M-row heat scan is a third less to decode.
 _SUMS = _HEAT_SUMS + """,
+    CAST(sum(changed_bf16_count) AS DOUBLE) AS bf16,
+    CAST(sum(CASE WHEN changed_bf16_count IS NOT NULL THEN numel END) AS DOUBLE) AS bf16_numel,
     CAST(sum(grad_zero_count) AS DOUBLE) AS gzero, CAST(sum(grad_near_zero_count) AS DOUBLE) AS gnear,
     CAST(sum(CASE WHEN grad_zero_count IS NOT NULL THEN numel END) AS DOUBLE) AS grad_numel,
     CAST(sum(coalesce(w_nan_count, 0) + coalesce(grad_nan_count, 0)) AS BIGINT) AS nan,
@@ -31,6 +33,7 @@ _HEAT_ROLLUP_SUMS = """
     sum(update_sq) AS dw2, sum(w_sq) AS w2, CAST(sum(changed_count) AS DOUBLE) AS changed,
     CAST(sum(changed_numel) AS DOUBLE) AS changed_numel, sum(drift_sq) AS drift2, sum(drift_w_sq) AS drift_w2"""
 _ROLLUP_SUMS = _HEAT_ROLLUP_SUMS + """,
+    CAST(sum(changed_bf16_count) AS DOUBLE) AS bf16, CAST(sum(changed_bf16_numel) AS DOUBLE) AS bf16_numel,
     CAST(sum(grad_zero_count) AS DOUBLE) AS gzero, CAST(sum(grad_near_zero_count) AS DOUBLE) AS gnear,
     CAST(sum(grad_numel) AS DOUBLE) AS grad_numel,
     CAST(coalesce(sum(w_nan_count), 0) + coalesce(sum(grad_nan_count), 0) AS BIGINT) AS nan,
@@ -59,10 +62,10 @@ def param_cube(store: StoreConnection, run: str, max_points: int = MAX_POINTS) -
         SELECT true AS per_step, step, CAST(NULL AS BIGINT) AS bucket, CAST(NULL AS INTEGER) AS layer,
                {keys}, {sums}
         FROM {table} WHERE {where} GROUP BY ALL"""
-    per_step = frame(store, per_step_sql.format(keys=_KEYS, sums=_ROLLUP_SUMS, table="tensor_stats_by_kind",
+    per_step = store.frame(per_step_sql.format(keys=_KEYS, sums=_ROLLUP_SUMS, table="tensor_stats_by_kind",
                                                 where=where))
     if per_step.height == 0:
-        per_step = frame(store, per_step_sql.format(keys=_KEYS, sums=_SUMS, table="tensor_stats", where=where))
+        per_step = store.frame(per_step_sql.format(keys=_KEYS, sums=_SUMS, table="tensor_stats", where=where))
     if per_step.height == 0:
         return per_step
     s0, width = heat_buckets(int(per_step["step"].min()), int(per_step["step"].max()), max_points)
@@ -72,10 +75,10 @@ def param_cube(store: StoreConnection, run: str, max_points: int = MAX_POINTS) -
         FROM {table}, (SELECT {s0} AS s0, {w} AS w) bounds WHERE {where} GROUP BY ALL"""
     heat = pl.DataFrame()
     if width % ROLLUP_BLOCK_STEPS == 0:  # whole blocks: the layer rollup has every sum the cells need
-        heat = frame(store, heat_sql.format(bucket=BUCKET, s0=s0, w=width, keys=_KEYS, sums=_HEAT_ROLLUP_SUMS,
+        heat = store.frame(heat_sql.format(bucket=BUCKET, s0=s0, w=width, keys=_KEYS, sums=_HEAT_ROLLUP_SUMS,
                                             table="tensor_stats_by_layer", where=where))
     if heat.height == 0:
-        heat = frame(store, heat_sql.format(bucket=BUCKET, s0=s0, w=width, keys=_KEYS, sums=_HEAT_SUMS, table="tensor_stats",
+        heat = store.frame(heat_sql.format(bucket=BUCKET, s0=s0, w=width, keys=_KEYS, sums=_HEAT_SUMS, table="tensor_stats",
                                             where=where))
     return pl.concat([heat, per_step], how="diagonal_relaxed").select(per_step.columns)
 
@@ -119,6 +122,7 @@ def _per_step(cube: pl.DataFrame, kinds: tuple[str, ...]) -> pl.DataFrame:
     return (cube.filter(pl.col("per_step") & pl.col("kind").is_in(kinds)).group_by("step", "stage").agg(
         (pl.col("dw2").sum().sqrt() / pl.col("w2").sum().sqrt()).alias("ratio"),
         (pl.col("changed").sum() / pl.col("changed_numel").sum()).alias("changed"),
+        (pl.col("bf16").sum() / pl.col("bf16_numel").sum()).alias("changed_bf16"),
         (pl.col("gzero").sum() / pl.col("grad_numel").sum()).alias("zero"),
         (pl.col("gnear").sum() / pl.col("grad_numel").sum()).alias("near_zero"),
         pl.col("nan").sum(), pl.col("inf").sum()).sort("step"))
@@ -135,12 +139,13 @@ def _bucketed(df: pl.DataFrame, x: str, values: list[str], by: list[str], max_po
 
 
 def stage_overlay(cube: pl.DataFrame, run: str, kinds: tuple[str, ...], max_points: int = MAX_POINTS) -> pl.DataFrame:
-    """Pooled update ratio and changed fraction per stage against steps since the stage began (mean/min/max
+    """Pooled update ratio, changed fraction (bit-exact in the stored dtype) and the fraction whose change
+    a bf16 copy of the weights would show, per stage against steps since the stage began (mean/min/max
     of the per-step values in each bucket)."""
     ps = _per_step(cube, kinds).with_columns((pl.col("step") - pl.col("step").min().over("stage")).alias("step_in_stage"))
     if ps.height == 0:
         return ps
-    return _bucketed(ps, "step_in_stage", ["ratio", "changed"], ["stage"], max_points).with_columns(
+    return _bucketed(ps, "step_in_stage", ["ratio", "changed", "changed_bf16"], ["stage"], max_points).with_columns(
         pl.lit(run).alias("run_id"))
 
 
@@ -165,7 +170,7 @@ def nonfinite_tensors(store: StoreConnection, run: str, steps: tuple[int, ...]) 
     drag the tensor column through the whole scan, and steps prune row groups here)."""
     if not steps:
         return pl.DataFrame(schema={"step": pl.Int64, "tensor": pl.String, "nonfinite": pl.Int64})
-    return frame(store, f"""
+    return store.frame(f"""
         SELECT step, tensor, CAST(coalesce(w_nan_count, 0) + coalesce(w_inf_count, 0) + coalesce(grad_nan_count, 0)
                                   + coalesce(grad_inf_count, 0) AS BIGINT) AS nonfinite
         FROM tensor_stats
@@ -189,7 +194,7 @@ def spectra_series(store: StoreConnection, runs: tuple[str, ...], kinds: tuple[s
     and honours the kind filter.
     """
     where = _where(runs, kinds) + " AND drift_norm > 0 AND len(sigma) > 0"
-    return frame(store, f"""
+    return store.frame(f"""
         WITH per_step AS (
             SELECT run_id, coalesce(stage, '') AS stage, step,
                    sum(sigma[1] * sigma[1]) / sum(drift_norm * drift_norm) AS rank1,
@@ -201,25 +206,3 @@ def spectra_series(store: StoreConnection, runs: tuple[str, ...], kinds: tuple[s
         SELECT p.run_id, stage, {BUCKET} AS step, avg(rank1) AS rank1, min(lo) AS rank1_lo, max(hi) AS rank1_hi,
                avg(stable_rank) AS stable_rank, min(sr_lo) AS stable_rank_lo, max(sr_hi) AS stable_rank_hi
         FROM per_step p JOIN bounds USING (run_id) GROUP BY ALL ORDER BY p.run_id, stage, step""")
-
-
-def rank1_fit_fallback(store: StoreConnection, run: str, kinds: tuple[str, ...]) -> pl.DataFrame:
-    """Per layer: how linear σ₁ of cumulative ΔW is in the step (R²), and the relative error of
-    predicting the last record from a line fitted on the first half of the records."""
-    where = _where((run,), kinds)
-    return frame(store, f"""
-        WITH s AS (
-            SELECT tensor, coalesce(layer, -1) AS layer, step, sigma[1] AS s1,
-                   percent_rank() OVER (PARTITION BY tensor ORDER BY step) AS pos,
-                   max(step) OVER (PARTITION BY tensor) AS last_step
-            FROM spectra WHERE {where} AND len(sigma) > 0
-        ), fit AS (
-            SELECT tensor, layer, regr_r2(s1, step) AS r2,
-                   regr_slope(s1, step) FILTER (WHERE pos <= 0.5) AS a,
-                   regr_intercept(s1, step) FILTER (WHERE pos <= 0.5) AS b,
-                   max(s1) FILTER (WHERE step = last_step) AS actual, max(last_step) AS last_step
-            FROM s GROUP BY ALL HAVING count(*) >= 3
-        )
-        SELECT layer, avg(r2) AS r2, avg(abs(a * last_step + b - actual) / nullif(abs(actual), 0)) AS pred_rel_err,
-               count(*) AS tensors
-        FROM fit GROUP BY layer ORDER BY layer""")

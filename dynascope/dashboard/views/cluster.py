@@ -6,8 +6,10 @@ import plotly.graph_objects as go
 import polars as pl
 import streamlit as st
 
+from dynascope import analyses
+from dynascope.core.errors import first_line
 from dynascope.dashboard import charts, data
-from dynascope.store import first_line
+from dynascope.dashboard.queries import cluster as Q
 
 GANTT_LIMIT = 4000
 
@@ -27,29 +29,32 @@ def _body() -> None:
         run = st.selectbox("Run", sorted(runs, key=lambda r: -(ranks.get(r) or 0)), key="cl_run")
     else:
         run = runs[0]
-    span = data.query("cluster.timing_span", path, run)
+    span = data.query(Q.timing_span, path, run)
     if span.height == 0 or span["first_step"][0] is None:
         st.info(f"No step timings in {run}.")
         return
     first, last, fine_rows = int(span["first_step"][0]), int(span["last_step"][0]), int(span["fine_rows"][0])
+    end = int(span["typical_step"][0]) if span["typical_step"][0] is not None else last
     # The tables below the timeline do not depend on its widgets: start them while the Gantt is drawn.
-    data.prefetch(path, queries=[("cluster.phase_breakdown", (run,)), ("cluster.throughput_fallback", (run,)),
-                                 ("cluster.straggler_fallback", (run,))],
-                  analyses=[("throughput_mfu", {"run": run, "peak_tflops": st.session_state.get("cl_peak") or None})])
+    data.prefetch(path, queries=[(Q.phase_breakdown, (run,)), (Q.throughput, (run,)), (Q.straggler_table, (run,))],
+                  analyses=[(analyses.throughput_mfu,
+                             {"run": run, "peak_tflops": st.session_state.get("cl_peak") or None})])
+    # One colour per phase for the timeline and the breakdown (the breakdown holds every top-level phase).
+    colors = charts.phase_colors(data.query(Q.phase_breakdown, path, run)["phase"].unique().to_list())
 
     with data.guard("Per-rank timeline"):
         lo, hi = (first, last) if first == last else st.slider(
-            "Steps on the timeline", first, last, (max(first, last - 2), last), key="cl_steps")
+            "Steps on the timeline", first, last, (max(first, end - 2), end), key="cl_steps")
         fine = st.toggle(f"Kernels, memcpy and CPU ops ({fine_rows:,} rows)", key="cl_fine") if fine_rows else False
-        g = data.query("cluster.gantt", path, run, lo, hi, fine, GANTT_LIMIT)
+        g = data.query(Q.gantt, path, run, lo, hi, fine, GANTT_LIMIT)
         if not data.empty(g, "phase timings in these steps"):
-            _gantt(g, run, lo, hi)
+            _gantt(g, run, lo, hi, colors)
 
     left, right = st.columns(2)
     with left, data.guard("Breakdown per rank"):
-        _breakdown(path, run)
+        _breakdown(path, run, colors)
     with right, data.guard("Throughput"):
-        tp = data.query("cluster.throughput_fallback", path, run)
+        tp = data.query(Q.throughput, path, run)
         if not data.empty(tp, "samples with step timings"):
             charts.show(charts.banded(tp, "step", "tok_s", "tok_s_lo", "tok_s_hi", [], "throughput: sample tokens / slowest rank's step",
                                       "tokens / s"), "cl_throughput")
@@ -59,23 +64,23 @@ def _body() -> None:
         _stragglers(path, run)
 
 
-def _breakdown(path: str, run: str) -> None:
+def _breakdown(path: str, run: str, colors: dict[str, str]) -> None:
     """Mean ms per step of each top-level phase per rank, including the un-instrumented remainder."""
-    bd = data.query("cluster.phase_breakdown", path, run)
+    bd = data.query(Q.phase_breakdown, path, run)
     if data.empty(bd, "top-level phases with step rows"):
         return
     rank = pl.col("rank").cast(pl.String)
     label = pl.col("role") + ":" + rank if bd["role"].n_unique() > 1 else rank
     bd = bd.with_columns(label.alias("rank"))
-    charts.show(charts.bars(bd, "rank", "ms_per_step", "phase", "mean time per step by phase", "ms / step"),
-                "cl_breakdown")
+    charts.show(charts.bars(bd, "rank", "ms_per_step", "phase", "mean time per step by phase", "ms / step",
+                            colors=colors), "cl_breakdown")
 
 
 def _mfu(path: str, run: str) -> None:
     """Tokens/s and MFU per rank and phase; CPU or unknown devices need the peak from the user."""
     peak = st.session_state.get("cl_peak") or None
     try:
-        mfu = data.analysis("throughput_mfu", path, run=run, peak_tflops=peak)
+        mfu = data.analysis(analyses.throughput_mfu, path, run=run, peak_tflops=peak)
     except ValueError as exc:
         st.info(f"MFU: {first_line(exc)}")
         st.number_input("Peak TFLOP/s per device (for MFU)", min_value=0.0, value=None, key="cl_peak")
@@ -89,7 +94,7 @@ def _mfu(path: str, run: str) -> None:
 
 def _stragglers(path: str, run: str) -> None:
     st.subheader("Stragglers")
-    sc = data.query("cluster.straggler_fallback", path, run)
+    sc = data.query(Q.straggler_table, path, run)
     if data.empty(sc, "steps timed on more than one rank"):
         return
     st.caption("Busy time (phases without waits and collectives) per rank against the per-step median across "
@@ -97,11 +102,8 @@ def _stragglers(path: str, run: str) -> None:
     st.dataframe(sc, hide_index=True, width="stretch", key="cl_step_table")
     if not data.on_demand("stragglers", "Per-phase straggler scores and what-if simulation", path, run):
         return
-    try:
-        scores = data.analysis("straggler_scores", path, run=run)
-        wif = data.analysis("what_if", path, run=run)
-    except data.MissingAnalysis:
-        return
+    scores = data.analysis(analyses.straggler_scores, path, run=run)
+    wif = data.analysis(analyses.what_if, path, run=run)
     if data.empty(scores, "phases timed on two or more ranks"):
         return
     left, right = st.columns([3, 2])
@@ -118,13 +120,14 @@ def _stragglers(path: str, run: str) -> None:
                                     "reproduction_error_pct"), hide_index=True, width="stretch", key="cl_what_if")
 
 
-def _gantt(g, run: str, lo: int, hi: int) -> None:
+def _gantt(g: pl.DataFrame, run: str, lo: int, hi: int, colors: dict[str, str]) -> None:
     """Horizontal bars per rank (base = start), one trace per phase so the legend toggles phases."""
     fig = go.Figure()
-    for i, ((phase,), p) in enumerate(g.sort("phase").group_by("phase", maintain_order=True)):
+    colors = colors | charts.phase_colors([p for p in g["phase"].unique().to_list() if p not in colors])
+    for (phase,), p in g.sort("phase").group_by("phase", maintain_order=True):
         fig.add_trace(go.Bar(
             y=[f"rank {r}" for r in p["rank"].to_list()], x=p["dur_ms"].to_list(), base=p["start_ms"].to_list(),
-            orientation="h", name=str(phase), marker_color=charts.PALETTE[i % len(charts.PALETTE)],
+            orientation="h", name=str(phase), marker_color=colors[phase],
             customdata=p.select("step", "category").rows(),
             hovertemplate="%{y}<br>" + str(phase) + " · step %{customdata[0]} (%{customdata[1]})<br>"
                           "start %{base:.1f} ms · %{x:.2f} ms<extra></extra>"))
@@ -132,7 +135,7 @@ def _gantt(g, run: str, lo: int, hi: int) -> None:
     fig.update_layout(barmode="overlay", yaxis=dict(categoryorder="array",
                                                     categoryarray=[f"rank {r}" for r in reversed(ranks)]))
     fig = charts.layout(fig, f"per-rank timeline · {run} · steps {lo}–{hi}", "ms since window start", "",
-                        height=max(260, 60 + 40 * len(ranks)))
+                        height=max(260, 60 + 40 * len(ranks), 110 + 21 * len(fig.data)))  # room for the legend
     charts.show(fig, "cl_gantt")
     total = int(g["total"][0])
     if total > g.height:

@@ -6,10 +6,11 @@ import plotly.graph_objects as go
 import polars as pl
 import streamlit as st
 
+from dynascope import analyses
+from dynascope.core.naming import KINDS
 from dynascope.dashboard import charts, data
 from dynascope.dashboard.queries import params as P
 from dynascope.dashboard.queries.params import HEAT_METRICS
-from dynascope.store.naming import KINDS
 
 
 def page() -> None:
@@ -22,7 +23,7 @@ def _body() -> None:
     if not runs:
         st.info("Pick one or more runs in the sidebar.")
         return
-    cubes = {r: data.query("params.param_cube", path, r) for r in runs}
+    cubes = {r: data.query(P.param_cube, path, r) for r in runs}
     sk = pl.concat([P.stages_and_kinds(c) for c in cubes.values()])
     if data.empty(sk, "parameter statistics (tensor_stats)"):
         return
@@ -40,8 +41,8 @@ def _body() -> None:
         return
     # The spectra and the NaN/Inf tensor names are separate scans: start them while the heat maps are drawn.
     nonfinite = {r: P.nonfinite_steps(c, r) for r, c in cubes.items()}
-    data.prefetch(path, queries=[("params.spectra_series", (runs, kinds))]
-                  + [("params.nonfinite_tensors", (r, _first_steps(nf))) for r, nf in nonfinite.items() if nf.height])
+    data.prefetch(path, queries=[(P.spectra_series, (runs, kinds))]
+                  + [(P.nonfinite_tensors, (r, _first_steps(nf))) for r, nf in nonfinite.items() if nf.height])
 
     with data.guard("Layer × step heat maps"):
         # One heat map at a time, the metric picked here: the cube holds all three, so switching re-queries
@@ -65,9 +66,7 @@ def _body() -> None:
                                           "update ratio by stage", "‖ΔW‖/‖W‖", "steps since stage start",
                                           log_y=True), "dyn_overlay_ratio")
             with right:
-                charts.show(charts.banded(ov, "step_in_stage", "changed", "changed_lo", "changed_hi",
-                                          ["run_id", "stage"], "step-changed fraction by stage", "fraction",
-                                          "steps since stage start"), "dyn_overlay_changed")
+                _changed(ov)
 
     with data.guard("ΔW spectra"):
         _spectra(path, runs, kinds)
@@ -79,6 +78,29 @@ def _body() -> None:
         _gradients(path, cubes, nonfinite, kinds)
 
 
+def _changed(ov: pl.DataFrame) -> None:
+    """Step-changed fraction per stage, bit-exact (solid) and as a bf16 copy of the weights would see it
+    (dotted): with fp32 master weights Adam moves nearly every weight each step, and how many of those
+    moves survive rounding to bf16 is where RL's update sparsity shows (Mukherjee et al. 2025)."""
+    fig = charts.banded(ov, "step_in_stage", "changed", "changed_lo", "changed_hi", ["run_id", "stage"],
+                        "step-changed fraction by stage: bit-exact and visible in bf16", "fraction of parameters",
+                        "steps since stage start")
+    has_bf16 = ov["changed_bf16"].drop_nulls().len() > 0
+    if has_bf16:
+        for i, ((run, stage), g) in enumerate(ov.group_by("run_id", "stage", maintain_order=True)):
+            xs, ys = charts.gapped(g["step_in_stage"].to_list(), g["changed_bf16"].to_list())
+            name = " · ".join(str(k) for k in (run, stage) if k not in (None, ""))
+            fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", name=f"{name} (bf16)",
+                                     line=dict(dash="dot", color=charts.PALETTE[i % len(charts.PALETTE)])))
+    charts.fraction_axis(fig, max(ov["changed_hi"].max() or 0, ov["changed_bf16"].max() or 0))
+    charts.show(fig, "dyn_overlay_changed")
+    if has_bf16:
+        means = ov.group_by("stage", maintain_order=True).agg(pl.col("changed").mean(), pl.col("changed_bf16").mean())
+        st.caption("Dotted: share of parameters whose step change is visible after rounding to bf16. "
+                   + "; ".join(f"{s or 'all'}: {c:.1%} bit-exact, {b:.1%} in bf16"
+                               for s, c, b in means.iter_rows() if c is not None and b is not None) + ".")
+
+
 def _first_steps(nonfinite: pl.DataFrame) -> tuple[int, ...]:
     """The steps whose tensors the page names (the first 50 with NaN/Inf)."""
     return tuple(nonfinite["step"].head(50).to_list())
@@ -86,49 +108,73 @@ def _first_steps(nonfinite: pl.DataFrame) -> tuple[int, ...]:
 
 def _spectra(path: str, runs: tuple[str, ...], kinds: tuple[str, ...]) -> None:
     """Rank-1 energy (Σσ₁²/Σ‖ΔW‖², the definition of rank1_dominance) and stable rank over steps."""
-    sp = data.query("params.spectra_series", path, runs, kinds)
+    sp = data.query(P.spectra_series, path, runs, kinds)
     if data.empty(sp, "spectra of ΔW"):
         return
     left, right = st.columns(2)
     with left:
-        charts.show(charts.banded(sp, "step", "rank1", "rank1_lo", "rank1_hi", ["run_id", "stage"],
-                                  "rank-1 energy of cumulative ΔW", "σ₁² / ‖ΔW‖²"), "dyn_rank1")
+        fig = charts.banded(sp, "step", "rank1", "rank1_lo", "rank1_hi", ["run_id", "stage"],
+                            "rank-1 energy of cumulative ΔW", "σ₁² / ‖ΔW‖²")
+        charts.show(charts.fraction_axis(fig, sp["rank1_hi"].max()), "dyn_rank1")
     with right:
         charts.show(charts.banded(sp, "step", "stable_rank", "stable_rank_lo", "stable_rank_hi",
                                   ["run_id", "stage"], "stable rank of cumulative ΔW", "‖ΔW‖² / σ₁²"),
                     "dyn_stable_rank")
 
 
+# A fit worse than predicting the mean (R² < 0), or whose last-record error is above 100 %, says the rank-1
+# direction did not move on a line: its numbers are not an R² or an error worth reading off a bar.
+FIT_FAILED_R2 = 0.0
+FIT_FAILED_ERROR = 1.0
+
+
 def _rank1_fit(path: str, run: str, kinds: tuple[str, ...]) -> None:
-    """R² and last-record prediction error of the rank-1 linear fit, per layer."""
+    """R² and last-record prediction error of the rank-1 linear fit, per layer; failed fits are said so."""
     st.subheader("Rank-1 linear fit")
     if not data.on_demand("rank1_fit", "Fit the rank-1 dynamics (reads u₁, v₁ of every spectra record)", path, run):
         return
-    try:
-        per_tensor = data.analysis("rank1_linear_fit", path, run=run)
-        fit = (per_tensor.filter(pl.col("kind").is_in(kinds)).with_columns(pl.col("layer").fill_null(-1))
-               .group_by("layer").agg(pl.col("r2_all").mean().alias("r2"),
-                                      pl.col("rel_error_last").mean().alias("pred_rel_err"),
-                                      pl.len().alias("tensors")).sort("layer"))
-        what = ("line in the step fitted to the first 30 % of σ₁u₁ records (dynascope.analyses.rank1_linear_fit); "
-                "error = ‖ΔŴ₁ − σ₁u₁v₁ᵀ‖/σ₁ at the last record")
-    except data.MissingAnalysis:
-        fit = data.query("params.rank1_fit_fallback", path, run, kinds)
-        what = "σ₁ linear in the step (dashboard query); error of the last σ₁ from a fit on the first half"
+    per_tensor = data.analysis(analyses.rank1_linear_fit, path, run=run)
+    fit = (per_tensor.filter(pl.col("kind").is_in(kinds)).with_columns(pl.col("layer").fill_null(-1))
+           .group_by("layer").agg(pl.col("r2_all").mean().alias("r2"),
+                                  pl.col("rel_error_last").mean().alias("pred_rel_err"),
+                                  pl.len().alias("tensors")).sort("layer"))
     if data.empty(fit, "ΔW spectra with two or more records per tensor"):
         return
-    fit = fit.with_columns(pl.when(pl.col("layer") == -1).then(pl.lit("other"))
-                           .otherwise(pl.format("L{}", pl.col("layer"))).alias("layer_name"))
+    fit = fit.with_columns(
+        pl.when(pl.col("layer") == -1).then(pl.lit("other")).otherwise(pl.format("L{}", pl.col("layer"))).alias("layer_name"),
+        ((pl.col("r2") < FIT_FAILED_R2) | (pl.col("pred_rel_err") > FIT_FAILED_ERROR)).fill_null(True).alias("failed"))
+    what = ("a line in the step fitted to the first 30 % of σ₁u₁ records (dynascope.analyses.rank1_linear_fit); "
+            "error = ‖ΔŴ₁ − σ₁u₁v₁ᵀ‖/σ₁ at the last record")
+    failed = fit.filter(pl.col("failed"))
+    if failed.height == fit.height:
+        st.warning(f"The rank-1 linear fit failed in every layer of {run}: R² from {fit['r2'].min():.2f} to "
+                   f"{fit['r2'].max():.2f} (below 0 predicts worse than the mean) and a last-record error of "
+                   f"{fit['pred_rel_err'].min():.0%}–{fit['pred_rel_err'].max():.0%}. The rank-1 update did not "
+                   "follow a line in the step here, so no extrapolation from it holds.")
+        st.dataframe(fit.select("layer_name", "tensors", "r2", "pred_rel_err"), hide_index=True, key="dyn_fit_table",
+                     column_config={"layer_name": "layer", "r2": "R²", "pred_rel_err": st.column_config.NumberColumn(
+                         "error at last record", format="percent")})
+        st.caption(f"Fit: {what}.")
+        return
+    if failed.height:
+        st.warning(f"The fit failed (R² < 0 or error > 100 %) in {', '.join(failed['layer_name'])}: grey bars "
+                   "there are not a measure of linearity.")
+    ok = fit.filter(~pl.col("failed"))
+    colors = [("#BAB0AC" if f else charts.PALETTE[0]) for f in fit["failed"]]
     left, right = st.columns(2)
     with left:
-        fig = go.Figure(go.Bar(x=fit["layer_name"].to_list(), y=fit["r2"].to_list(), marker_color=charts.PALETTE[0]))
-        fig.update_yaxes(range=[min(0.0, float(fit["r2"].min() or 0)), 1.0])
-        charts.show(charts.layout(fig, f"rank-1 linear fit R² per layer · {run}", "layer", "R²"), "dyn_fit_r2")
+        fig = go.Figure(go.Bar(x=fit["layer_name"].to_list(), y=fit["r2"].clip(lower_bound=0).to_list(),
+                               marker_color=colors, text=["fit failed" if f else "" for f in fit["failed"]],
+                               customdata=fit["r2"].to_list(), hovertemplate="%{x}: R² %{customdata:.3f}<extra></extra>"))
+        fig.update_yaxes(range=[0, 1.0])
+        charts.show(charts.layout(fig, f"rank-1 linear fit R² per layer · {run}", "layer", "R² (failed fits at 0)"),
+                    "dyn_fit_r2")
     with right:
-        fig = go.Figure(go.Bar(x=fit["layer_name"].to_list(), y=(fit["pred_rel_err"] * 100).to_list(),
+        fig = go.Figure(go.Bar(x=ok["layer_name"].to_list(), y=(ok["pred_rel_err"] * 100).to_list(),
                                marker_color=charts.PALETTE[1]))
-        charts.show(charts.layout(fig, "prediction error at the last record", "layer", "relative error %"),
-                    "dyn_fit_err")
+        fig.update_xaxes(categoryorder="array", categoryarray=fit["layer_name"].to_list())
+        charts.show(charts.layout(fig, "prediction error at the last record (fitted layers)", "layer",
+                                  "relative error %"), "dyn_fit_err")
     st.caption(f"Fit: {what}.")
 
 
@@ -139,21 +185,23 @@ def _gradients(path: str, cubes: dict[str, pl.DataFrame], nonfinite: dict[str, p
     if data.empty(gh, "gradient statistics"):
         return
     fig = charts.banded(gh, "step", "zero", "zero_lo", "zero_hi", ["run_id"], "gradient sparsity and NaN/Inf steps",
-                        "fraction of gradient entries == 0")
+                        "fraction of gradient entries")
     for i, ((run,), g) in enumerate(gh.group_by("run_id", maintain_order=True)):
         fig.add_trace(go.Scatter(x=g["step"].to_list(), y=g["near_zero"].to_list(), mode="lines",
                                  name=f"near-zero · {run}", line=dict(dash="dot", color=charts.PALETTE[i % 8])))
+    top = max(float(gh["zero_hi"].max() or 0), float(gh["near_zero_hi"].max() or 0))
+    charts.fraction_axis(fig, top)
     if nf.height:
-        top = float(gh["zero_hi"].max() or 1.0)
+        top = fig.layout.yaxis.range[1]  # markers on the top edge of the (possibly zoomed) axis
         fig.add_trace(go.Scatter(
-            x=nf["step"].to_list(), y=[top * 1.05] * nf.height, mode="markers", name="NaN/Inf",
+            x=nf["step"].to_list(), y=[top * 0.97] * nf.height, mode="markers", name="NaN/Inf",
             marker=dict(symbol="x", size=12, color="#E45756"),
             text=[f"{r}: {n} NaN, {f} Inf" for r, n, f in nf.select("run_id", "nan", "inf").iter_rows()],
             hovertemplate="step %{x}<br>%{text}<extra></extra>"))
     charts.show(fig, "dyn_grad")
     if nf.height:
         st.caption("Tensors with non-finite weights or gradients (first 50 such steps per run)")
-        named = [data.query("params.nonfinite_tensors", path, run, _first_steps(g))
+        named = [data.query(P.nonfinite_tensors, path, run, _first_steps(g))
                  .with_columns(pl.lit(run).alias("run_id")) for run, g in nonfinite.items() if g.height]
         st.dataframe(pl.concat(named).select("run_id", "step", "tensor", "nonfinite"), hide_index=True,
                      width="stretch", key="dyn_nonfinite")

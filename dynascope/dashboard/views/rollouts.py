@@ -1,15 +1,18 @@
 """Rollouts page: response-length distribution and tail wait, rewards and zero-variance groups, staleness.
 
-Charts come from ``dynascope.analyses.rollouts`` (per step, downsampled here); the dashboard's own
-queries stand in where an analysis is missing.
+Charts come from ``dynascope.analyses.rollouts`` (per step, downsampled here) and, for the mean reward,
+from ``dynascope.dashboard.queries.rollouts``.
 """
 
 from __future__ import annotations
 
+import plotly.graph_objects as go
 import polars as pl
 import streamlit as st
 
+from dynascope import analyses
 from dynascope.dashboard import charts, data
+from dynascope.dashboard.queries import rollouts as Q
 
 
 def page() -> None:
@@ -18,12 +21,9 @@ def page() -> None:
 
 def _lengths(path: str, runs: tuple[str, ...]) -> pl.DataFrame:
     """(run_id, step, quantile, tokens) rows for p50/p90/p99/max response length."""
-    try:
-        lt = data.per_run("rollout_long_tail", path, runs)
-        cols = {f"response_len_{q}_tokens": q for q in ("p50", "p90", "p99", "max")}
-        lt = data.downsample(lt, "step", list(cols), ["run_id"]).select("run_id", "step", *cols).rename(cols)
-    except data.MissingAnalysis:
-        lt = data.query("rollouts.lengths", path, runs).select("run_id", "step", "p50", "p90", max="max_len")
+    lt = data.per_run(analyses.rollout_long_tail, path, runs)
+    cols = {f"response_len_{q}_tokens": q for q in ("p50", "p90", "p99", "max")}
+    lt = data.downsample(lt, "step", list(cols), ["run_id"]).select("run_id", "step", *cols).rename(cols)
     return lt.unpivot(index=["run_id", "step"], variable_name="quantile", value_name="tokens").sort(
         "run_id", "quantile", "step")
 
@@ -41,32 +41,21 @@ def _body() -> None:
             charts.show(charts.banded(ln, "step", "tokens", None, None, ["run_id", "quantile"],
                                       "response length per step", "tokens"), "ro_lengths")
     with right, data.guard("Tail wait"):
-        try:
-            tw = data.downsample(data.per_run("tail_wait_share", path, runs), "step", ["tail_wait_pct"], ["run_id"])
-            what = "% of step time"
-            title = "tail wait: median sample done → last done"
-        except data.MissingAnalysis:
-            tw = data.query("rollouts.lengths", path, runs).rename(
-                {"tail_pct": "tail_wait_pct", "tail_pct_lo": "tail_wait_pct_lo", "tail_pct_hi": "tail_wait_pct_hi"})
-            what = "% of generation span"
-            title = "tail wait: 90 % of samples done → last done"
+        tw = data.downsample(data.per_run(analyses.tail_wait_share, path, runs), "step", ["tail_wait_pct"],
+                             ["run_id"])
         if not data.empty(tw, "generation times"):
             charts.show(charts.banded(tw, "step", "tail_wait_pct", "tail_wait_pct_lo", "tail_wait_pct_hi",
-                                      ["run_id"], title, what), "ro_tail")
+                                      ["run_id"], "tail wait: median sample done → last done", "% of step time"),
+                        "ro_tail")
     left, right = st.columns(2)
     with left, data.guard("Rewards"):
-        rw = data.query("rollouts.rewards", path, runs)
+        rw = data.query(Q.rewards, path, runs)
         if not data.empty(rw, "rewards"):
             charts.show(charts.banded(rw, "step", "reward", "reward_lo", "reward_hi", ["run_id"], "mean reward",
                                       "reward"), "ro_reward")
     with right, data.guard("Zero-variance groups"):
-        try:
-            zv = data.downsample(data.per_run("zero_variance_groups", path, runs), "step", ["zero_variance_pct"],
-                                 ["run_id"])
-        except data.MissingAnalysis:
-            zv = data.query("rollouts.rewards", path, runs).rename({"zero_var_pct": "zero_variance_pct"})
-            zv = zv.with_columns(zero_variance_pct_lo=pl.col("zero_variance_pct"),
-                                 zero_variance_pct_hi=pl.col("zero_variance_pct"))
+        zv = data.downsample(data.per_run(analyses.zero_variance_groups, path, runs), "step", ["zero_variance_pct"],
+                             ["run_id"])
         if not data.empty(zv, "groups of two or more rewarded samples"):
             charts.show(charts.banded(zv, "step", "zero_variance_pct", "zero_variance_pct_lo",
                                       "zero_variance_pct_hi", ["run_id"], "zero-variance groups (no advantage signal)",
@@ -76,15 +65,21 @@ def _body() -> None:
 
 
 def _staleness(path: str, runs: tuple[str, ...]) -> None:
-    try:
-        stl = data.per_run("async_staleness", path, runs).rename({"staleness_steps": "staleness"})
-    except data.MissingAnalysis:
-        stl = data.query("rollouts.staleness", path, runs)
+    """Samples per staleness (an integer number of optimizer steps): one bar per value, a tick per integer."""
+    stl = data.per_run(analyses.async_staleness, path, runs)
     if stl.height == 0:
         st.info("No policy/trainer versions on the samples: staleness applies to asynchronous runs.")
         return
-    if stl.filter(pl.col("staleness") != 0).height == 0:
+    if stl.filter(pl.col("staleness_steps") != 0).height == 0:
         st.caption("Every sample was consumed by the policy version that generated it (synchronous).")
-    stl = stl.with_columns(pl.col("staleness").cast(pl.String))
-    charts.show(charts.bars(stl, "staleness", "samples", "run_id", "staleness (trainer − policy version, steps)",
-                            "samples", stacked=False), "ro_staleness")
+    fig = go.Figure()
+    for i, ((run,), g) in enumerate(stl.group_by("run_id", maintain_order=True)):
+        fig.add_trace(go.Bar(x=g["staleness_steps"].to_list(), y=g["samples"].to_list(), name=str(run),
+                             marker_color=charts.PALETTE[i % len(charts.PALETTE)], customdata=g["share_pct"].to_list(),
+                             hovertemplate="staleness %{x}<br>%{y} samples (%{customdata:.1f} %)<extra></extra>"))
+    lo, hi = int(stl["staleness_steps"].min()), int(stl["staleness_steps"].max())
+    # An integer axis from 0 (or the lowest value) to at least 1: a lone bar at 0 otherwise gets ticks at −0.4…0.4.
+    fig.update_xaxes(type="linear", tick0=0, dtick=max(1, (hi - lo) // 20 + 1), range=[min(0, lo) - 0.5, max(hi, 1) + 0.5])
+    fig.update_layout(barmode="group", bargap=0.15)
+    charts.show(charts.layout(fig, "staleness (trainer − policy version, steps)", "staleness (steps)", "samples"),
+                "ro_staleness")

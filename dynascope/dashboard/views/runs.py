@@ -6,6 +6,7 @@ import polars as pl
 import streamlit as st
 
 from dynascope.dashboard import charts, data
+from dynascope.dashboard.queries import runs as Q
 
 
 def page() -> None:
@@ -33,18 +34,18 @@ def _body() -> None:
         return
     left, right = st.columns(2)
     with left, data.guard("Rows per table"):
-        rows = data.query("runs.table_rows", path, runs)
+        rows = data.query(Q.table_rows, path, runs)
         if not data.empty(rows, "rows"):
             fig = charts.bars(rows, "tbl", "n", "run_id", "Rows per table", "rows", stacked=False)
-            fig.update_yaxes(type="log")
+            charts.log_axis(fig, rows["n"].filter(rows["n"] > 0).min(), rows["n"].max())
             charts.show(fig, "runs_rows")
     with right, data.guard("Compare runs"):
-        keys = data.query("runs.scalar_keys", path, runs)
-        if not keys:
+        keys = data.query(Q.scalar_keys, path, runs)
+        if keys.height == 0:
             st.info("No scalars logged in the selected runs.")
             return
-        default = next((k for k in ("loss", "train/loss", "reward_mean") if k in keys), keys[0])
-        key = st.selectbox("Scalar", keys, index=keys.index(default), key="runs_scalar")
-        df = data.query("runs.scalar_series", path, runs, key)
+        names = keys["key"].to_list()
+        key = st.selectbox("Scalar", names, index=names.index(Q.default_scalar(keys)), key="runs_scalar")
+        df = data.query(Q.scalar_series, path, runs, key)
         if not data.empty(df, f"'{key}' values"):
             charts.show(charts.banded(df, "step", "mean", "lo", "hi", ["run_id", "stage"], key), "runs_scalar_chart")

@@ -10,20 +10,21 @@ import pyarrow.parquet as pq
 import streamlit as st
 
 from dynascope.dashboard import data
-from dynascope.store import StoreConnection, StoreError, run_sql
+from dynascope.store import StoreError, run_sql
 from dynascope.store.schema import TABLE_NAMES
 
 _DEFAULT = "SELECT run_id, stage, count(*) AS rows, max(step) AS last_step\nFROM tensor_stats\nGROUP BY ALL ORDER BY run_id"
 
 
 def run_user_sql(path: str, query: str, max_rows: int) -> pa.Table:
-    """Run ``query`` through ``run_sql`` on a cursor of the read-only store (refuses non-queries)."""
-    base = data.store(path)
-    cur = base._con.cursor()
-    try:
-        return run_sql(StoreConnection(cur, base.location, read_only=True), query, max_rows=max_rows)
-    finally:
-        cur.close()
+    """Run ``query`` through ``run_sql`` on the read-only store (refuses non-queries; a cursor per call)."""
+    return run_sql(data.store(path), query, max_rows=max_rows)
+
+
+def full_precision(schema: pa.Schema) -> dict[str, st.column_config.NumberColumn]:
+    """Show floats as stored: Streamlit's default display rounds to a few digits (0.99999 read "1")."""
+    return {f.name: st.column_config.NumberColumn(format="plain") for f in schema
+            if pa.types.is_floating(f.type) or pa.types.is_decimal(f.type)}
 
 
 def page() -> None:
@@ -46,7 +47,7 @@ def page() -> None:
     ran, table = st.session_state["sql_result"]
     capped = " (row cap reached)" if table.num_rows >= int(cap) else ""
     st.caption(f"{table.num_rows:,} rows{capped}")
-    st.dataframe(table, hide_index=True, width="stretch", key="sql_table")
+    st.dataframe(table, hide_index=True, width="stretch", key="sql_table", column_config=full_precision(table.schema))
     csv_buf, pq_buf = io.BytesIO(), io.BytesIO()
     pcsv.write_csv(table, csv_buf)
     pq.write_table(table, pq_buf)
