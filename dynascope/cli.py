@@ -42,11 +42,14 @@ def guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
             err_console.print("interrupted")
             raise typer.Exit(130) from None
         except Exception as exc:
-            if _state["debug"]:
-                raise
+            if _state["debug"]:  # the whole traceback, and still the user-error exit status
+                import traceback
+
+                traceback.print_exc(file=sys.stderr)
+                raise typer.Exit(2) from None
             from rich.text import Text
 
-            from dynascope.store import StoreError, first_line
+            from dynascope.core.errors import StoreError, first_line
 
             known = isinstance(exc, (UserError, StoreError, FileNotFoundError, ValueError, PermissionError))
             msg = first_line(exc)
@@ -74,8 +77,8 @@ def sql(
     max_rows: Annotated[int, typer.Option("--max-rows", help="Row cap for the result.")] = 100_000,
 ) -> None:
     """Run read-only SQL over a run (tables: runs, tensor_stats, spectra, timings, samples, scalars, events, system)."""
+    from dynascope.cli_output import write_result
     from dynascope.store import open_store, run_sql
-    from dynascope.store.export import write_result
 
     if format not in ("table", "csv", "json", "parquet"):
         raise UserError(f"unknown --format {format!r} (table, csv, json or parquet)")
@@ -95,9 +98,10 @@ def sql(
 @guarded
 def runs(root: Annotated[Path, typer.Argument(help="Store root or run directory.")]) -> None:
     """List runs with status, steps, ranks, size and last write."""
-    from dynascope.store.catalog import print_runs
+    from dynascope.cli_output import print_runs
+    from dynascope.store.catalog import list_runs
 
-    print_runs(root, console)
+    print_runs(list_runs(root), console)
 
 
 @app.command()
@@ -150,11 +154,45 @@ def report(
     peak_tflops: Annotated[float | None, typer.Option(
         "--peak-tflops", help="Dense peak TFLOP/s per device for MFU: needed on CPU or an unknown device, "
                               "overrides the looked-up peak otherwise.")] = None,
+    write_events: Annotated[bool, typer.Option(
+        "--write-events", help="Also append the detected instability events to the run's events table.")] = False,
 ) -> None:
     """Findings in plain sentences, ranked by time at stake, each with its numbers and SQL."""
-    from dynascope.report import report_command
+    from dynascope.report import render_run
 
-    report_command(run, format=format, out=out, console=console, peak_tflops=peak_tflops)
+    text = render_run(run, format, peak_tflops=peak_tflops)
+    if out is None:
+        console.print(text, markup=False, highlight=False, soft_wrap=True, end="")
+    else:
+        out.write_text(text, encoding="utf-8")
+        console.print(f"wrote {out}", markup=False, highlight=False)
+    if write_events:
+        _write_instability_events(run)
+
+
+def _write_instability_events(run: Path) -> None:
+    """Append the detected instability events to the run's events table (analyses never write)."""
+    from dynascope.analyses.instability import DETECTOR, detect_instability
+    from dynascope.store import open_store
+    from dynascope.store.events import write_detected_events
+
+    with open_store(run) as con:
+        detected = detect_instability(con)
+    written = sum(write_detected_events(Path(d), g, DETECTOR) for d, g in _by_run_dir(run, detected))
+    err_console.print(f"wrote {written} new instability event(s) to {run}", markup=False, highlight=False)
+
+
+def _by_run_dir(path: Path, detected: Any) -> list[tuple[Path, Any]]:
+    """Split detected events by run: each goes into its own run directory under a store root."""
+    from dynascope.store.catalog import list_runs
+
+    dirs = {r["run_id"]: Path(r["path"]) for r in list_runs(path).iter_rows(named=True)}
+    out = []
+    for (run_id,), g in detected.group_by(["run_id"], maintain_order=True):
+        if run_id not in dirs:
+            raise UserError(f"run {run_id!r} has no directory under {path}")
+        out.append((dirs[run_id], g))
+    return out
 
 
 @app.command()
@@ -170,10 +208,10 @@ def diff(
     device: Annotated[str, typer.Option("--device", help="Where to compute: auto (GPU if any), cpu, cuda:N.")] = "auto",
 ) -> None:
     """Offline checkpoint diff: parameter-update statistics of each checkpoint against BASE, into a run."""
-    from dynascope.importers.checkpoint_diff import diff_command
+    from dynascope.cli_output import run_diff
 
-    diff_command(base, checkpoints, run, tensors=tensors, allow_missing=allow_missing, k=spectral_k, stage=stage,
-                 device=device, console=console)
+    run_diff(base, checkpoints, run, console, tensors=tensors, allow_missing=allow_missing, k=spectral_k, stage=stage,
+             device=device)
 
 
 @app.command()
@@ -196,9 +234,10 @@ def import_trace(
     run: Annotated[Path, typer.Option("--run", help="Run directory to write.")],
 ) -> None:
     """Import PyTorch-profiler (Kineto) traces, one file per rank, as timing rows."""
-    from dynascope.importers.trace import import_command
+    from dynascope.cli_output import print_trace_import
+    from dynascope.importers.trace import import_traces
 
-    import_command(paths, run, console=console)
+    print_trace_import(import_traces(list(paths), run), console)
 
 
 @import_app.command("wandb")
@@ -209,9 +248,10 @@ def import_wandb(
     step_key: Annotated[str, typer.Option("--step-key", help="Logged key to use as the step (e.g. train/global_step).")] = "_step",
 ) -> None:
     """Import a wandb run's history into the run's scalars."""
-    from dynascope.importers.wandb_history import import_command
+    from dynascope.cli_output import print_wandb_import
+    from dynascope.importers.wandb_history import import_history
 
-    import_command(path, run, console=console, step_key=step_key)
+    print_wandb_import(import_history(path, run, step_key=step_key), run, console)
 
 
 @app.command()
@@ -225,12 +265,16 @@ def demo(
     long_tail: Annotated[bool, typer.Option("--long-tail", help="Skew response lengths for a long rollout tail.")] = False,
     async_: Annotated[bool, typer.Option("--async", help="Asynchronous RL on Ray: rollout actors + trainer actor.")] = False,
     seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
+    model: Annotated[str, typer.Option("--model", help="tiny (from scratch, seconds) or smollm2 (pretrained SmolLM2-135M, the papers' regime).")] = "tiny",
+    steps: Annotated[int | None, typer.Option("--steps", help="RL steps (--model smollm2).")] = None,
+    device: Annotated[str, typer.Option("--device", help="cpu or cuda (--model smollm2).")] = "cpu",
 ) -> None:
     """A real RL post-training run (SFT then GRPO) on CPU, probed end to end, then a short report."""
     from dynascope.demo import run_demo
 
     run_demo(run_dir=run, quick=quick, ranks=ranks, slow_rank=slow_rank, slow_factor=slow_factor,
-             long_tail=long_tail, use_async=async_, seed=seed, console=console)
+             long_tail=long_tail, use_async=async_, seed=seed, console=console, model=model, steps=steps,
+             device=device)
 
 
 def entry() -> None:  # pragma: no cover - console script shim

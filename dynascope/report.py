@@ -11,7 +11,6 @@ import html
 import math
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import polars as pl
@@ -20,8 +19,9 @@ from dynascope.analyses._common import StoreLike, as_store, frame
 from dynascope.analyses.findings import Finding, collect_findings, fmt_ms
 from dynascope.analyses.steps import STEP_ROW, step_breakdown
 from dynascope.store import quote_literal
+from dynascope.store.catalog import steps_sql
 
-__all__ = ["FORMATS", "Report", "build_report", "render", "report_command"]
+__all__ = ["FORMATS", "Report", "build_report", "render", "render_run"]
 
 FORMATS = ("text", "markdown", "html")
 
@@ -47,10 +47,11 @@ def build_report(store: StoreLike, run: str | None = None, *, peak_tflops: float
     runs = frame(con, f"""
         WITH r AS (SELECT DISTINCT run_id FROM runs{rc}),
         st AS (SELECT run_id, step, MAX(dur_us) AS us FROM timings WHERE {STEP_ROW} GROUP BY run_id, step),
-        rk AS (SELECT run_id, COUNT(DISTINCT (role, rank)) AS ranks FROM timings GROUP BY run_id)
-        SELECT r.run_id, coalesce(rk.ranks, 0) AS ranks, COUNT(st.step) AS steps,
+        rk AS (SELECT run_id, COUNT(DISTINCT (role, rank)) AS ranks FROM timings GROUP BY run_id),
+        n AS ({steps_sql()})
+        SELECT r.run_id, coalesce(rk.ranks, 0) AS ranks, coalesce(any_value(n.steps), 0) AS steps,
                median(st.us) / 1000.0 AS median_step_ms
-        FROM r LEFT JOIN st USING (run_id) LEFT JOIN rk USING (run_id)
+        FROM r LEFT JOIN st USING (run_id) LEFT JOIN rk USING (run_id) LEFT JOIN n USING (run_id)
         GROUP BY r.run_id, rk.ranks ORDER BY r.run_id""")
     rep = Report(str(getattr(con, "path", store)), runs.to_dicts())
     for r in rep.runs:
@@ -146,9 +147,8 @@ def render(rep: Report, format: str = "text") -> str:
     return renderers[format](rep)
 
 
-def report_command(run: str | os.PathLike, *, format: str = "text", out: str | os.PathLike | None = None,
-                   console: Any = None, peak_tflops: float | None = None) -> str:
-    """The ``dynascope report`` command: render the report and print it, or write it to ``out``."""
+def render_run(run: str | os.PathLike, format: str = "text", *, peak_tflops: float | None = None) -> str:
+    """The report of the run (or store root) at ``run``, rendered; ``dynascope report`` prints or saves it."""
     if format not in FORMATS:
         raise ValueError(f"unknown --format {format!r} (text, markdown or html)")
     if peak_tflops is not None and not (math.isfinite(peak_tflops) and peak_tflops > 0):
@@ -156,13 +156,4 @@ def report_command(run: str | os.PathLike, *, format: str = "text", out: str | o
     from dynascope.store import open_store
 
     with open_store(run) as con:
-        text = render(build_report(con, peak_tflops=peak_tflops), format)
-    if out is not None:
-        Path(out).write_text(text, encoding="utf-8")
-        if console is not None:
-            console.print(f"wrote {out}", markup=False, highlight=False)
-    elif console is not None:
-        console.print(text, markup=False, highlight=False, soft_wrap=True, end="")
-    else:
-        print(text, end="")
-    return text
+        return render(build_report(con, peak_tflops=peak_tflops), format)

@@ -117,7 +117,10 @@ def test_real_process_exit_codes_and_debug(run):
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
     assert "root:" not in bad.stdout
     debug = subprocess.run([*cmd, "--debug", "sql", str(run), "SELEC"], capture_output=True, text=True, timeout=120)
-    assert debug.returncode != 0 and "Traceback" in debug.stderr
+    assert debug.returncode == 2 and "Traceback" in debug.stderr  # the traceback, and still the user-error status
+    missing = subprocess.run([*cmd, "--debug", "runs", str(run.parent / "nope")], capture_output=True, text=True,
+                             timeout=120)
+    assert missing.returncode == 2 and "Traceback" in missing.stderr and "nope" in missing.stderr
     ok = subprocess.run([*cmd, "sql", str(run), "SELECT count(*) AS n FROM scalars", "-f", "json"],
                         capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0 and json.loads(ok.stdout) == {"n": 300}

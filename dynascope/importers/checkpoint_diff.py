@@ -33,7 +33,7 @@ from dynascope.probes.update_stats import UPDATE_STAT_COLUMNS, norms, weight_upd
 from dynascope.store import RunWriter, StoreError, first_line
 from dynascope.store.naming import tensor_kind, tensor_layer
 
-__all__ = ["DiffSummary", "checkpoint_steps", "diff_checkpoints", "diff_command"]
+__all__ = ["DiffSummary", "checkpoint_steps", "diff_checkpoints"]
 
 _STEP_RE = re.compile(r"(?:checkpoint|ckpt|global_step|step|iter|epoch)[-_]?(\d+)", re.I)
 _COL = {c: i for i, c in enumerate(UPDATE_STAT_COLUMNS)}
@@ -247,31 +247,3 @@ def _write_rows(name: str, spec: tuple[tuple[int, ...], torch.dtype], cols: dict
         "drift_changed_frac": frac(counts["drift_changed_count"]),
         "drift_changed_bf16_frac": frac(counts["drift_changed_bf16_count"]),
     })
-
-
-def diff_command(base: Path, checkpoints: list[Path], run: Path, *, tensors: str | None = None,
-                 allow_missing: bool = False, k: int = 8, stage: str | None = None, device: str = "auto",
-                 console=None) -> DiffSummary:
-    """The ``dynascope diff`` command: run the diff with a rich progress bar and print a summary."""
-    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
-
-    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                  TimeRemainingColumn(), console=console, transient=True) as bar:
-        task = bar.add_task("diffing", total=None)
-
-        def plan(total: int, skipped: list[str]) -> None:
-            bar.update(task, total=total)
-            if skipped and console is not None:
-                console.print(f"skipping {len(skipped)} tensor(s) not in every checkpoint: {', '.join(skipped)}",
-                              highlight=False, soft_wrap=True)
-
-        summary = diff_checkpoints(base, checkpoints, run, tensors=tensors, allow_missing=allow_missing, k=k,
-                                   stage=stage, device=device, progress=lambda n: bar.advance(task, n),
-                                   on_plan=plan)
-    if console is not None:
-        gb = summary.bytes_read / 1e9
-        console.print(f"wrote {summary.tensor_stats_rows} tensor_stats and {summary.spectra_rows} spectra rows "
-                      f"({summary.tensors} tensors × {len(summary.steps)} checkpoints, steps "
-                      f"{', '.join(map(str, summary.steps[:8]))}{' …' if len(summary.steps) > 8 else ''}) to {run} "
-                      f"in {summary.seconds:.1f} s ({gb / max(summary.seconds, 1e-9):.2f} GB/s read)", highlight=False)
-    return summary

@@ -41,7 +41,7 @@ from dynascope.importers.trace_stage import ChunkStager, connect, write_segment
 from dynascope.store import RunWriter, StoreError
 from dynascope.store.layout import MARKER, read_marker, safe_id, segment_name, writer_dir
 
-__all__ = ["ImportResult", "import_command", "import_traces"]
+__all__ = ["ImportResult", "import_traces"]
 
 _RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
 _SUFFIXES = (".json", ".json.gz", ".gz")
@@ -217,15 +217,3 @@ def _time_base_ns(meta: dict[str, Any]) -> int:
     """Newer Kineto writes timestamps relative to ``baseTimeNanoseconds``; older ones are µs since epoch."""
     base = meta.get("baseTimeNanoseconds")
     return int(base) if isinstance(base, (int, float)) and not isinstance(base, bool) else 0
-
-
-def import_command(paths: list[Path], run: Path, *, console: Any = None) -> ImportResult:
-    """The CLI body: import, then print one summary line per rank and the totals."""
-    result = import_traces(list(paths), run)
-    if console is not None:
-        for rank, path in sorted(result.files.items()):
-            console.print(f"rank {rank}: {path}", markup=False, highlight=False)
-        rows = ", ".join(f"{n} {cat}" for cat, n in sorted(result.rows.items())) or "no rows"
-        console.print(f"imported {len(result.files)} file(s), {result.bytes_read / 1e6:.1f} MB of events "
-                      f"in {result.seconds:.2f} s: {rows} → {result.run_dir}", markup=False, highlight=False)
-    return result

@@ -252,20 +252,6 @@ def import_history(path: Path, run: Path, step_key: str = "_step", chunk: int = 
     return hist
 
 
-def import_command(path: Path, run: Path, console: Any = None, step_key: str = "_step") -> History:
-    """``dynascope import wandb PATH --run RUN``: import and print one summary line."""
-    hist = import_history(Path(path), Path(run), step_key=step_key)
-    if console is not None:
-        keys = len(set(hist.key))
-        console.print(f"imported {len(hist.key)} values ({keys} keys, {hist.rows} history rows) into {run}"
-                      + (f"; skipped {hist.skipped} non-numeric values" if hist.skipped else ""))
-        if hist.warning:
-            console.print(f"warning: {hist.warning}")
-        if not hist.complete:
-            console.print("note: the wandb log has no exit record yet (run still running, crashed, or not flushed)")
-    return hist
-
-
 def _as_number(value: Any) -> float | None:
     if isinstance(value, bool) or value is None:
         return None

@@ -36,6 +36,23 @@ _WRITER_DIR = re.compile(r"^writer=(.+)$")
 _RANK = re.compile(r"^r(\d+)-")
 _STEP_TABLES = ("tensor_stats", "spectra", "timings", "samples", "scalars")
 
+
+def steps_sql() -> str:
+    """Steps per run (columns run_id, steps): the one count ``dynascope runs`` and ``dynascope report`` show.
+
+    The training steps the run recorded: the timing probe writes one step row per rank and optimizer step,
+    so those count when present. Rows logged after the last step (a final eval at step N) carry a step
+    number but are no step. Runs without step rows (checkpoint diffs, imported histories) count the
+    distinct steps of their per-step tables.
+    """
+    union = " UNION ALL ".join(f"SELECT run_id, step FROM {quote_ident(t)}" for t in _STEP_TABLES)
+    return f"""
+        WITH st AS (SELECT run_id, COUNT(DISTINCT step) AS n FROM timings
+                    WHERE step IS NOT NULL AND stream IS NULL
+                      AND (category = 'step' OR (category IS NULL AND phase = 'step')) GROUP BY run_id),
+        any_step AS (SELECT run_id, COUNT(DISTINCT step) AS n FROM ({union}) WHERE step IS NOT NULL GROUP BY run_id)
+        SELECT any_step.run_id, coalesce(st.n, any_step.n) AS steps FROM any_step LEFT JOIN st USING (run_id)"""
+
 SCHEMA = {
     "run_id": pl.Utf8, "name": pl.Utf8, "status": pl.Utf8, "steps": pl.Int64, "ranks": pl.Int64,
     "size_bytes": pl.Int64, "last_write_us": pl.Int64, "start_us": pl.Int64, "path": pl.Utf8, "problem": pl.Utf8,
@@ -45,8 +62,7 @@ SCHEMA = {
 def list_runs(path: str | os.PathLike) -> pl.DataFrame:
     """One row per run under ``path`` (a run directory or a store root), newest first.
 
-    Columns: run_id, name, status (live | finished | crashed), steps (highest step + 1 in any per-step
-    table), ranks, size_bytes, last_write_us, start_us, path, problem (why a run could not be read, or null).
+    Columns: run_id, name, status (live | finished | crashed), steps (``steps_sql``), ranks, size_bytes, last_write_us, start_us, path, problem (why a run could not be read, or null).
     """
     rows = []
     for run_dir in _run_dirs(Path(path).expanduser()):
@@ -107,15 +123,14 @@ def _query(run_dir: Path) -> tuple[str, int | None, set[str]]:
     with open_store(run_dir) as store:
         con = store._con
         names = con.sql("SELECT name FROM runs WHERE name IS NOT NULL ORDER BY start_us LIMIT 1").fetchall()
-        union = " UNION ALL ".join(f"SELECT max(step) AS s FROM {quote_ident(t)}" for t in _STEP_TABLES)
-        top = con.sql(f"SELECT max(s) FROM ({union})").fetchall()[0][0]
+        counted = con.sql(f"SELECT sum(steps) FROM ({steps_sql()})").fetchall()[0][0]
         ended = set()
         for (fields,) in con.sql("SELECT fields_json FROM events WHERE event = 'run_end'").fetchall():
             try:
                 ended.add(json.loads(fields)["writer_id"])
             except (TypeError, ValueError, KeyError):
                 continue
-    return (names[0][0] if names else run_dir.name), (None if top is None else int(top) + 1), ended
+    return (names[0][0] if names else run_dir.name), (None if counted is None else int(counted)), ended
 
 
 def _status(run_dir: Path, writers: set[str], ended: set[str]) -> str:
@@ -138,43 +153,3 @@ def _status(run_dir: Path, writers: set[str], ended: set[str]) -> str:
     if not writers and now - (run_dir / MARKER).stat().st_mtime <= LIVE_MARGIN_S:
         return "live"  # just created; nothing flushed yet
     return "crashed"
-
-
-def print_runs(path: str | os.PathLike, console) -> None:
-    """Print the catalog as a table (``dynascope runs``)."""
-    from rich.markup import escape
-    from rich.table import Table
-
-    df = list_runs(path)
-    table = Table(show_lines=False)
-    for col in ("run_id", "name", "status", "steps", "ranks", "size", "last write", "started"):
-        table.add_column(col, justify="right" if col in ("steps", "ranks", "size") else "left")
-    colour = {"live": "green", "finished": "blue", "crashed": "red"}
-    for r in df.iter_rows(named=True):
-        table.add_row(
-            escape(r["run_id"]), escape(r["name"]), f"[{colour[r['status']]}]{r['status']}[/]",
-            "" if r["steps"] is None else str(r["steps"]), str(r["ranks"]), _size(r["size_bytes"]),
-            _ago(r["last_write_us"]), _when(r["start_us"]),
-        )
-    console.print(table)
-    for r in df.filter(pl.col("problem").is_not_null()).iter_rows(named=True):
-        console.print(f"[yellow]warning:[/] {escape(r['run_id'])}: {escape(r['problem'])}", highlight=False)
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
-def _ago(us: int | None) -> str:
-    if us is None:
-        return "never"
-    s = max(0.0, time.time() - us / 1e6)
-    return f"{s:.0f} s ago" if s < 120 else f"{s / 60:.0f} min ago" if s < 7200 else f"{s / 3600:.1f} h ago"
-
-
-def _when(us: int | None) -> str:
-    return "" if us is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(us / 1e6))

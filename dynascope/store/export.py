@@ -1,4 +1,4 @@
-"""Export a store to one self-contained DuckDB file or to Parquet, and write query results."""
+"""Export a store to one self-contained DuckDB file or to Parquet."""
 
 from __future__ import annotations
 
@@ -6,8 +6,6 @@ import os
 from pathlib import Path
 
 import duckdb
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from dynascope.store.layout import StoreError, first_line
 from dynascope.store.reader import open_store, quote_ident, quote_literal
@@ -60,47 +58,3 @@ def export_store(path: str | os.PathLike, duckdb_path: str | os.PathLike | None 
             tmp.unlink(missing_ok=True)
             tmp.with_name(tmp.name + ".wal").unlink(missing_ok=True)
     return counts
-
-
-def write_result(result: pa.Table, fmt: str, out: Path | None, console) -> None:
-    """Print or save a query result as a rich table, CSV, JSON lines or Parquet."""
-    if fmt == "parquet":
-        pq.write_table(result, out)
-        return
-    if fmt == "csv":
-        import pyarrow.csv as pacsv
-
-        if out is None:
-            import io
-
-            buf = io.BytesIO()
-            pacsv.write_csv(result, buf)
-            console.file.write(buf.getvalue().decode())
-        else:
-            pacsv.write_csv(result, out)
-        return
-    if fmt == "json":
-        import json
-
-        text = "\n".join(json.dumps(row, default=str) for row in result.to_pylist())
-        if out is None:
-            console.file.write(text + "\n")
-        else:
-            Path(out).write_text(text + "\n")
-        return
-    from rich.table import Table
-
-    table = Table(show_lines=False)
-    for name in result.column_names:
-        table.add_column(name)
-    for row in result.to_pylist()[:1000]:
-        table.add_row(*["" if v is None else str(v) for v in row.values()])
-    if out is not None:
-        from rich.console import Console
-
-        with open(out, "w") as fh:
-            Console(file=fh, width=200).print(table)
-    else:
-        console.print(table)
-        if result.num_rows > 1000:
-            console.print(f"… {result.num_rows - 1000} more rows (use --format csv/json/parquet --out FILE)")

@@ -1,0 +1,129 @@
+"""Every finding's SQL returns the finding's own numbers, on real runs.
+
+The runs: the demo's quick run (a real SFT → GRPO training, probed), the planted runs the analysis tests
+use, and planted runs here for what those lack (a rank slow in every phase, ranks unevenly fast, a loss
+spike). Together they raise every kind of finding ``findings_text`` can say. Each finding's query runs the
+way a user runs it, ``dynascope sql RUN "<sql>"``: a fresh read-only connection over the run directory.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from dashboard_fixtures import make_store
+from test_cluster_analyses import T0, _write_series, write_async_run, write_synthetic_run
+
+from dynascope.analyses.findings import collect_findings
+from dynascope.analyses.findings_text import SENTENCES
+from dynascope.store import RunWriter, open_store, run_sql
+
+# The numbers each finding's SQL must return (first row, same names).
+GOODPUT = {"checkpoint_saves", "checkpoint_save_ms", "checkpoint_loads", "checkpoint_load_ms", "faults", "restarts"}
+SERIES = {"step", "rank", "value"}
+RETURNED = {
+    "straggler": {"rank", "steps", "run_median_ms"}, "rank_cost": {"rank", "steps"}, "imbalance": {"steps"},
+    "rollout_tail": {"steps", "tail_wait_ms", "step_ms", "tail_wait_pct", "median_tail_wait_ms"},
+    "zero_variance_groups": {"groups", "zero_variance_groups", "wasted_samples", "zero_variance_pct"},
+    "idle": {"idle_pct", "worst_rank", "worst_rank_idle_pct"}, "uninstrumented": {"uninstrumented_pct", "uninstrumented_ms"},
+    "staleness": {"mean_staleness", "max_staleness"}, "async_overlap": {"weight_syncs", "weight_sync_ms"},
+    "weight_sync": {"weight_syncs", "weight_sync_ms"}, "goodput": GOODPUT,
+    "grad_norm_spike": SERIES, "loss_spike": SERIES, "entropy_collapse": SERIES, "nan_inf": SERIES,
+    "mfu": {"tokens"}, "rank1_dominance": {"step", "rank1_energy", "tensors"},
+    "update_sparsity": {"step_unchanged_frac_a", "step_unchanged_frac_b"},
+}
+RANKS, STEPS = 4, 24
+FORWARD, BACKWARD, OPTIMIZER, GAP, SYNC = 60.0, 120.0, 30.0, 50.0, 4.0  # ms
+
+
+def _write_phases(run_dir: Path, slow: dict[tuple[int, int], float], loss_spike_at: int | None = None) -> Path:
+    """A 4-rank synchronous run; ``slow[(step, rank)]`` scales that rank's busy phases in that step. A gap of
+    GAP ms per step is left uninstrumented; rank 0 syncs weights each step and logs a loss."""
+    rng = random.Random(1)
+    writers = [RunWriter(run_dir, rank=r, world_size=RANKS, flush_secs=60) for r in range(RANKS)]
+    t0 = T0
+    for step in range(STEPS):
+        busy = {r: {p: int(ms * 1000 * slow.get((step, r), 1.0) * (1 + rng.uniform(-0.002, 0.002)))
+                    for p, ms in (("forward", FORWARD), ("backward", BACKWARD))} for r in range(RANKS)}
+        top = max(sum(b.values()) for b in busy.values())
+        for r in range(RANKS):
+            d = {**busy[r], "allreduce": top - sum(busy[r].values()) + int(SYNC * 1000), "optimizer": int(OPTIMIZER * 1000)}
+            if r == 0:
+                d["weight_sync"] = 2000
+            t, rows = t0, {"phase": [], "start_us": [], "dur_us": [], "category": [], "step": step}
+            for p, us in d.items():
+                rows["phase"].append(p)
+                rows["start_us"].append(t)
+                rows["dur_us"].append(us)
+                rows["category"].append("wait" if p == "allreduce" else "phase")
+                t += us
+            rows["phase"].append("step")
+            rows["start_us"].append(t0)
+            rows["dur_us"].append(top + int((SYNC + OPTIMIZER + GAP + 2) * 1000))
+            rows["category"].append("step")
+            writers[r].append("timings", rows)
+        loss = 2.0 - 0.01 * step + 0.002 * rng.random() + (1.5 if step == loss_spike_at else 0.0)
+        writers[0].append("scalars", {"step": step, "key": "loss", "value": loss, "time_us": t0})
+        t0 += top + int((SYNC + OPTIMIZER + GAP + 2) * 1000)
+    for w in writers:
+        w.close()
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> list[Path]:
+    root = tmp_path_factory.mktemp("findings_sql")
+    demo = root / "demo"
+    subprocess.run([sys.executable, "-c", "from dynascope.cli import app; app()", "demo", "--quick", "--run", str(demo)], check=True,
+                   capture_output=True, timeout=900)
+    _write_series(root / "series")
+    store = make_store(root / "store")
+    planted = [
+        write_synthetic_run(root / "straggler"), write_async_run(root / "async"), root / "series",
+        # rank 3 is 1.2× slower in every busy phase: below the straggler score, but a whole rank's cost
+        _write_phases(root / "rank_cost", {(s, 3): 1.2 for s in range(STEPS)}, loss_spike_at=15),
+        # each step a different rank is 1.3× slower: no rank stands out, yet time is lost to the spread
+        _write_phases(root / "imbalance", {(s, s % RANKS): 1.3 for s in range(STEPS)}),
+    ]
+    return [demo, *planted, *sorted(p for p in store.iterdir() if p.is_dir())]
+
+
+def _close(got, want) -> bool:
+    if isinstance(want, (int, float)) and not isinstance(want, bool):
+        return got is not None and math.isclose(float(got), float(want), rel_tol=1e-3, abs_tol=5e-4)
+    return got == want
+
+
+def test_every_findings_sql_returns_its_numbers(runs):
+    seen: dict[str, int] = {}
+    for run_dir in runs:
+        with open_store(run_dir) as con:
+            found, notes = collect_findings(con, peak_tflops=1.0)
+        assert not [n for n in notes if not n.startswith("mfu")], (run_dir, notes)
+        for f in found:
+            with open_store(run_dir) as con:  # as `dynascope sql RUN "<sql>"` runs it: read-only, fresh
+                rows = run_sql(con, f.sql).to_pylist()
+            assert rows, (f.finding, f.sql)
+            row = rows[0]
+            want = RETURNED[f.finding]
+            assert want <= set(row), (f.finding, set(row), f.sql)
+            wrong = {k: (row[k], f.numbers[k]) for k in want if not _close(row[k], f.numbers[k])}
+            assert not wrong, (run_dir.name, f.finding, wrong, f.sql)
+            seen[f.finding] = seen.get(f.finding, 0) + 1
+    assert set(seen) == set(SENTENCES), f"kinds never raised: {set(SENTENCES) - set(seen)}"
+
+
+def test_planted_rank_cost_and_imbalance(runs):
+    by_name = {p.name: p for p in runs}
+    found, _ = collect_findings(by_name["rank_cost"])
+    cost = [f for f in found if f.finding == "rank_cost"]
+    assert [f.numbers["rank"] for f in cost] == [3] and not [f for f in found if f.finding == "straggler"]
+    # 1.2× of the 180 ms busy time, every step: the what-if saves ~36 ms of each ~302 ms step
+    assert cost[0].numbers["saved_pct"] == pytest.approx(100 * 36 / (180 * 1.2 + SYNC + OPTIMIZER + GAP + 2), rel=0.05)
+    assert "loss_spike" in {f.finding for f in found}
+    spread = {f.finding for f in collect_findings(by_name["imbalance"])[0]}
+    assert "imbalance" in spread and not spread & {"straggler", "rank_cost"}
