@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from dynascope.core.tensor_io import open_checkpoint
 from dynascope.importers.checkpoint_diff import diff_checkpoints
-from dynascope.importers.checkpoint_io import open_checkpoint
 from dynascope.probes.update_stats import weight_update_stats
 
 

@@ -29,7 +29,8 @@ def stream(steps: int) -> list[list[float]]:
 
 
 def run_dynascope(steps: int, root: Path) -> tuple[float, float]:
-    from dynascope.store import RunWriter, now_us
+    from dynascope.core.clock import now_us
+    from dynascope.store import RunWriter
 
     values = stream(steps)
     w = RunWriter(root / "dynascope", flush_secs=2.0)

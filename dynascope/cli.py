@@ -15,6 +15,8 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
+from dynascope.core.errors import UserError
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="dynascope: parameter-update dynamics and cluster bottlenecks of LLM training.")
 import_app = typer.Typer(no_args_is_help=True, help="Import external data (profiler traces, wandb runs) into a run.")
@@ -23,10 +25,6 @@ app.add_typer(import_app, name="import")
 console = Console()
 err_console = Console(stderr=True)
 _state = {"debug": False}
-
-
-class UserError(Exception):
-    """A problem with the user's input: printed as one line, exit code 2."""
 
 
 def guarded(fn: Callable[..., Any]) -> Callable[..., Any]:

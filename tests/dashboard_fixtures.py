@@ -12,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dynascope.store import RunWriter, now_us
+from dynascope.core.clock import now_us
+from dynascope.store import RunWriter
 
 LAYERS = 4
 HIDDEN = 64

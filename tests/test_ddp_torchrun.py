@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import dynascope
-from dynascope._net import free_port
+from dynascope.core.net import free_port
 
 WORKER = textwrap.dedent("""
     import sys, torch, torch.distributed as dist, torch.nn as nn

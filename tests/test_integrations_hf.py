@@ -9,7 +9,7 @@ import pytest
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-import dynascope  # noqa: E402
+import dynascope
 
 transformers = pytest.importorskip("transformers")
 trl = pytest.importorskip("trl")

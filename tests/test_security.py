@@ -77,6 +77,9 @@ def test_escapes_are_refused_on_every_surface(store_dir):
             run_sql(store, q)
         with pytest.raises((StoreError, duckdb.Error)):  # the raw relation API: DuckDB's own refusal
             store.sql(q).fetchall()
+        for call in (store.frame, store.rows, store.arrow):  # the toolkit's API: each call on its own cursor
+            with pytest.raises((StoreError, duckdb.Error)):
+                call(q)
         out = runner.invoke(app, ["sql", str(store_dir / "store"), q])
         assert out.exit_code == 2, (q, out.output)
         assert "Traceback" not in out.output
@@ -108,14 +111,14 @@ def test_hostile_names_are_escaped_everywhere(tmp_path):
         w.flush()
         w.append("tensor_stats", {"step": 3, "tensor": HOSTILE, "w_norm": 2.0})
     with open_store(root) as s:
-        assert s._con.sql(f"SELECT count(*) FROM tensor_stats WHERE tensor = {quote_literal(HOSTILE)}").fetchall() \
+        assert s.rows(f"SELECT count(*) FROM tensor_stats WHERE tensor = {quote_literal(HOSTILE)}") \
             == [(2,)]
-        rid = s._con.sql("SELECT DISTINCT run_id FROM tensor_stats").fetchall()[0][0]
-        assert s._con.sql(f"SELECT count(*) FROM tensor_stats WHERE true {run_clause(rid)}").fetchall() == [(3,)]
-        assert s._con.sql(f"SELECT count(*) FROM tensor_stats WHERE true {run_clause(HOSTILE)}").fetchall() == [(0,)]
-        assert s._con.sql(f"SELECT {quote_ident(HOSTILE)} FROM (SELECT 1 AS {quote_ident(HOSTILE)})").fetchall() \
+        rid = s.rows("SELECT DISTINCT run_id FROM tensor_stats")[0][0]
+        assert s.rows(f"SELECT count(*) FROM tensor_stats WHERE true {run_clause(rid)}") == [(3,)]
+        assert s.rows(f"SELECT count(*) FROM tensor_stats WHERE true {run_clause(HOSTILE)}") == [(0,)]
+        assert s.rows(f"SELECT {quote_ident(HOSTILE)} FROM (SELECT 1 AS {quote_ident(HOSTILE)})") \
             == [(1,)]
-        assert s._con.sql("SELECT name, role FROM runs").fetchall() == [(HOSTILE, HOSTILE)]
+        assert s.rows("SELECT name, role FROM runs") == [(HOSTILE, HOSTILE)]
     assert list_runs(root)["name"].to_list() == [HOSTILE]
     stats = compact_store(root, grace_s=0.0, settle_s=0.05, wait=True)
     assert stats.new_segments == 3 and not stats.skipped  # tensor_stats and its two rollups (by kind, by layer)

@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dynascope.cli import app
-from dynascope.store import RunWriter, SchemaVersionError, StoreError, open_store
+from dynascope.store import SCHEMA_VERSION, RunWriter, SchemaVersionError, StoreError, open_store
 from dynascope.store.catalog import list_runs
 from dynascope.store.export import export_store
 
@@ -72,8 +72,9 @@ def test_catalog_lists_a_bad_run_with_its_problem(tmp_path):
 def test_newer_schema_is_a_clear_error(tmp_path):
     make_run(tmp_path / "r")
     marker = tmp_path / "r" / "dynascope.json"
-    marker.write_text(json.dumps({**json.loads(marker.read_text()), "schema_version": 2}))
-    with pytest.raises(SchemaVersionError, match="schema v2.*upgrade dynascope"):
+    newer = SCHEMA_VERSION + 1
+    marker.write_text(json.dumps({**json.loads(marker.read_text()), "schema_version": newer}))
+    with pytest.raises(SchemaVersionError, match=f"schema v{newer}.*upgrade dynascope"):
         open_store(tmp_path / "r")
     with pytest.raises(SchemaVersionError):
         RunWriter(tmp_path / "r")  # a second process must not append old-format rows to it either

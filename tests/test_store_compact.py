@@ -9,7 +9,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dynascope.store import RunWriter, open_store, retry_vanished
+from dynascope.store import RunWriter, open_store
 from dynascope.store.compact import compact_store
 from dynascope.store.layout import list_segments, live_segments, segment_name
 
@@ -59,14 +59,16 @@ def test_reader_polling_during_compaction_sees_constant_rows(tmp_path):
         with open_store(run) as s:
             while not stop.is_set():
                 try:
-                    seen.append(retry_vanished(lambda: s._con.sql(
-                        "SELECT count(*), count(DISTINCT step), sum(step) FROM scalars").fetchall())[0])
+                    seen.append(s.rows("SELECT count(*), count(DISTINCT step), sum(step) FROM scalars")[0])
                 except Exception as exc:
                     errors.append(repr(exc))
 
     t = threading.Thread(target=reader)
     t.start()
     for target in (1000, 3000, 20_000):  # merge in stages so merged files are merged again
+        polled = len(seen) + len(errors)
+        while len(seen) + len(errors) < polled + 2:  # the reader keeps polling through every stage
+            time.sleep(0.01)
         compact_store(run, grace_s=0.05, settle_s=0.05, target_rows=target, wait=True)
     stop.set()
     t.join()

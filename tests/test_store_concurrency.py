@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from dynascope.store import RunWriter, open_store, retry_vanished
+from dynascope.store import RunWriter, open_store
 from dynascope.store.compact import compact_store
 
 # A writer process: `rows` rows with unique integer ids in `step`, paced so readers see it grow.
@@ -38,8 +38,8 @@ def poll(path, procs, sql="SELECT count(*) FROM scalars"):
     with open_store(path) as store:
         while True:
             done = all(p.poll() is not None for p in procs)
-            try:  # as the toolkit's own readers do (run_sql, analyses): retry if compaction deleted a file
-                seen.append(retry_vanished(lambda: store._con.sql(sql).fetchall())[0][0])
+            try:  # on its own cursor, again if compaction deleted a file mid-query (StoreConnection.rows)
+                seen.append(store.rows(sql)[0][0])
             except Exception as exc:  # the test asserts there are none
                 errors.append(repr(exc))
             if done:

@@ -9,7 +9,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from dynascope.store import RunWriter, open_store
+from dynascope.store import RunWriter, StoreConnection, open_store
 from dynascope.store.rollup import tensor_stats_by_kind, tensor_stats_by_layer
 from dynascope.store.schema import ROLLUP_BLOCK_STEPS
 
@@ -176,11 +176,11 @@ def test_heat_buckets_cover_every_step_in_at_most_max_points(first, last, max_po
 def test_heat_cells_from_the_layer_rollup_equal_the_raw_rows(tmp_path, monkeypatch, max_points):
     import polars as pl
 
-    from dynascope.dashboard.queries import params
     from dynascope.dashboard.queries.params import heat_buckets, param_cube
     issued: list[str] = []
-    real_frame = params.frame
-    monkeypatch.setattr(params, "frame", lambda store, sql: issued.append(sql) or real_frame(store, sql))
+    real_frame = StoreConnection.frame
+    monkeypatch.setattr(StoreConnection, "frame",
+                        lambda store, sql, params=None: issued.append(sql) or real_frame(store, sql, params))
     rng = np.random.default_rng(2)
     run = tmp_path / "r"
     for rank in (0, 1):

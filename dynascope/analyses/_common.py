@@ -6,7 +6,8 @@ import os
 
 import polars as pl
 
-from dynascope.store import StoreConnection, open_store, quote_literal, retry_vanished
+from dynascope.store import StoreConnection, open_store, quote_literal
+from dynascope.store.reader import Params
 
 StoreLike = StoreConnection | str | os.PathLike
 
@@ -21,6 +22,7 @@ def run_clause(run: str | None, column: str = "run_id") -> str:
     return "" if run is None else f" AND {column} = {quote_literal(run)}"
 
 
-def frame(store: StoreConnection, sql: str) -> pl.DataFrame:
-    """Run an analysis query (the toolkit's own SQL, not the user's) and return polars."""
-    return retry_vanished(lambda: store._con.sql(sql).pl())  # a compaction may delete a segment mid-query
+def frame(store: StoreConnection, sql: str, params: Params = None) -> pl.DataFrame:
+    """Run an analysis query (the toolkit's own SQL, not the user's) and return polars; safe from many
+    threads, and run again if a compaction deleted a segment mid-query (``StoreConnection.frame``)."""
+    return store.frame(sql, params)

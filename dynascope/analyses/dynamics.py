@@ -57,10 +57,10 @@ def sparsity_over_training(store: StoreLike, run: str | None = None, by: str = "
 
 def _side_clause(con, side: str) -> str:
     """SQL filter for one side of a comparison: a run id, else a stage name."""
-    runs = {r for (r,) in con._con.sql("SELECT DISTINCT run_id FROM tensor_stats").fetchall()}
+    runs = {r for (r,) in con.rows("SELECT DISTINCT run_id FROM tensor_stats")}
     if side in runs:
         return f"run_id = {quote_literal(side)}"
-    stages = {s for (s,) in con._con.sql("SELECT DISTINCT stage FROM tensor_stats WHERE stage IS NOT NULL").fetchall()}
+    stages = {s for (s,) in con.rows("SELECT DISTINCT stage FROM tensor_stats WHERE stage IS NOT NULL")}
     if side in stages:
         return f"stage = {quote_literal(side)}"
     raise StoreError(f"{side!r} is neither a run id nor a stage in this store "

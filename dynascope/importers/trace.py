@@ -36,9 +36,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dynascope.core.errors import StoreError
 from dynascope.importers.trace_json import BLOCK, TraceFormatError, stream_events
 from dynascope.importers.trace_stage import ChunkStager, connect, write_segment
-from dynascope.store import RunWriter, StoreError
+from dynascope.store import RunWriter
 from dynascope.store.layout import MARKER, read_marker, safe_id, segment_name, writer_dir
 
 __all__ = ["ImportResult", "import_traces"]

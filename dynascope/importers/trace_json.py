@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from dynascope.store import StoreError, first_line
+from dynascope.core.errors import StoreError, first_line
 
 BLOCK = 8 << 20              # bytes of events per parse: larger saves little time and costs memory
 _MAX_BUFFER = 128 << 20      # no event boundary within this much data: the JSON is broken

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dynascope.store import RunWriter, StoreError, first_line
+from dynascope.core.errors import StoreError, first_line
+from dynascope.store import RunWriter
 
 _HEADER = struct.Struct("<4sHB")  # ident, magic, version
 _RECORD = struct.Struct("<IHB")   # crc32, length, type
@@ -123,7 +124,7 @@ class TornLog(Exception):
 
 def read_wandb_file(path: Path, step_key: str = "_step") -> History:
     """History rows and config of one ``.wandb`` transaction log, decoded with wandb's protobuf classes."""
-    from dynascope.integrations._extras import require
+    from dynascope.core.extras import require
 
     pb = require("wandb.proto.wandb_internal_pb2", "dynascope import wandb (for .wandb files)")
     hist, last_step = History(complete=False), None

@@ -22,7 +22,7 @@ import threading
 import weakref
 from typing import Any
 
-from dynascope.store import now_us
+from dynascope.core.clock import now_us
 
 # TRL profiling name (after the "<TrainerClass>." prefix) → dynascope phase; None = not recorded
 TRL_PHASES: dict[str, str | None] = {

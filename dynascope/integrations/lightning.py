@@ -20,7 +20,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from dynascope.integrations._extras import require
+from dynascope.core.extras import require
 from dynascope.integrations._guard import GuardedCallback
 
 try:  # the unified "lightning" package, or the standalone "pytorch_lightning"

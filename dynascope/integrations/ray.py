@@ -16,7 +16,7 @@ import os
 import re
 from typing import Any
 
-from dynascope.integrations._extras import require
+from dynascope.core.extras import require
 
 
 def actor_context() -> dict[str, Any]:

@@ -30,7 +30,8 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from dynascope.store import RunWriter, now_us
+from dynascope.core.clock import now_us
+from dynascope.store import RunWriter
 
 # verl stage (marked_timer name) → canonical dynascope phase
 PHASES: dict[str, str] = {
@@ -202,7 +203,7 @@ def register_backend(tracking_cls: Any = None, *, run: str | os.PathLike | None 
     (run: ``run`` or ``$DYNASCOPE_RUN`` or ``runs/<project>/<experiment>``). Returns the class.
     """
     if tracking_cls is None:
-        from dynascope.integrations._extras import require
+        from dynascope.core.extras import require
 
         tracking_cls = require("verl.utils.tracking", "dynascope.integrations.verl.register_backend").Tracking
     if getattr(tracking_cls, "_dynascope_backend", None) == name:

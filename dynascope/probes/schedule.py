@@ -14,7 +14,7 @@ Schedule = Callable[[int], bool]
 __all__ = ["Schedule", "as_schedule", "every", "log_spaced", "never"]
 
 
-class every:  # noqa: N801 - reads as a phrase: every(10)
+class every:  # lower case: reads as a phrase, every(10)
     """Record at steps 0, n, 2n, … (optionally starting at ``start``)."""
 
     def __init__(self, n: int = 1, start: int = 0) -> None:
@@ -29,7 +29,7 @@ class every:  # noqa: N801 - reads as a phrase: every(10)
         return f"every({self.n})"
 
 
-class log_spaced:  # noqa: N801
+class log_spaced:
     """Record densely early and sparsely later: about ``per_decade`` steps per factor of 10, plus step 0.
 
     Early training moves fastest, so a log grid spends the records where the dynamics are; ``min_every``

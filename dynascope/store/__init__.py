@@ -1,6 +1,7 @@
 """The run store: schema, writer, reader."""
 
-from dynascope.store.layout import SchemaVersionError, StoreError, first_line
+from dynascope.core.errors import StoreError
+from dynascope.store.layout import SchemaVersionError
 from dynascope.store.reader import (
     StoreConnection,
     open_store,
@@ -10,9 +11,9 @@ from dynascope.store.reader import (
     run_sql,
 )
 from dynascope.store.schema import SCHEMA_VERSION, TABLES
-from dynascope.store.writer import RunWriter, now_us
+from dynascope.store.writer import RunWriter
 
 __all__ = [
-    "SCHEMA_VERSION", "TABLES", "RunWriter", "first_line", "SchemaVersionError", "StoreConnection", "StoreError",
-    "now_us", "open_store", "quote_ident", "quote_literal", "retry_vanished", "run_sql",
+    "SCHEMA_VERSION", "TABLES", "RunWriter", "SchemaVersionError", "StoreConnection", "StoreError",
+    "open_store", "quote_ident", "quote_literal", "retry_vanished", "run_sql",
 ]

@@ -19,16 +19,8 @@ from pathlib import Path
 import duckdb
 import polars as pl
 
-from dynascope.store.layout import (
-    HEARTBEATS,
-    MARKER,
-    SEGMENT_RE,
-    StoreError,
-    first_line,
-    locate,
-    printable,
-    read_marker,
-)
+from dynascope.core.errors import StoreError, first_line
+from dynascope.store.layout import HEARTBEATS, MARKER, SEGMENT_RE, locate, printable, read_marker
 from dynascope.store.reader import explain_error, open_store, quote_ident
 
 LIVE_MARGIN_S = 5.0
@@ -93,7 +85,8 @@ def _describe(run_dir: Path) -> tuple:
     seg_times = [st.st_mtime_ns // 1000 for p, st in files if SEGMENT_RE.match(p.name)]
     writers = {m.group(1) for p, _ in files if (m := _WRITER_DIR.match(p.parent.name)) and m.group(1) != "_schema"}
     ranks = {int(m.group(1)) for w in writers if (m := _RANK.match(w))}
-    name, steps, ended, problem = run_dir.name, None, set(), None
+    name, steps, problem = run_dir.name, None, None
+    ended: set[str] = set()
     try:
         name, steps, ended = _query(run_dir)
     except (StoreError, OSError) as exc:
@@ -121,11 +114,10 @@ def _files(run_dir: Path) -> list[tuple[Path, os.stat_result]]:
 
 def _query(run_dir: Path) -> tuple[str, int | None, set[str]]:
     with open_store(run_dir) as store:
-        con = store._con
-        names = con.sql("SELECT name FROM runs WHERE name IS NOT NULL ORDER BY start_us LIMIT 1").fetchall()
-        counted = con.sql(f"SELECT sum(steps) FROM ({steps_sql()})").fetchall()[0][0]
-        ended = set()
-        for (fields,) in con.sql("SELECT fields_json FROM events WHERE event = 'run_end'").fetchall():
+        names = store.rows("SELECT name FROM runs WHERE name IS NOT NULL ORDER BY start_us LIMIT 1")
+        counted = store.rows(f"SELECT sum(steps) FROM ({steps_sql()})")[0][0]
+        ended: set[str] = set()
+        for (fields,) in store.rows("SELECT fields_json FROM events WHERE event = 'run_end'"):
             try:
                 ended.add(json.loads(fields)["writer_id"])
             except (TypeError, ValueError, KeyError):

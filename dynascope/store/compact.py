@@ -31,9 +31,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dynascope.core.errors import first_line
 from dynascope.store._columns import parquet_options
 from dynascope.store.layout import (
-    first_line,
     list_segments,
     live_segments,
     locate,
@@ -113,7 +113,7 @@ def compact_store(path: str | os.PathLike, grace_s: float = 60.0, *, settle_s: f
 def _run_lock(run_dir: Path):
     """An exclusive, non-blocking lock on the run's compaction lock file; yields whether it was taken."""
     try:
-        fh = open(run_dir / LOCK, "a+b")  # noqa: SIM115 - held for the with-block
+        fh = open(run_dir / LOCK, "a+b")  # held for the with-block
     except OSError:
         yield True  # a read-only store cannot be compacted anyway; the merge reports why
         return

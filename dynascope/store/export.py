@@ -7,7 +7,7 @@ from pathlib import Path
 
 import duckdb
 
-from dynascope.store.layout import StoreError, first_line
+from dynascope.core.errors import StoreError, first_line
 from dynascope.store.reader import open_store, quote_ident, quote_literal
 from dynascope.store.schema import TABLES
 

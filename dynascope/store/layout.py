@@ -26,16 +26,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dynascope.store.schema import SCHEMA_VERSION, TABLE_NAMES
+from dynascope.core.errors import StoreError
+from dynascope.store.schema import SCHEMA_VERSION
 
 MARKER = "dynascope.json"
 HEARTBEATS = "_writers"  # <run>/_writers/<writer_id>.json; not a table, so no view globs it
 SEGMENT_RE = re.compile(r"^(\d{12})-(\d{12})(?:\.v(\d{1,20}))?\.parquet$")
 _SAFE_ID = re.compile(r"[^A-Za-z0-9_.-]+")
-
-
-class StoreError(Exception):
-    """A path, file or query the store cannot use; the message is one line meant for the user."""
 
 
 class SchemaVersionError(StoreError):
@@ -136,13 +133,6 @@ def locate(path: str | os.PathLike) -> StoreLocation:
     return StoreLocation(p, True, runs)
 
 
-def first_line(exc: BaseException) -> str:
-    """The first line of an exception's message (its type name when the message is empty), for
-    one-line user errors."""
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
 def printable(path: os.PathLike | str) -> str:
     """``path`` as text safe to print or store: undecodable bytes shown as escapes."""
     return str(path).encode("utf-8", "backslashreplace").decode("utf-8")
@@ -187,6 +177,3 @@ def live_segments(segs: list[tuple[int, int, Path]], at_us: int | None = None) -
             reach = s[1]
     return live
 
-
-def all_tables() -> tuple[str, ...]:
-    return TABLE_NAMES

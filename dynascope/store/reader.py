@@ -17,17 +17,23 @@ import shutil
 import tempfile
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import duckdb
 import pyarrow as pa
 
-from dynascope.store.layout import StoreError, StoreLocation, first_line, locate
+from dynascope.core.errors import StoreError, first_line
+from dynascope.store.layout import StoreLocation, locate
 from dynascope.store.schema import RENAMED, TABLES, sql_type
 
+if TYPE_CHECKING:  # polars is imported by DuckDB when a frame is asked for
+    import polars as pl
+
 T = TypeVar("T")
+# Query parameters as DuckDB takes them: a sequence for ``?`` / ``$1``, a mapping for ``$name``.
+Params = Sequence[Any] | Mapping[str, Any] | None
 
 # Statement types a user may run on a read-only connection.
 _ALLOWED_STATEMENTS = {duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN}
@@ -106,9 +112,14 @@ def _typed_nulls(table: str, with_old_names: bool = False) -> str:
 
 
 class StoreConnection:
-    """A DuckDB connection over a store; forwards everything to DuckDB.
+    """A store opened for queries: a DuckDB database with one view per table.
 
-    On a read-only connection, ``sql``/``execute``/``query`` refuse anything but SELECT/EXPLAIN.
+    ``frame``, ``rows`` and ``arrow`` are the way in for code that queries the store, and are safe to call
+    from many threads at once: each call runs on a cursor of its own (one DuckDB connection refuses a
+    second call while one is running) and runs again if compaction deleted a segment mid-query
+    (``retry_vanished``). ``sql``, ``execute`` and ``query`` hand out DuckDB's relation or connection for
+    interactive use; they share one connection, so call them from one thread at a time. On a read-only
+    store every one of them refuses statements other than SELECT/EXPLAIN.
     """
 
     def __init__(self, con: duckdb.DuckDBPyConnection, location: StoreLocation, read_only: bool) -> None:
@@ -119,6 +130,33 @@ class StoreConnection:
     @property
     def path(self) -> Path:
         return self.location.path
+
+    def frame(self, sql: str, params: Params = None) -> pl.DataFrame:
+        """The result of ``sql`` (with ``?``/``$name`` parameters from ``params``) as a polars DataFrame."""
+        return self._on_cursor(sql, params, lambda rel: rel.pl())
+
+    def rows(self, sql: str, params: Params = None) -> list[tuple[Any, ...]]:
+        """The result of ``sql`` as a list of tuples."""
+        return self._on_cursor(sql, params, lambda rel: rel.fetchall())
+
+    def arrow(self, sql: str, params: Params = None) -> pa.Table:
+        """The result of ``sql`` as a pyarrow Table."""
+        return self._on_cursor(sql, params, lambda rel: rel.to_arrow_table())
+
+    def _on_cursor(self, sql: str, params: Params, fetch: Callable[[duckdb.DuckDBPyRelation], T]) -> T:
+        self.check(sql)
+
+        def attempt() -> T:
+            cur = self._con.cursor()
+            try:
+                rel = cur.sql(sql, params=params)
+                if rel is None:
+                    raise StoreError("SQL error: statement returned no result")
+                return fetch(rel)
+            finally:
+                cur.close()
+
+        return retry_vanished(attempt)
 
     def check(self, query: str) -> None:
         """Raise ``StoreError`` unless every statement in ``query`` is a read-only query."""
@@ -149,11 +187,13 @@ class StoreConnection:
                 name = str(kind).rsplit(".", 1)[-1]
                 raise StoreError(f"refused: {name} statements are not allowed on a read-only store (queries only)")
 
-    def sql(self, query: str, params: Any = None) -> duckdb.DuckDBPyRelation:
+    def sql(self, query: str, params: Params = None) -> duckdb.DuckDBPyRelation:
+        """DuckDB's relation for ``query``, on the shared connection (one thread at a time)."""
         self.check(query)
         return self._con.sql(query, params=params)
 
-    def execute(self, query: str, params: Any = None) -> duckdb.DuckDBPyConnection:
+    def execute(self, query: str, params: Params = None) -> duckdb.DuckDBPyConnection:
+        """Run ``query`` on the shared connection (one thread at a time) and return it for fetching."""
         self.check(query)
         return self._con.execute(query, params)
 
@@ -161,9 +201,6 @@ class StoreConnection:
 
     def close(self) -> None:
         self._con.close()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._con, name)
 
     def __enter__(self) -> StoreConnection:
         return self
@@ -206,17 +243,14 @@ def open_store(path: str | os.PathLike, read_only: bool = True, threads: int | N
     return StoreConnection(con, loc, read_only)
 
 
-def run_sql(store: StoreConnection, query: str, max_rows: int | None = None):
+def run_sql(store: StoreConnection, query: str, max_rows: int | None = None) -> pa.Table:
     """Run one user query on a (locked) store and return a pyarrow Table, capped at ``max_rows``.
 
-    Errors come back as ``StoreError`` with a one-line message.
+    Safe from many threads, like ``StoreConnection.frame``. Errors come back as ``StoreError`` with a
+    one-line message.
     """
-    store.check(query)
 
-    def fetch() -> pa.Table:
-        rel = store._con.sql(query)
-        if rel is None:
-            raise StoreError("SQL error: statement returned no result")
+    def fetch(rel: duckdb.DuckDBPyRelation) -> pa.Table:
         reader = rel.to_arrow_reader(batch_size=min(max_rows or 100_000, 100_000))
         batches, n = [], 0
         for batch in reader:  # stop reading at the cap: a huge LIMIT never materialises
@@ -228,7 +262,7 @@ def run_sql(store: StoreConnection, query: str, max_rows: int | None = None):
         return pa.Table.from_batches(batches, schema=reader.schema)
 
     try:
-        return retry_vanished(fetch)
+        return store._on_cursor(query, None, fetch)
     except duckdb.Error as exc:
         raise StoreError(explain_error(exc, "SQL error")) from None
 
@@ -244,7 +278,3 @@ def explain_error(exc: BaseException, context: str) -> str:
 
 
 _BAD_SEGMENT = re.compile(r"""["'](/[^"']+\.parquet)["']""")
-
-
-def table_names() -> Iterable[str]:
-    return TABLES.keys()

@@ -29,8 +29,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dynascope.core.errors import first_line
 from dynascope.store._columns import parquet_options
-from dynascope.store.layout import first_line, heartbeat_path, list_segments, live_segments
+from dynascope.store.layout import heartbeat_path, list_segments, live_segments
 from dynascope.store.rollup import ROLLUP_TABLES, ROLLUPS
 from dynascope.store.schema import RENAMED, TABLES
 

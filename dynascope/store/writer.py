@@ -20,7 +20,6 @@ import json
 import os
 import socket
 import threading
-import time
 import uuid
 import warnings
 import weakref
@@ -31,6 +30,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dynascope.core.clock import now_us
+from dynascope.core.version import __version__
 from dynascope.store._columns import build_column, classify, parquet_options
 from dynascope.store.layout import (
     MARKER,
@@ -45,10 +46,6 @@ from dynascope.store.rollup import ROLLUP_TABLES, ROLLUPS
 from dynascope.store.schema import SCHEMA_VERSION, TABLES
 
 _LIVE_WRITERS: weakref.WeakSet[RunWriter] = weakref.WeakSet()
-
-
-def now_us() -> int:
-    return time.time_ns() // 1000
 
 
 class _TableBuffer:
@@ -129,8 +126,6 @@ class RunWriter:
             # directory readers ignore (no marker), never a run with a table they cannot read.
             self._write_empty_segments()
         if create_marker(self.run_dir, meta):
-            from dynascope import __version__
-
             self.append("runs", {
                 "name": name or self.run_dir.name, "start_us": meta["created_us"], "host": socket.gethostname(),
                 "world_size": world_size, "framework": framework,
@@ -180,10 +175,6 @@ class RunWriter:
                 self._drop_oldest_locked()
             if self._buffered >= self.flush_rows:
                 self._wake.notify()
-
-    def append_row(self, table: str, **fields: Any) -> None:
-        """Buffer one row (convenience for low-rate tables such as events)."""
-        self.append(table, fields)
 
     def event(self, kind: str, message: str = "", *, step: int | None = None, severity: str = "info",
               dur_us: int | None = None, **fields: Any) -> None:
@@ -237,12 +228,12 @@ class RunWriter:
             for table, n in drops.items():
                 msg = f"writer buffer full ({self.max_buffer_rows} rows): dropped the oldest {n} {table} rows"
                 self._problem("rows_dropped", msg, emit_event=False)
-                pending.append({"kind": "rows_dropped", "severity": "warning", "message": msg, "table": table,
+                pending.append({"event": "rows_dropped", "severity": "warning", "message": msg, "table": table,
                                 "dropped": n})
             for ev in pending:
                 taken.setdefault("events", _TableBuffer())
                 b = taken["events"]
-                b.batches.append((1, {"time_us": now_us(), "kind": ev.pop("kind"), "severity": ev.pop("severity"),
+                b.batches.append((1, {"time_us": now_us(), "event": ev.pop("event"), "severity": ev.pop("severity"),
                                       "message": ev.pop("message"), "fields_json": json.dumps(ev)}))
                 b.rows += 1
             for table, buf in taken.items():
@@ -411,7 +402,7 @@ class RunWriter:
                 # run_end lets `dynascope runs` tell a finished run from a crashed one (one per writer).
                 with self._lock:
                     self._pending_events.append({
-                        "kind": "run_end", "severity": "info", "message": "writer closed",
+                        "event": "run_end", "severity": "info", "message": "writer closed",
                         "writer_id": self.writer_id, "rows_written": self.rows_written,
                         "rows_dropped": self.rows_dropped, "write_errors": self.write_errors})
             try:

@@ -1,8 +1,14 @@
-"""Tensor names → layer index and module kind, shared by the live probes and the offline diff."""
+"""Tensor names: the wrapper-free name a run records, and its layer index and module kind.
+
+Shared by the live probes, θ₀ (which matches a checkpoint's names to the model's), the offline
+checkpoint diff and the dashboard, so the same tensor has the same name, layer and kind everywhere.
+"""
 
 from __future__ import annotations
 
 import re
+
+__all__ = ["KINDS", "normalize_name", "tensor_kind", "tensor_layer"]
 
 KINDS = ("q", "k", "v", "o", "qkv", "mlp", "embed", "head", "norm", "bias", "other")
 
@@ -20,6 +26,16 @@ _KIND_RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("o", re.compile(r"(o_proj|out_proj|attn\.c_proj|attention\.output|\.wo|\.o|dense)(\.|$)", re.I)),
     ("mlp", re.compile(r"(mlp|ffn|feed_forward|fc\d?|c_fc|gate_proj|up_proj|down_proj|w[123])(\.|$)", re.I)),
 )
+
+# Wrapper prefixes: DDP (``module.``), torch.compile (``_orig_mod.``), FSDP1 and activation checkpointing.
+_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+
+
+def normalize_name(name: str) -> str:
+    """Strip wrapper prefixes (DDP ``module.``, ``torch.compile``, FSDP1) so checkpoints and models match."""
+    for p in _PREFIXES:
+        name = name.replace(p, "")
+    return name
 
 
 def tensor_layer(name: str) -> int | None:

@@ -21,16 +21,17 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from dynascope.store import StoreError, first_line
+from dynascope.core.errors import StoreError, first_line
 
-__all__ = ["Checkpoint", "open_checkpoint", "write_safetensors"]
+__all__ = ["SAFETENSORS_DTYPES", "Checkpoint", "open_checkpoint", "write_safetensors"]
 
-_ST_DTYPES: dict[str, torch.dtype] = {
+# safetensors' dtype codes (the header's "dtype" field) → torch dtypes
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
-_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+_ST_NAMES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 _TORCH_SUFFIXES = (".pt", ".bin", ".pth")
 
 
@@ -112,7 +113,7 @@ def _open_safetensors(files: list[Path], label: Path) -> Checkpoint:
             handles[f] = h
             for name in h.keys():
                 sl = h.get_slice(name)
-                dtype = _ST_DTYPES.get(sl.get_dtype())
+                dtype = SAFETENSORS_DTYPES.get(sl.get_dtype())
                 if dtype is None:
                     raise StoreError(f"{f}: tensor {name!r} has unsupported dtype {sl.get_dtype()}")
                 specs[name] = (tuple(sl.get_shape()), dtype)
@@ -186,7 +187,7 @@ def write_safetensors(path: str | os.PathLike, specs: list[tuple[str, tuple[int,
                 t = next(it)
                 if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
                     raise StoreError(f"{name}: got {tuple(t.shape)} {t.dtype}, header says {tuple(shape)} {dtype}")
-                fh.write(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+                fh.write(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().data)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

@@ -1,4 +1,4 @@
-"""Small networking helpers shared by the demo (torchrun's rendezvous port) and the dashboard server."""
+"""Networking helpers shared by the demo (torchrun's rendezvous port) and the dashboard server."""
 
 from __future__ import annotations
 
