@@ -74,6 +74,10 @@ def screenshots(store: Path, pages: list[str], out: Path, width: int = 1400, hei
             page = browser.new_page(viewport={"width": width, "height": height})
             page.goto(f"{base}/{PAGES[name]}")
             wait_rendered(page)
+            if name == "sql":  # the console shows results only once a query ran: run its example query
+                page.get_by_role("button", name="Run query").click()
+                page.locator('[data-testid="stDataFrame"]').first.wait_for(timeout=60_000)
+                wait_rendered(page)
             fit_to_content(page, width)
             if page.locator('[data-testid="stException"]').count():
                 print(f"warning: {name} shows a Streamlit exception", file=sys.stderr)

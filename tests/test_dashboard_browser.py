@@ -105,7 +105,7 @@ def open_page(page, base: str, name: str) -> list[int]:
     page.goto(f"{base}/{url}")
     wait_idle(page)
     wait_idle(page)
-    page.wait_for_function(_DRAWN_JS, arg=charts, timeout=60_000)
+    page.wait_for_function(_DRAWN_JS, arg=charts, timeout=120_000)  # a loaded 2-core machine is slow
     errors = page.locator('[data-testid="stException"]')
     assert errors.count() == 0, f"{name}: Streamlit exception: {errors.first.inner_text()[:1000]}"
     page.screenshot(path=str(ARTIFACTS / f"dashboard-{name}.png"), full_page=True)
@@ -193,6 +193,107 @@ def test_new_run_appears_with_auto_refresh(dashboard):
     # No reload: the page's fragment reruns on its timer and the cache TTL lets the new segments through.
     page.get_by_text("3 runs", exact=False).first.wait_for(timeout=45_000)
     assert page.locator('[data-testid="stException"]').count() == 0
+
+
+# ---- what the charts say: axes, colours, bins, legends, tables ------------------------------------------
+# Each chart's title, axes, legend and traces as plotly laid them out (Streamlit wraps titles in <b>).
+_CHART_INFO_JS = f"""() => {_CHARTS_JS}.map(e => {{
+    const L = e._fullLayout, box = el => el ? el.getBoundingClientRect() : null;
+    return {{title: String(L.title && L.title.text || '').replace(/<[^>]+>/g, ''),
+             y: {{type: L.yaxis.type, range: L.yaxis.range, dtick: L.yaxis.dtick, title: String(L.yaxis.title.text || '')}},
+             x: {{dtick: L.xaxis.dtick, ticks: (L.xaxis._vals || []).map(v => v.x)}},
+             legend: box(e.querySelector('.legend')), titleBox: box(e.querySelector('.gtitle')),
+             traces: e._fullData.map(t => ({{name: t.name, type: t.type, x: Array.from(t.x || []),
+                                             y: Array.from(t.y || []), color: t.marker && t.marker.color}}))}};
+}})"""
+
+
+def charts_of(page, base: str, name: str) -> dict[str, dict]:
+    open_page(page, base, name)
+    return {c["title"]: c for c in page.evaluate(_CHART_INFO_JS)}
+
+
+def chart(found: dict[str, dict], start: str) -> dict:
+    hits = [c for t, c in found.items() if t.startswith(start)]
+    assert len(hits) == 1, f"{start!r} among {list(found)}"
+    return hits[0]
+
+
+@needs_browser
+@pytest.mark.slow
+def test_dynamics_axes_are_honest_and_show_bf16(dashboard):
+    _, base, page = dashboard
+    found = charts_of(page, base, "dynamics")
+    changed = chart(found, "step-changed fraction by stage")
+    assert changed["y"]["range"] == [0, 1]  # not autoscaled to the data's few tenths of a point
+    assert any(t["name"].endswith("(bf16)") and any(v is not None for v in t["y"]) for t in changed["traces"])
+    ratio = chart(found, "update ratio by stage")
+    assert ratio["y"]["type"] == "log" and ratio["y"]["dtick"] == 1  # decades only: no 2 and 5 labels
+    assert chart(found, "rank-1 energy")["y"]["range"] == [0, 1]
+    grad = chart(found, "gradient sparsity")
+    assert grad["y"]["range"][0] == 0 and (grad["y"]["range"][1] == 1 or "zoomed" in grad["y"]["title"])
+
+
+@needs_browser
+@pytest.mark.slow
+def test_cluster_phases_keep_one_distinct_colour(dashboard):
+    _, base, page = dashboard
+    found = charts_of(page, base, "cluster")
+    gantt, breakdown = chart(found, "per-rank timeline"), chart(found, "mean time per step by phase")
+    colours = {}
+    for c in (gantt, breakdown):
+        for t in c["traces"]:
+            assert colours.setdefault(t["name"], t["color"]) == t["color"], f"{t['name']} changes colour"
+    assert "(uninstrumented)" in colours and len(set(colours.values())) == len(colours), colours
+
+
+@needs_browser
+@pytest.mark.slow
+def test_staleness_histogram_has_integer_bins(dashboard):
+    _, base, page = dashboard
+    st = chart(charts_of(page, base, "rollouts"), "staleness")
+    bars = [x for t in st["traces"] for x in t["x"]]
+    assert bars and all(float(x).is_integer() for x in bars) and 2 in bars  # the async run lags 0-2 steps
+    assert st["x"]["dtick"] == 1 and all(float(v).is_integer() for v in st["x"]["ticks"]), st["x"]
+
+
+@needs_browser
+@pytest.mark.slow
+def test_legends_never_cover_chart_titles(dashboard):
+    _, base, page = dashboard
+    for name in ("runs", "dynamics", "cluster", "rollouts", "events"):
+        for c in charts_of(page, base, name).values():
+            lg, tb = c["legend"], c["titleBox"]
+            if not lg or not tb or not lg["width"]:
+                continue
+            apart = (lg["left"] >= tb["right"] or lg["right"] <= tb["left"] or lg["top"] >= tb["bottom"]
+                     or lg["bottom"] <= tb["top"])
+            assert apart, f"{name}: the legend covers the title of {c['title']!r}"
+
+
+@needs_browser
+@pytest.mark.slow
+def test_event_tables_fit_the_page(dashboard):
+    """Every table on the Events page shows all its columns without scrolling sideways."""
+    _, base, page = dashboard
+    open_page(page, base, "events")
+    page.locator('[data-testid="stDataFrame"] .dvn-scroller').first.wait_for(timeout=30_000)
+    widths = page.evaluate("""() => [...document.querySelectorAll('[data-testid="stDataFrame"] .dvn-scroller')]
+        .map(e => [e.scrollWidth, e.clientWidth])""")
+    assert len(widths) >= 3 and all(sw <= cw + 1 for sw, cw in widths), widths
+
+
+@needs_browser
+@pytest.mark.slow
+def test_sql_results_keep_full_precision(dashboard):
+    _, base, page = dashboard
+    open_page(page, base, "sql")
+    run_query(page, "SELECT 0.99999::DOUBLE AS x, 1.0000001::DOUBLE AS y, 42 AS n")
+    page.get_by_text("1 rows").wait_for(timeout=30_000)
+    # The grid draws on a canvas; its accessibility table (hidden) holds each cell's displayed text.
+    cells = '[data-testid="stDataFrame"] td'
+    page.locator(cells).first.wait_for(state="attached", timeout=30_000)
+    assert page.locator(cells).all_text_contents()[:3] == ["0.99999", "1.0000001", "42"]
 
 
 # ---- without a browser: the launcher and the numbers behind the charts --------------------------------

@@ -22,8 +22,9 @@ PHASE_COLORS = {
 _SPARE = ("#1B9E77", "#7570B3", "#D95F02", "#E7298A", "#66A61E", "#A6761D", "#17BECF", "#BCBD22", "#8C564B",
           "#393B79", "#637939", "#843C39", "#7B4173", "#3182BD", "#E6550D", "#31A354")
 
-# Legends with more entries than this go to the right of the plot: above it they wrap onto the title.
-_TOP_LEGEND_MAX = 4
+# A legend goes above the plot only while it fits on one line beside the title of a half-width chart
+# (about this many entries and characters); longer ones go to the right: above, they wrap onto the title.
+_TOP_LEGEND_ENTRIES, _TOP_LEGEND_CHARS = 3, 32
 
 
 def phase_colors(names: Sequence[str]) -> dict[str, str]:
@@ -38,8 +39,8 @@ def phase_colors(names: Sequence[str]) -> dict[str, str]:
 def layout(fig: go.Figure, title: str, xtitle: str = "", ytitle: str = "", height: int = 330) -> go.Figure:
     """Title, axis titles and a legend that never covers the title: above the plot (right-aligned; below it
     collides with the x-axis title on short charts) for a few entries, on the right for more."""
-    entries = sum(1 for t in fig.data if t.showlegend is not False)
-    if entries > _TOP_LEGEND_MAX:
+    names = [str(t.name or "") for t in fig.data if t.showlegend is not False]
+    if len(names) > _TOP_LEGEND_ENTRIES or sum(len(n) for n in names) > _TOP_LEGEND_CHARS:
         legend = dict(orientation="v", yanchor="top", y=1.0, xanchor="left", x=1.01)
     else:
         legend = dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1.0)
@@ -65,11 +66,16 @@ def fraction_axis(fig: go.Figure, hi: float | None) -> go.Figure:
 
 
 def log_axis(fig: go.Figure, lo: float | None, hi: float | None) -> go.Figure:
-    """A log y axis labelled only at powers of ten (unlabelled minor ticks between) once the data spans a
-    decade; plotly's default labels 2 and 5 of every decade, which crowds a short chart."""
-    fig.update_yaxes(type="log", exponentformat="power")
+    """A log y axis labelled only at powers of ten (faint unlabelled grid lines between) once the data spans
+    a decade; plotly's default labels 2 and 5 of every decade, which crowds a short chart. Counts read as
+    1k/10k, small values as powers of ten."""
+    fig.update_yaxes(type="log")
     if lo and hi and lo > 0 and hi / lo >= 10:
-        fig.update_yaxes(dtick=1, minor=dict(ticks="outside", dtick="D1", showgrid=False))
+        fig.update_yaxes(dtick=1, minor=dict(dtick="D1", showgrid=True, gridcolor="rgba(0, 0, 0, 0.04)"))
+    if lo and lo >= 1:
+        fig.update_yaxes(tickformat="~s")
+    else:
+        fig.update_yaxes(exponentformat="power")
     return fig
 
 
@@ -95,12 +101,13 @@ def show(fig: go.Figure, key: str) -> None:
 
 
 def banded(df: pl.DataFrame, x: str, y: str, lo: str | None, hi: str | None, by: Sequence[str],
-           title: str, ytitle: str = "", xtitle: str = "step", log_y: bool = False) -> go.Figure:
-    """One line per group of ``by`` with a shaded min–max band (the downsampled bucket's extremes)."""
+           title: str, ytitle: str = "", xtitle: str = "step", log_y: bool = False, label: str = "") -> go.Figure:
+    """One line per group of ``by`` with a shaded min–max band (the downsampled bucket's extremes); ``label``
+    prefixes each line's legend name."""
     fig = go.Figure()
     groups = df.partition_by(list(by), maintain_order=True, as_dict=True) if by else {(): df}
     for i, (key, g) in enumerate(groups.items()):
-        name = " · ".join(str(k) for k in key if k not in (None, "")) or y
+        name = " · ".join([label] * bool(label) + [str(k) for k in key if k not in (None, "")]) or y
         color = PALETTE[i % len(PALETTE)]
         xs = g[x].to_list()
         if lo and hi and g[lo].ne(g[hi]).any():

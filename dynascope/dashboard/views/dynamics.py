@@ -185,7 +185,7 @@ def _gradients(path: str, cubes: dict[str, pl.DataFrame], nonfinite: dict[str, p
     if data.empty(gh, "gradient statistics"):
         return
     fig = charts.banded(gh, "step", "zero", "zero_lo", "zero_hi", ["run_id"], "gradient sparsity and NaN/Inf steps",
-                        "fraction of gradient entries")
+                        "fraction of gradient entries", label="== 0")
     for i, ((run,), g) in enumerate(gh.group_by("run_id", maintain_order=True)):
         fig.add_trace(go.Scatter(x=g["step"].to_list(), y=g["near_zero"].to_list(), mode="lines",
                                  name=f"near-zero · {run}", line=dict(dash="dot", color=charts.PALETTE[i % 8])))

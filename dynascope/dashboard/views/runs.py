@@ -36,7 +36,8 @@ def _body() -> None:
     with left, data.guard("Rows per table"):
         rows = data.query(Q.table_rows, path, runs)
         if not data.empty(rows, "rows"):
-            fig = charts.bars(rows, "tbl", "n", "run_id", "Rows per table", "rows", stacked=False)
+            fig = charts.bars(rows.rename({"tbl": "table"}), "table", "n", "run_id", "Rows per table", "rows",
+                              stacked=False)
             charts.log_axis(fig, rows["n"].filter(rows["n"] > 0).min(), rows["n"].max())
             charts.show(fig, "runs_rows")
     with right, data.guard("Compare runs"):
