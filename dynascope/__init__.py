@@ -8,27 +8,31 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
-
-from dynascope.store import open_store  # noqa: E402
+from dynascope.core.version import __version__
+from dynascope.store import open_store
 
 if TYPE_CHECKING:
-    from dynascope.probes.scope import Scope as Run
+    from dynascope.probes.scope import Scope
 
 
 def watch(model: Any, optimizer: Any = None, **kwargs: Any):
     """Attach dynascope's probes to ``model``/``optimizer``; see ``dynascope.probes.scope.watch``."""
     from dynascope.probes.scope import watch as _watch
 
+    if kwargs.get("wandb") or "wandb" in kwargs.get("listeners", ()):
+        try:
+            import dynascope.integrations.wandb  # noqa: F401  registers the "wandb" listener
+        except Exception:  # the scope reports the missing listener as a warning and an event
+            pass
     return _watch(model, optimizer, **kwargs)
 
 
 def __getattr__(name: str) -> Any:
-    if name == "Run":
+    if name == "Scope":
         from dynascope.probes.scope import Scope
 
         return Scope
     raise AttributeError(name)
 
 
-__all__ = ["Run", "__version__", "open_store", "watch"]
+__all__ = ["Scope", "__version__", "open_store", "watch"]

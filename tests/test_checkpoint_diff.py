@@ -57,7 +57,7 @@ def test_live_probe_and_diff_agree(tmp_path):
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     save_file(_state(model), tmp_path / "base.safetensors")
     scope = dynascope.watch(model, opt, run=tmp_path / "live", every=1, memory_budget=None, system_interval_s=None,
-                            spectral=dict(every=1, k=4, budget_ms=1e9))
+                            spectral=dict(every=1, k=4, time_budget=None))
     ckpts = []
     for _ in range(4):
         x = torch.randint(0, 40, (4, 8))

@@ -6,9 +6,9 @@ import polars as pl
 import pytest
 import torch
 
-from dynascope.probes.combine import combine_shards
 from dynascope.probes.grad_stats import grad_counts, grad_norms
 from dynascope.probes.update_stats import weight_update_stats
+from dynascope.store.combine import combine_shards
 
 
 def row_for(name: str, rank: int, sharded: bool, new: torch.Tensor, old: torch.Tensor, ref: torch.Tensor,

@@ -14,7 +14,7 @@ from benchmarks.probe_memory import held_peak
 from dynascope.probes.params import Tracked
 from dynascope.probes.reference import build_reference
 from dynascope.probes.tensors import TensorStats
-from dynascope.probes.update_stats import chunked_update_stats, transient_bytes, weight_update_stats
+from dynascope.probes.update_stats import DRIFT_STATS, chunked_stats, transient_bytes, weight_drift_stats
 
 
 def test_probe_holds_at_most_its_budget(tmp_path: Path) -> None:
@@ -67,7 +67,7 @@ def test_theta0_streams_from_disk_in_exact_chunks(tmp_path: Path, dtype: torch.d
         assert torch.equal(read(lo, hi), flat[lo:hi])
     assert ref.get("b", w0["b"]).numel() == 0
     cur = w0["a.weight"] + (torch.rand(33, 17, generator=g) < 0.3).to(dtype)
-    want = weight_update_stats([w0["a.weight"]], [cur], signs=False)[0]
+    want = weight_drift_stats([cur], [w0["a.weight"]])[0]
     fc = cur.reshape(-1)
-    got = chunked_update_stats(read, lambda lo, hi: fc[lo:hi], fc.numel(), fc.device, signs=False, chunk_elems=50)
+    got = chunked_stats(read, lambda lo, hi: fc[lo:hi], fc.numel(), fc.device, DRIFT_STATS, chunk_elems=50)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0, equal_nan=True)

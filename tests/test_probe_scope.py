@@ -147,8 +147,8 @@ def test_reference_from_path_and_set_reference(tmp_path: Path) -> None:
                          system_interval_s=None) as scope:
         model(torch.ones(2, 4)).sum().backward()
         opt.step()
-        scope.set_reference("current")
-        opt.step()  # same grads again: drift from "current" is exactly this step's update
+        scope.set_reference("init")
+        opt.step()  # same grads again: drift from "init" is exactly this step's update
     got = rows(tmp_path / "cur", "select * from tensor_stats order by step, tensor")
     assert [r["ref_covered"] for r in got] == [False, False, True, True]
     for r in got[2:]:
@@ -222,7 +222,7 @@ def test_spectral_probe_is_wired(tmp_path: Path) -> None:
     run = tmp_path / "spec"
     seen: list[dict] = []
     with dynascope.watch(model, opt, run=run, system_interval_s=None,
-                         spectral={"k": 2, "every": 2, "budget_ms": 1000}) as scope:
+                         spectral={"k": 2, "every": 2, "time_budget": None}) as scope:
         scope.add_listener(lambda step, s: seen.append(s))
         for _ in range(4):
             model(torch.randn(8, 16)).pow(2).mean().backward()

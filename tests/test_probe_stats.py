@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from dynascope.probes.grad_stats import grad_counts, grad_norms
-from dynascope.probes.update_stats import UPDATE_STAT_COLUMNS, UpdateStats, weight_update_stats
+from dynascope.probes.update_stats import (
+    DRIFT_STAT_COLUMNS,
+    UPDATE_STAT_COLUMNS,
+    UpdateStats,
+    weight_drift_stats,
+    weight_update_stats,
+)
 
 
 def naive_update(new: torch.Tensor, old: torch.Tensor, eta: float = 1e-3) -> list[float]:
@@ -22,6 +28,13 @@ def naive_update(new: torch.Tensor, old: torch.Tensor, eta: float = 1e-3) -> lis
     rel = sum(abs(x - y) > eta * max(abs(x), abs(y)) for x, y in zip(n, o, strict=False))
     flips = sum((x > 0 and y < 0) or (x < 0 and y > 0) for x, y in zip(n, o, strict=False))
     return [w_norm, update_norm, changed, rel, flips, sum(math.isnan(x) for x in n), sum(math.isinf(x) for x in n)]
+
+
+def naive_bf16_unchanged(new: torch.Tensor, old: torch.Tensor) -> int:
+    """PULSE S₁'s count, element by element: the bf16 casts' 16-bit patterns are equal."""
+    nb = new.reshape(-1).to(torch.bfloat16).view(torch.int16).tolist()
+    ob = old.reshape(-1).to(torch.bfloat16).view(torch.int16).tolist()
+    return sum(a == b for a, b in zip(nb, ob, strict=True))
 
 
 def _pairs(dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -47,8 +60,9 @@ def test_weight_update_stats_matches_naive(dtype: torch.dtype) -> None:
         # norms accumulate in fp32 for 16-bit and fp32 inputs; counts are exact
         assert got[i, 0].item() == pytest.approx(want[0], rel=1e-5, abs=1e-12)
         assert got[i, 1].item() == pytest.approx(want[1], rel=1e-5, abs=1e-12)
-        assert got[i, 2:].tolist() == want[2:], (dtype, i)
-    assert got[3].tolist() == [0.0] * 7  # the empty tensor
+        assert got[i, 2:7].tolist() == want[2:], (dtype, i)
+        assert got[i, UPDATE_STAT_COLUMNS.index("bf16_unchanged_count")].item() == naive_bf16_unchanged(a, b)
+    assert got[3].tolist() == [0.0] * len(UPDATE_STAT_COLUMNS)  # the empty tensor
 
 
 def test_weight_update_stats_nan_inf_signs_and_tiny_updates() -> None:
@@ -56,7 +70,7 @@ def test_weight_update_stats_nan_inf_signs_and_tiny_updates() -> None:
     new = torch.tensor([1.0, 2.0, float("nan"), -1.0, float("inf"), -1e-30, 7.0 + 1e-6, float("nan")])
     got = weight_update_stats([new], [old])[0].tolist()
     want = naive_update(new, old)
-    assert got[2:] == want[2:]
+    assert got[2:7] == want[2:]
     assert got[4] == 2  # -2→2 and 1e-30→-1e-30 flip; 0→-1 is not a flip
     assert got[5] == 2 and got[6] == 1
     # 7 → 7+1e-6 changes its bits but is below η·|w|: bit-exact yes, bf16-relative no
@@ -76,7 +90,7 @@ def test_weight_update_stats_rejects_mismatches() -> None:
         weight_update_stats([torch.zeros(2)], [])
     with pytest.raises(ValueError):
         weight_update_stats([torch.zeros(2)], [torch.zeros(3)])
-    assert weight_update_stats([], []).shape == (0, 7)
+    assert weight_update_stats([], []).shape == (0, len(UPDATE_STAT_COLUMNS))
 
 
 def test_update_stats_two_step_snapshot_is_released() -> None:
@@ -131,12 +145,16 @@ def test_grad_stats_nonfinite_and_tol() -> None:
     assert grad_counts([h], tol=None)[0, 2].item() == 0
 
 
-def test_signs_false_skips_only_the_sign_and_nonfinite_passes() -> None:
+def test_drift_stats_are_the_update_family_under_drift_names_plus_bf16_sparsity() -> None:
     new, old = _pairs(torch.float32)
-    full = weight_update_stats(new, old)
-    lean = weight_update_stats(new, old, signs=False)
-    assert torch.equal(lean[:, :4], full[:, :4])
-    assert torch.isnan(lean[:, 4:]).all()
+    full = weight_update_stats(old, new)  # θ₀ as "new": w_norm is then ‖θ₀‖ (drift_ratio's denominator)
+    drift = weight_drift_stats(new, old)
+    assert DRIFT_STAT_COLUMNS[:4] == ("ref_norm", "drift_norm", "drift_changed_count", "drift_changed_bf16_count")
+    assert torch.equal(drift[:, :4], full[:, :4])
+    for i, (a, b) in enumerate(zip(new, old, strict=True)):
+        d = a.bfloat16() - b.bfloat16()
+        assert drift[i, 4].item() == sum(abs(x) <= 1.0013580322265625e-05 for x in d.double().reshape(-1).tolist())
+        assert drift[i, 5].item() == sum(x == 0 for x in d.reshape(-1).tolist())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
@@ -150,9 +168,8 @@ def test_chunked_statistics_equal_whole_tensor_ones(dtype: torch.dtype, chunk: i
     got = weight_update_stats(new, old, chunk_elems=chunk)
     assert torch.equal(got[:, 2:], whole[:, 2:])
     torch.testing.assert_close(got[:, :2], whole[:, :2], rtol=1e-6, atol=1e-12, equal_nan=True)
-    lean = weight_update_stats(old, new, signs=False, chunk_elems=chunk)
-    torch.testing.assert_close(lean, weight_update_stats(old, new, signs=False), rtol=1e-6, atol=1e-12,
-                               equal_nan=True)
+    lean = weight_drift_stats(new, old, chunk_elems=chunk)
+    torch.testing.assert_close(lean, weight_drift_stats(new, old), rtol=1e-6, atol=1e-12, equal_nan=True)
     g = [t.to(dtype) for t in (torch.randn(50) * (torch.rand(50) < 0.5), torch.tensor([0.0, float("nan")]),
                                torch.randn(0), torch.randn(3, 5))]
     gn = grad_norms(g)[:, 0]

@@ -64,7 +64,7 @@ def test_planted_rank1_recovered_by_probe_in_float32():
     g = torch.Generator().manual_seed(1)
     dw, u, v, analytic = _planted(256, 128, a=2.0, noise=0.005, g=g)
     w0 = _decaying(256, 128, g)
-    probe = SpectralProbe(k=8, budget_ms=1e9)
+    probe = SpectralProbe(k=8, time_budget=None)
     (row,) = probe.record(5, "rl", [("layers.0.q_proj.weight", (w0 + dw).float())],
                           {"layers.0.q_proj.weight": w0.float()})
     assert 0.5 < analytic < 0.95  # the noise is a real share of the energy, not negligible
@@ -148,7 +148,7 @@ def test_subspace_rotation_between_records():
     w = w - (w @ u) * u
     w = w / w.norm()
     w0 = torch.zeros(m, n, dtype=torch.float64) + 0.01 * torch.randn(m, n, generator=g, dtype=torch.float64)
-    probe = SpectralProbe(k=1, budget_ms=1e9, dtype=torch.float64)
+    probe = SpectralProbe(k=1, time_budget=None, dtype=torch.float64)
     ref = {"h.0.mlp.c_fc.weight": w0}
     probe.record(1, None, [("h.0.mlp.c_fc.weight", w0 + torch.outer(u, v))], ref)
     t = math.radians(3.0)
@@ -164,10 +164,10 @@ def test_budget_rotates_through_tensors_and_rows_say_which():
     ref = {n: torch.randn(20, 16, generator=g) for n in names}
     weights = [(n, ref[n] + 0.1 * torch.randn(20, 16, generator=g)) for n in names]
     weights.append(("layers.0.input_layernorm.weight", torch.ones(16)))  # 1-D: never covered
-    probe = SpectralProbe(k=4, budget_ms=0.0)  # a zero budget still computes one tensor per record
+    probe = SpectralProbe(k=4, time_budget=0.0)  # a zero budget still computes one tensor per record
     covered = [[r["tensor"] for r in probe.record(s, None, weights, ref)] for s in range(7)]
     assert covered == [[names[s % 5]] for s in range(7)]
-    everything = SpectralProbe(k=4, budget_ms=1e9).record(0, None, weights, ref)
+    everything = SpectralProbe(k=4, time_budget=None).record(0, None, weights, ref)
     assert [r["tensor"] for r in everything] == names
 
 
@@ -186,7 +186,7 @@ def test_probe_never_raises_and_leaves_rng_alone():
     torch.manual_seed(123)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        rows = SpectralProbe(k=4, budget_ms=1e9).record(1, None, weights, {"a.weight": good, "b.weight": Broken()})
+        rows = SpectralProbe(k=4, time_budget=None).record(1, None, weights, {"a.weight": good, "b.weight": Broken()})
     assert torch.equal(torch.rand(3), expected)  # the randomized SVD did not consume the user's RNG
     assert [r["tensor"] for r in rows] == ["a.weight"]
     assert any("b.weight" in str(w.message) for w in caught)
@@ -213,10 +213,10 @@ def test_new_reference_drops_stale_caches():
     ref_a = torch.randn(40, 30, generator=g)
     ref_b = ref_a + 0.5 * torch.randn(40, 30, generator=g)  # θ₀ reset at a stage switch
     w = ref_b + 0.05 * torch.randn(40, 30, generator=g)
-    probe = SpectralProbe(k=4, budget_ms=1e9)
+    probe = SpectralProbe(k=4, time_budget=None)
     probe.record(1, "sft", [("x.weight", w)], {"x.weight": ref_a})
     (after,) = probe.record(2, "rl", [("x.weight", w)], {"x.weight": ref_b})
-    (fresh,) = SpectralProbe(k=4, budget_ms=1e9).record(2, "rl", [("x.weight", w)], {"x.weight": ref_b})
+    (fresh,) = SpectralProbe(k=4, time_budget=None).record(2, "rl", [("x.weight", w)], {"x.weight": ref_b})
     assert after["angle_left_deg"] is None  # no rotation against a ΔW measured from another θ₀
     assert after["off_principal_energy"] == fresh["off_principal_energy"]
     assert after["spectral_drift"] == fresh["spectral_drift"]

@@ -5,13 +5,17 @@ Checkpoint i becomes step i (1-based, BASE is step 0) unless every name carries 
 the checkpoints are taken in step order, whatever order the shell listed them in.
 
 Per tensor and checkpoint it writes the rows the live probe writes (same pure functions):
-- ``tensor_stats``: the step columns (w_norm, update_norm, changed/sign-flip counts, …) against the
-  *previous* checkpoint (BASE for the first), exactly as the probe compares step t with step t−1, and
-  the drift columns (drift_norm, drift_changed_*) against BASE = θ₀;
+- ``tensor_stats``: the step columns (w_norm, update_norm, changed/sign-flip counts, PULSE's S₁ as
+  bf16_unchanged_*, …) against the *previous* checkpoint (BASE for the first), exactly as the probe
+  compares step t with step t−1; the drift columns (drift_norm, drift_changed_*, Mukherjee et al.'s
+  drift_unchanged_* and drift_zero_*) against BASE = θ₀; with ``bf16_k``, PULSE's S_k
+  (bf16_unchanged_k_*) against the checkpoint exactly ``bf16_k`` steps earlier, where one was given
+  (BASE has no step of its own here, as the live probe holds no snapshot of the weights before step 0);
 - ``spectra`` (2-D float weights, unless k = 0): the low-rank summary of W_i − W_BASE.
 
 Work goes tensor by tensor: BASE's tensor is read once, then each checkpoint's in turn, so at most three
-tensors (BASE, previous, current) plus the spectral temporaries are in memory at any time.
+tensors (BASE, previous, current) plus the spectral temporaries are in memory at any time, and with
+``bf16_k`` the bf16 casts of the checkpoints at most ``bf16_k`` steps back.
 """
 
 from __future__ import annotations
@@ -27,16 +31,24 @@ from pathlib import Path
 
 import torch
 
-from dynascope.importers.checkpoint_io import Checkpoint, open_checkpoint
+from dynascope.core.errors import StoreError, first_line
+from dynascope.core.naming import tensor_kind, tensor_layer
+from dynascope.core.tensor_io import Checkpoint, open_checkpoint
+from dynascope.probes.rows import tensor_row
 from dynascope.probes.spectral import SpectralProbe
-from dynascope.probes.update_stats import UPDATE_STAT_COLUMNS, norms, weight_update_stats
-from dynascope.store import RunWriter, StoreError, first_line
-from dynascope.store.naming import tensor_kind, tensor_layer
+from dynascope.probes.update_stats import (
+    BF16_K_STATS,
+    DRIFT_STAT_COLUMNS,
+    UPDATE_STAT_COLUMNS,
+    tensor_update_stats,
+    weight_drift_stats,
+    weight_update_stats,
+)
+from dynascope.store import RunWriter
 
 __all__ = ["DiffSummary", "checkpoint_steps", "diff_checkpoints"]
 
 _STEP_RE = re.compile(r"(?:checkpoint|ckpt|global_step|step|iter|epoch)[-_]?(\d+)", re.I)
-_COL = {c: i for i, c in enumerate(UPDATE_STAT_COLUMNS)}
 
 
 @dataclass
@@ -100,7 +112,7 @@ def diff_checkpoints(
     base: str | os.PathLike, checkpoints: list[str | os.PathLike], run_dir: str | os.PathLike, *,
     tensors: str | None = None, allow_missing: bool = False, k: int = 8, stage: str | None = None,
     eta: float = 1e-3, device: str = "auto", progress: Callable[[int], None] | None = None,
-    on_plan: Callable[[int, list[str]], None] | None = None,
+    on_plan: Callable[[int, list[str]], None] | None = None, bf16_k: int | None = None,
 ) -> DiffSummary:
     """Diff each checkpoint against BASE (and its predecessor) into the run at ``run_dir``.
 
@@ -128,10 +140,10 @@ def diff_checkpoints(
         if on_plan is not None:
             on_plan(total, skipped)
         times = [int(os.stat(p).st_mtime * 1e6) for p in paths]  # when each checkpoint was written
-        probe = SpectralProbe(k=k, budget_ms=float("inf")) if k > 0 else None
+        probe = SpectralProbe(k=k, time_budget=None) if k > 0 else None
         summary = DiffSummary(run_dir, steps, skipped=skipped)
         config = {"base": str(base), "checkpoints": [str(p) for p in paths], "steps": steps,
-                  "tensors": tensors, "k": k, "eta": eta}
+                  "tensors": tensors, "k": k, "eta": eta, "bf16_k": bf16_k}
         created = not run_dir.exists()
         writer = RunWriter(run_dir, framework="checkpoint-diff", config=config, run_name=run_dir.name)
         ok = False
@@ -141,7 +153,7 @@ def diff_checkpoints(
                              severity="warning", names=skipped)
             for name in names:
                 summary.bytes_read += _diff_tensor(name, base_ck, cks, steps, times, stage, eta, probe, writer,
-                                                   summary, progress, dev)
+                                                   summary, progress, dev, bf16_k)
                 summary.tensors += 1
             summary.seconds = time.perf_counter() - t_start
             writer.event("checkpoint_diff", f"diffed {len(names)} tensors of {len(cks)} checkpoints against {base}",
@@ -156,53 +168,48 @@ def diff_checkpoints(
 
 def _diff_tensor(name: str, base_ck: Checkpoint, cks: list[Checkpoint], steps: list[int], times: list[int],
                  stage: str | None, eta: float, probe: SpectralProbe | None, writer: RunWriter,
-                 summary: DiffSummary, progress: Callable[[int], None] | None, device: torch.device) -> int:
+                 summary: DiffSummary, progress: Callable[[int], None] | None, device: torch.device,
+                 bf16_k: int | None) -> int:
     w0 = base_ck.get(name).to(device)
     nbytes = _nbytes(base_ck.specs[name])
     if progress:
         progress(nbytes)
     read = nbytes
     prev = w0
-    cols: dict[str, list] = {c: [] for c in ("step", "time_us", "w_norm", "update_norm", "changed_count",
-                                             "changed_bf16_count", "sign_flip_count", "w_nan_count", "w_inf_count",
-                                             "drift_norm", "drift_changed_count", "drift_changed_bf16_count",
-                                             "w0_norm")}
-    w0_norm = float(norms([w0])[0])
+    rows: list[dict] = []
+    back: dict[int, torch.Tensor] = {}  # bf16 casts of the checkpoints up to bf16_k steps back (S_k)
     spectra: list[dict] = []
     for ck, step, t_us in zip(cks, steps, times, strict=True):
         cur = ck.get(name).to(device)
         read += nbytes
         if progress:
             progress(nbytes)
-        # Drift is computed as the live probe does, θ₀ as "new": its w_norm column is ‖θ₀‖ (the
-        # drift_ratio denominator) and every other column is symmetric in the two arguments.
-        if prev is w0:  # first checkpoint: the step and drift comparisons are the same pair
-            s = weight_update_stats([cur], [w0], eta)[0].tolist()
-            d = list(s)
-            d[_COL["w_norm"]] = w0_norm
-        else:
-            s, d = weight_update_stats([cur, w0], [prev, cur], eta).tolist()
-        for c in ("w_norm", "update_norm", "changed_count", "changed_bf16_count", "sign_flip_count", "w_nan_count", "w_inf_count"):
-            cols[c].append(s[_COL[c]])
-        cols["w0_norm"].append(d[_COL["w_norm"]])
-        cols["drift_norm"].append(d[_COL["update_norm"]])
-        cols["drift_changed_count"].append(d[_COL["changed_count"]])
-        cols["drift_changed_bf16_count"].append(d[_COL["changed_bf16_count"]])
-        cols["step"].append(step)
-        cols["time_us"].append(t_us)
+        # The same pure functions as the live probe: the update against the previous checkpoint (BASE for
+        # the first), the drift against BASE (θ₀), S_k against the checkpoint bf16_k steps back if given.
+        row = dict(zip(UPDATE_STAT_COLUMNS, weight_update_stats([cur], [prev], eta)[0].tolist(), strict=True))
+        row.update(zip(DRIFT_STAT_COLUMNS, weight_drift_stats([cur], [w0], eta)[0].tolist(), strict=True))
+        if bf16_k:
+            old = back.get(step - bf16_k)
+            if old is not None:
+                (count,) = tensor_update_stats(cur, old, stats=BF16_K_STATS).tolist()
+                row.update(bf16_unchanged_k_count=count, bf16_k_steps=bf16_k)
+            back = {s: t for s, t in back.items() if s > step - bf16_k}
+            back[step] = cur.to(torch.bfloat16, copy=True)
+        row.update(step=step, time_us=t_us)
+        rows.append(row)
         if probe is not None and probe.eligible(name, cur, {name: w0}):
-            for row in probe.record(step, stage, [(name, cur)], {name: w0}):
-                row["time_us"] = t_us
-                spectra.append(row)
+            for srow in probe.record(step, stage, [(name, cur)], {name: w0}):
+                srow["time_us"] = t_us
+                spectra.append(srow)
         prev = cur
     if probe is not None:
         probe.forget(name)
-    _write_rows(name, base_ck.specs[name], cols, stage, writer)
+    _write_rows(name, base_ck.specs[name], rows, stage, writer)
     if spectra:
         cols_s = {c: [r.get(c) for r in spectra] for c in spectra[0] if c not in ("stage", "tensor", "layer", "kind")}
         writer.append("spectra", {**cols_s, "stage": stage, "tensor": name, "layer": tensor_layer(name),
                                   "kind": tensor_kind(name)})
-    summary.tensor_stats_rows += len(cols["step"])
+    summary.tensor_stats_rows += len(rows)
     summary.spectra_rows += len(spectra)
     return read
 
@@ -218,32 +225,14 @@ def _device(device: str) -> torch.device:
     return dev
 
 
-def _nan_to_none(xs: list[float]) -> list[float | None]:
-    return [None if x != x else x for x in xs]
-
-
-def _write_rows(name: str, spec: tuple[tuple[int, ...], torch.dtype], cols: dict[str, list], stage: str | None,
+def _write_rows(name: str, spec: tuple[tuple[int, ...], torch.dtype], rows: list[dict], stage: str | None,
                 writer: RunWriter) -> None:
+    """One ``tensor_stats`` row per checkpoint, typed and derived by the registry (``probes.rows.tensor_row``)."""
     numel = int(torch.Size(spec[0]).numel())
+    meta = {"tensor": name, "layer": tensor_layer(name), "kind": tensor_kind(name), "sharded": False,
+            "shape": "x".join(str(d) for d in spec[0]), "dtype": str(spec[1]).removeprefix("torch.")}
+    typed = [tensor_row({**r, **meta}, numel) for r in rows]
+    cols = {c: [t[c] for t in typed] for c in typed[0]} if typed else {}
+    writer.append("tensor_stats", {**cols, "step": [r["step"] for r in rows], "time_us": [r["time_us"] for r in rows],
+                                   "stage": stage})
 
-    def frac(xs: list) -> list:
-        return [None if x is None or x != x else x / numel for x in xs] if numel else [None] * len(xs)
-
-    def ratio(a: list, b: list) -> list:
-        return [x / y if y else None for x, y in zip(a, b, strict=True)]
-
-    counts = {c: _nan_to_none(cols[c]) for c in ("changed_count", "changed_bf16_count", "sign_flip_count",
-                                                  "drift_changed_count", "drift_changed_bf16_count")}
-    writer.append("tensor_stats", {
-        "step": cols["step"], "time_us": cols["time_us"], "stage": stage, "tensor": name,
-        "layer": tensor_layer(name), "kind": tensor_kind(name), "shape": "x".join(str(d) for d in spec[0]),
-        "dtype": str(spec[1]).removeprefix("torch."), "numel": numel, "sharded": False,
-        "w_norm": cols["w_norm"], "update_norm": cols["update_norm"], "update_ratio": ratio(cols["update_norm"], cols["w_norm"]),
-        **{c: [None if x is None else int(x) for x in v] for c, v in counts.items()},
-        "changed_frac": frac(counts["changed_count"]), "changed_bf16_frac": frac(counts["changed_bf16_count"]),
-        "sign_flip_frac": frac(counts["sign_flip_count"]),
-        "w_nan_count": [int(x) for x in cols["w_nan_count"]], "w_inf_count": [int(x) for x in cols["w_inf_count"]],
-        "ref_covered": True, "drift_norm": cols["drift_norm"], "drift_ratio": ratio(cols["drift_norm"], cols["w0_norm"]),
-        "drift_changed_frac": frac(counts["drift_changed_count"]),
-        "drift_changed_bf16_frac": frac(counts["drift_changed_bf16_count"]),
-    })

@@ -20,7 +20,7 @@ import inspect
 import threading
 from typing import Any
 
-from dynascope.integrations._extras import require
+from dynascope.core.extras import require
 from dynascope.integrations._guard import GuardedCallback
 
 transformers = require("transformers", "dynascope.integrations.hf")
@@ -94,9 +94,7 @@ class DynascopeCallback(GuardedCallback, transformers.TrainerCallback):
         self.scope = dynascope.watch(model, _torch_optimizer(optimizer), run=self.run, wandb=self.wandb, **kw)
         done = int(getattr(state, "global_step", 0) or 0)
         if done:  # resumed from a checkpoint (or a second train()): continue the step numbering
-            self.scope.step_index = done
-            if hasattr(self.scope, "timer"):
-                self.scope.timer.step = done
+            self.scope.resume(done)
         if self.use_trl and self.trainer is not None:
             from dynascope.integrations import _trl
 

@@ -1,6 +1,7 @@
 """Mirror dynascope's compact per-step summary to the active wandb run.
 
-``watch(..., wandb=True)`` (or ``DynascopeCallback(wandb=True)``) adds a ``WandbMirror`` as a scope listener.
+Importing this module registers ``WandbMirror`` as the listener named "wandb", which ``watch(..., wandb=True)``
+(or ``DynascopeCallback(wandb=True)``) adds to the scope; ``dynascope.watch`` imports it when asked.
 At the probe cadence it logs the summary dict — global and per-module-kind update ratio, sparsity, rank-1
 energy, phase times — under ``dynascope/``, against its own x-axis ``dynascope/step`` so it never fights
 the trainer's own wandb step counter. Per-tensor rows stay in the dynascope store: a summary with more than
@@ -14,7 +15,8 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from dynascope.integrations._extras import require
+from dynascope.core.extras import require
+from dynascope.probes.protocol import register_listener
 
 PREFIX = "dynascope/"
 STEP_KEY = PREFIX + "step"
@@ -84,3 +86,6 @@ def _as_float(value: Any) -> float | None:
     except (TypeError, ValueError, RuntimeError):
         return None
     return number if math.isfinite(number) else None
+
+
+register_listener("wandb", WandbMirror)

@@ -11,11 +11,20 @@ from typing import Any
 
 import torch
 
+from dynascope.core.clock import now_us
+from dynascope.probes.protocol import Probe, Rows, StepContext
+from dynascope.probes.schedule import Schedule, every
+
 __all__ = ["MemoryProbe"]
 
 
-class MemoryProbe:
-    def __init__(self, device: torch.device | None) -> None:
+class MemoryProbe(Probe):
+    """``mem/*`` scalars at each step its schedule (the tensor statistics' one, in ``watch``) records."""
+
+    name = "memory"
+
+    def __init__(self, device: torch.device | None, schedule: Schedule | None = None) -> None:
+        self._schedule = schedule if schedule is not None else every(1)
         self.cuda = device is not None and device.type == "cuda" and torch.cuda.is_available()
         self.device = device
         self._proc: Any = None
@@ -33,3 +42,11 @@ class MemoryProbe:
             torch.cuda.reset_peak_memory_stats(self.device)
             return out
         return {"mem/rss_bytes": float(self._proc.memory_info().rss)}
+
+    def schedule(self, step: int) -> bool:
+        return bool(self._schedule(step))
+
+    def after(self, ctx: StepContext) -> Rows:
+        mem = self.read()
+        return {"scalars": {"step": ctx.step, "time_us": now_us(), "stage": ctx.stage, "key": list(mem),
+                            "value": list(mem.values())}}

@@ -2,7 +2,9 @@
 
 With an optimizer, the tracked set is what it updates (its param groups, in order); without one, the
 model's parameters that require grad. Names come from ``model.named_parameters()``, which lists a tied
-weight once, so tied weights are counted once. DTensor (FSDP2) parameters are tracked through their
+weight once, so tied weights are counted once, through ``core.naming.normalize_name``: a model wrapped
+by ``torch.compile`` (``_orig_mod.``), DDP (``module.``) or FSDP1 records the names of the bare model, the
+names θ₀ and checkpoints are matched by. DTensor (FSDP2) parameters are tracked through their
 local shard and marked ``sharded``.
 """
 
@@ -14,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dynascope.store.naming import tensor_kind, tensor_layer
+from dynascope.core.naming import normalize_name, tensor_kind, tensor_layer
 
 __all__ = ["Tracked", "discover", "optimizer_fingerprint"]
 
@@ -92,10 +94,11 @@ def discover(model: Any, optimizer: Any) -> tuple[list[Tracked], list[tuple[str,
         params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     seen: set[int] = set()
     tracked, skipped = [], []
-    for name, p in params:
+    for raw, p in params:
         if id(p) in seen:
             continue
         seen.add(id(p))
+        name = normalize_name(raw)  # the name θ₀ and checkpoints use: no DDP/compile/FSDP1 wrapper prefix
         sharded = _is_dtensor(p)
         local = p.to_local() if sharded else p
         reason = _skip_reason(local)

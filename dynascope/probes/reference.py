@@ -3,7 +3,7 @@
 θ₀ is always exact (same values and dtype as given): a drift column is either computed honestly or
 NULL. What the budget changes is *where* θ₀ lives:
 * resident: a full copy next to the parameters (needs ~1× parameter bytes of budget);
-* on demand: ``"init"``/``"current"`` are written once to ``<run>/reference/theta0-r<rank>.safetensors``
+* on demand: ``"init"`` (the weights when it is set) is written once to ``<run>/reference/theta0-r<rank>.safetensors``
   and the tensors of each record's window are read back one chunk at a time (page cache, then the
   device) and freed; a user state dict or checkpoint path is read the same way without copying it.
 So ``memory_budget`` bounds device memory, and ``ref_covered`` says which tensors had θ₀ at a record.
@@ -22,16 +22,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["LazyRef", "Reference", "build_reference", "normalize_name"]
+from dynascope.core.naming import normalize_name
 
-_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
-
-
-def normalize_name(name: str) -> str:
-    """Strip wrapper prefixes (DDP ``module.``, ``torch.compile``, FSDP1) so checkpoints and models match."""
-    for p in _PREFIXES:
-        name = name.replace(p, "")
-    return name
+__all__ = ["LazyRef", "Reference", "build_reference", "pread_source"]
 
 
 class _Source:
@@ -92,7 +85,7 @@ class LazyRef:
 
 def _load_file(path: Path) -> _Source:
     if path.suffix == ".safetensors":
-        return _pread_safetensors(path)
+        return pread_source(path)
     obj: Any = torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
     for wrapper in ("state_dict", "model", "module"):
         if isinstance(obj, Mapping) and isinstance(obj.get(wrapper), Mapping):
@@ -102,11 +95,11 @@ def _load_file(path: Path) -> _Source:
     return _dict_source(obj)
 
 
-def _pread_safetensors(path: Path) -> _Source:
+def pread_source(path: Path) -> _Source:
     """Read element ranges of a safetensors file with ``preadv`` straight into a fresh tensor, not mmap:
     mapped pages would count in the training process's resident memory as the window rotates, while
     pread leaves them to the page cache, which the kernel may drop under pressure."""
-    from dynascope.importers.checkpoint_io import _ST_DTYPES as dtypes
+    from dynascope.core.tensor_io import SAFETENSORS_DTYPES as dtypes
 
     fd = os.open(path, os.O_RDONLY)
     (hlen,) = struct.unpack("<Q", os.pread(fd, 8, 0))
@@ -152,16 +145,16 @@ def _dict_source(sd: Mapping[str, Any]) -> _Source:
 
 def build_reference(spec: Any, named: list[tuple[str, Tensor]], run_dir: Path, rank: int,
                     resident: bool) -> Reference | None:
-    """θ₀ from ``spec``: ``"init"``/``"current"`` (the weights now), a state dict, a path, or None."""
+    """θ₀ from ``spec``: ``"init"`` (the weights now), a state dict, a path, or None."""
     if spec is None:
         return None
-    if isinstance(spec, str) and spec in ("init", "current"):
+    if isinstance(spec, str) and spec == "init":
         if resident:
             held = {normalize_name(n): t.detach().clone() for n, t in named}
             return Reference(spec, _dict_source(held), resident=held)
         path = Path(run_dir) / "reference" / f"theta0-r{rank}.safetensors"
         path.parent.mkdir(parents=True, exist_ok=True)
-        from dynascope.importers.checkpoint_io import write_safetensors
+        from dynascope.core.tensor_io import write_safetensors
 
         # Streamed tensor by tensor: serialising the whole state dict at once would briefly hold a
         # second full copy of the model in host memory, which is exactly what the budget forbids.
@@ -178,7 +171,7 @@ def build_reference(spec: Any, named: list[tuple[str, Tensor]], run_dir: Path, r
         source = _load_file(path)
         kind = "path"
     else:
-        raise ValueError(f"reference must be 'init', 'current', None, a state dict or a path; got {spec!r}")
+        raise ValueError(f"reference must be 'init', None, a state dict or a path; got {spec!r}")
     if resident:
         by_name = {normalize_name(n): t for n, t in named}
         held = {}

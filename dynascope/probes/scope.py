@@ -4,37 +4,38 @@
     ...the unchanged training loop...
     scope.close()
 
-Hooks: optimizer step pre/post hooks (the step boundary, ΔW snapshot, gradient statistics), forward
-pre/post hooks on the root module (forward timing) and autograd hooks on its output (backward timing).
-Every hook body is guarded: an exception warns once, becomes a ``probe_error`` event, and training goes on.
+``watch()`` composes a list of probes (``probes.protocol.Probe``: a schedule, ``before``/``after`` the
+optimizer step, the rows they produce) and the scope drives them. Hooks: optimizer step pre/post hooks
+(the step boundary), forward pre/post hooks on the root module (forward timing) and autograd hooks on
+its output (backward timing). Every call into a probe is guarded: an exception warns once, becomes a
+``probe_error`` event, and training goes on.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from dynascope.core.clock import now_us
 from dynascope.probes.memory import MemoryProbe
 from dynascope.probes.params import Tracked, discover, optimizer_fingerprint
-from dynascope.probes.reference import LazyRef, build_reference
+from dynascope.probes.protocol import Listener, Probe, Rows, StepContext, make_listener
+from dynascope.probes.reference import build_reference
 from dynascope.probes.resolver import Resolver
-from dynascope.probes.schedule import Schedule, as_schedule
+from dynascope.probes.schedule import Schedule, as_schedule, every
 from dynascope.probes.system import SystemSampler
-from dynascope.probes.tensors import Record, TensorStats, rows_from_record, summarize
-from dynascope.probes.timing import PhaseRecord, Timer, first_grad_tensor
-from dynascope.store.writer import RunWriter, now_us
+from dynascope.probes.tensors import TensorStats
+from dynascope.probes.timing import TimingProbe
+from dynascope.store.writer import RunWriter
 
 __all__ = ["Scope", "watch"]
-
-Listener = Callable[[int, dict[str, float]], None]
 
 
 def _identity(rank: int | None, role: str | None, world_size: int | None) -> tuple[int, int, int, str]:
@@ -57,42 +58,55 @@ def _device_of(model: Any) -> torch.device | None:
 
 
 class Scope:
-    """A live probe session; see ``watch``. Also a context manager (closes on exit)."""
+    """A live probe session; see ``watch``. Also a context manager (closes on exit).
 
-    def __init__(self, model: Any, optimizer: Any, writer: RunWriter, own_writer: bool, *,
-                 schedule: Schedule, reference: Any, memory_budget: float | None, spectral: Any,
-                 stage: str | None, local_rank: int, system_interval_s: float | None,
-                 grad_tol: float | None, time_budget: float | None = 0.015) -> None:
+    ``probes`` run in order at each step; ``stats``, ``memory``, ``spectral``, ``timing`` and ``system``
+    name the built-in ones (None when not attached).
+    """
+
+    def __init__(self, model: Any, optimizer: Any, writer: RunWriter, own_writer: bool, probes: Sequence[Probe],
+                 *, reference: Any = None, stage: str | None = None) -> None:
         self.model, self.optimizer, self.writer = model, optimizer, writer
-        self._own_writer, self.schedule, self.stage = own_writer, schedule, stage
+        self._own_writer, self.stage = own_writer, stage
         self.run_dir: Path = writer.run_dir
-        self.step_index = 0
+        self.probes: list[Probe] = list(probes)
+        self.reference: Any = None
+        self._step = 0
+        self._due: list[Probe] = []  # probes whose before() ran for the current step
         self._warned: set[str] = set()
         self._listeners: list[Listener] = []
         self._handles: list[Any] = []
         self._closed = False
-        self.device = _device_of(model)
-        self.timer = Timer(self.device)
-        self.stats = TensorStats(memory_budget, grad_tol, time_budget=time_budget)
-        self.memory = MemoryProbe(self.device)
         self.resolver = Resolver(self._resolver_error)
         self.tracked: list[Tracked] = []
         self._fingerprint: tuple | None = None
         self._skipped_reported: set[str] = set()
         self._stepped = False  # the optimizer stepped since the last boundary
-        self._opt_rec: PhaseRecord | None = None
-        self._bwd_live = False
-        self._step_t0, self._step_start_us = time.perf_counter_ns(), now_us()
+        self.stats = self._find(TensorStats)
+        self.memory = self._find(MemoryProbe)
+        self.timing = self._find(TimingProbe)
+        self.system = self._find(SystemSampler)
+        from dynascope.probes.spectral import SpectralProbe
+
+        self.spectral = self._find(SpectralProbe)
         self._refresh()
         if reference is not None:
             self._guard("reference", self.set_reference, reference)
-        self.spectral = self._make_spectral(spectral)
         self._attach()
-        if optimizer is None and self.schedule(0):
-            self._guard("tensor_stats", self._manual_snapshot)
-        self.system = None
-        if system_interval_s:
-            self.system = self._guard("system", SystemSampler, writer, system_interval_s, local_rank)
+        if optimizer is None:  # manual boundaries: step 0 starts now
+            self._before(manual=True)
+
+    def _find(self, cls: type) -> Any:
+        return next((p for p in self.probes if isinstance(p, cls)), None)
+
+    @property
+    def step_index(self) -> int:
+        """The step rows are recorded under now (see ``resume`` to continue a numbering)."""
+        return self._step
+
+    @property
+    def timer(self) -> Any:
+        return self.timing.timer if self.timing is not None else None
 
     # ---- guarding -----------------------------------------------------------------------------------
     def _report(self, probe: str, exc: BaseException) -> None:
@@ -100,7 +114,7 @@ class Scope:
         if probe not in self._warned:
             self._warned.add(probe)
             warnings.warn(f"dynascope: probe {msg} (training continues)", RuntimeWarning, stacklevel=3)
-        self.writer.event("probe_error", msg, step=self.step_index, severity="warning", probe=probe)
+        self.writer.event("probe_error", msg, step=self._step, severity="warning", probe=probe)
 
     def _resolver_error(self, probe: str, exc: BaseException) -> None:
         self._report(f"resolve:{probe}", exc)
@@ -129,120 +143,65 @@ class Scope:
         for name, reason in skipped:
             if name not in self._skipped_reported:
                 self._skipped_reported.add(name)
-                self.writer.event("probe_skip", f"{name}: {reason}", step=self.step_index, tensor=name,
+                self.writer.event("probe_skip", f"{name}: {reason}", step=self._step, tensor=name,
                                   reason=reason)
-
-    def _make_spectral(self, spec: Any) -> Any:
-        if not spec:
-            return None
-        try:
-            from dynascope.probes.schedule import every
-            from dynascope.probes.spectral import SpectralProbe
-
-            kw = dict(spec) if isinstance(spec, dict) else {}
-            if "every" in kw:
-                kw["schedule"] = every(int(kw.pop("every")))
-            return SpectralProbe(**kw)
-        except Exception as exc:
-            self._report("spectral", exc)
-            return None
 
     def _attach(self) -> None:
         if self.optimizer is not None:
             self._handles.append(self.optimizer.register_step_pre_hook(self._guarded("optimizer_pre", self._pre)))
             self._handles.append(self.optimizer.register_step_post_hook(self._guarded("optimizer_post", self._post)))
-        if isinstance(self.model, torch.nn.Module):
-            self._handles.append(self.model.register_forward_pre_hook(self._guarded("forward", self._fwd_pre)))
-            self._handles.append(self.model.register_forward_hook(self._guarded("forward", self._fwd_post)))
-
-    # ---- hooks --------------------------------------------------------------------------------------
-    def _fwd_pre(self, module: Any, args: Any) -> None:
-        module._dynascope_fwd = self.timer.start("forward")
-
-    def _fwd_post(self, module: Any, args: Any, out: Any) -> None:
-        rec = getattr(module, "_dynascope_fwd", None)
-        if rec is not None:
-            module._dynascope_fwd = None
-            self.timer.stop(rec)
-        t = first_grad_tensor(out) if torch.is_grad_enabled() else None
-        if t is not None:
-            parent = rec.parent if rec is not None else None
-            t.register_hook(lambda g: self._guard("backward", self._bwd_start, parent))
-
-    def _bwd_start(self, parent: str | None) -> None:
-        if self._bwd_live:
-            return
-        self._bwd_live = True
-        rec = self.timer.start("backward", parent=parent, push=False)
-
-        def done() -> None:
-            self._bwd_live = False
-            self.timer.stop(rec, pop=False)
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: self._guard("backward", done))
+        if self.timing is not None:
+            self._handles += self.timing.attach(self.model, self._guard)
 
     def _pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._opt_rec = self.timer.start("optimizer")
-        self._refresh()
-        if self.schedule(self.step_index):
-            self.stats.before(self.step_index, self.stage, self.tracked)
+        self._before(manual=False)
 
     def _post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._opt_rec is not None:
-            self.timer.stop(self._opt_rec)
-            self._opt_rec = None
+        if self.timing is not None:
+            self.timing.optimizer_done()
         self._stepped = True
         self._boundary()
 
-    # ---- the step boundary --------------------------------------------------------------------------
+    # ---- the protocol: before, the step boundary ------------------------------------------------------
+    def _context(self, manual: bool) -> StepContext:
+        return StepContext(self._step, self.stage, self.tracked, self.reference, manual)
+
+    def _before(self, manual: bool) -> None:
+        self._refresh()
+        ctx = self._context(manual)
+        self._due = [p for p in self.probes if self._guard(p.name, p.schedule, ctx.step)]
+        for p in self._due:  # a failed before() is reported; its after() still runs and may return nothing
+            self._guard(p.name, p.before, ctx)
+
     def _boundary(self) -> None:
-        step = self.step_index
-        rec = self._guard("tensor_stats", self.stats.after)
-        if rec is None:
-            self.stats.discard()
-        spectra = self._guard("spectral", self._spectral, step) if rec is not None and self.spectral else None
-        mem = self._guard("memory", self.memory.read) if rec is not None else None
-        t1 = time.perf_counter_ns()
-        self.stats.tick((t1 - self._step_t0) / 1e9)
-        step_row = {"step": step, "phase": "step", "parent": None, "start_us": self._step_start_us,
-                    "dur_us": (t1 - self._step_t0) // 1000, "device": self.timer.device, "category": "step"}
-        self._step_t0, self._step_start_us = t1, now_us()
-        phases = self.timer.take()
-        self._bwd_live = False  # a backward that raised never ran its end callback; do not stay stuck
-        self.step_index += 1
-        self.timer.step = self.step_index
-        self.resolver.submit(self._resolve, step, self.stage, rec, phases, step_row, spectra, mem)
+        step, stage = self._step, self.stage
+        ctx = self._context(self.optimizer is None)
+        out: list[tuple[Probe, Any]] = []
+        for p in self._due:
+            try:
+                res = p.after(ctx)
+            except Exception as exc:
+                self._report(p.name, exc)
+                self._guard(p.name, p.discard)
+                continue
+            if res is not None:
+                out.append((p, res))
+        self._due = []
+        self._step += 1
+        self.resolver.submit(self._resolve, step, stage, out)
 
-    def _spectral(self, step: int) -> list[dict]:
-        if not self.spectral.due(step) or self.stats.reference is None:
-            return []
-        ref = self.stats.reference
-        named = [(t.name, t.local()) for t in self.tracked if t.local().ndim == 2]
-        lazy = {n: LazyRef(ref, n, w) for n, w in named if ref.has(n)}
-        rows = self.spectral.record(step, self.stage, named, lazy)
-        if rows:
-            cols = {k: [r.get(k) for r in rows] for k in rows[0]}
-            self.writer.append("spectra", cols)
-        return rows
-
-    def _resolve(self, step: int, stage: str | None, rec: Record | None, phases: list[PhaseRecord],
-                 step_row: dict, spectra: list[dict] | None, mem: dict | None) -> None:
-        timing = [step_row] + [p.resolve() for p in phases]
-        self.writer.append("timings", {k: [r[k] for r in timing] for k in step_row})
+    def _resolve(self, step: int, stage: str | None, out: list[tuple[Probe, Any]]) -> None:
         summary: dict[str, float] = {}
-        if rec is not None:
-            cols = rows_from_record(rec)
-            self.writer.append("tensor_stats", cols)
-            summary = summarize(cols)
-        if mem:
-            self.writer.append("scalars", {"step": step, "time_us": now_us(), "stage": stage,
-                                           "key": list(mem), "value": list(mem.values())})
-        for r in timing[1:]:
-            key = f"phase/{r['phase']}_ms"
-            summary[key] = summary.get(key, 0.0) + r["dur_us"] / 1000.0
-        energies = [r["rank1_energy"] for r in spectra or [] if r.get("rank1_energy") is not None]
-        if energies:
-            summary["spectral/rank1_energy"] = float(sum(energies) / len(energies))
-        if rec is not None or phases:
+        for p, res in out:
+            try:
+                rows: Rows = res() if callable(res) else res
+                for table, cols in rows.items():
+                    if cols:
+                        self.writer.append(table, cols)
+                summary.update(p.summarize(rows))
+            except Exception as exc:
+                self._report(f"resolve:{p.name}", exc)
+        if out:
             for fn in list(self._listeners):
                 try:
                     fn(step, summary)
@@ -253,12 +212,13 @@ class Scope:
     @contextmanager
     def phase(self, name: str, category: str = "phase") -> Iterator[None]:
         """Time a (nestable) phase of this rank: ``with scope.phase("rollout"): ...``."""
-        rec = self._guard("timing", self.timer.start, str(name), category)
+        timer = self.timer
+        rec = self._guard("timing", timer.start, str(name), category) if timer is not None else None
         try:
             yield
         finally:
             if rec is not None:
-                self._guard("timing", self.timer.stop, rec)
+                self._guard("timing", timer.stop, rec)
 
     def step(self) -> None:
         """Close the current step. With an optimizer attached, its ``step()`` is the boundary and this
@@ -269,27 +229,22 @@ class Scope:
             self._stepped = False
             return
         self._stepped = False
-        if self.optimizer is None:
-            # Manual boundaries: the snapshot for ΔW was taken at the previous boundary.
-            self._guard("tensor_stats", self._manual_stats)
         self._guard("boundary", self._boundary)
-        if self.optimizer is None and self.schedule(self.step_index):
-            self._guard("tensor_stats", self._manual_snapshot)
+        if self.optimizer is None:
+            self._guard("boundary", self._before, True)
 
-    def _manual_stats(self) -> None:
-        if self.schedule(self.step_index):
-            self._refresh()
-            self.stats.before(self.step_index, self.stage, self.tracked, snapshot=False)
-
-    def _manual_snapshot(self) -> None:
-        self._refresh()
-        self.stats.snapshot_early(self.tracked)
+    def resume(self, step: int) -> None:
+        """Continue the step numbering at ``step`` (a run resumed after ``step`` optimizer steps records
+        its next step as ``step``); call it before the first step of the resumed loop."""
+        self._step = int(step)
+        if self.timing is not None:
+            self.timing.timer.step = self._step
 
     def event(self, kind: str, message: str = "", **fields: Any) -> None:
         """Record an event (checkpoint_save/load with ``dur_us=``, restart, eval, fault...)."""
         severity = fields.pop("severity", "info")
         dur_us = fields.pop("dur_us", None)
-        step = fields.pop("step", self.step_index)
+        step = fields.pop("step", self._step)
         self._guard("event", self.writer.event, kind, message, step=step, severity=severity, dur_us=dur_us,
                     **fields)
 
@@ -297,7 +252,7 @@ class Scope:
         """Free-form metrics as ``scalars`` rows (tensors are read with ``float()``, i.e. synchronously)."""
         def go() -> None:
             keys = list(scalars)
-            self.writer.append("scalars", {"step": self.step_index if step is None else int(step),
+            self.writer.append("scalars", {"step": self._step if step is None else int(step),
                                            "time_us": now_us(), "stage": self.stage, "key": keys,
                                            "value": [float(scalars[k]) for k in keys]})
         self._guard("log", go)
@@ -306,7 +261,7 @@ class Scope:
         """RL rollout records: columns of the ``samples`` table as equal-length lists."""
         def go() -> None:
             cols = dict(columns)
-            cols.setdefault("step", self.step_index)
+            cols.setdefault("step", self._step)
             cols.setdefault("time_us", now_us())
             self.writer.append("samples", cols)
         self._guard("samples", go)
@@ -316,16 +271,18 @@ class Scope:
         self.stage = name
 
     def set_reference(self, ref: Any) -> None:
-        """New θ₀ for drift: ``"current"`` (the weights now), a state dict, or a safetensors/.pt path."""
+        """New θ₀ for drift: ``"init"`` (the weights now), a state dict, or a safetensors/.pt path."""
         self._refresh()
         named = [(t.name, t.local()) for t in self.tracked]
         total = sum(t.nbytes for t in self.tracked)
-        budget = self.stats.memory_budget
+        budget = self.stats.memory_budget if self.stats is not None else None
         resident = budget is None or budget * total >= 2 * total
-        self.stats.reference = build_reference(ref, named, self.run_dir, self.writer.rank, resident)
-        if self.stats.reference is not None:
-            self.writer.event("reference_set", f"θ₀ = {self.stats.reference.kind}", step=self.step_index,
-                              resident=resident, path=str(self.stats.reference.path or ""))
+        self.reference = build_reference(ref, named, self.run_dir, self.writer.rank, resident)
+        if self.stats is not None:
+            self.stats.reference = self.reference
+        if self.reference is not None:
+            self.writer.event("reference_set", f"θ₀ = {self.reference.kind}", step=self._step,
+                              resident=resident, path=str(self.reference.path or ""))
 
     def add_listener(self, fn: Listener) -> None:
         """``fn(step, summary)`` is called on the resolver thread after each recorded step."""
@@ -343,10 +300,12 @@ class Scope:
         self._closed = True
         for h in self._handles:
             h.remove()
-        self._guard("timing", self._flush_phases)
-        if self.system is not None:
-            self.system.close()
         self.resolver.close()
+        if self.timing is not None:  # phases that ended after the last boundary (no listener call: no step)
+            for table, cols in (self._guard("timing", self.timing.leftover) or {}).items():
+                self.writer.append(table, cols)
+        for p in self.probes:
+            self._guard(p.name, p.close)
         for fn in self._listeners:
             close = getattr(fn, "close", None)
             if callable(close):
@@ -356,12 +315,6 @@ class Scope:
         else:
             self.writer.flush()
 
-    def _flush_phases(self) -> None:
-        phases = self.timer.take()
-        if phases:
-            rows = [p.resolve() for p in phases]
-            self.writer.append("timings", {k: [r[k] for r in rows] for k in rows[0]})
-
     def __enter__(self) -> Scope:
         return self
 
@@ -369,42 +322,70 @@ class Scope:
         self.close()
 
 
+def _spectral_probe(spec: Any) -> Probe:
+    from dynascope.probes.spectral import SpectralProbe
+
+    kw = dict(spec) if isinstance(spec, dict) else {}
+    if "every" in kw:
+        kw["schedule"] = every(int(kw.pop("every")))
+    return SpectralProbe(**kw)
+
+
 def watch(model: Any, optimizer: Any = None, run: str | os.PathLike = "runs/default", *,
           every: int | Schedule = 1, reference: Any = "init", memory_budget: float | None = 0.1,
           spectral: bool | dict = False, stage: str | None = None, rank: int | None = None,
           role: str | None = None, world_size: int | None = None, system_interval_s: float | None = 5.0,
           grad_tol: float | None = None, wandb: bool = False, config: dict | None = None,
-          writer: RunWriter | None = None, time_budget: float | None = 0.015) -> Scope:
+          writer: RunWriter | None = None, time_budget: float | None = 0.015, bf16_k: int | None = None,
+          probes: Sequence[Probe] = (), listeners: Sequence[Listener | str] = ()) -> Scope:
     """Attach dynascope's probes to ``model`` and ``optimizer`` and record into the run at ``run``.
 
     Args:
         every: record tensor statistics every N optimizer steps, or a ``schedule(step) -> bool``
             (see ``dynascope.probes.schedule``). Timings are recorded every step.
-        reference: θ₀ for drift — "init" (weights now), None, a state dict, or a checkpoint path.
+        reference: θ₀ for drift — "init" (the weights now), None, a state dict, or a checkpoint path.
         memory_budget: share of parameter bytes dynascope may hold on the device for ΔW snapshots and
             θ₀; it sizes the rotating window of tensors that get the full statistics each record
             (>= 2 or None: every tensor, every record, θ₀ resident).
-        spectral: True or dict(k=8, every=10, budget_ms=50) for low-rank summaries of W − W₀.
+        spectral: True or dict(k=8, every=10, time_budget=0.05) for low-rank summaries of W − W₀.
         rank, role, world_size: identity for processes outside torch.distributed (e.g. Ray actors).
         system_interval_s: system sampler period (None/0 disables it).
         grad_tol: near-zero gradient threshold relative to the tensor's rms (default 1e-8).
-        wandb: mirror the compact summaries to wandb via ``dynascope.integrations.wandb.WandbMirror``.
+        wandb: mirror the compact summaries to wandb (the listener ``dynascope.integrations.wandb``
+            registers; ``dynascope.watch`` imports it when asked).
         writer: share an existing ``RunWriter`` (it is then flushed, not closed, by ``close``).
-        time_budget: share of step wall time the windowed statistics may take on average (default
-            1.5%; None: no limit). ‖W‖ and ‖g‖ of every tensor are recorded regardless.
+        time_budget: share of wall time the windowed statistics may take on average (default 1.5%;
+            None: no limit). ‖W‖ and ‖g‖ of every tensor are recorded regardless.
+        bf16_k: record PULSE's S_k (``bf16_unchanged_k_*``) against the weights ``bf16_k`` steps back;
+            the bf16 snapshot is resident when the budget covers it, else on disk beside θ₀.
+        probes: further ``Probe`` objects, run after the built-in ones.
+        listeners: ``fn(step, summary)`` callables, or names of registered listeners ("wandb").
     """
     r, local_rank, ws, role_ = _identity(rank, role, world_size)
     own = writer is None
     if writer is None:
         writer = RunWriter(run, rank=r, role=role_, world_size=ws, framework="pytorch", config=config)
-    scope = Scope(model, optimizer, writer, own, schedule=as_schedule(every), reference=reference,
-                  memory_budget=memory_budget, spectral=spectral, stage=stage, local_rank=local_rank,
-                  system_interval_s=system_interval_s, grad_tol=grad_tol, time_budget=time_budget)
-    if wandb:
+    schedule = as_schedule(every)
+    built: list[Probe] = [TensorStats(memory_budget, grad_tol, time_budget=time_budget, schedule=schedule,
+                                      bf16_k=bf16_k, run_dir=writer.run_dir, rank=writer.rank)]
+    failed: list[tuple[str, Exception]] = []
+    for name, make in (("spectral", lambda: _spectral_probe(spectral) if spectral else None),
+                       ("system", lambda: SystemSampler(writer, system_interval_s, local_rank)
+                        if system_interval_s else None)):
         try:
-            from dynascope.integrations.wandb import WandbMirror
-
-            scope.add_listener(WandbMirror())
+            p = make()
+            if p is not None:
+                built.append(p)
         except Exception as exc:
-            scope._report("wandb", exc)
+            failed.append((name, exc))
+    device = _device_of(model)
+    built += [MemoryProbe(device, schedule), *probes, TimingProbe(device)]  # timing last: the step row spans them
+    scope = Scope(model, optimizer, writer, own, built, reference=reference, stage=stage)
+    for name, exc in failed:
+        scope._report(name, exc)
+    for spec in (["wandb"] if wandb else []) + list(listeners):
+        try:
+            scope.add_listener(make_listener(spec) if isinstance(spec, str) else spec)
+        except Exception as exc:
+            scope._report(f"listener:{spec}" if isinstance(spec, str) else "listener", exc)
     return scope

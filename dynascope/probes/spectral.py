@@ -24,8 +24,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dynascope.core.naming import tensor_kind, tensor_layer
+from dynascope.probes.protocol import Probe, Rows, StepContext
+from dynascope.probes.reference import LazyRef
 from dynascope.probes.schedule import every
-from dynascope.store.naming import tensor_kind, tensor_layer
 
 __all__ = [
     "Basis", "SpectralProbe", "canonical_sign", "effective_rank", "name_seed", "off_principal_energy",
@@ -162,32 +164,55 @@ def spectrum_row(
     return row, b
 
 
-class SpectralProbe:
+class SpectralProbe(Probe):
     """Records the low-rank summary of W_t − W_0 for 2-D weights, on a schedule and a time budget.
 
     Args:
         k: top-k singular values/vectors kept per tensor.
-        budget_ms: wall-clock budget per ``record``; tensors not reached are first in line next time
-            (at least one tensor is computed per record so every tensor is eventually covered).
+        time_budget: share of the wall time since the previous record that one record may spend (the
+            same meaning as ``watch(time_budget=)``); tensors not reached are first in line next time,
+            and at least one tensor is computed per record, so every tensor is eventually covered.
+            None: every eligible tensor at every record.
         schedule: ``schedule(step) -> bool``, when to record (default: every 10 steps).
         niter, oversample: randomized-SVD power iterations and oversampling.
         dtype: compute dtype (ΔW is formed in it, so bf16 weights do not lose the update).
     """
 
-    def __init__(self, k: int = 8, budget_ms: float = 50.0, schedule: Callable[[int], bool] | None = None,
+    name = "spectral"
+
+    def __init__(self, k: int = 8, time_budget: float | None = 0.05, schedule: Callable[[int], bool] | None = None,
                  *, niter: int = 4, oversample: int = 8, dtype: torch.dtype = torch.float32) -> None:
-        self.k, self.budget_ms = int(k), float(budget_ms)
-        self.schedule = schedule if schedule is not None else every(10)
+        self.k = int(k)
+        self.time_budget = None if time_budget is None else float(time_budget)
+        self._schedule = schedule if schedule is not None else every(10)
         self.niter, self.oversample, self.dtype = int(niter), int(oversample), dtype
         self._w0: dict[str, tuple[list[float], Basis]] = {}  # θ₀ fingerprint and top-k triplets
         self._prev: dict[str, Basis | None] = {}
         self._cursor = 0  # where the next record starts in the list of eligible tensors
+        self._last = time.perf_counter()  # end of the previous record: the budget is a share of the time since
         self._warned = False
+
+    def schedule(self, step: int) -> bool:
+        return self.due(step)
+
+    def after(self, ctx: StepContext) -> Rows | None:
+        """The ``spectra`` rows of this step's record (θ₀ of each 2-D weight read only if it is reached)."""
+        ref = ctx.reference
+        if ref is None:
+            return None
+        named = [(t.name, t.local()) for t in ctx.tracked if t.local().ndim == 2]
+        lazy = {n: LazyRef(ref, n, w) for n, w in named if ref.has(n)}
+        rows = self.record(ctx.step, ctx.stage, named, lazy)
+        return {"spectra": {k: [r.get(k) for r in rows] for k in rows[0]}} if rows else None
+
+    def summarize(self, rows: Rows) -> dict[str, float]:
+        energies = [e for e in rows.get("spectra", {}).get("rank1_energy", []) if e is not None]
+        return {"spectral/rank1_energy": float(sum(energies) / len(energies))} if energies else {}
 
     def due(self, step: int) -> bool:
         """Whether the schedule asks for a record at ``step`` (never raises)."""
         try:
-            return bool(self.schedule(step))
+            return bool(self._schedule(step))
         except Exception:
             return False
 
@@ -210,16 +235,17 @@ class SpectralProbe:
 
     def record(self, step: int, stage: str | None, named_weights: list[tuple[str, Tensor]],
                reference: dict[str, Tensor]) -> list[dict]:
-        """One ``spectra`` row per tensor covered in this record, within ``budget_ms``; never raises."""
+        """One ``spectra`` row per tensor covered in this record, within ``time_budget``; never raises."""
         rows: list[dict] = []
+        t0 = time.perf_counter()
+        allowed_s = None if self.time_budget is None else self.time_budget * (t0 - self._last)
         try:
             todo = [(n, w) for n, w in named_weights if self.eligible(n, w, reference)]
             if not todo:
                 return rows
             start = self._cursor % len(todo)
-            t0 = time.perf_counter()
             for i in range(len(todo)):
-                if rows and (time.perf_counter() - t0) * 1e3 >= self.budget_ms:
+                if rows and allowed_s is not None and time.perf_counter() - t0 >= allowed_s:
                     break
                 name, w = todo[(start + i) % len(todo)]
                 self._cursor = start + i + 1
@@ -228,6 +254,7 @@ class SpectralProbe:
                     rows.append(row)
         except Exception as exc:  # the probe must not break training: report what was computed
             self._warn(f"spectral probe failed at step {step}: {type(exc).__name__}: {exc}")
+        self._last = time.perf_counter()
         return rows
 
     def _one(self, step: int, stage: str | None, name: str, w: Tensor, ref: Tensor) -> dict | None:

@@ -11,7 +11,9 @@ import threading
 import warnings
 from typing import Any
 
-from dynascope.store.writer import RunWriter, now_us
+from dynascope.core.clock import now_us
+from dynascope.probes.protocol import Probe
+from dynascope.store.writer import RunWriter
 
 __all__ = ["SystemSampler", "gpu_rows", "process_row"]
 
@@ -53,8 +55,16 @@ def gpu_rows(nvml: Any) -> list[dict[str, Any]]:
     return rows
 
 
-class SystemSampler:
-    """Samples until ``close``; failures become one warning and one ``probe_error`` event, then it stops."""
+class SystemSampler(Probe):
+    """Samples until ``close``; failures become one warning and one ``probe_error`` event, then it stops.
+
+    A probe on its own clock: never scheduled at a step, it writes from its thread and stops at ``close``.
+    """
+
+    name = "system"
+
+    def schedule(self, step: int) -> bool:
+        return False
 
     def __init__(self, writer: RunWriter, interval_s: float = 5.0, local_rank: int = 0) -> None:
         import psutil

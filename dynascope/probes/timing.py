@@ -4,6 +4,9 @@ On a GPU a phase is bracketed by two CUDA events recorded on the current stream;
 read later on the resolver thread (``Event.synchronize`` there, never on the training thread). On CPU
 ``perf_counter_ns`` is exact and free. ``start_us`` is the host wall clock when the phase was entered.
 
+``TimingProbe`` is the probe: it hooks the model, and at each step boundary writes one
+``phase='step'`` row spanning boundary to boundary plus the phases that finished in the step.
+
 Backward is timed with autograd hooks rather than "end of forward → optimizer step": a hook on the
 model's output fires when backward reaches the model, and ``queue_callback`` fires when the whole
 backward pass is done. That stays right with gradient accumulation, losses computed outside the
@@ -15,13 +18,15 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from dynascope.store.writer import now_us
+from dynascope.core.clock import now_us
+from dynascope.probes.protocol import Probe, Rows, StepContext
 
-__all__ = ["PhaseRecord", "Timer", "first_grad_tensor"]
+__all__ = ["PhaseRecord", "Timer", "TimingProbe", "first_grad_tensor"]
 
 
 class PhaseRecord:
@@ -108,3 +113,87 @@ def first_grad_tensor(out: Any, depth: int = 0) -> torch.Tensor | None:
         if t is not None:
             return t
     return None
+
+
+class TimingProbe(Probe):
+    """Phases of every step (forward/backward/optimizer automatically, user phases via ``scope.phase``)."""
+
+    name = "timing"
+
+    def __init__(self, device: torch.device | None) -> None:
+        self.timer = Timer(device)
+        self._t0, self._start_us = time.perf_counter_ns(), now_us()
+        self._opt: PhaseRecord | None = None
+        self._bwd_live = False
+        self._guard: Callable[..., Any] = lambda probe, fn, *a: fn(*a)
+
+    def attach(self, model: Any, guard: Callable[..., Any]) -> list[Any]:
+        """Forward pre/post hooks on the root module (and, from its output, the backward timing).
+        ``guard(probe, fn, *args)`` runs a hook body so that an exception never reaches the model."""
+        self._guard = guard
+        if not isinstance(model, torch.nn.Module):
+            return []
+        return [model.register_forward_pre_hook(lambda *a: guard("forward", self._fwd_pre, *a) and None),
+                model.register_forward_hook(lambda *a: guard("forward", self._fwd_post, *a) and None)]
+
+    def _fwd_pre(self, module: Any, args: Any) -> None:
+        module._dynascope_fwd = self.timer.start("forward")
+
+    def _fwd_post(self, module: Any, args: Any, out: Any) -> None:
+        rec = getattr(module, "_dynascope_fwd", None)
+        if rec is not None:
+            module._dynascope_fwd = None
+            self.timer.stop(rec)
+        t = first_grad_tensor(out) if torch.is_grad_enabled() else None
+        if t is not None:
+            parent = rec.parent if rec is not None else None
+            t.register_hook(lambda g: self._guard("backward", self._bwd_start, parent) and None)
+
+    def _bwd_start(self, parent: str | None) -> None:
+        if self._bwd_live:
+            return
+        self._bwd_live = True
+        rec = self.timer.start("backward", parent=parent, push=False)
+
+        def done() -> None:
+            self._bwd_live = False
+            self.timer.stop(rec, pop=False)
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: self._guard("backward", done))
+
+    def optimizer_done(self) -> None:
+        """End of ``optimizer.step()`` (the scope calls it first thing in the post-hook, before any probe)."""
+        if self._opt is not None:
+            self.timer.stop(self._opt)
+            self._opt = None
+
+    def before(self, ctx: StepContext) -> None:
+        if not ctx.manual:
+            self._opt = self.timer.start("optimizer")
+
+    def after(self, ctx: StepContext) -> Callable[[], Rows]:
+        self.optimizer_done()
+        t1 = time.perf_counter_ns()
+        step_row = {"step": ctx.step, "phase": "step", "parent": None, "start_us": self._start_us,
+                    "dur_us": (t1 - self._t0) // 1000, "device": self.timer.device, "category": "step"}
+        self._t0, self._start_us = t1, now_us()
+        phases = self.timer.take()
+        self._bwd_live = False  # a backward that raised never ran its end callback; do not stay stuck
+        self.timer.step = ctx.step + 1
+        return lambda: {"timings": _columns([step_row] + [p.resolve() for p in phases])}
+
+    def leftover(self) -> Rows:
+        """Phases that finished after the last boundary (written at close)."""
+        phases = self.timer.take()
+        return {"timings": _columns([p.resolve() for p in phases])} if phases else {}
+
+    def summarize(self, rows: Rows) -> dict[str, float]:
+        out: dict[str, float] = {}
+        t = rows.get("timings", {})
+        for phase, cat, dur in zip(t.get("phase", []), t.get("category", []), t.get("dur_us", []), strict=False):
+            if cat != "step":
+                out[f"phase/{phase}_ms"] = out.get(f"phase/{phase}_ms", 0.0) + dur / 1000.0
+        return out
+
+
+def _columns(rows: list[dict[str, Any]]) -> dict[str, list]:
+    return {k: [r[k] for r in rows] for k in rows[0]} if rows else {}

@@ -1,14 +1,19 @@
 """Weight and step-update statistics: ‖W‖, ‖ΔW‖, changed fractions, sign flips (two-step probe).
 
-The maths is the pure function ``weight_update_stats(new, old)``; the checkpoint diff calls it on two
-checkpoints and the live probe on the pre-step snapshot and the post-step weights, so both report the
-same numbers. ``UpdateStats`` is the thin two-step wrapper: ``before`` snapshots, ``after`` computes.
+The maths is per flat chunk of a pair of tensors, in ``ChunkStat`` families whose outputs are named by
+their ``tensor_stats`` columns; ``chunked_stats`` runs a tuple of families over the chunks and combines
+the partial results. The checkpoint diff calls the same functions on two checkpoints as the live probe
+calls on the pre-step snapshot and the post-step weights, so both report the same numbers.
+``UpdateStats`` is the thin two-step wrapper: ``before`` snapshots, ``after`` computes.
 
-Changed fractions, two ways:
+Changed fractions, three ways:
 * bit-exact: the element's bits differ in the parameter's own dtype (an update smaller than half an
   ulp is rounded away and does not count — the quantity low-precision training actually sees);
 * bf16-relative ("The Path Not Taken", 2025): |ŵ − w| > η·max(|w|, |ŵ|), η = 1e-3, i.e. a change a
-  bf16 copy of the weight could resolve, whatever the master dtype.
+  bf16 copy of the weight could resolve, whatever the master dtype;
+* bf16-bitwise (PULSE S₁, ``bf16_visibility``): the bf16 casts are bitwise identical before and after.
+Drift against θ₀ uses the first family under drift names, plus Mukherjee et al.'s bf16 update
+sparsity (``drift_sparsity``).
 
 Every statistic is a sum (of squares, or of counts) over elements, so tensors are processed in flat
 chunks of ``chunk_elems`` elements: the temporaries (ΔW in fp32, |W|, masks) are bounded by the chunk,
@@ -18,25 +23,33 @@ not by the largest tensor (``transient_bytes`` gives the bound the probe's memor
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["DEFAULT_CHUNK_ELEMS", "UPDATE_STAT_COLUMNS", "UPDATE_REDUCTIONS", "Reader", "UpdateStats", "chunk_ranges", "chunk_rows", "chunked_update_stats",
-           "norms", "tensor_update_stats", "transient_bytes", "wide", "weight_update_stats"]
+from dynascope.probes.bf16_visibility import bf16_unchanged_count
+from dynascope.probes.drift_sparsity import drift_sparsity_counts
 
-UPDATE_STAT_COLUMNS = ("w_norm", "update_norm", "changed_count", "changed_bf16_count", "sign_flip_count",
-                       "w_nan_count", "w_inf_count")
-
-# How each state combines across ranks when a tensor is sharded (FSDP/DTensor): "norm" = root of the
-# sum of squares, "sum" = plain sum. Used by dynascope.probes.combine.
-UPDATE_REDUCTIONS = {"w_norm": "norm", "update_norm": "norm", "changed_count": "sum", "changed_bf16_count": "sum",
-                     "sign_flip_count": "sum", "w_nan_count": "sum", "w_inf_count": "sum"}
+__all__ = ["BF16_K_STATS", "DEFAULT_CHUNK_ELEMS", "DRIFT_STATS", "DRIFT_STAT_COLUMNS", "UPDATE_STATS", "UPDATE_STAT_COLUMNS",
+           "ChunkStat", "Reader", "UpdateStats", "chunk_ranges", "chunk_rows", "chunked_stats", "columns_of",
+           "norms", "tensor_update_stats", "transient_bytes", "weight_drift_stats", "weight_update_stats", "wide"]
 
 # Without a budget: 4M elements, i.e. temporaries of at most ~100 MB whatever the tensor's size.
 DEFAULT_CHUNK_ELEMS = 1 << 22
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class ChunkStat(NamedTuple):
+    """One family of per-chunk statistics of a pair (new, old): ``fn(a, b, eta)`` returns one 0-d partial
+    per name in ``columns``; ``combine`` says how partials of chunks combine ("norm": root of the summed
+    squares, "sum": a sum). ``columns`` are ``tensor_stats`` column names (``ref_norm``: ‖θ₀‖, kept only
+    for ``drift_ratio``)."""
+
+    fn: Callable[[Tensor, Tensor, float], list[Tensor]]
+    columns: tuple[str, ...]
+    combine: tuple[str, ...]
 
 
 def wide(t: Tensor) -> Tensor:
@@ -45,9 +58,10 @@ def wide(t: Tensor) -> Tensor:
 
 
 def transient_bytes(chunk_elems: int, element_size: int = 4) -> int:
-    """Upper bound of the temporaries one chunk of ``weight_update_stats`` or ``grad_counts`` allocates:
+    """Upper bound of the temporaries one chunk of the update, drift or gradient statistics allocates:
     at most five wide (≥ fp32) buffers of the chunk alive at once (ΔW, the scale, |new|, and the
-    widened copies of 16-bit inputs, or θ₀'s chunk read from disk) plus two boolean masks."""
+    widened copies of 16-bit inputs, or θ₀'s chunk read from disk) plus two boolean masks. The bf16
+    families need less (two bf16 casts, a bf16 Δ and masks) and run after the others' are freed."""
     return chunk_elems * (5 * max(4, element_size) + 2)
 
 
@@ -75,10 +89,6 @@ def chunk_rows(n_chunks: int, n_cols: int, device: torch.device | str) -> Tensor
     return torch.empty((n_chunks, 1 + n_cols), dtype=torch.float64, device=device)
 
 
-def _flat(t: Tensor) -> Tensor:
-    return t.reshape(-1)  # a view for the contiguous tensors parameters are; a copy otherwise
-
-
 def norms(tensors: list[Tensor]) -> Tensor:
     """L2 norms of ``tensors`` as float64 [n], batched with ``torch._foreach_norm``.
 
@@ -100,9 +110,8 @@ def norms(tensors: list[Tensor]) -> Tensor:
     return torch.stack([o.to(torch.float64) for o in out])  # type: ignore[union-attr]
 
 
-def _chunk_stats(a: Tensor, b: Tensor, eta: float, signs: bool) -> list[Tensor]:
-    """One flat chunk's partial results as 0-d tensors: ‖a‖, ‖a−b‖ (combined as root of the sum of
-    squares), then counts: changed, changed-bf16, and with ``signs`` sign flips, NaN, Inf."""
+def _norms_and_changes(a: Tensor, b: Tensor, eta: float) -> list[Tensor]:
+    """‖a‖, ‖a−b‖, then bit-exact changed and η-relative changed counts."""
     aw = wide(a)
     bw = wide(b).to(aw.dtype)
     d = aw - bw
@@ -114,67 +123,111 @@ def _chunk_stats(a: Tensor, b: Tensor, eta: float, signs: bool) -> list[Tensor]:
         out.append(torch.count_nonzero(a.view(iv) != b.view(iv)))
     # |d| > η·max(|a|, |b|), the scale built in one buffer (bw's own copy when it was widened).
     scale = bw.abs_() if bw is not b else bw.abs()
-    abs_a = aw.abs()
-    inf = torch.count_nonzero(abs_a == float("inf")) if signs else None  # reuses |a|: one pass fewer
-    torch.maximum(scale, abs_a, out=scale)
-    del abs_a
+    torch.maximum(scale, aw.abs(), out=scale)
     scale.mul_(eta)
     out.append(torch.count_nonzero(d.abs_() > scale))
-    del d, scale, aw, bw
-    if signs:
-        # sign(a)·sign(b) is exactly ±1, 0 or NaN: no underflow, unlike a·b of two tiny values.
-        flip = torch.sign(a).mul_(torch.sign(b))
-        out.append(torch.count_nonzero(flip < 0))
-        del flip
-        out += [torch.count_nonzero(torch.isnan(a)), inf]
     return out
 
+
+def _signs_and_nonfinite(a: Tensor, b: Tensor, eta: float) -> list[Tensor]:
+    """Sign flips, then NaN and Inf counts of ``a`` (the new weights)."""
+    # sign(a)·sign(b) is exactly ±1, 0 or NaN: no underflow, unlike a·b of two tiny values.
+    flip = torch.sign(a).mul_(torch.sign(b))
+    return [torch.count_nonzero(flip < 0), torch.count_nonzero(torch.isnan(a)), torch.count_nonzero(torch.isinf(a))]
+
+
+def _bf16_unchanged(a: Tensor, b: Tensor, eta: float) -> list[Tensor]:
+    return bf16_unchanged_count(a, b)
+
+
+def _drift_sparsity(a: Tensor, b: Tensor, eta: float) -> list[Tensor]:
+    return drift_sparsity_counts(a, b)
+
+
+_NORM2_SUM2 = ("norm", "norm", "sum", "sum")
+UPDATE_STATS = (
+    ChunkStat(_norms_and_changes, ("w_norm", "update_norm", "changed_count", "changed_bf16_count"), _NORM2_SUM2),
+    ChunkStat(_signs_and_nonfinite, ("sign_flip_count", "w_nan_count", "w_inf_count"), ("sum",) * 3),
+    ChunkStat(_bf16_unchanged, ("bf16_unchanged_count",), ("sum",)),
+)
+# S_k: bf16(W_t) against the bf16 snapshot of W_{t−k} (the snapshot is already bf16, its cast is itself).
+BF16_K_STATS = (ChunkStat(_bf16_unchanged, ("bf16_unchanged_k_count",), ("sum",)),)
+# Drift is computed with θ₀ as "new": ``ref_norm`` is then ‖θ₀‖, and every other column is symmetric.
+DRIFT_STATS = (
+    ChunkStat(_norms_and_changes, ("ref_norm", "drift_norm", "drift_changed_count", "drift_changed_bf16_count"),
+              _NORM2_SUM2),
+    ChunkStat(_drift_sparsity, ("drift_unchanged_count", "drift_zero_count"), ("sum", "sum")),
+)
+
+
+def columns_of(stats: tuple[ChunkStat, ...]) -> tuple[str, ...]:
+    """The column names ``chunked_stats(..., stats)`` returns, in order."""
+    return tuple(c for s in stats for c in s.columns)
+
+
+UPDATE_STAT_COLUMNS = columns_of(UPDATE_STATS)
+DRIFT_STAT_COLUMNS = columns_of(DRIFT_STATS)
 
 Reader = Callable[[int, int], Tensor]  # (lo, hi) -> the tensor's flat elements [lo, hi)
 
 
-def chunked_update_stats(new: Reader, old: Reader, numel: int, device: torch.device, eta: float = 1e-3, *,
-                         signs: bool = True, chunk_elems: int | None = DEFAULT_CHUNK_ELEMS) -> Tensor:
-    """float64 [7] (``UPDATE_STAT_COLUMNS``) for one tensor of ``numel`` elements given as two readers
-    of flat ranges, ``chunk_elems`` at a time — so θ₀ can be streamed from disk chunk by chunk."""
-    nan = torch.full((), float("nan"), dtype=torch.float64, device=device)
+def chunked_stats(new: Reader, old: Reader, numel: int, device: torch.device, stats: tuple[ChunkStat, ...],
+                  eta: float = 1e-3, *, chunk_elems: int | None = DEFAULT_CHUNK_ELEMS) -> Tensor:
+    """float64 [len(columns_of(stats))] for one tensor of ``numel`` elements given as two readers of flat
+    ranges, ``chunk_elems`` at a time — so θ₀ can be streamed from disk chunk by chunk."""
     ranges = list(chunk_ranges(numel, chunk_elems))
-    m = chunk_rows(len(ranges), 7 if signs else 4, device)
-    zero = nan.new_zeros(())  # float64 first: stacking promotes the rest to it exactly
+    combine = [c for s in stats for c in s.combine]
+    m = chunk_rows(len(ranges), len(combine), device)
+    zero = torch.zeros((), dtype=torch.float64, device=device)  # float64 first: stacking promotes exactly
     for j, (lo, hi) in enumerate(ranges):
-        torch.stack([zero, *_chunk_stats(new(lo, hi), old(lo, hi), eta, signs)], out=m[j])
+        a, b = new(lo, hi), old(lo, hi)
+        parts = [zero]
+        for s in stats:  # one family at a time: its temporaries are freed before the next one's
+            parts += s.fn(a, b, eta)
+        torch.stack(parts, out=m[j])
+        del a, b, parts
     m = m[:, 1:]
-    acc = torch.cat([m[:, :2].square().sum(0).sqrt(), m[:, 2:].sum(0)])
-    return acc if signs else torch.cat([acc, nan.expand(3)])
+    is_norm = torch.tensor([c == "norm" for c in combine], device=device)
+    return torch.where(is_norm, m.square().sum(0).sqrt(), m.sum(0))
 
 
-def tensor_update_stats(new: Tensor, old: Tensor, eta: float = 1e-3, *, signs: bool = True,
+def tensor_update_stats(new: Tensor, old: Tensor, eta: float = 1e-3, *,
+                        stats: tuple[ChunkStat, ...] = UPDATE_STATS,
                         chunk_elems: int | None = DEFAULT_CHUNK_ELEMS) -> Tensor:
-    """float64 [7] (``UPDATE_STAT_COLUMNS``) for one pair of tensors, ``chunk_elems`` at a time."""
+    """float64 [len(columns_of(stats))] for one pair of tensors, ``chunk_elems`` at a time."""
     if new.shape != old.shape:
         raise ValueError(f"weight_update_stats: shape {tuple(new.shape)} vs {tuple(old.shape)}")
-    fn, fo = _flat(new.detach()), _flat(old.detach())
-    return chunked_update_stats(lambda lo, hi: fn[lo:hi], lambda lo, hi: fo[lo:hi], fn.numel(), fn.device,
-                                eta, signs=signs, chunk_elems=chunk_elems)
+    fn, fo = new.detach().reshape(-1), old.detach().reshape(-1)
+    return chunked_stats(lambda lo, hi: fn[lo:hi], lambda lo, hi: fo[lo:hi], fn.numel(), fn.device, stats,
+                         eta, chunk_elems=chunk_elems)
 
 
-def weight_update_stats(new: list[Tensor], old: list[Tensor], eta: float = 1e-3, *,
-                        signs: bool = True, chunk_elems: int | None = DEFAULT_CHUNK_ELEMS) -> Tensor:
-    """Per-tensor statistics of the update ``new − old``: float64 [n, 7] on the tensors' device.
-
-    Columns are ``UPDATE_STAT_COLUMNS``. ``old`` is the earlier weights (same shapes). Counts are exact
-    integers held in float64; ``changed_count`` is NaN (unknown) when the two dtypes differ, since a
-    bit-exact comparison is then undefined. ``signs=False`` skips the sign-flip, NaN and Inf passes
-    (NaN in those columns) for callers that do not record them (drift). Temporaries are bounded by
-    ``transient_bytes(chunk_elems)``. Nothing is copied to the host.
-    """
+def _pairwise(new: list[Tensor], old: list[Tensor], stats: tuple[ChunkStat, ...], eta: float,
+              chunk_elems: int | None) -> Tensor:
     if len(new) != len(old):
         raise ValueError(f"weight_update_stats: {len(new)} new tensors vs {len(old)} old")
     if not new:
-        return torch.zeros((0, len(UPDATE_STAT_COLUMNS)), dtype=torch.float64)
+        return torch.zeros((0, len(columns_of(stats))), dtype=torch.float64)
     with torch.no_grad():
-        return torch.stack([tensor_update_stats(a, b, eta, signs=signs, chunk_elems=chunk_elems)
+        return torch.stack([tensor_update_stats(a, b, eta, stats=stats, chunk_elems=chunk_elems)
                             for a, b in zip(new, old, strict=True)])
+
+
+def weight_update_stats(new: list[Tensor], old: list[Tensor], eta: float = 1e-3, *,
+                        chunk_elems: int | None = DEFAULT_CHUNK_ELEMS) -> Tensor:
+    """Per-tensor statistics of the update ``new − old``: float64 [n, len(UPDATE_STAT_COLUMNS)] on device.
+
+    ``old`` is the earlier weights (same shapes). Counts are exact integers held in float64;
+    ``changed_count`` is NaN (unknown) when the two dtypes differ, since a bit-exact comparison is then
+    undefined. Temporaries are bounded by ``transient_bytes(chunk_elems)``. Nothing is copied to the host.
+    """
+    return _pairwise(new, old, UPDATE_STATS, eta, chunk_elems)
+
+
+def weight_drift_stats(current: list[Tensor], base: list[Tensor], eta: float = 1e-3, *,
+                       chunk_elems: int | None = DEFAULT_CHUNK_ELEMS) -> Tensor:
+    """Per-tensor drift of ``current`` from ``base`` (θ₀): float64 [n, len(DRIFT_STAT_COLUMNS)] on device."""
+    return _pairwise(base, current, DRIFT_STATS, eta, chunk_elems)
 
 
 class UpdateStats:
@@ -186,7 +239,6 @@ class UpdateStats:
     """
 
     columns = UPDATE_STAT_COLUMNS
-    reductions = UPDATE_REDUCTIONS
 
     def __init__(self, eta: float = 1e-3) -> None:
         self.eta = float(eta)

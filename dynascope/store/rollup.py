@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from dynascope.store.schema import ROLLUP_BLOCK_STEPS, TABLES
+from dynascope.store.schema import POOLED, ROLLUP_BLOCK_STEPS, TABLES
 
 _KIND_KEYS = ["run_id", "rank", "role", "step", "stage", "kind"]
 _LAYER_KEYS = [*_KIND_KEYS, "layer"]
@@ -88,34 +88,25 @@ def _pool(t: pa.Table, keys: list[str], schema: pa.Schema) -> pa.Table:
         np.maximum.at(best, group[valid], x[valid])
         return pa.array(best, mask=np.bincount(group, weights=valid, minlength=n) == 0)
 
+    # Each pooled column as the registry declares it (store.schema.POOLED): Σx², Σx, max, or the Σnumel a
+    # count is out of (over the rows where that count, or the column named by ``where``, is not NULL).
     numel, numel_ok = _numbers(t["numel"])
-    cols = {c: _numbers(t[c]) for c in ("w_norm", "update_norm", "update_ratio", "changed_count", "changed_bf16_count",
-                                         "sign_flip_count", "w_nan_count", "w_inf_count", "drift_norm", "drift_changed_count",
-                                         "grad_norm", "grad_max_abs", "grad_zero_count", "grad_near_zero_count",
-                                         "grad_nan_count", "grad_inf_count", "time_us")}
-
-    def sq(c: str) -> pa.Array:
-        return total(cols[c][0] ** 2, cols[c][1])
-
-    def numel_where(c: str) -> pa.Array:  # the element count a nullable count is out of
-        return total(numel, numel_ok & cols[c][1])
-
-    out |= {
-        "time_us": peak(*cols["time_us"]), "tensors": pa.array(np.bincount(group, minlength=n)),
-        "numel": total(numel, numel_ok), "w_sq": sq("w_norm"), "update_sq": sq("update_norm"),
-        "update_ratio_max": peak(*cols["update_ratio"]),
-        "changed_count": total(*cols["changed_count"]), "changed_numel": numel_where("changed_count"),
-        "changed_bf16_count": total(*cols["changed_bf16_count"]),
-        "changed_bf16_numel": numel_where("changed_bf16_count"),
-        "sign_flip_count": total(*cols["sign_flip_count"]), "w_nan_count": total(*cols["w_nan_count"]),
-        "w_inf_count": total(*cols["w_inf_count"]), "drift_sq": sq("drift_norm"),
-        "drift_w_sq": total(cols["w_norm"][0] ** 2, cols["w_norm"][1] & cols["drift_norm"][1]),
-        "drift_changed_count": total(*cols["drift_changed_count"]), "drift_numel": numel_where("drift_norm"),
-        "grad_sq": sq("grad_norm"), "grad_max_abs": peak(*cols["grad_max_abs"]),
-        "grad_zero_count": total(*cols["grad_zero_count"]),
-        "grad_near_zero_count": total(*cols["grad_near_zero_count"]), "grad_numel": numel_where("grad_zero_count"),
-        "grad_nan_count": total(*cols["grad_nan_count"]), "grad_inf_count": total(*cols["grad_inf_count"]),
-    }
+    names = {src for _, _, src, _ in POOLED} | {w for *_, w in POOLED if w} | {"time_us"}
+    cols = {c: _numbers(t[c]) if c in t.column_names else (np.zeros(t.num_rows), np.zeros(t.num_rows, bool))
+            for c in names}  # a column an older segment lacks is NULL throughout
+    out |= {"time_us": peak(*cols["time_us"]), "tensors": pa.array(np.bincount(group, minlength=n))}
+    for name, how, src, where in POOLED:
+        x, ok = cols[src]
+        if where is not None:
+            ok = ok & cols[where][1]
+        if how == "sq":
+            out[name] = total(x ** 2, ok)
+        elif how == "sum":
+            out[name] = total(x, ok)
+        elif how == "max":
+            out[name] = peak(x, ok)
+        else:  # "numel"
+            out[name] = total(numel, numel_ok & ok)
     return pa.table([out[f.name].cast(f.type) for f in schema], schema=schema)
 
 

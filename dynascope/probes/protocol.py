@@ -1,0 +1,88 @@
+"""The one protocol every probe follows: when it runs, its two halves around the optimizer step, its rows.
+
+Cockpit's shape for quantities that span an update. For each step the scope asks every probe
+``schedule(step)``; the probes that answer True get ``before(ctx)`` in the optimizer's step pre-hook
+(pre-step weights and gradients are there) and ``after(ctx)`` in its post-hook (or, without an
+optimizer, both at the ``scope.step()`` boundary). ``after`` returns the rows the probe produced:
+``{table: {column: list | scalar}}``, or a callable that returns them, which the resolver thread calls
+so that waiting for the device happens off the training thread. ``summarize(rows)`` gives the compact
+numbers listeners (the wandb mirror) receive; ``close()`` releases what the probe holds.
+
+``watch()`` composes a list of these. A probe never raises into training: the scope guards every call,
+and a failure becomes a warning and a ``probe_error`` event naming ``probe.name``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from dynascope.probes.params import Tracked
+
+__all__ = ["Listener", "Probe", "Rows", "StepContext", "make_listener", "register_listener"]
+
+Rows = dict[str, dict[str, Any]]  # table -> columns of that table (equal-length lists or scalars)
+Listener = Callable[[int, dict[str, float]], None]
+
+
+@dataclass
+class StepContext:
+    """What a probe sees at one step: its index and stage, the tracked tensors, θ₀ and the run."""
+
+    step: int
+    stage: str | None
+    tracked: list[Tracked]
+    reference: Any = None  # dynascope.probes.reference.Reference or None
+    manual: bool = False  # no optimizer: ``before`` and ``after`` both run at the scope.step() boundary
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Probe:
+    """Base class with the protocol's defaults: scheduled every step, no rows, nothing to release."""
+
+    name = "probe"
+
+    def schedule(self, step: int) -> bool:
+        return True
+
+    def before(self, ctx: StepContext) -> None:
+        """Pre-step half (optimizer step pre-hook)."""
+
+    def after(self, ctx: StepContext) -> Rows | Callable[[], Rows] | None:
+        """Post-step half: the rows produced, or a callable run on the resolver thread that returns them."""
+        return None
+
+    def summarize(self, rows: Rows) -> dict[str, float]:
+        """Compact numbers for listeners from this probe's resolved rows of one step."""
+        return {}
+
+    def discard(self) -> None:
+        """Forget a half-done step (``before`` ran but ``after`` cannot)."""
+
+    def close(self) -> None:
+        """Release threads, files and buffers."""
+
+
+# Listeners that other layers provide (integrations register theirs on import), made by name from
+# ``watch(..., listeners=["wandb"])`` or ``watch(wandb=True)`` without the probes importing them.
+_LISTENERS: dict[str, Callable[..., Listener]] = {}
+
+
+def register_listener(name: str, factory: Callable[..., Listener]) -> None:
+    """Make ``factory()`` the listener ``watch`` builds for ``name``."""
+    _LISTENERS[str(name)] = factory
+
+
+def make_listener(name: str, **kwargs: Any) -> Listener:
+    """The listener registered as ``name``; a clear error when nothing registered it."""
+    factory = _LISTENERS.get(name)
+    if factory is None:
+        known = ", ".join(sorted(_LISTENERS)) or "none"
+        raise LookupError(f"no listener {name!r} is registered (registered: {known}); "
+                          f"import the integration that provides it, e.g. dynascope.integrations.{name}")
+    return factory(**kwargs)
+
+
+def registered_listeners() -> Mapping[str, Callable[..., Listener]]:
+    return dict(_LISTENERS)

@@ -1,0 +1,75 @@
+"""Combine per-shard ``tensor_stats`` rows (FSDP2/DTensor, ``sharded=True``) into global per-tensor rows.
+
+Rows in, frame out, as the column registry says (``store.schema.TENSOR_STATS_COLUMNS``): each rank
+records its local shard, and every column declares how shards combine (``Column.reduce``): norms as
+the root of the sum of squares, counts as sums, max-abs as a max. Fractions and ratios are then
+re-derived from the combined states (``frac_of``, ``ratio``), never averaged. A combined value is NULL
+if any shard's is NULL. Unsharded rows (DDP replicas hold identical weights) pass through once, from
+the lowest rank. It sits beside the rollups (``rollup.py``), the other reader of the registry's
+reductions: both pool stored rows exactly, one across tensors, this one across ranks.
+
+One caveat: ``grad_near_zero_count`` uses each shard's own rms as the threshold, so its combined sum
+is exact per shard but not the count against the whole tensor's rms.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import polars as pl
+
+from dynascope.store.schema import TENSOR_STATS_COLUMNS
+
+__all__ = ["REDUCTIONS", "combine_shards"]
+
+REDUCTIONS: dict[str, str] = {c.name: c.reduce for c in TENSOR_STATS_COLUMNS if c.reduce in ("sum", "norm", "max")}
+_KEYS = ["run_id", "role", "step", "tensor"]
+
+
+def _reduce(col: str, how: str) -> pl.Expr:
+    c = pl.col(col)
+    if how == "norm":
+        value = c.cast(pl.Float64).pow(2).sum().sqrt()
+    elif how == "sum":
+        value = c.sum()
+    elif how == "max":
+        value = c.max()
+    else:  # pragma: no cover - the registry declared a reduction this module does not know
+        raise ValueError(f"unknown reduction {how!r} for {col}")
+    return pl.when(c.null_count() > 0).then(None).otherwise(value).alias(col)
+
+
+def combine_shards(rows: Any) -> pl.DataFrame:
+    """One row per (run_id, role, step, tensor) from per-rank rows; ``shards`` counts the ranks combined.
+
+    ``rows``: a polars DataFrame or anything ``pl.DataFrame(...)`` accepts (pyarrow Table, dicts).
+    """
+    df = rows if isinstance(rows, pl.DataFrame) else pl.DataFrame(rows)
+    if df.is_empty():
+        return df.with_columns(pl.lit(0).alias("shards"))
+    sharded = df.filter(pl.col("sharded").fill_null(False))
+    whole = (df.filter(~pl.col("sharded").fill_null(False)).sort("rank")
+             .group_by(_KEYS, maintain_order=True).first().with_columns(pl.lit(1).alias("shards")))
+    if sharded.is_empty():
+        return whole.drop("rank")
+    # ‖W₀‖ of each shard (drift_ratio's denominator), recovered from drift_ratio = ‖W−W₀‖/‖W₀‖.
+    sharded = sharded.with_columns(
+        pl.when(pl.col("drift_norm") == 0).then(pl.col("w_norm"))  # W == W₀ on this shard
+        .when(pl.col("drift_ratio") > 0).then(pl.col("drift_norm") / pl.col("drift_ratio"))
+        .otherwise(None).alias("ref_norm"))
+    present = [c for c in TENSOR_STATS_COLUMNS if c.name in df.columns]
+    aggs = ([pl.col(c.name).first() for c in present if c.reduce == "first"]
+            + [pl.col(c.name).all() for c in present if c.reduce == "all"]
+            + [_reduce(c.name, c.reduce) for c in present if c.reduce in REDUCTIONS.values()]
+            + [pl.col(c).first() for c in ("time_us", "stage") if c in df.columns]
+            + [_reduce("ref_norm", "norm"), pl.len().alias("shards"), pl.lit(True).alias("sharded")])
+    out = sharded.group_by(_KEYS, maintain_order=True).agg(aggs)
+    out = out.with_columns(
+        [(pl.when(pl.col(c.ratio[1]) > 0).then(pl.col(c.ratio[0]) / pl.col(c.ratio[1])).otherwise(None)).alias(c.name)
+         for c in present if c.ratio is not None]
+        + [(pl.col(c.frac_of) / pl.col("numel")).alias(c.name)
+           for c in present if c.frac_of is not None and c.frac_of in out.columns]
+    ).drop("ref_norm")
+    cols = [c for c in df.columns if c != "rank"] + ["shards"]
+    out = out.select([c for c in cols if c in out.columns])
+    return pl.concat([whole.select(out.columns), out], how="vertical_relaxed").sort(_KEYS)
