@@ -17,7 +17,7 @@ import polars as pl
 
 from dynascope.core.clock import now_us
 from dynascope.core.errors import StoreError
-from dynascope.store.reader import open_store, quote_literal, retry_vanished
+from dynascope.store.reader import open_store, quote_literal
 from dynascope.store.writer import RunWriter
 
 __all__ = ["write_detected_events"]
@@ -41,9 +41,9 @@ def write_detected_events(run_dir: str | os.PathLike, detected: pl.DataFrame, de
     if detected["run_id"].n_unique() > 1:
         raise StoreError("detected events come from several runs: write one run's events into its own directory")
     with open_store(run_dir) as target:
-        done = set(retry_vanished(lambda: target.sql(f"""
+        done = set(target.rows(f"""
             SELECT rank, step, event, json_extract_string(fields_json, '$.source') FROM events
-            WHERE json_extract_string(fields_json, '$.detector') = {quote_literal(detector)}""").fetchall()))
+            WHERE json_extract_string(fields_json, '$.detector') = {quote_literal(detector)}"""))
     new = detected.filter([(r["rank"], r["step"], r["event"], r["source"]) not in done
                            for r in detected.iter_rows(named=True)])
     if new.is_empty():
