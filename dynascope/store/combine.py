@@ -23,6 +23,7 @@ from dynascope.store.schema import TENSOR_STATS_COLUMNS
 __all__ = ["REDUCTIONS", "combine_shards"]
 
 REDUCTIONS: dict[str, str] = {c.name: c.reduce for c in TENSOR_STATS_COLUMNS if c.reduce in ("sum", "norm", "max")}
+_REDUCED = frozenset(REDUCTIONS.values())
 _KEYS = ["run_id", "role", "step", "tensor"]
 
 
@@ -60,7 +61,7 @@ def combine_shards(rows: Any) -> pl.DataFrame:
     present = [c for c in TENSOR_STATS_COLUMNS if c.name in df.columns]
     aggs = ([pl.col(c.name).first() for c in present if c.reduce == "first"]
             + [pl.col(c.name).all() for c in present if c.reduce == "all"]
-            + [_reduce(c.name, c.reduce) for c in present if c.reduce in REDUCTIONS.values()]
+            + [_reduce(c.name, c.reduce) for c in present if c.reduce is not None and c.reduce in _REDUCED]
             + [pl.col(c).first() for c in ("time_us", "stage") if c in df.columns]
             + [_reduce("ref_norm", "norm"), pl.len().alias("shards"), pl.lit(True).alias("sharded")])
     out = sharded.group_by(_KEYS, maintain_order=True).agg(aggs)
