@@ -31,19 +31,21 @@ READY_JS = """() => {
 }"""
 
 
-# The tallest scrolling pane's content height (Streamlit's main pane scrolls, the document does not).
-CONTENT_HEIGHT_JS = """() => Math.max(document.documentElement.scrollHeight, ...[...document.querySelectorAll('*')]
-    .filter(e => ['auto', 'scroll'].includes(getComputedStyle(e).overflowY)).map(e => e.scrollHeight))"""
+# How much taller than its window the tallest scrolling pane's content is (Streamlit's main pane scrolls,
+# the document does not); 0 once everything shows.
+HIDDEN_HEIGHT_JS = """() => Math.max(0, ...[...document.querySelectorAll('*')]
+    .filter(e => ['auto', 'scroll'].includes(getComputedStyle(e).overflowY))
+    .map(e => e.scrollHeight - e.clientHeight))"""
 
 
 def fit_to_content(page, width: int, max_height: int = 12_000) -> int:
     """Grow the viewport until the page's scrolling pane shows all of its content; returns the height."""
     height = page.viewport_size["height"]
     for _ in range(6):  # content may grow once it has room (lazily drawn tables, charts re-laid out)
-        need = min(max_height, int(page.evaluate(CONTENT_HEIGHT_JS)) + 40)
-        if need <= height:
+        hidden = int(page.evaluate(HIDDEN_HEIGHT_JS))
+        if hidden <= 1 or height >= max_height:
             break
-        height = need
+        height = min(max_height, height + hidden)
         page.set_viewport_size({"width": width, "height": height})
         wait_rendered(page)
         page.wait_for_timeout(300)  # plotly re-lays out charts on resize

@@ -206,3 +206,12 @@ def spectra_series(store: StoreConnection, runs: tuple[str, ...], kinds: tuple[s
         SELECT p.run_id, stage, {BUCKET} AS step, avg(rank1) AS rank1, min(lo) AS rank1_lo, max(hi) AS rank1_hi,
                avg(stable_rank) AS stable_rank, min(sr_lo) AS stable_rank_lo, max(sr_hi) AS stable_rank_hi
         FROM per_step p JOIN bounds USING (run_id) GROUP BY ALL ORDER BY p.run_id, stage, step""")
+
+
+def delta_sync_series(store: StoreConnection, runs: tuple[str, ...]) -> pl.DataFrame:
+    """Per run and recorded step: the bytes a bf16 delta weight sync would send, from
+    ``dynascope.analyses.delta_sync_bytes`` (both encodings priced, the cheaper kept)."""
+    from dynascope.analyses.delta_sync import delta_sync_bytes
+
+    frames = [delta_sync_bytes(store, r) for r in runs]
+    return pl.concat(frames) if frames else pl.DataFrame()

@@ -77,6 +77,9 @@ def _body() -> None:
     with data.guard("Gradient sparsity"):
         _gradients(path, cubes, nonfinite, kinds)
 
+    with data.guard("Delta weight sync"):
+        _delta_sync(path, runs)
+
 
 def _changed(ov: pl.DataFrame) -> None:
     """Step-changed fraction per stage, bit-exact (solid) and as a bf16 copy of the weights would see it
@@ -100,6 +103,28 @@ def _changed(ov: pl.DataFrame) -> None:
                    + "; ".join(f"{s or 'all'}: {c:.1%} bit-exact, {b:.1%} in bf16"
                                for s, c, b in means.iter_rows() if c is not None and b is not None) + ".")
 
+
+
+def _delta_sync(path: str, runs: tuple[str, ...]) -> None:
+    """What the bf16 sparsity is worth on the wire: bytes a delta sync of the changed bf16 elements sends."""
+    st.subheader("Delta weight sync")
+    ds = data.query(P.delta_sync_series, path, runs)
+    if data.empty(ds, "per-step bf16 visibility (bf16_unchanged_count)"):
+        return
+    fig = go.Figure()
+    for i, ((run, stage), g) in enumerate(ds.group_by("run_id", "stage", maintain_order=True)):
+        name = " · ".join(str(k) for k in (run, stage) if k not in (None, ""))
+        fig.add_trace(go.Scatter(x=g["step"].to_list(), y=g["delta_pct"].to_list(), mode="lines", name=name,
+                                 line=dict(color=charts.PALETTE[i % len(charts.PALETTE)])))
+    charts.show(charts.layout(fig, "bf16 delta sync: bytes per step, % of the full bf16 weights", "step",
+                              "% of full bf16 bytes"), "dyn_delta_sync")
+    med = ds.group_by("stage", maintain_order=True).agg(pl.col("delta_pct").median(), pl.col("encoding").mode().first(),
+                                                       pl.col("delta_sync_ms").median(), pl.col("full_bf16_sync_ms").median())
+    st.caption("Elements whose bf16 cast changed in the step, sent as value+index (6 B each) or a bitmap "
+               "(numel/8 B + 2 B each), whichever is smaller. Median per stage: "
+               + "; ".join(f"{s or 'all'}: {d:.2f}% ({e})" + (f", {m:.1f} ms vs {f:.1f} ms full bf16 at the measured "
+                                                              "sync bandwidth" if m is not None else "")
+                           for s, d, e, m, f in med.iter_rows()) + ".")
 
 def _first_steps(nonfinite: pl.DataFrame) -> tuple[int, ...]:
     """The steps whose tensors the page names (the first 50 with NaN/Inf)."""

@@ -78,7 +78,7 @@ def _goodput(path: str, runs: tuple[str, ...]) -> None:
     # One column per run, one row per figure: a dozen figures side by side ran off the right of the page.
     wide = gp.drop("run_id").cast(pl.Float64).transpose(include_header=True, header_name="figure",
                                                         column_names=gp["run_id"].to_list())
-    st.dataframe(wide, hide_index=True, width="content", key="ev_goodput", height=36 * (wide.height + 1) + 3,
+    st.dataframe(wide, hide_index=True, width="content", key="ev_goodput", height=35 * (wide.height + 1) + 3,
                  column_config={r: st.column_config.NumberColumn(format="%.4g") for r in gp["run_id"]})
     if inc.height:
         st.caption("Restarts: lost work since the last checkpoint and downtime")
