@@ -13,11 +13,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-import polars as pl
-
 from dynascope.analyses._common import StoreLike, as_store, frame
 from dynascope.analyses.findings import Finding, collect_findings, fmt_ms
-from dynascope.analyses.steps import STEP_ROW, step_breakdown
+from dynascope.analyses.phase_shares import phase_shares
+from dynascope.analyses.steps import STEP_ROW
 from dynascope.store import quote_literal
 from dynascope.store.catalog import steps_sql
 
@@ -32,7 +31,8 @@ class Report:
 
     source: str
     runs: list[dict[str, Any]] = field(default_factory=list)  # run_id, ranks, steps, median_step_ms
-    breakdown: dict[str, list[tuple[str, float]]] = field(default_factory=dict)  # run → [(phase, pct)]
+    # run → [(label, [(phase, share_pct)])], one entry per (role, stage): ``analyses.phase_shares``
+    breakdown: dict[str, list[tuple[str, list[tuple[str, float]]]]] = field(default_factory=dict)
     findings: list[Finding] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -55,12 +55,14 @@ def build_report(store: StoreLike, run: str | None = None, *, peak_tflops: float
         GROUP BY r.run_id, rk.ranks ORDER BY r.run_id""")
     rep = Report(str(getattr(con, "path", store)), runs.to_dicts())
     for r in rep.runs:
-        b = step_breakdown(con, r["run_id"]).filter(pl.col("step_ms").is_not_null())
-        if b.is_empty():
-            continue
-        total = b.unique(["role", "rank", "step"])["step_ms"].sum()
-        shares = b.group_by("phase").agg(pl.col("dur_ms").sum()).sort("dur_ms", descending=True)
-        rep.breakdown[r["run_id"]] = [(p, 100 * ms / total) for p, ms in shares.iter_rows()]
+        shares = phase_shares(con, r["run_id"])
+        groups = shares.group_by(["role", "stage"], maintain_order=True)
+        several_roles = shares["role"].n_unique() > 1
+        for (role, stage), g in groups:
+            label = ", ".join(x for x in (role if several_roles else None, stage) if x)
+            label = f"{label} ({g['steps'][0]} steps)" if label else ""
+            rep.breakdown.setdefault(r["run_id"], []).append(
+                (label, list(zip(g["phase"].to_list(), g["share_pct"].to_list(), strict=True))))
     rep.findings, rep.notes = collect_findings(con, run, peak_tflops=peak_tflops)
     return rep
 
@@ -86,9 +88,9 @@ def _summary_lines(rep: Report) -> list[str]:
     for r in rep.runs:
         med = f", median step {fmt_ms(r['median_step_ms'])}" if r["median_step_ms"] is not None else ""
         lines.append(f"run {r['run_id']}: {r['ranks']} rank(s), {r['steps']} step(s){med}")
-        if r["run_id"] in rep.breakdown:
-            parts = ", ".join(f"{p} {pct:.0f}%" for p, pct in rep.breakdown[r["run_id"]][:8])
-            lines.append(f"  step time: {parts}")
+        for label, shares in rep.breakdown.get(r["run_id"], []):
+            parts = ", ".join(f"{p} {pct:.0f}%" for p, pct in shares[:8])
+            lines.append(f"  step time{', ' + label if label else ''}: {parts}")
     return lines or ["no runs found"]
 
 

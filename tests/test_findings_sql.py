@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +37,7 @@ RETURNED = {
     "mfu": {"tokens"}, "rank1_dominance": {"step", "rank1_energy", "tensors"},
     "update_sparsity": {"step_unchanged_frac_a", "step_unchanged_frac_b"},
 }
+CLI = [sys.executable, "-c", "from dynascope.cli import app; app()"]  # the console script, without PATH
 RANKS, STEPS = 4, 24
 FORWARD, BACKWARD, OPTIMIZER, GAP, SYNC = 60.0, 120.0, 30.0, 50.0, 4.0  # ms
 
@@ -78,8 +80,9 @@ def _write_phases(run_dir: Path, slow: dict[tuple[int, int], float], loss_spike_
 def runs(tmp_path_factory) -> list[Path]:
     root = tmp_path_factory.mktemp("findings_sql")
     demo = root / "demo"
-    subprocess.run([sys.executable, "-c", "from dynascope.cli import app; app()", "demo", "--quick", "--run", str(demo)], check=True,
-                   capture_output=True, timeout=900)
+    done = subprocess.run([*CLI, "demo", "--quick", "--run", str(demo)], check=True, capture_output=True, text=True,
+                          timeout=900)
+    (demo / "demo_stdout.txt").write_text(done.stdout, encoding="utf-8")
     _write_series(root / "series")
     store = make_store(root / "store")
     planted = [
@@ -127,3 +130,29 @@ def test_planted_rank_cost_and_imbalance(runs):
     assert "loss_spike" in {f.finding for f in found}
     spread = {f.finding for f in collect_findings(by_name["imbalance"])[0]}
     assert "imbalance" in spread and not spread & {"straggler", "rank_cost"}
+
+
+def test_demo_runs_and_report_say_the_same_steps_and_shares(runs):
+    demo = runs[0]
+    printed = (demo / "demo_stdout.txt").read_text(encoding="utf-8")
+    listed = subprocess.run([*CLI, "runs", str(demo)], capture_output=True, text=True, timeout=300, check=True).stdout
+    report = subprocess.run([*CLI, "report", str(demo)], capture_output=True, text=True, timeout=300, check=True).stdout
+    steps = int(re.search(r"(\d+) step\(s\)", report).group(1))
+    assert re.search(rf"│\s+{steps}\s+│", listed), listed  # a final eval logged at step N is no step
+    rollout = float(re.search(r"│ rollout\s+│[^│]+│\s+([\d.]+)%", printed).group(1))
+    rl_line = next(line for line in report.splitlines() if line.startswith("  step time, rl "))
+    assert f"rollout {rollout:.0f}%" in rl_line, (rollout, rl_line)
+
+
+def test_report_write_events_appends_detected_instability_once(tmp_path):
+    run = tmp_path / "series"
+    _write_series(run)
+    for _ in range(2):
+        done = subprocess.run([*CLI, "report", str(run), "--write-events"], capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr
+    assert "wrote 0 new instability event(s)" in done.stderr
+    with open_store(run) as con:
+        got = con.sql("SELECT event, step, rank FROM events WHERE role = 'analysis' AND event <> 'run_end' "
+                      "ORDER BY step").fetchall()
+    assert got == [("nan_inf", 12, 1), ("entropy_collapse", 20, 1), ("grad_norm_spike", 25, 1), ("nan_inf", 33, 1)]
