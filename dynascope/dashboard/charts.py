@@ -39,14 +39,17 @@ def phase_colors(names: Sequence[str]) -> dict[str, str]:
 def layout(fig: go.Figure, title: str, xtitle: str = "", ytitle: str = "", height: int = 330) -> go.Figure:
     """Title, axis titles and a legend that never covers the title: above the plot (right-aligned; below it
     collides with the x-axis title on short charts) for a few entries, on the right for more."""
+    fig.update_layout(title=dict(text=title, y=0.98, yanchor="top"), height=height, margin=dict(l=10, r=10, t=70, b=10),
+                      xaxis_title=xtitle, yaxis_title=ytitle)
+    return place_legend(fig)
+
+
+def place_legend(fig: go.Figure) -> go.Figure:
+    """Put the legend where it fits (see ``layout``); call again after adding traces to a laid-out figure."""
     names = [str(t.name or "") for t in fig.data if t.showlegend is not False]
     if len(names) > _TOP_LEGEND_ENTRIES or sum(len(n) for n in names) > _TOP_LEGEND_CHARS:
-        legend = dict(orientation="v", yanchor="top", y=1.0, xanchor="left", x=1.01)
-    else:
-        legend = dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1.0)
-    fig.update_layout(title=dict(text=title, y=0.98, yanchor="top"), height=height, margin=dict(l=10, r=10, t=70, b=10),
-                      legend=legend, xaxis_title=xtitle, yaxis_title=ytitle)
-    return fig
+        return fig.update_layout(legend=dict(orientation="v", yanchor="top", y=1.0, xanchor="left", x=1.01))
+    return fig.update_layout(legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1.0))
 
 
 def fraction_axis(fig: go.Figure, hi: float | None) -> go.Figure:

@@ -96,7 +96,7 @@ def _changed(ov: pl.DataFrame) -> None:
             fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", name=f"{name} (bf16)",
                                      line=dict(dash="dot", color=charts.PALETTE[i % len(charts.PALETTE)])))
     charts.fraction_axis(fig, max(ov["changed_hi"].max() or 0, ov["changed_bf16"].max() or 0))
-    charts.show(fig, "dyn_overlay_changed")
+    charts.show(charts.place_legend(fig), "dyn_overlay_changed")
     if has_bf16:
         means = ov.group_by("stage", maintain_order=True).agg(pl.col("changed").mean(), pl.col("changed_bf16").mean())
         st.caption("Dotted: share of parameters whose step change is visible after rounding to bf16. "
@@ -214,6 +214,7 @@ def _gradients(path: str, cubes: dict[str, pl.DataFrame], nonfinite: dict[str, p
     for i, ((run,), g) in enumerate(gh.group_by("run_id", maintain_order=True)):
         fig.add_trace(go.Scatter(x=g["step"].to_list(), y=g["near_zero"].to_list(), mode="lines",
                                  name=f"near-zero · {run}", line=dict(dash="dot", color=charts.PALETTE[i % 8])))
+    charts.place_legend(fig)
     top = max(float(gh["zero_hi"].max() or 0), float(gh["near_zero_hi"].max() or 0))
     charts.fraction_axis(fig, top)
     if nf.height:
