@@ -21,7 +21,8 @@ from dynascope.store import StoreError, open_store
 
 STAT_COLS = ("w_norm", "update_norm", "update_ratio", "changed_count", "changed_frac", "changed_bf16_count",
              "sign_flip_count", "w_nan_count", "w_inf_count", "drift_norm", "drift_ratio", "drift_changed_count",
-             "drift_changed_bf16_count", "numel", "kind", "layer", "shape", "dtype")
+             "drift_changed_bf16_count", "bf16_unchanged_count", "bf16_unchanged_frac", "drift_unchanged_count",
+             "drift_unchanged_frac", "drift_zero_count", "drift_zero_frac", "numel", "kind", "layer", "shape", "dtype")
 SPECTRA_COLS = ("drift_norm", "sigma", "rank1_energy", "topk_energy", "stable_rank", "effective_rank", "u1", "v1",
                 "angle_left_deg", "angle_right_deg", "off_principal_energy", "spectral_drift", "rows", "cols", "k")
 

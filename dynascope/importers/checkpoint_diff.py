@@ -9,13 +9,14 @@ Per tensor and checkpoint it writes the rows the live probe writes (same pure fu
   bf16_unchanged_*, …) against the *previous* checkpoint (BASE for the first), exactly as the probe
   compares step t with step t−1; the drift columns (drift_norm, drift_changed_*, Mukherjee et al.'s
   drift_unchanged_* and drift_zero_*) against BASE = θ₀; with ``bf16_k``, PULSE's S_k
-  (bf16_unchanged_k_*) against the checkpoint exactly ``bf16_k`` steps earlier, where one was given
-  (BASE has no step of its own here, as the live probe holds no snapshot of the weights before step 0);
+  (bf16_unchanged_k_*) by the live probe's rule: a bf16 snapshot is taken at a checkpoint whose step + k
+  was given, and compared (then dropped) at that later checkpoint (BASE has no step of its own here, as
+  the live probe holds no snapshot of the weights before step 0);
 - ``spectra`` (2-D float weights, unless k = 0): the low-rank summary of W_i − W_BASE.
 
 Work goes tensor by tensor: BASE's tensor is read once, then each checkpoint's in turn, so at most three
 tensors (BASE, previous, current) plus the spectral temporaries are in memory at any time, and with
-``bf16_k`` the bf16 casts of the checkpoints at most ``bf16_k`` steps back.
+``bf16_k`` one bf16 cast more.
 """
 
 from __future__ import annotations
@@ -177,7 +178,8 @@ def _diff_tensor(name: str, base_ck: Checkpoint, cks: list[Checkpoint], steps: l
     read = nbytes
     prev = w0
     rows: list[dict] = []
-    back: dict[int, torch.Tensor] = {}  # bf16 casts of the checkpoints up to bf16_k steps back (S_k)
+    held: tuple[int, torch.Tensor] | None = None  # S_k: (step, bf16 cast) of the checkpoint compared k steps on
+    given = set(steps)
     spectra: list[dict] = []
     for ck, step, t_us in zip(cks, steps, times, strict=True):
         cur = ck.get(name).to(device)
@@ -188,13 +190,14 @@ def _diff_tensor(name: str, base_ck: Checkpoint, cks: list[Checkpoint], steps: l
         # the first), the drift against BASE (θ₀), S_k against the checkpoint bf16_k steps back if given.
         row = dict(zip(UPDATE_STAT_COLUMNS, weight_update_stats([cur], [prev], eta)[0].tolist(), strict=True))
         row.update(zip(DRIFT_STAT_COLUMNS, weight_drift_stats([cur], [w0], eta)[0].tolist(), strict=True))
-        if bf16_k:
-            old = back.get(step - bf16_k)
-            if old is not None:
-                (count,) = tensor_update_stats(cur, old, stats=BF16_K_STATS).tolist()
+        if bf16_k:  # the live probe's rule, with "recorded" = "a checkpoint was given for that step"
+            if held is not None and step - held[0] == bf16_k:
+                (count,) = tensor_update_stats(cur, held[1], stats=BF16_K_STATS).tolist()
                 row.update(bf16_unchanged_k_count=count, bf16_k_steps=bf16_k)
-            back = {s: t for s, t in back.items() if s > step - bf16_k}
-            back[step] = cur.to(torch.bfloat16, copy=True)
+            if held is not None and step - held[0] >= bf16_k:
+                held = None
+            if held is None and step + bf16_k in given:
+                held = (step, cur.to(torch.bfloat16, copy=True))
         row.update(step=step, time_us=t_us)
         rows.append(row)
         if probe is not None and probe.eligible(name, cur, {name: w0}):

@@ -82,7 +82,8 @@ class TensorStats(Probe):
         self._early_window: list[int] | None = None
 
     def schedule(self, step: int) -> bool:
-        return bool(self._schedule(step))
+        """The user's schedule, plus the steps at which S_k takes its snapshot (k steps before a record)."""
+        return bool(self._schedule(step)) or self._snapshot_due(step)
 
     # ---- budgets -----------------------------------------------------------------------------------
     def _resident_bytes(self, tracked: list[Tracked]) -> float:
@@ -141,6 +142,8 @@ class TensorStats(Probe):
     def before(self, ctx: StepContext) -> None:
         """Pre-step half: gradients and the ΔW snapshot of the window. Without an optimizer this runs at
         the start of the step (the previous boundary) and only snapshots; the gradients wait for ``after``."""
+        if not self._schedule(ctx.step):  # a step scheduled only for S_k's snapshot, taken in after()
+            return
         self._tick()
         if ctx.manual:
             self._early_window = self.plan(ctx.tracked)
@@ -182,6 +185,9 @@ class TensorStats(Probe):
     @torch.no_grad()
     def after(self, ctx: StepContext) -> Callable[[], Rows] | None:
         """Post-step half: weights, ΔW, drift, S_k; packs everything into one host vector."""
+        if not self._schedule(ctx.step):
+            self._snapshot(ctx.step, ctx.tracked, [t.local() for t in ctx.tracked])
+            return None
         if ctx.manual:
             self._grads(ctx, snapshot=False)
         rec, self._rec = self._rec, None
@@ -198,7 +204,7 @@ class TensorStats(Probe):
         if ctx.reference is not None:
             self._drift(rec, ctx.reference, locals_, device)
         if self.history is not None:
-            self._bf16_k(rec, ctx.step, locals_, device)
+            self._bf16_k(rec, ctx.step, locals_)
         if rec.window:
             self._timed(t0)
         self._pack(rec, device)
@@ -220,7 +226,7 @@ class TensorStats(Probe):
         rec.add("drift", cols, rows, torch.stack(out) if out else torch.zeros((0, len(cols)), dtype=torch.float64,
                                                                                device=device))
 
-    def _bf16_k(self, rec: Record, step: int, locals_: list[torch.Tensor], device: torch.device) -> None:
+    def _bf16_k(self, rec: Record, step: int, locals_: list[torch.Tensor]) -> None:
         """S_k against the bf16 snapshot of step − k (every tensor it holds), then the next snapshot."""
         hist = self.history
         assert hist is not None
@@ -237,14 +243,24 @@ class TensorStats(Probe):
             if out:
                 rec.add("bf16_k", BF16_K_STATS[0].columns, rows, torch.stack(out))
                 rec.constants["bf16_k"] = {"bf16_k_steps": hist.k}
+        self._snapshot(step, rec.tracked, locals_)
+
+    def _snapshot_due(self, step: int) -> bool:
+        """S_k needs a snapshot at ``step``: none is held (or the one held is used up) and step + k records."""
+        h = self.history
+        return h is not None and (h.step is None or step - h.step >= h.k) and bool(self._schedule(step + h.k))
+
+    def _snapshot(self, step: int, tracked: list[Tracked], locals_: list[torch.Tensor]) -> None:
+        hist = self.history
+        assert hist is not None
         if hist.step is not None and step - hist.step >= hist.k:
             hist.drop()
-        if hist.step is None and self.schedule(step + hist.k):
-            named = [(normalize_name(t.name), w) for t, w in zip(rec.tracked, locals_, strict=True)]
-            total = sum(t.nbytes for t in rec.tracked)
+        if self._snapshot_due(step):
+            named = [(normalize_name(t.name), w) for t, w in zip(tracked, locals_, strict=True)]
+            total = sum(t.nbytes for t in tracked)
             need = sum(w.numel() * 2 for w in locals_)
             resident = self.memory_budget is None or (
-                self.memory_budget * total - self._resident_bytes(rec.tracked) - need >= total)
+                self.memory_budget * total - self._resident_bytes(tracked) - need >= total)
             hist.take(step, named, resident)
 
     def _pack(self, rec: Record, device: torch.device) -> None:
