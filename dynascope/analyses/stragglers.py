@@ -32,6 +32,7 @@ import polars as pl
 
 from dynascope.analyses._common import StoreLike, as_store, frame, run_clause
 from dynascope.analyses.steps import SYNC, TOP_LEVEL, step_rows_sql
+from dynascope.store import quote_literal
 
 __all__ = ["straggler_scores", "what_if", "what_if_steps"]
 
@@ -104,68 +105,81 @@ def straggler_scores(store: StoreLike, run: str | None = None, *, window: int = 
         ORDER BY excess_ms DESC, score ASC NULLS LAST, run_id, role, rank, phase""")
 
 
-def _segments(con, run: str | None) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """Top-level rows summed per (rank, step, segment, phase), and the step rows."""
-    rows = frame(con, f"""
+_K = "run_id, role, rank, step"
+
+
+def _seg_sql(at: str) -> str:
+    """Segment of a row starting at ``at``: how many of its rank-step's sync rows start before it (a row
+    at the same start as a sync row precedes it). One sync row, the usual case, needs no list."""
+    return (f"(CASE WHEN ks.syncs = 0 THEN 0 WHEN ks.syncs = 1 THEN ({at} > ks.sync1_us)::INTEGER "
+            f"ELSE len(list_filter(ks.sync_us, lambda x: x < {at})) END)::BIGINT")
+
+
+def _rows_sql(run: str | None) -> str:
+    """Top-level rows summed per (rank, step, segment, phase) plus each rank's remainder row, with the
+    cross-rank median of each busy (step, segment, phase) as ``med_us``: the input of every simulation.
+
+    Only rank-steps with a step row count. Everything is hash aggregation and joins (no window sort): the
+    segment of a row comes from its rank-step's sync start times (see ``_seg_sql``)."""
+    return f"""
         WITH t AS (
             SELECT run_id, coalesce(role, '') AS role, rank, step, phase, {SYNC} AS sync, start_us, dur_us
             FROM timings WHERE {TOP_LEVEL}{run_clause(run)}),
-        s AS (
-            SELECT *, coalesce(SUM(CASE WHEN sync THEN 1 ELSE 0 END) OVER (
-                       PARTITION BY run_id, role, rank, step ORDER BY start_us, sync
-                       ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0)::BIGINT AS seg
-            FROM t)
-        SELECT run_id, role, rank, step, seg, phase, sync, SUM(dur_us)::DOUBLE AS dur_us
-        FROM s GROUP BY ALL""")
-    steps = frame(con, step_rows_sql(run)).select(*_G, "rank", pl.col("step_us").cast(pl.Float64))
-    if rows.is_empty() or steps.is_empty():
-        return rows.clear(), steps.clear()
-    # The remainder: step time not covered by top-level rows, busy time in the rank's last segment.
-    per_rank = rows.group_by([*_G, "rank"]).agg(pl.col("dur_us").sum().alias("covered"), pl.col("seg").max())
-    rem = steps.join(per_rank, on=[*_G, "rank"], how="left").select(
-        *_G, "rank", pl.col("seg").fill_null(0).cast(rows.schema["seg"]), pl.lit(REMAINDER).alias("phase"),
-        pl.lit(False).alias("sync"), (pl.col("step_us") - pl.col("covered").fill_null(0.0)).alias("dur_us"))
-    rows = rows.join(steps.select(*_G, "rank"), on=[*_G, "rank"], how="semi")
-    rows = pl.concat([rows, rem.select(rows.columns).cast(rows.schema)])
-    med = (rows.filter(~pl.col("sync")).group_by([*_G, "seg", "phase"])
-           .agg(pl.col("dur_us").median().alias("med_us")))
-    return rows.join(med, on=[*_G, "seg", "phase"], how="left"), steps
+        rs AS (
+            SELECT {_K}, SUM(dur_us) AS covered, MAX(start_us) AS last_us,
+                   MIN(start_us) FILTER (WHERE sync) AS sync1_us, COUNT(*) FILTER (WHERE sync) AS syncs,
+                   list(start_us) FILTER (WHERE sync) AS sync_us
+            FROM t GROUP BY ALL),
+        ks AS (
+            SELECT st.run_id, st.role, st.rank, st.step, st.step_us::DOUBLE AS step_us, rs.covered, rs.last_us,
+                   rs.sync1_us, coalesce(rs.syncs, 0) AS syncs, rs.sync_us
+            FROM ({step_rows_sql(run)}) st LEFT JOIN rs USING ({_K})),
+        rows AS (
+            SELECT t.run_id, t.role, t.rank, t.step, {_seg_sql('t.start_us')} AS seg, t.phase, t.sync,
+                   SUM(t.dur_us)::DOUBLE AS dur_us
+            FROM t JOIN ks USING ({_K}) GROUP BY ALL
+            UNION ALL
+            -- the remainder: step time not covered by top-level rows, busy time in the rank's last segment
+            SELECT run_id, role, rank, step, {_seg_sql('ks.last_us')}, {quote_literal(REMAINDER)}, false,
+                   step_us - coalesce(covered, 0.0)
+            FROM ks)
+        SELECT rows.*, med.med_us FROM rows LEFT JOIN (
+            SELECT run_id, role, step, seg, phase, median(dur_us) AS med_us FROM rows WHERE NOT sync GROUP BY ALL
+        ) med USING (run_id, role, step, seg, phase)"""
 
 
-def _per_rank(rows: pl.DataFrame, replace: pl.Expr) -> pl.DataFrame:
-    """Busy and sync µs per (step, segment, rank) with the rows selected by ``replace`` set to their median."""
-    dur = pl.when(replace & ~pl.col("sync")).then(pl.col("med_us")).otherwise(pl.col("dur_us"))
-    return rows.with_columns(dur.alias("d")).group_by([*_G, "seg", "rank"]).agg(
-        pl.col("d").filter(~pl.col("sync")).sum().alias("busy"),
-        pl.col("d").filter(pl.col("sync")).sum().alias("sync"))
+def _in(col: str, values: Iterable[str | int] | None) -> str:
+    """SQL truth value of ``col IN values`` (TRUE for None: no restriction)."""
+    if values is None:
+        return "TRUE"
+    vals = [quote_literal(v) if isinstance(v, str) else str(int(v)) for v in values]
+    return f"{col} IN ({', '.join(vals)})" if vals else "FALSE"
 
 
-def _simulate(rows: pl.DataFrame, replace: pl.Expr) -> pl.DataFrame:
-    """Simulated step time (µs) per step: Σ over segments of (slowest busy + least sync)."""
-    seg = _per_rank(rows, replace).group_by([*_G, "seg"]).agg((pl.col("busy").max() + pl.col("sync").min()).alias("t"))
-    return seg.group_by(_G).agg(pl.col("t").sum().alias("sim_us"))
+def _per_rank_sql(rows: str, replace: str) -> str:
+    """Busy and sync µs per (step, segment, rank), and ``new_busy`` with the rows where ``replace`` holds
+    set to their median (SQL over the relation ``rows``)."""
+    return f"""
+        SELECT run_id, role, step, seg, rank,
+               coalesce(SUM(dur_us) FILTER (WHERE NOT sync), 0.0) AS busy,
+               coalesce(SUM(CASE WHEN {replace} THEN med_us ELSE dur_us END) FILTER (WHERE NOT sync), 0.0) AS new_busy,
+               coalesce(SUM(dur_us) FILTER (WHERE sync), 0.0) AS sync
+        FROM {rows} GROUP BY ALL"""
 
 
-def _saved_each_rank(rows: pl.DataFrame, phases: Iterable[str] | None) -> pl.DataFrame:
-    """µs saved per (run, role, rank) when only that rank is replaced, for every rank in one pass.
-
-    With only rank r replaced, a segment's slowest busy time is max(slowest other rank, r's replaced busy);
-    the slowest other rank is the segment's top value, or its second value when r holds the top.
-    """
-    base = _per_rank(rows, pl.lit(False))
-    repl = _per_rank(rows, _mask(None, phases)).select(*_G, "seg", "rank", pl.col("busy").alias("new_busy"))
-    seg = base.group_by([*_G, "seg"]).agg(pl.col("busy").sort(descending=True).head(2).alias("top"))
-    seg = seg.with_columns(max1=pl.col("top").list.get(0), max2=pl.col("top").list.get(1, null_on_oob=True))
-    per = base.join(repl, on=[*_G, "seg", "rank"]).join(seg, on=[*_G, "seg"])
-    other = pl.when(pl.col("busy") == pl.col("max1")).then(pl.col("max2")).otherwise(pl.col("max1"))
-    new_max = pl.max_horizontal(other.fill_null(0.0), pl.col("new_busy"))
-    per = per.with_columns(saved=pl.col("max1") - new_max)
-    return per.group_by(["run_id", "role", "rank"]).agg(pl.col("saved").sum().alias("saved_us"))
+def _segments_sql(per_rank: str) -> str:
+    """Per (step, segment): the two largest busy times (``top``), the largest replaced busy time and the
+    least sync time; a segment lasts top[1] + min_sync as measured, max_new + min_sync replaced."""
+    return f"""
+        SELECT run_id, role, step, seg, max(busy, 2) AS top, MAX(new_busy) AS max_new, MIN(sync) AS min_sync
+        FROM {per_rank} GROUP BY ALL"""
 
 
-def _mask(ranks: Iterable[int] | None, phases: Iterable[str] | None) -> pl.Expr:
-    m = pl.lit(True) if ranks is None else pl.col("rank").is_in(list(ranks))
-    return m if phases is None else m & pl.col("phase").is_in(list(phases))
+def _simulate_sql(segments: str) -> str:
+    """Simulated step time (µs) per step, as measured (``sim_us``) and replaced (``new_us``)."""
+    return f"""
+        SELECT run_id, role, step, SUM(top[1] + min_sync) AS sim_us, SUM(max_new + min_sync) AS new_us
+        FROM {segments} GROUP BY ALL"""
 
 
 _STEP_SCHEMA = {"run_id": pl.String, "role": pl.String, "step": pl.Int64, "ranks": pl.UInt32,
@@ -181,19 +195,22 @@ def what_if_steps(store: StoreLike, run: str | None = None, *, ranks: Iterable[i
     busy phase including the un-instrumented remainder. Columns: run_id, role, step, ranks, measured_ms,
     simulated_base_ms, simulated_ms, saved_ms.
     """
-    rows, steps = _segments(as_store(store), run)
-    if rows.is_empty():
-        return pl.DataFrame(schema=_STEP_SCHEMA)
-    base = _simulate(rows, pl.lit(False))
     if ranks is None:
-        sim = base.rename({"sim_us": "new_us"})
+        replace = "FALSE"
     else:
-        sim = _simulate(rows, _mask(None if ranks == "all" else ranks, phases)).rename({"sim_us": "new_us"})
-    measured = steps.group_by(_G).agg(pl.len().alias("ranks"), pl.col("step_us").max())
-    return (measured.join(base, on=_G).join(sim, on=_G).sort(_G).select(
-        *_G, "ranks", (pl.col("step_us") / 1e3).alias("measured_ms"), (pl.col("sim_us") / 1e3).alias("simulated_base_ms"),
-        (pl.col("new_us") / 1e3).alias("simulated_ms"), ((pl.col("sim_us") - pl.col("new_us")) / 1e3).alias("saved_ms"))
-        .cast(_STEP_SCHEMA))
+        replace = f"{'TRUE' if ranks == 'all' else _in('rank', ranks)} AND {_in('phase', phases)}"
+    df = frame(as_store(store), f"""
+        WITH rows AS ({_rows_sql(run)}),
+        pr AS ({_per_rank_sql('rows', replace)}),
+        sg AS ({_segments_sql('pr')}),
+        sim AS ({_simulate_sql('sg')}),
+        measured AS (SELECT run_id, role, step, COUNT(*) AS ranks, MAX(step_us) AS step_us
+                     FROM ({step_rows_sql(run)}) GROUP BY ALL)
+        SELECT run_id, role, step, ranks, step_us / 1e3 AS measured_ms, sim_us / 1e3 AS simulated_base_ms,
+               new_us / 1e3 AS simulated_ms, (sim_us - new_us) / 1e3 AS saved_ms
+        FROM measured JOIN sim USING (run_id, role, step)
+        ORDER BY run_id, role, step""")
+    return df.cast(_STEP_SCHEMA) if not df.is_empty() else pl.DataFrame(schema=_STEP_SCHEMA)
 
 
 _WHAT_IF_SCHEMA = {"run_id": pl.String, "role": pl.String, "scenario": pl.String, "rank": pl.Int64,
@@ -210,31 +227,49 @@ def what_if(store: StoreLike, run: str | None = None, *, ranks: Iterable[int] | 
     (rank, phase). ``phases`` limits which phases are replaced (None: all busy phases and the remainder).
     Totals are over all steps: saved_pct = saved_ms / simulated_base_ms; reproduction_error_pct compares
     the unreplaced simulation with the measured step times (see the module docstring for the model).
+
+    Everything runs in DuckDB: with only rank r replaced, a segment's slowest busy time is
+    max(slowest other rank, r's replaced busy), and the slowest other rank is the segment's top value, or
+    its second one when r alone holds the top; so every one-rank scenario is priced in one pass.
     """
-    rows, steps = _segments(as_store(store), run)
-    if rows.is_empty():
-        return pl.DataFrame(schema=_WHAT_IF_SCHEMA)
-    measured = steps.group_by(_G).agg(pl.col("step_us").max()).join(_simulate(rows, pl.lit(False)), on=_G)
-    tot = measured.group_by(["run_id", "role"]).agg(pl.len().alias("steps"), pl.col("step_us").sum(),
-                                                    pl.col("sim_us").sum())
-    chosen = sorted(set(rows["rank"].to_list()) if ranks is None else set(ranks))
-    # One-rank scenarios: all ranks at once, vectorized (see _saved_each_rank); then "all ranks".
-    parts = [_saved_each_rank(rows, phases).filter(pl.col("rank").is_in(chosen)).with_columns(
-        scenario=pl.format("rank {}", pl.col("rank")), phase=pl.lit(None, pl.String))]
-    if by_phase:
-        phase_list = sorted(set(rows.filter(~pl.col("sync"))["phase"].to_list()))
-        for p in phase_list if phases is None else [p for p in phase_list if p in set(phases)]:
-            parts.append(_saved_each_rank(rows, [p]).filter(pl.col("rank").is_in(chosen)).with_columns(
-                scenario=pl.format("rank {} {}", pl.col("rank"), pl.lit(p)), phase=pl.lit(p)))
-    every = measured.join(_simulate(rows, _mask(None, phases)).rename({"sim_us": "new_us"}), on=_G)
-    parts.append(every.group_by(["run_id", "role"]).agg((pl.col("sim_us") - pl.col("new_us")).sum().alias("saved_us"))
-                 .with_columns(rank=pl.lit(None, pl.Int64), scenario=pl.lit("all ranks"), phase=pl.lit(None, pl.String)))
-    cols = ["run_id", "role", "rank", "scenario", "phase", "saved_us"]
-    res = pl.concat([p.select(cols).cast({"rank": pl.Int64}) for p in parts]).join(tot, on=["run_id", "role"])
-    res = res.with_columns(
-        measured_ms=pl.col("step_us") / 1e3, simulated_base_ms=pl.col("sim_us") / 1e3,
-        simulated_ms=(pl.col("sim_us") - pl.col("saved_us")) / 1e3, saved_ms=pl.col("saved_us") / 1e3,
-        saved_pct=100 * pl.col("saved_us") / pl.col("sim_us"),
-        reproduction_error_pct=100 * (pl.col("sim_us") - pl.col("step_us")).abs() / pl.col("step_us"))
-    return res.select(list(_WHAT_IF_SCHEMA)).cast(_WHAT_IF_SCHEMA).sort(
-        ["run_id", "role", "saved_ms", "scenario"], descending=[False, False, True, False])
+    chosen = _in("rank", ranks)
+    by_phase_sql = "" if not by_phase else f"""
+        UNION ALL
+        SELECT k.run_id, k.role, k.rank, 'rank ' || k.rank || ' ' || ph.phase, ph.phase,
+               coalesce(bp.saved_us, 0.0)
+        FROM (SELECT DISTINCT run_id, role, rank FROM pr WHERE {chosen}) k
+        CROSS JOIN (SELECT DISTINCT phase FROM rows WHERE NOT sync AND {_in('phase', phases)}) ph
+        LEFT JOIN (
+            SELECT d.run_id, d.role, d.rank, d.phase,
+                   SUM(o.max1 - greatest(o.other, o.busy + d.delta)) AS saved_us
+            FROM (SELECT run_id, role, step, seg, rank, phase, SUM(med_us - dur_us) AS delta
+                  FROM rows WHERE NOT sync GROUP BY ALL) d
+            JOIN other o USING (run_id, role, step, seg, rank)
+            GROUP BY ALL) bp USING (run_id, role, rank, phase)"""
+    df = frame(as_store(store), f"""
+        WITH rows AS {'MATERIALIZED ' if by_phase else ''}({_rows_sql(run)}),
+        pr AS MATERIALIZED ({_per_rank_sql('rows', _in('phase', phases))}),
+        sg AS MATERIALIZED ({_segments_sql('pr')}),
+        sim AS ({_simulate_sql('sg')}),
+        measured AS (SELECT run_id, role, step, MAX(step_us) AS step_us FROM ({step_rows_sql(run)}) GROUP BY ALL),
+        tot AS (SELECT run_id, role, COUNT(*) AS steps, SUM(step_us) AS step_us, SUM(sim_us) AS sim_us,
+                       SUM(sim_us - new_us) AS all_saved_us
+                FROM measured JOIN sim USING (run_id, role, step) GROUP BY ALL),
+        -- the slowest other rank: top[2] for the rank holding top[1] (equal to it on a tie), else top[1]
+        other AS (
+            SELECT pr.run_id, pr.role, pr.step, pr.seg, pr.rank, pr.busy, pr.new_busy, sg.top[1] AS max1,
+                   coalesce(CASE WHEN pr.busy = sg.top[1] THEN sg.top[2] ELSE sg.top[1] END, 0.0) AS other
+            FROM pr JOIN sg USING (run_id, role, step, seg)),
+        res AS (
+            SELECT run_id, role, rank, 'rank ' || rank AS scenario, NULL::VARCHAR AS phase,
+                   SUM(max1 - greatest(other, new_busy)) AS saved_us
+            FROM other WHERE {chosen} GROUP BY ALL{by_phase_sql}
+            UNION ALL
+            SELECT run_id, role, NULL, 'all ranks', NULL, all_saved_us FROM tot)
+        SELECT res.run_id, res.role, scenario, rank::BIGINT AS rank, phase, steps,
+               step_us / 1e3 AS measured_ms, sim_us / 1e3 AS simulated_base_ms,
+               (sim_us - saved_us) / 1e3 AS simulated_ms, saved_us / 1e3 AS saved_ms,
+               100 * saved_us / sim_us AS saved_pct, 100 * abs(sim_us - step_us) / step_us AS reproduction_error_pct
+        FROM res JOIN tot USING (run_id, role)
+        ORDER BY run_id, role, saved_ms DESC, scenario""")
+    return df.cast(_WHAT_IF_SCHEMA) if not df.is_empty() else pl.DataFrame(schema=_WHAT_IF_SCHEMA)

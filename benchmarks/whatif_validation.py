@@ -1,0 +1,199 @@
+"""Validate the schedule what-if against real runs of the demo on this machine.
+
+1. Async: predict the throughput (samples/s) of ``dynascope demo --async`` (2 Ray rollout actors, 1 trainer
+   actor, staleness bound 2, stale batches dropped) from a synchronous run with the same model and settings
+   (``schedule_what_if``'s ``async`` row), then run it and compare (goal: within 20 %).
+2. Slow rank: predict from ``--ranks 4 --slow-rank 2 --slow-factor 3`` the step time without the slow rank
+   (``what_if_steps(ranks=[2])`` over the RL steps), then run ``--ranks 4`` and compare (goal: within 15 %).
+3. Calibration: the ``sync`` replay against the measured step time of the synchronous and 4-rank runs
+   (goal: within 5 %).
+
+Devices: the demo's processes share this machine's cores (one torch thread each), so the model gets
+``devices`` = the cores, and the other runnable threads on the machine while each run's RL steps ran
+(other users, Ray's own daemons) as ``background``: a sampler reads /proc every 0.25 s and counts runnable
+threads outside the demo's compute processes. Predictions are reported with and without that load.
+
+    python benchmarks/whatif_validation.py --quick --rounds 3 --dir /tmp/whatif
+    python benchmarks/whatif_validation.py --reuse --dir /tmp/whatif     # re-evaluate stored runs
+
+``--snapshot REV`` runs the demo from ``git archive REV``, so that edits in the working tree cannot break a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import polars as pl
+
+REPO = Path(__file__).resolve().parents[1]
+VARIANTS = {"sync": [], "async": ["--async"], "slow": ["--ranks", "4", "--slow-rank", "2", "--slow-factor", "3"],
+            "even": ["--ranks", "4"]}
+OURS = ("dynascope", "distributed.py", "ray::Trainer", "ray::RolloutWorker")
+
+
+def _runnable_threads() -> tuple[int, int]:
+    """(all runnable threads on the machine, those in the demo's compute processes), from /proc."""
+    total = ours = 0
+    me = os.getpid()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == me:
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            states = [Path(f"/proc/{pid}/task/{t}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                      for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            continue
+        r = sum(s == "R" for s in states)
+        total += r
+        if r and any(k in cmd for k in OURS) and "whatif_validation" not in cmd:
+            ours += r
+    return total, ours
+
+
+class LoadSampler(threading.Thread):
+    """Samples (wall-clock µs, background runnable threads) every ``period`` s until stopped."""
+
+    def __init__(self, period: float = 0.25) -> None:
+        super().__init__(daemon=True)
+        self.period, self.samples, self._stop_evt = period, [], threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_evt.wait(self.period):
+            total, ours = _runnable_threads()
+            self.samples.append((time.time_ns() // 1000, total - ours))
+
+    def stop(self) -> list[tuple[int, int]]:
+        self._stop_evt.set()
+        self.join()
+        return self.samples
+
+
+def run_demo(run_dir: Path, args: list[str], quick: bool, src: Path, timeout_s: int, tries: int = 3) -> float:
+    """One demo run into ``run_dir`` (its load samples beside it); returns the wall time in s. A failed run
+    (Ray's start-up can time out on a saturated machine) is removed and tried again."""
+    import shutil
+
+    for attempt in range(1, tries + 1):
+        try:
+            return _run_once(run_dir, args, quick, src, timeout_s)
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            print(f"{run_dir.name}: try {attempt} failed: {exc}", flush=True)
+            shutil.rmtree(run_dir, ignore_errors=True)
+    raise RuntimeError(f"{run_dir} failed {tries} times")
+
+
+def _run_once(run_dir: Path, args: list[str], quick: bool, src: Path, timeout_s: int) -> float:
+    cmd = [sys.executable, "-c", "import sys; from dynascope.cli import app; sys.argv[0] = 'dynascope'; app()",
+           "demo", "--run", str(run_dir), *(["--quick"] if quick else []), *args]
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    sampler = LoadSampler()
+    sampler.start()
+    t = time.perf_counter()
+    with open(run_dir.with_suffix(".log"), "w") as log:
+        done = subprocess.run(cmd, cwd=src, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
+    wall = time.perf_counter() - t
+    run_dir.with_suffix(".load.json").write_text(json.dumps(sampler.stop()))
+    if done.returncode != 0 and not (run_dir / "policy_rl.safetensors").exists():
+        raise RuntimeError(f"{run_dir} failed (exit {done.returncode}); see {run_dir.with_suffix('.log')}")
+    return wall
+
+
+def background(run_dir: Path) -> float:
+    """Mean background runnable threads while the run's RL steps ran."""
+    from dynascope.store import open_store
+
+    samples = json.loads(run_dir.with_suffix(".load.json").read_text())
+    with open_store(run_dir) as s:
+        t0, t1 = s._con.sql("SELECT MIN(start_us), MAX(start_us + dur_us) FROM timings WHERE phase = 'step' "
+                            "AND step >= (SELECT MIN(step) FROM samples)").fetchone()
+    inside = [b for t, b in samples if t0 <= t <= t1]
+    return sum(inside) / len(inside) if inside else 0.0
+
+
+def evaluate(d: Path, cores: int) -> dict:
+    """The three checks on one round's runs in ``d``."""
+    import dynascope.analyses as A
+
+    out: dict = {"round": d.name}
+    bg = {k: background(d / k) for k in VARIANTS if (d / k).exists()}
+    out.update({f"bg_{k}": v for k, v in bg.items()})
+    if (d / "sync").exists() and (d / "async").exists():
+        settings = json.loads((d / "async" / "demo_settings.json").read_text())
+        kw = dict(devices=cores, workers=settings["rollout_workers"], staleness=settings["max_staleness"],
+                  staleness_policy="drop", behaviour_logprob_phase="ref_logprob")
+        plain = A.schedule_what_if(d / "sync", **kw)
+        loaded = A.schedule_what_if(d / "sync", background=bg["sync"], target_background=bg["async"], **kw)
+        sync_row = plain.filter(pl.col("schedule") == "sync").row(0, named=True)
+        measured = A.rl_throughput(d / "async")["samples_per_s"][0]
+        out.update(sync_measured_sps=A.rl_throughput(d / "sync")["samples_per_s"][0], async_measured_sps=measured,
+                   sync_calibration_pct=sync_row["calibration_error_pct"])
+        for tag, df in (("plain", plain), ("loaded", loaded)):
+            pred = df.filter(pl.col("schedule") == "async")["samples_per_s"][0]
+            out[f"async_pred_{tag}_sps"] = pred
+            out[f"async_err_{tag}_pct"] = 100 * (pred - measured) / measured
+    if (d / "slow").exists() and (d / "even").exists():
+        rl = A.schedule_inputs(d / "slow")["step"]
+        steps = A.what_if_steps(d / "slow", ranks=[2]).filter(pl.col("step").is_in(rl.to_list()))
+        pred = steps["simulated_ms"].mean()
+        even = A.schedule_inputs(d / "even")
+        measured = even["measured_ms"].mean()
+        out.update(slow_measured_ms=steps["measured_ms"].mean(), noslow_pred_ms=pred, noslow_measured_ms=measured,
+                   noslow_err_pct=100 * (pred - measured) / measured)
+        for k in ("slow", "even"):
+            row = A.schedule_what_if(d / k, devices=cores).filter(pl.col("schedule") == "sync").row(0, named=True)
+            out[f"{k}_calibration_pct"] = row["calibration_error_pct"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", type=Path, default=Path("runs/whatif-validation"))
+    ap.add_argument("--quick", action="store_true", help="the demo's --quick runs (40 RL steps, 16 prompts)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--reuse", action="store_true", help="evaluate the rounds already in --dir, run nothing")
+    ap.add_argument("--snapshot", metavar="REV", help="run the demo from `git archive REV` (e.g. HEAD)")
+    ap.add_argument("--timeout-s", type=int, default=900)
+    args = ap.parse_args()
+    cores = len(os.sched_getaffinity(0))
+    src = REPO
+    if args.snapshot and not args.reuse:
+        src = args.dir / "src"
+        src.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", args.snapshot, "dynascope"], check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
+    if not args.reuse:
+        for i in range(args.rounds):
+            d = args.dir / f"round{i}"
+            d.mkdir(parents=True, exist_ok=True)
+            order = list(VARIANTS) if i % 2 == 0 else ["async", "sync", "even", "slow"]  # alternate the order
+            for k in order:
+                if not (d / k / "policy_rl.safetensors").exists():  # written at the end of a finished run
+                    shutil.rmtree(d / k, ignore_errors=True)
+                    wall = run_demo(d / k, VARIANTS[k], args.quick, src, args.timeout_s)
+                    print(f"{d.name}/{k}: {wall:.0f} s, load average {os.getloadavg()[0]:.1f}", flush=True)
+    rounds = sorted(p for p in args.dir.glob("round*") if p.is_dir())
+    res = pl.DataFrame([evaluate(d, cores) for d in rounds])
+    pl.Config.set_tbl_cols(-1)
+    pl.Config.set_tbl_width_chars(250)
+    print(f"\ncores: {cores}; runs: {'--quick' if args.quick else 'default'} demo settings\n")
+    print(res.select(pl.col(pl.Float64).round(2), pl.exclude(pl.Float64)).select(res.columns))
+    summary = res.select([pl.col(c) for c in res.columns if c.endswith("_pct")])
+    print("\nerrors (%): mean, min, max over rounds")
+    for c in summary.columns:
+        s = summary[c].drop_nulls()
+        print(f"  {c:<28} {s.mean():7.2f} {s.min():7.2f} {s.max():7.2f}")
+    (args.dir / "validation.json").write_text(res.write_json())
+
+
+if __name__ == "__main__":
+    main()
