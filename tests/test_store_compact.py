@@ -30,7 +30,7 @@ def write_steps(run, n_flushes, rows=100, start=0):
 
 def snapshot(run):
     with open_store(run) as s:
-        return s._con.sql("SELECT run_id, rank, step, key, value FROM scalars ORDER BY ALL").fetchall()
+        return s.rows("SELECT run_id, rank, step, key, value FROM scalars ORDER BY ALL")
 
 
 def test_merge_keeps_every_row_once_and_deletes_after_grace(tmp_path):
@@ -92,7 +92,7 @@ def test_old_segments_missing_new_columns_merge_as_null(tmp_path):
     compact_store(run, grace_s=0.0, settle_s=0.05, wait=True)
     assert snapshot(run) == before
     with open_store(run) as s:
-        assert s._con.sql("SELECT stage FROM scalars WHERE key = 'old'").fetchall() == [(None,)]
+        assert s.rows("SELECT stage FROM scalars WHERE key = 'old'") == [(None,)]
 
 
 def test_live_rule_in_python_matches_the_view(tmp_path):

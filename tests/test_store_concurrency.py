@@ -59,7 +59,7 @@ def test_eight_writers_and_a_polling_reader(tmp_path):
     assert seen[-1] == 1_600_000
     assert len(set(seen)) > 3  # the reader really watched it grow
     with open_store(run) as s:
-        assert s._con.sql("SELECT count(DISTINCT step) FROM scalars").fetchall() == [(1_600_000,)]
+        assert s.rows("SELECT count(DISTINCT step) FROM scalars") == [(1_600_000,)]
 
 
 @pytest.mark.slow

@@ -72,9 +72,9 @@ def test_rollup_equals_naive_pooling_across_flushes_and_ranks(tmp_path):
                 if step % 2:
                     w.flush()  # several segments, each with its own rollup
     with open_store(run) as s:
-        naive = s._con.sql(NAIVE).fetchall()
-        rolled = s._con.sql(ROLLED).fetchall()
-        assert s._con.sql("SELECT count(*) FROM tensor_stats").fetchall() == [(2 * 6 * 13,)]
+        naive = s.rows(NAIVE)
+        rolled = s.rows(ROLLED)
+        assert s.rows("SELECT count(*) FROM tensor_stats") == [(2 * 6 * 13,)]
     assert len(rolled) == len(naive) == 2 * 6 * 4  # (rank, step, kind incl. null)
     for got, want in zip(rolled, naive, strict=True):
         assert all(_same(g, x) for g, x in zip(got, want, strict=True)), (got, want)
@@ -111,11 +111,11 @@ def test_layer_rollup_equals_naive_pooling_over_split_blocks(tmp_path):
                 if step % 5 == 4:
                     w.flush()  # flushes split blocks: 5 does not divide the block size
     with open_store(run) as s:
-        naive = s._con.sql(NAIVE_BY_LAYER).fetchall()
-        rolled = s._con.sql(ROLLED_BY_LAYER).fetchall()
+        naive = s.rows(NAIVE_BY_LAYER)
+        rolled = s.rows(ROLLED_BY_LAYER)
         split = s._con.sql("SELECT count(*) FROM (SELECT rank, step, stage, kind, layer FROM tensor_stats_by_layer "
                            "GROUP BY ALL HAVING count(*) > 1)").fetchall()[0][0]
-        blocks = {r[0] for r in s._con.sql("SELECT DISTINCT step FROM tensor_stats_by_layer").fetchall()}
+        blocks = {r[0] for r in s.rows("SELECT DISTINCT step FROM tensor_stats_by_layer")}
     assert split > 0  # the test exercises blocks written in pieces
     assert blocks == {0, ROLLUP_BLOCK_STEPS, 2 * ROLLUP_BLOCK_STEPS}
     assert len(rolled) == len(naive) > 0
@@ -143,7 +143,7 @@ def test_segments_use_the_fast_encodings(tmp_path):
     assert cols["w_norm"].compression == "LZ4" and "RLE_DICTIONARY" not in cols["w_norm"].encodings
     assert cols["tensor"].compression == "ZSTD"
     with open_store(run) as s:
-        assert s._con.sql("SELECT kind, count(*) FROM tensor_stats GROUP BY ALL ORDER BY 1").fetchall() == [
+        assert s.rows("SELECT kind, count(*) FROM tensor_stats GROUP BY ALL ORDER BY 1") == [
             ("attn_k", 650), ("attn_q", 700), ("mlp_up", 650)]
 
 
@@ -190,9 +190,9 @@ def test_heat_cells_from_the_layer_rollup_equal_the_raw_rows(tmp_path, monkeypat
                 if step % 7 == 0:
                     w.flush()
     with open_store(run) as s:
-        run_id = s._con.sql("SELECT any_value(run_id) FROM tensor_stats").fetchall()[0][0]
+        run_id = s.rows("SELECT any_value(run_id) FROM tensor_stats")[0][0]
         cube = param_cube(s, run_id, max_points=max_points).filter(~pl.col("per_step"))
-        raw = s._con.sql("SELECT * FROM tensor_stats").pl()
+        raw = s.frame("SELECT * FROM tensor_stats")
     s0, width = heat_buckets(5, 104, max_points)
 
     def sql_sum(e: pl.Expr) -> pl.Expr:  # SQL's sum: NULL when every value is NULL (polars gives 0)

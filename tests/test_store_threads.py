@@ -47,7 +47,6 @@ def _reader(store: StoreConnection, i: int, stop: threading.Event, seen: list[in
             return
 
 
-@pytest.mark.slow
 def test_eight_threads_share_one_store_while_it_is_written_and_compacted(tmp_path):
     run = tmp_path / "run"
     RunWriter(run).close()  # the run exists before the store is opened

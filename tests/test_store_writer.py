@@ -14,7 +14,7 @@ from dynascope.store import RunWriter, open_store
 
 def rows(path, sql):
     with open_store(path) as s:
-        return s._con.sql(sql).fetchall()
+        return s.rows(sql)
 
 
 def test_every_column_form_round_trips(tmp_path):
