@@ -1,7 +1,8 @@
 """Optional dependencies: import them on use and fail with an error that names the extra to install.
 
-``import dynascope`` never imports transformers, lightning, wandb or ray; each integration imports its
-framework only when used, through ``require``, so a missing extra surfaces as one clear ImportError.
+``import dynascope`` never imports transformers, lightning, wandb or ray; each integration (and the wandb
+history importer) imports its framework only when used, through ``require``, so a missing extra surfaces as
+one clear ImportError.
 """
 
 from __future__ import annotations
