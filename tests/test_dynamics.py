@@ -10,14 +10,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dynascope.analyses import (
-    extrapolate,
     rank1_dominance,
     rank1_linear_fit,
-    rank1_reconstruction,
     sparsity_comparison,
     sparsity_over_training,
 )
 from dynascope.importers.checkpoint_diff import diff_checkpoints
+from dynascope.rewrite import extrapolate, rank1_reconstruction
 from dynascope.store import RunWriter, StoreError, open_store
 
 Q, MLP, NORM = "model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.up_proj.weight", "model.norm.weight"
