@@ -95,7 +95,7 @@ def run_snippet(code: str, names: dict) -> list:
             tree.body[i].value.args[0] = node.value
     ast.fix_missing_locations(tree)
     names["_values"] = []
-    exec(compile(tree, str(README), "exec"), names)  # noqa: S102 - the README's own code, run as a user would
+    exec(compile(tree, str(README), "exec"), names)  # the README's own code, run as a user would
     return names["_values"]
 
 
