@@ -33,6 +33,9 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 
 def test_findings_name_the_straggler_and_rank_by_time_at_stake(runs):
     df = ranked_findings(runs["straggler"])
+    assert df.columns == ["position", "run_id", "finding", "severity", "at_stake_ms", "at_stake_pct", "sentence",
+                          "numbers_json", "sql"]
+    assert df["position"].to_list() == list(range(1, df.height + 1))  # a place in the ranking, not a process rank
     assert df["at_stake_ms"].to_list() == sorted(df["at_stake_ms"].to_list(), reverse=True)
     strag = df.filter(pl.col("finding") == "straggler")
     assert strag.height == 1

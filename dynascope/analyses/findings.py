@@ -5,10 +5,9 @@ the time it already cost), so findings sort by what matters most; findings that 
 (instability, MFU, staleness) follow, ordered by severity.
 
 ``numbers`` holds everything the sentence says (``findings_text`` writes the sentence from them alone), and
-``sql`` is a read-only query over the store's tables (``dynascope sql RUN "<sql>"``) whose first row
-returns the finding's numbers under the same names: recomputed from the raw rows where the analysis is
-plain SQL, and the inputs it ranked on (per-rank medians, step counts) where it is a model such as the
-what-if simulation. ``tests/test_findings_sql.py`` runs every finding's query and compares.
+``sql`` (built in ``findings_sql``) is a read-only query over the store's tables (``dynascope sql RUN
+"<sql>"``) whose first row returns the finding's numbers under the same names. This module decides which
+findings to raise: the thresholds below, and the numbers each carries.
 """
 
 from __future__ import annotations
@@ -22,19 +21,19 @@ from typing import Any
 
 import polars as pl
 
+from dynascope.analyses import findings_sql as S
 from dynascope.analyses._common import StoreLike, as_store, frame
 from dynascope.analyses.dynamics import rank1_dominance, sparsity_comparison
 from dynascope.analyses.findings_text import fmt_ms, fmt_pct, sentence
 from dynascope.analyses.goodput import goodput_summary
 from dynascope.analyses.instability import detect_instability
 from dynascope.analyses.rollouts import (
-    WEIGHT_SYNC_PHASES,
     async_staleness,
     rollout_train_overlap,
     tail_wait_share,
     zero_variance_groups,
 )
-from dynascope.analyses.steps import STEP_ROW, idle_time, step_breakdown, step_rows_sql, top_level_sql
+from dynascope.analyses.steps import idle_time, step_breakdown
 from dynascope.analyses.stragglers import straggler_scores, what_if
 from dynascope.analyses.throughput import throughput_mfu
 from dynascope.core.errors import first_line
@@ -89,20 +88,6 @@ def _first_row(con, sql: str) -> dict[str, Any]:
     return rows.row(0, named=True) if rows.height else {}
 
 
-def _phase_sql(run: str, role: str, rank: int, path: str) -> str:
-    """Per-rank step count and whole-run median of one phase path (``backward`` or ``train/backward``),
-    over the steps at least two ranks ran it (as ``straggler_scores`` compares them); the named rank first."""
-    parent, _, leaf = path.rpartition("/")
-    where = f"phase = {quote_literal(leaf)}" + (f" AND parent = {quote_literal(parent)}" if parent else
-                                                 " AND coalesce(parent, '') IN ('', 'step')")
-    return (f"WITH d AS (SELECT rank, step, SUM(dur_us) AS us FROM timings WHERE run_id = {quote_literal(run)} "
-            f"AND coalesce(role, '') = {quote_literal(role)} AND {where} AND step IS NOT NULL AND stream IS NULL "
-            f"AND coalesce(category, 'phase') = 'phase' GROUP BY rank, step), "
-            f"n AS (SELECT *, COUNT(*) OVER (PARTITION BY step) AS nranks FROM d) "
-            f"SELECT rank, COUNT(*) AS steps, median(us) / 1000.0 AS run_median_ms FROM n WHERE nranks >= 2 "
-            f"GROUP BY rank ORDER BY rank = {int(rank)} DESC, run_median_ms DESC")
-
-
 def _stragglers(con, run: str) -> list[Finding]:
     """Slow (rank, phase) pairs, each priced by the what-if; then a rank that costs time without one slow phase."""
     scores = straggler_scores(con, run).filter(pl.col("status") != "ok")
@@ -125,7 +110,7 @@ def _stragglers(con, run: str) -> list[Finding]:
         if (s["role"], s["rank"], top) in seen:
             continue
         seen.add((s["role"], s["rank"], top))
-        sql = _phase_sql(run, s["role"], s["rank"], s["phase"])
+        sql = S.straggler_sql(run, s["role"], s["rank"], s["phase"])
         n = {"rank": s["rank"], "role": s["role"], "phase": s["phase"], "status": s["status"], "steps": s["steps"],
              "run_median_ms": _r(_first_row(con, sql).get("run_median_ms")), "slowdown_x": _r(s["slowdown_x"]),
              "score": _r(s["score"]), "median_ms": _r(s["median_ms"]),
@@ -149,9 +134,7 @@ def _stragglers(con, run: str) -> list[Finding]:
              "worst_phase": by_phase["phase"][0] if by_phase.height else None,
              "worst_phase_saved_pct": _r(by_phase["saved_pct"][0], 2) if by_phase.height else None}
         out.append(_found(run, "rank_cost", "warning" if r["saved_pct"] >= WARN_RANK_COST_PCT else "info", n,
-                          f"SELECT rank, COUNT(*) AS steps, median(dur_us) / 1000.0 AS median_step_ms FROM timings "
-                          f"WHERE run_id = {quote_literal(run)} AND coalesce(role, '') = {quote_literal(r['role'])} "
-                          f"AND rank = {int(r['rank'])} AND {STEP_ROW} GROUP BY rank",
+                          S.rank_cost_sql(run, r["role"], r["rank"]),
                           r["saved_ms"], r["saved_pct"]))
     if not out:  # no slow rank stands out: is time still lost to ranks being unevenly fast?
         every = wi.filter(pl.col("scenario") == "all ranks")
@@ -159,8 +142,7 @@ def _stragglers(con, run: str) -> list[Finding]:
             r = every.row(0, named=True)
             n = {"steps": r["steps"], "saved_ms": _r(r["saved_ms"]), "saved_pct": _r(r["saved_pct"], 2)}
             out.append(_found(run, "imbalance", "info", n,
-                              f"SELECT COUNT(DISTINCT step) AS steps, COUNT(DISTINCT rank) AS ranks FROM timings "
-                              f"WHERE run_id = {quote_literal(run)} AND {STEP_ROW}", r["saved_ms"], r["saved_pct"]))
+                              S.imbalance_sql(run), r["saved_ms"], r["saved_pct"]))
     return out
 
 
@@ -175,16 +157,7 @@ def _tail(con, run: str) -> list[Finding]:
     n = {"steps": tw.height, "tail_wait_ms": _r(tail), "step_ms": _r(total), "tail_wait_pct": _r(pct, 2),
          "median_tail_wait_ms": _r(tw["tail_wait_ms"].median()),
          "step_source": "step_rows" if (tw["step_source"] == "step_rows").all() else "rollout_span"}
-    rl = quote_literal(run)
-    return [_found(run, "rollout_tail", "warning" if pct >= WARN_TAIL_PCT else "info", n,
-                   f"WITH s AS (SELECT step, (MAX(gen_end_us) - quantile_cont(gen_end_us, 0.5)) / 1000.0 AS tail_ms, "
-                   f"(MAX(gen_end_us) - MIN(gen_start_us)) / 1000.0 AS span_ms FROM samples WHERE run_id = {rl} "
-                   f"AND step IS NOT NULL AND gen_end_us IS NOT NULL GROUP BY step), "
-                   f"st AS (SELECT step, MAX(dur_us) / 1000.0 AS step_ms FROM timings WHERE run_id = {rl} AND "
-                   f"{STEP_ROW} GROUP BY step) "
-                   f"SELECT COUNT(*) AS steps, SUM(tail_ms) AS tail_wait_ms, SUM(coalesce(st.step_ms, span_ms)) AS "
-                   f"step_ms, 100 * SUM(tail_ms) / SUM(coalesce(st.step_ms, span_ms)) AS tail_wait_pct, "
-                   f"median(tail_ms) AS median_tail_wait_ms FROM s LEFT JOIN st USING (step)", tail, pct)]
+    return [_found(run, "rollout_tail", "warning" if pct >= WARN_TAIL_PCT else "info", n, S.tail_sql(run), tail, pct)]
 
 
 def _zero_variance(con, run: str) -> list[Finding]:
@@ -199,12 +172,7 @@ def _zero_variance(con, run: str) -> list[Finding]:
     n = {"groups": groups, "zero_variance_groups": zero, "wasted_samples": wasted, "zero_variance_pct": _r(pct, 2),
          "wasted_rollout_ms": _r(stake)}
     return [_found(run, "zero_variance_groups", "warning" if pct >= WARN_ZERO_VARIANCE_PCT else "info", n,
-                   f"WITH g AS (SELECT step, group_id, COUNT(*) AS n, MAX(reward) = MIN(reward) AS zero FROM samples "
-                   f"WHERE run_id = {quote_literal(run)} AND step IS NOT NULL AND group_id IS NOT NULL AND reward IS NOT "
-                   f"NULL AND isfinite(reward) GROUP BY step, group_id HAVING COUNT(*) >= 2) "
-                   f"SELECT COUNT(*) AS groups, COUNT(*) FILTER (zero) AS zero_variance_groups, "
-                   f"coalesce(SUM(n) FILTER (zero), 0) AS wasted_samples, "
-                   f"100.0 * COUNT(*) FILTER (zero) / COUNT(*) AS zero_variance_pct FROM g", stake)]
+                   S.zero_variance_sql(run), stake)]
 
 
 def _idle(con, run: str) -> list[Finding]:
@@ -218,17 +186,7 @@ def _idle(con, run: str) -> list[Finding]:
         return []
     stake = per["idle_ms"].sum() / per.height  # wall time: the mean rank's idle time
     n = {"idle_pct": _r(pct, 2), "worst_rank": per["rank"][0], "worst_rank_idle_pct": _r(per["pct"][0], 2)}
-    # Idle = the measured wait in collectives, or the wait implied by the slowest rank's busy time, whichever is more.
-    return [_found(run, "idle", "warning" if pct >= WARN_IDLE_PCT else "info", n,
-                   f"WITH ph AS ({top_level_sql(run)}), st AS ({step_rows_sql(run)}), "
-                   f"per AS (SELECT run_id, role, rank, step, coalesce(SUM(dur_us) FILTER (NOT sync), 0) AS busy, "
-                   f"coalesce(SUM(dur_us) FILTER (sync), 0) AS wait FROM ph GROUP BY ALL), "
-                   f"i AS (SELECT *, greatest(wait, MAX(busy) OVER (PARTITION BY run_id, role, step) - busy) AS idle "
-                   f"FROM per), r AS (SELECT rank, SUM(idle) AS idle, SUM(step_us) AS step_us FROM i JOIN st "
-                   f"USING (run_id, role, rank, step) GROUP BY rank) "
-                   f"SELECT rank AS worst_rank, 100 * idle / step_us AS worst_rank_idle_pct, "
-                   f"100 * SUM(idle) OVER () / SUM(step_us) OVER () AS idle_pct FROM r ORDER BY worst_rank_idle_pct DESC",
-                   stake, pct)]
+    return [_found(run, "idle", "warning" if pct >= WARN_IDLE_PCT else "info", n, S.idle_sql(run), stake, pct)]
 
 
 def _remainder(con, run: str) -> list[Finding]:
@@ -242,17 +200,7 @@ def _remainder(con, run: str) -> list[Finding]:
     stake = rem["dur_ms"].sum() / rem["rank"].n_unique()
     return [_found(run, "uninstrumented", "info", {"uninstrumented_pct": _r(pct, 2), "uninstrumented_ms": _r(
                        rem["dur_ms"].sum())},
-                   f"WITH ph AS ({top_level_sql(run)}), st AS ({step_rows_sql(run)}), "
-                   f"c AS (SELECT run_id, role, rank, step, SUM(dur_us) AS us FROM ph GROUP BY ALL), "
-                   f"rem AS (SELECT greatest(step_us - us, 0) AS rem_us, step_us FROM st JOIN c USING "
-                   f"(run_id, role, rank, step)) SELECT SUM(rem_us) / 1000.0 AS uninstrumented_ms, "
-                   f"100 * SUM(rem_us) / SUM(step_us) AS uninstrumented_pct FROM rem", stake, pct)]
-
-
-def _sync_sql(run: str) -> str:
-    phases = ", ".join(quote_literal(p) for p in WEIGHT_SYNC_PHASES)
-    return (f"SELECT COUNT(*) AS weight_syncs, coalesce(SUM(dur_us), 0) / 1000.0 AS weight_sync_ms FROM timings "
-            f"WHERE run_id = {quote_literal(run)} AND phase IN ({phases})")
+                   S.uninstrumented_sql(run), stake, pct)]
 
 
 def _async(con, run: str) -> list[Finding]:
@@ -261,20 +209,18 @@ def _async(con, run: str) -> list[Finding]:
     if not st.is_empty() and st["staleness_steps"].max() > 0:
         mean = (st["staleness_steps"] * st["samples"]).sum() / st["samples"].sum()
         out.append(_found(run, "staleness", "info", {"mean_staleness": _r(mean), "max_staleness": st["staleness_steps"].max()},
-                          f"SELECT avg(trainer_version - policy_version) AS mean_staleness, "
-                          f"max(trainer_version - policy_version) AS max_staleness FROM samples WHERE run_id = "
-                          f"{quote_literal(run)} AND trainer_version IS NOT NULL AND policy_version IS NOT NULL"))
+                          S.staleness_sql(run)))
     ov = rollout_train_overlap(con, run)
     r = ov.row(0, named=True) if not ov.is_empty() else None
     if r and r["disaggregated"] and r["rollout_ms"] and r["train_ms"]:
         # time rollout and training could have run side by side but did not
         alone = min(r["rollout_ms"], r["train_ms"]) - r["overlap_ms"]
         n = {**{k: _r(v) for k, v in r.items() if k not in ("run_id", "disaggregated")}, "alone_ms": _r(alone)}
-        out.append(_found(run, "async_overlap", "info", n, _sync_sql(run), alone + r["weight_sync_ms"]))
+        out.append(_found(run, "async_overlap", "info", n, S.weight_sync_sql(run), alone + r["weight_sync_ms"]))
     elif r and r["weight_syncs"]:
         out.append(_found(run, "weight_sync", "info", {"weight_syncs": r["weight_syncs"],
                                                        "weight_sync_ms": _r(r["weight_sync_ms"])},
-                          _sync_sql(run), r["weight_sync_ms"]))
+                          S.weight_sync_sql(run), r["weight_sync_ms"]))
     return out
 
 
@@ -288,34 +234,7 @@ def _goodput(con, run: str) -> list[Finding]:
     if not ckpt and not lost:
         return []
     n = {k: _r(v) for k, v in r.items() if k != "run_id"}
-    ev = "time_us IS NOT NULL AND event = "
-    return [_found(run, "goodput", "warning" if lost else "info", n,
-                   f"SELECT COUNT(*) FILTER ({ev}'checkpoint_save') AS checkpoint_saves, "
-                   f"coalesce(SUM(dur_us) FILTER ({ev}'checkpoint_save'), 0) / 1000.0 AS checkpoint_save_ms, "
-                   f"COUNT(*) FILTER ({ev}'checkpoint_load') AS checkpoint_loads, "
-                   f"coalesce(SUM(dur_us) FILTER ({ev}'checkpoint_load'), 0) / 1000.0 AS checkpoint_load_ms, "
-                   f"COUNT(*) FILTER ({ev}'fault') AS faults, COUNT(*) FILTER ({ev}'restart') AS restarts "
-                   f"FROM events WHERE run_id = {quote_literal(run)}", ckpt + lost, 100 * (ckpt + lost) / r["wall_ms"])]
-
-
-def _instability_sql(run: str, first: dict[str, Any], steps: list[int]) -> str:
-    """The series behind the first event of a kind, at its flagged steps: (step, rank, value) first row = it."""
-    rl, shown = quote_literal(run), ", ".join(map(str, steps[:SQL_STEPS_SHOWN]))
-    rank = "rank IS NULL" if first["rank"] is None else f"rank = {int(first['rank'])}"
-    where = f"run_id = {rl} AND coalesce(role, '') = {quote_literal(first['role'])} AND {rank} AND step IN ({shown})"
-    table, _, what = first["source"].partition(":")
-    if first["event"] == "nan_inf" and table == "tensor_stats":
-        return (f"SELECT step, rank, SUM(coalesce(grad_nan_count, 0) + coalesce(grad_inf_count, 0) + "
-                f"coalesce(w_nan_count, 0) + coalesce(w_inf_count, 0))::DOUBLE AS value FROM tensor_stats "
-                f"WHERE {where} GROUP BY step, rank HAVING value > 0 ORDER BY step")
-    if first["event"] == "nan_inf":
-        return (f"SELECT step, rank, COUNT(*)::DOUBLE AS value FROM scalars WHERE {where} AND value IS NOT NULL "
-                f"AND NOT isfinite(value) GROUP BY step, rank ORDER BY step")
-    if table == "tensor_stats":  # the global gradient norm rebuilt from the per-tensor norms
-        return (f"SELECT step, rank, sqrt(SUM(grad_norm * grad_norm)) AS value FROM tensor_stats WHERE {where} "
-                f"AND grad_norm IS NOT NULL GROUP BY step, rank ORDER BY step")
-    return (f"SELECT step, rank, AVG(value) AS value FROM scalars WHERE {where} AND key = {quote_literal(what)} "
-            f"GROUP BY step, rank ORDER BY step")
+    return [_found(run, "goodput", "warning" if lost else "info", n, S.goodput_sql(run), ckpt + lost, 100 * (ckpt + lost) / r["wall_ms"])]
 
 
 def _instability(con, run: str) -> list[Finding]:
@@ -328,7 +247,7 @@ def _instability(con, run: str) -> list[Finding]:
                           & (pl.col("rank").eq_missing(first["rank"])))["step"].to_list()
         n = {"events": g.height, "steps": steps, "step": first["step"], "rank": first["rank"],
              "source": first["source"], "value": _r(first["value"], 6), "message": first["message"]}
-        out.append(_found(run, event, first["severity"], n, _instability_sql(run, first, sorted(series))))
+        out.append(_found(run, event, first["severity"], n, S.instability_sql(run, first, sorted(series)[:SQL_STEPS_SHOWN])))
     return out
 
 
@@ -344,8 +263,7 @@ def _mfu(con, run: str, peak_tflops: float | None = None) -> list[Finding]:
          "achieved_tflops": _r(d["achieved_tflops"].mean(), 4), "tokens_per_s": _r(d["tokens_per_s"].mean(), 1),
          "tokens": _r(d["tokens"].sum(), 1)}
     return [_found(run, "mfu", "info", n,
-                   f"SELECT SUM(coalesce(prompt_len, 0) + coalesce(response_len, 0))::DOUBLE AS tokens FROM samples "
-                   f"WHERE run_id = {quote_literal(run)} AND step IS NOT NULL")]
+                   S.mfu_sql(run))]
 
 
 def _dynamics(con, run: str) -> list[Finding]:
@@ -355,9 +273,7 @@ def _dynamics(con, run: str) -> list[Finding]:
         last = df.sort("step").row(-1, named=True)
         out.append(_found(run, "rank1_dominance", "info",
                           {"step": last["step"], "rank1_energy": _r(last["rank1_energy"], 4), "tensors": last["tensors"]},
-                          f"SELECT step, SUM(sigma[1] * sigma[1]) / SUM(drift_norm * drift_norm) AS rank1_energy, "
-                          f"COUNT(*) AS tensors FROM spectra WHERE run_id = {quote_literal(run)} AND drift_norm > 0 "
-                          f"GROUP BY step ORDER BY step DESC"))
+                          S.rank1_sql(run)))
     stages = frame(con, f"SELECT stage FROM tensor_stats WHERE run_id = {quote_literal(run)} AND stage IS NOT NULL "
                         f"GROUP BY stage ORDER BY MIN(step)")["stage"].to_list()
     if len(stages) >= 2:
@@ -366,15 +282,9 @@ def _dynamics(con, run: str) -> list[Finding]:
         if not df.is_empty() and df["step_unchanged_frac_a"][0] is not None:
             r = df.row(0, named=True)
             n = {"stage_a": a, "stage_b": b, **{k: _r(v, 4) for k, v in r.items() if isinstance(v, float)}}
-
-            def side(s: str, col: str) -> str:
-                cond = f"stage = {quote_literal(s)} AND changed_count IS NOT NULL"
-                return (f"1 - SUM(changed_count) FILTER ({cond})::DOUBLE / SUM(numel) FILTER ({cond}) "
-                        f"AS step_unchanged_frac_{col}")
-
-            out.append(_found(run, "update_sparsity", "info", n,
-                              f"SELECT {side(a, 'a')}, {side(b, 'b')} FROM tensor_stats WHERE run_id = {quote_literal(run)}"))
+            out.append(_found(run, "update_sparsity", "info", n, S.update_sparsity_sql(run, a, b)))
     return out
+
 
 
 GENERATORS: list[Callable[[Any, str], list[Finding]]] = [

@@ -1,0 +1,162 @@
+"""The read-only query behind each finding: its first row returns the finding's numbers, same names.
+
+Each query recomputes the numbers from the raw rows where the analysis is plain SQL, and returns the
+inputs it ranked on (per-rank medians, step counts) where the analysis is a model such as the what-if
+simulation. ``tests/test_findings_sql.py`` runs every finding's query on real runs and compares.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dynascope.analyses.rollouts import WEIGHT_SYNC_PHASES
+from dynascope.analyses.steps import STEP_ROW, step_rows_sql, top_level_sql
+from dynascope.store import quote_literal
+
+q = quote_literal
+
+
+def straggler_sql(run: str, role: str, rank: int, path: str) -> str:
+    """Per-rank step count and whole-run median of one phase path (``backward`` or ``train/backward``),
+    over the steps at least two ranks ran it (as ``straggler_scores`` compares them); the named rank first."""
+    parent, _, leaf = path.rpartition("/")
+    where = f"phase = {q(leaf)}" + (f" AND parent = {q(parent)}" if parent else " AND coalesce(parent, '') IN ('', 'step')")
+    return f"""WITH d AS (SELECT rank, step, SUM(dur_us) AS us FROM timings WHERE run_id = {q(run)}
+        AND coalesce(role, '') = {q(role)} AND {where} AND step IS NOT NULL AND stream IS NULL
+        AND coalesce(category, 'phase') = 'phase' GROUP BY rank, step),
+        n AS (SELECT *, COUNT(*) OVER (PARTITION BY step) AS nranks FROM d)
+        SELECT rank, COUNT(*) AS steps, median(us) / 1000.0 AS run_median_ms FROM n WHERE nranks >= 2
+        GROUP BY rank ORDER BY rank = {int(rank)} DESC, run_median_ms DESC"""
+
+
+def rank_cost_sql(run: str, role: str, rank: int) -> str:
+    return f"""SELECT rank, COUNT(*) AS steps, median(dur_us) / 1000.0 AS median_step_ms FROM timings
+        WHERE run_id = {q(run)} AND coalesce(role, '') = {q(role)} AND rank = {int(rank)} AND {STEP_ROW}
+        GROUP BY rank"""
+
+
+def imbalance_sql(run: str) -> str:
+    return f"""SELECT COUNT(DISTINCT step) AS steps, COUNT(DISTINCT rank) AS ranks FROM timings
+        WHERE run_id = {q(run)} AND {STEP_ROW}"""
+
+
+def tail_sql(run: str) -> str:
+    """Tail wait per step (last sample done − median sample done) over the step row, else the rollout span."""
+    return f"""WITH s AS (SELECT step, (MAX(gen_end_us) - quantile_cont(gen_end_us, 0.5)) / 1000.0 AS tail_ms,
+        (MAX(gen_end_us) - MIN(gen_start_us)) / 1000.0 AS span_ms FROM samples WHERE run_id = {q(run)}
+        AND step IS NOT NULL AND gen_end_us IS NOT NULL GROUP BY step),
+        st AS (SELECT step, MAX(dur_us) / 1000.0 AS step_ms FROM timings WHERE run_id = {q(run)} AND
+        {STEP_ROW} GROUP BY step)
+        SELECT COUNT(*) AS steps, SUM(tail_ms) AS tail_wait_ms, SUM(coalesce(st.step_ms, span_ms)) AS
+        step_ms, 100 * SUM(tail_ms) / SUM(coalesce(st.step_ms, span_ms)) AS tail_wait_pct,
+        median(tail_ms) AS median_tail_wait_ms FROM s LEFT JOIN st USING (step)"""
+
+
+def zero_variance_sql(run: str) -> str:
+    return f"""WITH g AS (SELECT step, group_id, COUNT(*) AS n, MAX(reward) = MIN(reward) AS zero FROM samples
+        WHERE run_id = {q(run)} AND step IS NOT NULL AND group_id IS NOT NULL AND reward IS NOT NULL
+        AND isfinite(reward) GROUP BY step, group_id HAVING COUNT(*) >= 2)
+        SELECT COUNT(*) AS groups, COUNT(*) FILTER (zero) AS zero_variance_groups,
+        coalesce(SUM(n) FILTER (zero), 0) AS wasted_samples,
+        100.0 * COUNT(*) FILTER (zero) / COUNT(*) AS zero_variance_pct FROM g"""
+
+
+def idle_sql(run: str) -> str:
+    """Idle = the measured wait in collectives, or the wait implied by the slowest rank's busy time,
+    whichever is more; worst rank first."""
+    return f"""WITH ph AS ({top_level_sql(run)}), st AS ({step_rows_sql(run)}),
+        per AS (SELECT run_id, role, rank, step, coalesce(SUM(dur_us) FILTER (NOT sync), 0) AS busy,
+        coalesce(SUM(dur_us) FILTER (sync), 0) AS wait FROM ph GROUP BY ALL),
+        i AS (SELECT *, greatest(wait, MAX(busy) OVER (PARTITION BY run_id, role, step) - busy) AS idle
+        FROM per), r AS (SELECT rank, SUM(idle) AS idle, SUM(step_us) AS step_us FROM i JOIN st
+        USING (run_id, role, rank, step) GROUP BY rank)
+        SELECT rank AS worst_rank, 100 * idle / step_us AS worst_rank_idle_pct,
+        100 * SUM(idle) OVER () / SUM(step_us) OVER () AS idle_pct FROM r ORDER BY worst_rank_idle_pct DESC"""
+
+
+def uninstrumented_sql(run: str) -> str:
+    """Step time outside every top-level row, per rank and step (floored at 0), summed."""
+    return f"""WITH ph AS ({top_level_sql(run)}), st AS ({step_rows_sql(run)}),
+        c AS (SELECT run_id, role, rank, step, SUM(dur_us) AS us FROM ph GROUP BY ALL),
+        rem AS (SELECT greatest(step_us - us, 0) AS rem_us, step_us FROM st JOIN c USING
+        (run_id, role, rank, step)) SELECT SUM(rem_us) / 1000.0 AS uninstrumented_ms,
+        100 * SUM(rem_us) / SUM(step_us) AS uninstrumented_pct FROM rem"""
+
+
+def staleness_sql(run: str) -> str:
+    return f"""SELECT avg(trainer_version - policy_version) AS mean_staleness,
+        max(trainer_version - policy_version) AS max_staleness FROM samples WHERE run_id = {q(run)}
+        AND trainer_version IS NOT NULL AND policy_version IS NOT NULL"""
+
+
+def weight_sync_sql(run: str) -> str:
+    phases = ", ".join(q(p) for p in WEIGHT_SYNC_PHASES)
+    return f"""SELECT COUNT(*) AS weight_syncs, coalesce(SUM(dur_us), 0) / 1000.0 AS weight_sync_ms FROM timings
+        WHERE run_id = {q(run)} AND phase IN ({phases})"""
+
+
+def goodput_sql(run: str) -> str:
+    ev = "time_us IS NOT NULL AND event = "
+    return f"""SELECT COUNT(*) FILTER ({ev}'checkpoint_save') AS checkpoint_saves,
+        coalesce(SUM(dur_us) FILTER ({ev}'checkpoint_save'), 0) / 1000.0 AS checkpoint_save_ms,
+        COUNT(*) FILTER ({ev}'checkpoint_load') AS checkpoint_loads,
+        coalesce(SUM(dur_us) FILTER ({ev}'checkpoint_load'), 0) / 1000.0 AS checkpoint_load_ms,
+        COUNT(*) FILTER ({ev}'fault') AS faults, COUNT(*) FILTER ({ev}'restart') AS restarts
+        FROM events WHERE run_id = {q(run)}"""
+
+
+def instability_sql(run: str, first: dict[str, Any], steps: list[int]) -> str:
+    """The series behind the first event of a kind, at its flagged steps: (step, rank, value), it first."""
+    rank = "rank IS NULL" if first["rank"] is None else f"rank = {int(first['rank'])}"
+    where = (f"run_id = {q(run)} AND coalesce(role, '') = {q(first['role'])} AND {rank} "
+             f"AND step IN ({', '.join(map(str, steps))})")
+    table, _, what = first["source"].partition(":")
+    if first["event"] == "nan_inf" and table == "tensor_stats":
+        return f"""SELECT step, rank, SUM(coalesce(grad_nan_count, 0) + coalesce(grad_inf_count, 0) +
+            coalesce(w_nan_count, 0) + coalesce(w_inf_count, 0))::DOUBLE AS value FROM tensor_stats
+            WHERE {where} GROUP BY step, rank HAVING value > 0 ORDER BY step"""
+    if first["event"] == "nan_inf":
+        return f"""SELECT step, rank, COUNT(*)::DOUBLE AS value FROM scalars WHERE {where} AND value IS NOT NULL
+            AND NOT isfinite(value) GROUP BY step, rank ORDER BY step"""
+    if table == "tensor_stats":  # the global gradient norm rebuilt from the per-tensor norms
+        return f"""SELECT step, rank, sqrt(SUM(grad_norm * grad_norm)) AS value FROM tensor_stats WHERE {where}
+            AND grad_norm IS NOT NULL GROUP BY step, rank ORDER BY step"""
+    return f"""SELECT step, rank, AVG(value) AS value FROM scalars WHERE {where} AND key = {q(what)}
+        GROUP BY step, rank ORDER BY step"""
+
+
+def mfu_sql(run: str) -> str:
+    return f"""SELECT SUM(coalesce(prompt_len, 0) + coalesce(response_len, 0))::DOUBLE AS tokens FROM samples
+        WHERE run_id = {q(run)} AND step IS NOT NULL"""
+
+
+def rank1_sql(run: str) -> str:
+    return f"""SELECT step, SUM(sigma[1] * sigma[1]) / SUM(drift_norm * drift_norm) AS rank1_energy,
+        COUNT(*) AS tensors FROM spectra WHERE run_id = {q(run)} AND drift_norm > 0
+        GROUP BY step ORDER BY step DESC"""
+
+
+def update_sparsity_sql(run: str, a: str, b: str) -> str:
+    """Numel-weighted share of parameters one step left bit-identical, per stage, as columns _a and _b."""
+    def side(stage: str, col: str) -> str:
+        cond = f"stage = {q(stage)} AND changed_count IS NOT NULL"
+        return f"1 - SUM(changed_count) FILTER ({cond})::DOUBLE / SUM(numel) FILTER ({cond}) AS step_unchanged_frac_{col}"
+
+    return f"SELECT {side(a, 'a')}, {side(b, 'b')} FROM tensor_stats WHERE run_id = {q(run)}"
+
+
+def delta_sync_sql(run: str, stage: str) -> str:
+    """The stage's median share of elements whose bf16 cast changed and of delta-sync bytes, over its
+    steps where every tensor has S₁, leaving out the stage's first step (as ``delta_sync_summary``)."""
+    return f"""WITH r AS (SELECT step, stage, tensor, rank, sharded, numel, bf16_unchanged_count,
+        min(rank) OVER (PARTITION BY step, tensor) AS first_rank FROM tensor_stats
+        WHERE run_id = {q(run)} AND step IS NOT NULL),
+        s AS (SELECT step, any_value(stage) AS stage, sum(numel) AS numel,
+        sum(numel - bf16_unchanged_count) AS changed, sum(ceil(numel / 8.0)) AS bitmap,
+        count(bf16_unchanged_count) = count(*) AS complete FROM r
+        WHERE coalesce(sharded, false) OR rank = first_rank GROUP BY step),
+        c AS (SELECT *, min(step) OVER (PARTITION BY stage) AS first FROM s WHERE complete)
+        SELECT stage, COUNT(*) AS steps, median(100.0 * changed / numel) AS changed_pct,
+        median(100.0 * least(6 * changed, bitmap + 2 * changed) / (2 * numel)) AS delta_pct,
+        median(2 * numel)::BIGINT AS full_bf16_bytes FROM c WHERE step > first AND stage = {q(stage)}
+        GROUP BY stage"""
