@@ -161,7 +161,7 @@ def test_writer_slower_than_training_drops_oldest(tmp_path):
     assert w.rows_dropped > 0
     with open_store(tmp_path / "run") as s:
         recorded = s._con.sql("SELECT sum(CAST(json_extract(fields_json, '$.dropped') AS BIGINT)) FROM events "
-                              "WHERE kind = 'rows_dropped'").fetchall()[0][0]
+                              "WHERE event = 'rows_dropped'").fetchall()[0][0]
         assert recorded == w.rows_dropped
         assert s._con.sql("SELECT max(step) FROM scalars WHERE key LIKE 'fault/%'").fetchall() == [(59,)]  # the newest rows were kept
 

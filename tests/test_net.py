@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import socket
 
-import dynascope.dashboard.server as server
+import dynascope.dashboard.serve as server
 import dynascope.demo as demo
-from dynascope._net import free_port
+from dynascope.core.net import free_port
 
 
 def test_free_port_is_bindable_and_shared():
