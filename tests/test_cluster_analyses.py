@@ -23,6 +23,7 @@ import dynascope.analyses.steps as steps
 import dynascope.analyses.stragglers as stragglers
 import dynascope.analyses.throughput as throughput
 from dynascope.store import RunWriter, open_store
+from dynascope.store.events import write_detected_events
 
 RANKS, STEPS, SAMPLES_PER_RANK, GROUP = 4, 20, 8, 4
 SLOW_RANK, SLOW_FACTOR = 2, 1.5
@@ -267,16 +268,17 @@ def _write_series(run_dir: Path) -> None:
 def test_detect_instability_finds_and_writes_events_once(tmp_path):
     run_dir = tmp_path / "unstable"
     _write_series(run_dir)
-    df = instability.detect_instability(run_dir, write_to=run_dir)
-    got = sorted((r["kind"], r["step"]) for r in df.iter_rows(named=True))
+    df = instability.detect_instability(run_dir)
+    assert write_detected_events(run_dir, df, instability.DETECTOR) == 4
+    got = sorted((r["event"], r["step"]) for r in df.iter_rows(named=True))
     assert got == [("entropy_collapse", 20), ("grad_norm_spike", 25), ("nan_inf", 12), ("nan_inf", 33)]
-    spike = df.filter(pl.col("kind") == "grad_norm_spike").row(0, named=True)
+    spike = df.filter(pl.col("event") == "grad_norm_spike").row(0, named=True)
     assert spike["rank"] == 1 and spike["robust_z"] > 6 and spike["value"] == 9.0
     assert "a.weight" in df.filter(pl.col("step") == 12)["source"][0]
-    instability.detect_instability(run_dir, write_to=run_dir)  # a second call adds nothing
+    assert write_detected_events(run_dir, instability.detect_instability(run_dir), instability.DETECTOR) == 0
     with open_store(run_dir) as con:
         ev = con.sql("SELECT event, step, rank, role, fields_json FROM events WHERE role = 'analysis' "
-                     "AND kind <> 'run_end' ORDER BY step").fetchall()
+                     "AND event <> 'run_end' ORDER BY step").fetchall()
     assert [(k, s, r) for k, s, r, _, _ in ev] == [("nan_inf", 12, 1), ("entropy_collapse", 20, 1),
                                                    ("grad_norm_spike", 25, 1), ("nan_inf", 33, 1)]
     assert json.loads(ev[2][4])["detector"] == "dynascope.instability"
