@@ -6,30 +6,32 @@ import polars as pl
 import pytest
 import torch
 
-from dynascope.probes.grad_stats import grad_counts, grad_norms
-from dynascope.probes.update_stats import weight_update_stats
+from dynascope.probes.grad_stats import GRAD_COUNT_COLUMNS, grad_counts, grad_norms
+from dynascope.probes.rows import tensor_row
+from dynascope.probes.update_stats import (
+    BF16_K_STATS,
+    DRIFT_STAT_COLUMNS,
+    UPDATE_STAT_COLUMNS,
+    tensor_update_stats,
+    weight_drift_stats,
+    weight_update_stats,
+)
 from dynascope.store.combine import combine_shards
 
 
 def row_for(name: str, rank: int, sharded: bool, new: torch.Tensor, old: torch.Tensor, ref: torch.Tensor,
             grad: torch.Tensor) -> dict:
-    """The row a rank records for its piece, built the way the scope builds it."""
-    u = weight_update_stats([new], [old])[0].tolist()
-    d = weight_update_stats([ref], [new])[0].tolist()
-    gn = grad_norms([grad])[0].tolist()
-    gc = grad_counts([grad], torch.tensor([gn[0]], dtype=torch.float64))[0].tolist()
-    n = new.numel()
-    return {"run_id": "r", "role": "trainer", "rank": rank, "step": 3, "tensor": name, "stage": "rl",
-            "kind": "mlp", "layer": 0, "shape": "8x6", "dtype": "float32", "numel": n, "sharded": sharded,
-            "w_norm": u[0], "update_norm": u[1], "update_ratio": u[1] / u[0],
-            "changed_count": int(u[2]), "changed_frac": u[2] / n, "changed_bf16_count": int(u[3]),
-            "changed_bf16_frac": u[3] / n, "sign_flip_count": int(u[4]), "sign_flip_frac": u[4] / n,
-            "w_nan_count": int(u[5]), "w_inf_count": int(u[6]), "ref_covered": True, "drift_norm": d[1],
-            "drift_ratio": d[1] / d[0], "drift_changed_count": int(d[2]), "drift_changed_frac": d[2] / n,
-            "drift_changed_bf16_count": int(d[3]), "drift_changed_bf16_frac": d[3] / n,
-            "grad_norm": gn[0], "grad_max_abs": gc[0], "grad_zero_count": int(gc[1]),
-            "grad_zero_frac": gc[1] / n, "grad_near_zero_count": int(gc[2]), "grad_near_zero_frac": gc[2] / n,
-            "grad_nan_count": int(gc[3]), "grad_inf_count": int(gc[4])}
+    """The row a rank records for its piece, built the way the scope builds it (named statistics, then the
+    registry's ``tensor_row``); ``ref`` doubles as the weights k steps back for S_k."""
+    gn = grad_norms([grad])
+    values = {**dict(zip(UPDATE_STAT_COLUMNS, weight_update_stats([new], [old])[0].tolist(), strict=True)),
+              **dict(zip(DRIFT_STAT_COLUMNS, weight_drift_stats([new], [ref])[0].tolist(), strict=True)),
+              **dict(zip(GRAD_COUNT_COLUMNS, grad_counts([grad], gn[:, 0])[0].tolist(), strict=True)),
+              "grad_norm": gn[0, 0].item(), "bf16_k_steps": 2,
+              "bf16_unchanged_k_count": tensor_update_stats(new, ref.bfloat16(), stats=BF16_K_STATS)[0].item(),
+              "tensor": name, "kind": "mlp", "layer": 0, "shape": "8x6", "dtype": "float32", "sharded": sharded}
+    return {"run_id": "r", "role": "trainer", "rank": rank, "step": 3, "stage": "rl",
+            **tensor_row(values, new.numel())}
 
 
 def test_shards_combine_to_the_whole_tensor() -> None:
@@ -37,6 +39,7 @@ def test_shards_combine_to_the_whole_tensor() -> None:
     ref = torch.randn(8, 6, generator=g)
     old = ref + 0.1 * torch.randn(8, 6, generator=g)
     new = torch.where(torch.rand(8, 6, generator=g) < 0.4, old, old - 0.05 * torch.randn(8, 6, generator=g))
+    new[:2] = ref[:2] + 1e-6  # some elements whose drift bf16 cannot see
     grad = torch.randn(8, 6, generator=g)
     grad[grad.abs() < 0.3] = 0.0
     whole = row_for("w", 0, False, new, old, ref, grad)
@@ -46,6 +49,8 @@ def test_shards_combine_to_the_whole_tensor() -> None:
     assert out.height == 1
     got = out.to_dicts()[0]
     assert got["shards"] == 2 and got["sharded"] is True and got["numel"] == 48
+    for col in ("bf16_unchanged_count", "bf16_unchanged_k_count", "drift_unchanged_count", "drift_zero_count"):
+        assert 0 < whole[col] < 48, col  # planted so every new count is partial
     for col, want in whole.items():
         if col in ("rank", "sharded"):
             continue
