@@ -203,3 +203,4 @@ def test_rollups_pool_the_new_counts_through_the_registry(tmp_path: Path) -> Non
         assert r["bf16_unchanged_numel"] == sum(v["numel"] for v in rows)
         k_numel = [v["numel"] for v in rows if v["bf16_unchanged_k_count"] is not None]
         assert r["bf16_unchanged_k_numel"] == (sum(k_numel) if k_numel else None)
+

@@ -124,6 +124,8 @@ def diff_checkpoints(
     """
     if not checkpoints:
         raise StoreError("give at least one checkpoint to compare with BASE")
+    if bf16_k is not None and bf16_k < 1:
+        raise StoreError(f"--bf16-k must be at least 1 (steps back), got {bf16_k}")
     run_dir = Path(run_dir)
     if (run_dir / "dynascope.json").exists():
         raise StoreError(f"{run_dir}: run already exists; diff into a new --run directory")

@@ -203,10 +203,10 @@ class TensorStats(Probe):
                     self.update.after([locals_[i] for i in rec.window], rec.chunk_elems))
         if ctx.reference is not None:
             self._drift(rec, ctx.reference, locals_, device)
-        if self.history is not None:
-            self._bf16_k(rec, ctx.step, locals_)
         if rec.window:
             self._timed(t0)
+        if self.history is not None:
+            self._bf16_k(rec, ctx.step, locals_)
         self._pack(rec, device)
         return lambda: {"tensor_stats": rows_from_record(rec)}
 
@@ -231,6 +231,7 @@ class TensorStats(Probe):
         hist = self.history
         assert hist is not None
         if hist.due(step):
+            t0 = time.perf_counter()
             rows, out = [], []
             for i, w in enumerate(locals_):
                 read = hist.reader(normalize_name(rec.tracked[i].name), w)
@@ -243,6 +244,7 @@ class TensorStats(Probe):
             if out:
                 rec.add("bf16_k", BF16_K_STATS[0].columns, rows, torch.stack(out))
                 rec.constants["bf16_k"] = {"bf16_k_steps": hist.k}
+            self._timed(t0)
         self._snapshot(step, rec.tracked, locals_)
 
     def _snapshot_due(self, step: int) -> bool:
@@ -256,12 +258,14 @@ class TensorStats(Probe):
         if hist.step is not None and step - hist.step >= hist.k:
             hist.drop()
         if self._snapshot_due(step):
+            t0 = time.perf_counter()  # charged to the time budget: the windowed statistics back off after it
             named = [(normalize_name(t.name), w) for t, w in zip(tracked, locals_, strict=True)]
             total = sum(t.nbytes for t in tracked)
             need = sum(w.numel() * 2 for w in locals_)
             resident = self.memory_budget is None or (
                 self.memory_budget * total - self._resident_bytes(tracked) - need >= total)
             hist.take(step, named, resident)
+            self._timed(t0)
 
     def _pack(self, rec: Record, device: torch.device) -> None:
         flat = torch.cat([v.to(device=device, dtype=torch.float64).reshape(-1) for v in rec.values.values()])
