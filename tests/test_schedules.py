@@ -323,3 +323,27 @@ def test_what_if_in_duckdb_equals_the_polars_reference(tmp_path, n_ranks):
         ref = _reference_what_if(run, ranks, phases)
         saved = (ref["simulated_base_ms"] - ref["simulated_ms"]).sum()
         assert row["saved_ms"] == pytest.approx(saved, abs=1e-6), row["scenario"]
+
+
+def test_what_if_shared_turns_durations_into_work(tmp_path):
+    # Two ranks on one device. Rank 0 computes [0, 100] and waits for rank 1, which computes [0, 200]; the
+    # all-reduce then costs 4 ms. Both were busy for the first 100 ms (half a device each), so rank 0 did 50
+    # device-ms of work and rank 1 50 + 100 = 150. The replay as measured: 50 each at 1/2 (100 ms), rank 1's
+    # last 100 alone, + 4 = 204 ms. Replacing rank 0 by the median work (100): [0, 200] both at 1/2, rank 1's
+    # last 50 alone, + 4 = 254 ms: a slower rank 0 takes device time from rank 1. A device per rank
+    # (what_if_steps) would replace rank 0's 100 ms by the median duration, 150 ms, and keep 204 ms.
+    from dynascope.analyses.stragglers_shared import shared_time, what_if_shared
+
+    for r, (busy, wait) in enumerate(((100, 104), (200, 4))):
+        with RunWriter(tmp_path / "shared", rank=r, world_size=2) as w:
+            tr, end = timing_rows(T0, [("train", busy * MS, "phase"), ("grad_allreduce", wait * MS, "comm")])
+            w.append("timings", {**tr, "step": 0})
+            w.append("timings", {"phase": "step", "category": "step", "step": 0, "start_us": T0, "dur_us": end - T0})
+    base = what_if_shared(tmp_path / "shared", devices=1)
+    assert base["simulated_base_ms"][0] == pytest.approx(204) and base["measured_ms"][0] == pytest.approx(204)
+    assert what_if_shared(tmp_path / "shared", ranks=[0], devices=1)["simulated_ms"][0] == pytest.approx(254)
+    assert stragglers.what_if_steps(tmp_path / "shared", ranks=[0])["simulated_ms"][0] == pytest.approx(204)
+    # with a device each nobody shares, and it is what_if_steps
+    assert what_if_shared(tmp_path / "shared", ranks=[0], devices=2).equals(
+        stragglers.what_if_steps(tmp_path / "shared", ranks=[0]))
+    assert shared_time(pl.Series([50.0, 150.0]).to_numpy(), 1, 0) == pytest.approx(200)

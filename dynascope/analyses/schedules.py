@@ -62,7 +62,7 @@ def _inputs_sql(run: str | None, rollout_phases: Sequence[str], sync_phases: Seq
                    SUM(dur_us) FILTER (WHERE ro) AS ro_us, coalesce(SUM(dur_us) FILTER (WHERE ws), 0) AS ws_us,
                    coalesce(SUM(dur_us) FILTER (WHERE extra), 0) AS extra_us
             FROM t GROUP BY ALL HAVING bool_or(ro)),
-        ks AS (SELECT st.step_us::DOUBLE AS step_us, rs.* FROM ({step_rows_sql(run)}) st JOIN rs USING ({_K})),
+        ks AS (SELECT st.step_us::DOUBLE AS step_us, st.start_us AS step_start_us, rs.* FROM ({step_rows_sql(run)}) st JOIN rs USING ({_K})),
         pre AS (
             SELECT t.run_id, t.role, t.rank, t.step, SUM(t.dur_us) AS pre_us FROM t JOIN ks USING ({_K})
             WHERE NOT (t.ro OR t.ws OR t.sync) AND t.start_us < ks.ro_start GROUP BY ALL),
@@ -77,16 +77,16 @@ def _inputs_sql(run: str | None, rollout_phases: Sequence[str], sync_phases: Seq
         sim AS (
             SELECT run_id, role, step, SUM(t) AS sim_us
             FROM (SELECT run_id, role, step, seg, MAX(busy) + MIN(sync) AS t FROM per GROUP BY ALL) GROUP BY ALL),
+        d AS (SELECT run_id, rank, step, gen_end_us - gen_start_us AS d FROM samples
+              WHERE step IS NOT NULL{run_clause(run)}),
+        q AS (SELECT run_id, rank, step, COUNT(*) AS n, MAX(d) AS gen_max, quantile_cont(d, {tail_q}) AS gen_cut
+              FROM d GROUP BY ALL),
         smp AS (
-            SELECT run_id, rank, step, COUNT(*) AS n, MAX(gen_end_us - gen_start_us) AS gen_max,
-                   quantile_cont(gen_end_us - gen_start_us, {tail_q}) AS gen_cut,
-                   COUNT(*) FILTER (WHERE gen_end_us - gen_start_us > quantile_cut) AS n_tail
-            FROM (SELECT *, quantile_cont(gen_end_us - gen_start_us, {tail_q})
-                              OVER (PARTITION BY run_id, rank, step) AS quantile_cut
-                  FROM samples WHERE step IS NOT NULL{run_clause(run)})
-            GROUP BY ALL),
+            SELECT q.run_id, q.rank, q.step, ANY_VALUE(q.n) AS n, ANY_VALUE(q.gen_max) AS gen_max,
+                   ANY_VALUE(q.gen_cut) AS gen_cut, COUNT(*) FILTER (WHERE d.d > q.gen_cut) AS n_tail
+            FROM q JOIN d USING (run_id, rank, step) GROUP BY q.run_id, q.rank, q.step),
         rk AS (  -- per rank: the rollout with its tail cut, and (partial rollout) with the carry-over
-            SELECT ks.run_id, ks.role, ks.rank, ks.step, ks.step_us, ks.ro_us, ks.ws_us, ks.extra_us,
+            SELECT ks.run_id, ks.role, ks.rank, ks.step, ks.step_us, ks.step_start_us, ks.ro_us, ks.ws_us, ks.extra_us,
                    coalesce(pre.pre_us, 0) AS pre_us, coalesce(smp.n, 0) AS n, coalesce(smp.n_tail, 0) AS n_tail,
                    coalesce(smp.gen_max - smp.gen_cut, 0) AS carry_us,
                    ks.ro_us - coalesce(smp.gen_max, 0) AS outside_us, smp.gen_cut
@@ -97,6 +97,7 @@ def _inputs_sql(run: str | None, rollout_phases: Sequence[str], sync_phases: Seq
                    coalesce(LAG(n_tail) OVER w, 0) AS carried_in
             FROM rk WINDOW w AS (PARTITION BY run_id, role, rank ORDER BY step))
         SELECT run_id, role, step, COUNT(*) AS ranks, MAX(step_us) AS measured_us, ANY_VALUE(sim_us) AS sim_us,
+               MIN(step_start_us) AS start_us, MAX(step_start_us + step_us) AS end_us,
                MAX(pre_us)::DOUBLE AS pre_us, MAX(ws_us)::DOUBLE AS sync_us, MAX(ro_us)::DOUBLE AS rollout_us,
                MAX(extra_us)::DOUBLE AS extra_us, MAX(coalesce(cut_us, ro_us))::DOUBLE AS rollout_cut_us,
                MAX(coalesce(partial_us, ro_us))::DOUBLE AS rollout_partial_us, SUM(n)::BIGINT AS samples,
@@ -115,7 +116,8 @@ def schedule_inputs(store: StoreLike, run: str | None = None, *, tail_pct: float
     extra_ms (``behaviour_logprob_phase``, which an off-policy worker adds to each batch),
     rollout_cut_ms / rollout_partial_ms (the rollout ended at the ``tail_pct``-th percentile of the
     step's generation times, without and with last step's carried-over samples), samples_count,
-    tail_samples_count (generations longer than the cut), carried_in_count (last step's, partial rollout).
+    tail_samples_count (generations longer than the cut), carried_in_count (last step's, partial rollout),
+    start_us / end_us (wall clock: the first rank's step start, the last rank's step end).
     Rollout-side pieces are the slowest rank's.
     """
     if not 0 < tail_pct <= 100:
@@ -128,7 +130,7 @@ def schedule_inputs(store: StoreLike, run: str | None = None, *, tail_pct: float
         ((pl.col("sim_us") - pl.col("pre_us") - pl.col("sync_us") - pl.col("rollout_us")).clip(lower_bound=0) / 1e3)
         .alias("train_ms"),
         pl.col("samples").alias("samples_count"), pl.col("tail_samples").alias("tail_samples_count"),
-        pl.col("carried_in").alias("carried_in_count"))
+        pl.col("carried_in").alias("carried_in_count"), "start_us", "end_us")
 
 
 _SCHEMA = {"run_id": pl.String, "role": pl.String, "schedule": pl.String, "params": pl.String,
@@ -158,6 +160,10 @@ def _simulate(inp: pl.DataFrame, *, devices: float | None, background: float, ta
               staleness_policy: str, rollout_devices: float | None, train_devices: float | None,
               max_steps: int | None) -> tuple[list[dict], list[dict]]:
     """Every schedule for one (run, role): result rows and staleness-histogram rows."""
+    # The measured mean step: wall-clock time over the RL steps (ranks' step rows start at different times,
+    # so the longest step row of each step overstates it under data parallelism).
+    span = inp.select(pl.col("end_us").max() - pl.col("start_us").min()).item()
+    measured = span / 1e3 / inp.height if inp.height > 1 else float(inp["measured_ms"].mean())
     if max_steps is not None and inp.height > max_steps:  # evenly spaced steps stand for a long run
         inp = inp[np.unique(np.linspace(0, inp.height - 1, max_steps).round().astype(int)).tolist()]
     col = {c: inp[c].to_numpy().astype(float) * 1e3 for c in
@@ -186,7 +192,6 @@ def _simulate(inp: pl.DataFrame, *, devices: float | None, background: float, ta
             hist.append({"schedule": name, "staleness": int(s), "samples_count": int(weights[stale == s].sum())})
 
     zeros = np.zeros(len(base), dtype=int)
-    measured = float(inp["measured_ms"].mean())
     calibration = 100 * abs(sequential(base).makespan_us / len(base) / 1e3 - measured) / measured
     add("sync", where, sequential(base.scaled(slow)), n_s, zeros, measured_step_ms=measured,
         calibration_error_pct=calibration)
