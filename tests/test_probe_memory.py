@@ -17,7 +17,8 @@ from dynascope.probes.tensors import TensorStats
 from dynascope.probes.update_stats import DRIFT_STATS, chunked_stats, transient_bytes, weight_drift_stats
 
 
-def test_probe_holds_at_most_its_budget(tmp_path: Path) -> None:
+@pytest.mark.parametrize("bf16_k", [None, 3])  # with S_k: its snapshot goes to disk, compared chunk by chunk
+def test_probe_holds_at_most_its_budget(tmp_path: Path, bf16_k: int | None) -> None:
     # 16 equal weights (64 KiB each): the largest tensor fits the budget with room for its temporaries.
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(128, 128) for _ in range(16)))
@@ -32,13 +33,19 @@ def test_probe_holds_at_most_its_budget(tmp_path: Path) -> None:
 
     step()  # AdamW allocates its state at the first step: not the probe's
     with dynascope.watch(model, opt, run=tmp_path / "run", memory_budget=0.1, time_budget=None,
-                         system_interval_s=None) as scope:
+                         system_interval_s=None, bf16_k=bf16_k) as scope:
         assert scope.stats.reference is not None and not scope.stats.reference.resident
         peak = held_peak(scope.stats, step, 20, torch.device("cpu"))
+        if bf16_k:
+            assert scope.stats.history.resident_bytes == 0 and scope.stats.history.path.exists()
     covered = dynascope.open_store(tmp_path / "run")._con.sql(
         "select count(distinct tensor) from tensor_stats where update_norm is not null and ref_covered").fetchall()
     assert covered == [(32,)]  # the rotation reached every tensor, ΔW and drift alike
     assert 0.05 * param_bytes < peak <= 0.1 * param_bytes, peak / param_bytes
+    if bf16_k:
+        k_steps = dynascope.open_store(tmp_path / "run")._con.sql(
+            "select distinct step from tensor_stats where bf16_unchanged_k_count is not null order by 1").fetchall()
+        assert k_steps == [(3,), (6,), (9,), (12,), (15,), (18,)]  # every k-th step, within the same budget
 
 
 def test_window_chunk_is_sized_from_what_the_snapshot_leaves() -> None:
