@@ -117,6 +117,7 @@ def time_queries(run: Path, skip_on_demand: bool = False) -> list[tuple[str, flo
         ("cluster: throughput", lambda s: cluster.throughput(s, rid)),
         ("cluster: straggler_scores (on demand)", lambda s: A.straggler_scores(s, run=rid)),
         ("cluster: what_if (on demand)", lambda s: A.what_if(s, run=rid)),
+        ("cluster: schedule_what_if (on demand)", lambda s: A.schedule_what_if(s, run=rid)),
         ("rollouts: rollout_long_tail", lambda s: A.rollout_long_tail(s, run=rid)),
         ("rollouts: tail_wait_share", lambda s: A.tail_wait_share(s, run=rid)),
         ("rollouts: rewards", lambda s: rollouts.rewards(s, (rid,))),
