@@ -11,10 +11,17 @@ configurations interleaved across ``--rounds``), so hooks never leak and each pe
     wandb           wandb.watch(model, log="all", log_freq=1), WANDB_MODE=offline, dir in a tmpdir
     tensorboard     per-tensor weight and gradient histograms every step (torch.utils.tensorboard)
 
-Two parts:
-1. Step time at the reference size, every configuration: median step-time ratio to ``none``, and the
-   probe's own share measured inside the same steps (robust to a loaded machine).
-2. Memory at several model sizes (``--sizes``, d_model values; benchmarks/probe_memory.py): for each
+Parts:
+1. Step time at the reference size, every configuration, across processes: median step-time ratio to
+   ``none`` over all steps, each round's ratio (its child's median over the baseline child's) with the
+   min / median / max over ``--rounds``, and the probe's own share measured inside the same steps.
+2. The in-process A/B (benchmarks/probe_ab.py, ``--ab-configs``): one process alternates plain and
+   probed blocks, attaching with ``watch()`` and detaching with ``close()``, so machine noise hits both
+   sides alike; per-round ratios with their spread, in-step time and the probe threads' CPU per step.
+   ``--stats`` adds the per-statistic configurations and the in-step split by statistic family. Then
+   the rotation length of the default set (``--rotation-steps``), read back from its store, and one
+   table that puts the A/B beside the cross-process rounds.
+3. Memory at several model sizes (``--sizes``, d_model values; benchmarks/probe_memory.py): for each
    ``--mem-configs`` configuration, the process's peak over ``none`` ("extra") and the probe's own
    peak at the allocator ("held": snapshot + θ₀ chunks + temporaries), each fitted as
    ``fixed + k · param_bytes``. k is the part that grows with the model — the goal, ≤ 10% at
@@ -32,6 +39,8 @@ measure under glibc's own tuning, which keeps freed blocks: ±10 MiB of noise be
 CUDA, the allocator's peak over the measured steps (exact).
 
     python3 benchmarks/probe_overhead.py                   # CPU: reference timing + 3-size memory fit
+    python3 benchmarks/probe_overhead.py --sizes '' --configs none,ds-default,ds-noref   # step time only
+    python3 benchmarks/probe_overhead.py --sizes '' --configs '' --ab-configs ds-default --stats
     python3 benchmarks/probe_overhead.py --quick           # smoke run (a few minutes on 2 cores)
     python3 benchmarks/probe_overhead.py --device cuda --d-model 1024 --sizes 1024,1536,2048 --layers 12
 """
@@ -47,6 +56,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+import probe_ab
 
 CONFIGS = ("none", "ds-default", "ds-noref", "ds-full", "wandb", "tensorboard")
 DS_KWARGS = {"ds-default": {}, "ds-noref": {"reference": None}, "ds-full": {"memory_budget": 2.0}}
@@ -252,14 +263,19 @@ def run_child(args: argparse.Namespace, config: str, d_model: int, steps: int, m
 def timing_part(args: argparse.Namespace, configs: list[str]) -> dict[str, dict]:
     results: dict[str, dict] = {}
     for _ in range(args.rounds):
+        medians: dict[str, float] = {}
         for c in configs:  # configurations interleave across rounds, so slow drift hits all of them
             r = run_child(args, c, args.d_model, args.steps, memory_run=False)
             if r is None:
                 continue
-            agg = results.setdefault(c, {"times": [], "probe": [], "peaks": [], **r})
+            agg = results.setdefault(c, {"times": [], "probe": [], "peaks": [], "round_ratios": [], **r})
             agg["times"] += r["times"]
             agg["probe"] += r["probe"]
             agg["peaks"].append(r["peak_bytes"])
+            medians[c] = statistics.median(r["times"])
+        for c, m in medians.items():  # this round's ratio: its child's median step over the baseline child's
+            if "none" in medians:
+                results[c]["round_ratios"].append(m / medians["none"])
     if "none" not in results:
         sys.exit("the no-probe baseline failed")
     base_t = statistics.median(results["none"]["times"])
@@ -268,8 +284,8 @@ def timing_part(args: argparse.Namespace, configs: list[str]) -> dict[str, dict]
     print(f"== step time: device={args.device} d={args.d_model} layers={args.layers} vocab={args.vocab} "
           f"batch={args.batch}x{args.seq} threads={args.threads} params={pb / 4e6:.2f}M "
           f"steps={args.steps}x{args.rounds} rounds")
-    print(f"{'config':<14}{'median step ms':>16}{'ratio':>9}{'in-step probe ratio':>21}"
-          f"{'peak extra MiB':>16}{'/ param bytes':>15}")
+    print(f"{'config':<14}{'median step ms':>16}{'ratio':>9}{'per-round ratio min / median / max':>36}"
+          f"{'in-step probe ratio':>21}{'peak extra MiB':>16}{'/ param bytes':>15}")
     for c in configs:
         if c not in results:
             continue
@@ -279,8 +295,21 @@ def timing_part(args: argparse.Namespace, configs: list[str]) -> dict[str, dict]
         own = statistics.median(s / max(s - p, 1e-9) for s, p in zip(results[c]["times"], results[c]["probe"],
                                                                       strict=True))
         own_s = f"{own:.3f}x" if any(results[c]["probe"]) else "-"
-        print(f"{c:<14}{t * 1e3:>16.1f}{t / base_t:>8.3f}x{own_s:>21}{m / MiB:>16.1f}{m / pb:>15.1%}")
+        rr = results[c]["round_ratios"]
+        rr_s = f"{min(rr):.3f} / {statistics.median(rr):.3f} / {max(rr):.3f}" if rr else "-"
+        print(f"{c:<14}{t * 1e3:>16.1f}{t / base_t:>8.3f}x{rr_s:>36}{own_s:>21}{m / MiB:>16.1f}{m / pb:>15.1%}")
     return results
+
+
+def summary(timing: dict[str, dict], ab: dict) -> None:
+    """One line per configuration measured both ways: the in-process A/B beside the cross-process rounds."""
+    both = [c for c in ab["configs"] if c in timing and timing[c].get("round_ratios") and ab["configs"][c]["ratio"]]
+    if not both:
+        return
+    print("== step-time ratio, both ways (min / median / max)")
+    print(f"{'config':<14}{'in-process A/B':>26}{'cross-process rounds':>26}")
+    for c in both:
+        print(f"{c:<14}{probe_ab.spread(ab['configs'][c]['ratio']):>26}{probe_ab.spread(timing[c]['round_ratios']):>26}")
 
 
 def main() -> None:
@@ -289,7 +318,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="few steps, one round, small sizes: a smoke run")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5, help="cross-process rounds (fresh processes, interleaved)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--d-model", type=int, default=256)
@@ -302,6 +331,12 @@ def main() -> None:
     ap.add_argument("--mem-steps", type=int, default=16, help="≥ one rotation of the window, ~1/(0.75·budget)")
     ap.add_argument("--mem-rounds", type=int, default=1)
     ap.add_argument("--malloc-default", action="store_true", help="memory runs under glibc's default tuning")
+    ap.add_argument("--ab-configs", default="ds-default,ds-noref", help="in-process A/B configurations ('' skips it)")
+    probe_ab.add_args(ap)
+    ap.add_argument("--stats", action="store_true",
+                    help="per-statistic table: A/B of each family at full coverage, in-step split by family")
+    ap.add_argument("--rotation-steps", type=int, default=120,
+                    help="steps of the default-set run whose store gives the rotation length (0 skips it)")
     ap.add_argument("--child", dest="config", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--memory-run", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -310,11 +345,21 @@ def main() -> None:
         return
     if args.quick:
         args.steps, args.warmup, args.rounds = 4, 2, 1
+        args.ab_rounds, args.block, args.drop, args.rotation_steps = 1, 6, 2, 12
         if args.sizes == ap.get_default("sizes"):  # the smallest where the embedding fits the budget
             args.sizes, args.mem_configs = "256,320,384", "ds-default"
     configs = [c for c in args.configs.split(",") if c]
-    if configs:
-        timing_part(args, ["none", *[c for c in configs if c != "none"]])
+    timing = timing_part(args, ["none", *[c for c in configs if c != "none"]]) if configs else {}
+    ab_configs = [c for c in args.ab_configs.split(",") if c]
+    ab_configs += [c for c in probe_ab.STAT_CONFIGS if args.stats and c not in ab_configs]
+    if ab_configs or args.rotation_steps:
+        ab = probe_ab.run_ab(args, ab_configs, families=args.stats, rotation_steps=args.rotation_steps)
+        if ab is not None:
+            probe_ab.print_ab(ab, args)
+            if args.stats:
+                probe_ab.print_families(ab)
+            probe_ab.print_rotation(ab["rotation"], f"d={args.d_model}")
+            summary(timing, ab)
     sizes = [int(s) for s in args.sizes.split(",") if s]
     if sizes:
         from probe_memory import memory_part

@@ -3,17 +3,45 @@
 The training thread submits a job right after issuing the record's single non-blocking device→host
 copy (and a CUDA event behind it). Jobs run in order on one daemon thread, which waits on the event,
 so the training thread never synchronizes with the device for the probes.
+
+The probe's threads (this one, the writer's, the system sampler) run at a lower CPU priority
+(``lower_priority``): their work has no deadline within a step, and on a host where the training threads
+take every core, a background thread at the same priority preempts one of them, so every intra-op
+parallel region of that step waits for it. At nice +10 the scheduler gives them the gaps the training
+threads leave (Python between ops, the loss sync) and about a tenth of a core when there are none.
 """
 
 from __future__ import annotations
 
+import os
 import queue
+import sys
 import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Resolver"]
+__all__ = ["BACKGROUND_NICE", "Resolver", "lower_priority"]
+
+BACKGROUND_NICE = 10
+
+
+def lower_priority(thread: threading.Thread | None = None, nice: int = BACKGROUND_NICE) -> bool:
+    """Give ``thread`` (default: the calling thread) a nice value of at least ``nice``. Linux only, where a
+    nice value belongs to one thread (elsewhere it would lower the whole process); never raises. Returns
+    whether the thread now runs at that priority or lower."""
+    if not sys.platform.startswith("linux"):
+        return False
+    tid = threading.get_native_id() if thread is None else thread.native_id
+    if tid is None:  # not started yet
+        return False
+    try:
+        cur = os.getpriority(os.PRIO_PROCESS, tid)
+        if cur < nice:  # raising a nice value needs no privilege; never lower one already higher
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        return True
+    except (AttributeError, OSError):
+        return False
 
 
 class Resolver:
@@ -29,6 +57,7 @@ class Resolver:
         self._q.put((fn, args))
 
     def _loop(self) -> None:
+        lower_priority()
         while True:
             item = self._q.get()
             try:

@@ -28,10 +28,10 @@ from dynascope.probes.memory import MemoryProbe
 from dynascope.probes.params import Tracked, discover, optimizer_fingerprint
 from dynascope.probes.protocol import Listener, Probe, Rows, StepContext, make_listener
 from dynascope.probes.reference import build_reference
-from dynascope.probes.resolver import Resolver
+from dynascope.probes.resolver import Resolver, lower_priority
 from dynascope.probes.schedule import Schedule, as_schedule, every
 from dynascope.probes.system import SystemSampler
-from dynascope.probes.tensors import TensorStats
+from dynascope.probes.tensors import DRIFT_EVERY, TensorStats
 from dynascope.probes.timing import TimingProbe
 from dynascope.store.writer import RunWriter
 
@@ -78,6 +78,9 @@ class Scope:
         self._handles: list[Any] = []
         self._closed = False
         self.resolver = Resolver(self._resolver_error)
+        writer_thread = getattr(writer, "_thread", None)
+        if writer_thread is not None:  # background work at a lower priority (see probes.resolver)
+            lower_priority(writer_thread)
         self.tracked: list[Tracked] = []
         self._fingerprint: tuple | None = None
         self._skipped_reported: set[str] = set()
@@ -337,7 +340,8 @@ def watch(model: Any, optimizer: Any = None, run: str | os.PathLike = "runs/defa
           role: str | None = None, world_size: int | None = None, system_interval_s: float | None = 5.0,
           grad_tol: float | None = None, wandb: bool = False, config: dict | None = None,
           writer: RunWriter | None = None, time_budget: float | None = 0.015, bf16_k: int | None = None,
-          probes: Sequence[Probe] = (), listeners: Sequence[Listener | str] = ()) -> Scope:
+          probes: Sequence[Probe] = (), listeners: Sequence[Listener | str] = (),
+          drift_every: int = DRIFT_EVERY) -> Scope:
     """Attach dynascope's probes to ``model`` and ``optimizer`` and record into the run at ``run``.
 
     Args:
@@ -360,6 +364,9 @@ def watch(model: Any, optimizer: Any = None, run: str | os.PathLike = "runs/defa
             the bf16 snapshot is resident when the budget covers it, else on disk beside θ₀.
         probes: further ``Probe`` objects, run after the built-in ones.
         listeners: ``fn(step, summary)`` callables, or names of registered listeners ("wandb").
+        drift_every: drift from θ₀ at every N-th window a tensor is in (default 4: drift is cumulative
+            and slow, so its refresh once per 4 rotations leaves more of the time budget to ΔW); a
+            window that holds every tensor (``memory_budget`` >= 2 or None) always computes it.
     """
     r, local_rank, ws, role_ = _identity(rank, role, world_size)
     own = writer is None
@@ -367,7 +374,8 @@ def watch(model: Any, optimizer: Any = None, run: str | os.PathLike = "runs/defa
         writer = RunWriter(run, rank=r, role=role_, world_size=ws, framework="pytorch", config=config)
     schedule = as_schedule(every)
     built: list[Probe] = [TensorStats(memory_budget, grad_tol, time_budget=time_budget, schedule=schedule,
-                                      bf16_k=bf16_k, run_dir=writer.run_dir, rank=writer.rank)]
+                                      bf16_k=bf16_k, run_dir=writer.run_dir, rank=writer.rank,
+                                      drift_every=drift_every)]
     failed: list[tuple[str, Exception]] = []
     for name, make in (("spectral", lambda: _spectral_probe(spectral) if spectral else None),
                        ("system", lambda: SystemSampler(writer, system_interval_s, local_rank)

@@ -13,6 +13,7 @@ from typing import Any
 
 from dynascope.core.clock import now_us
 from dynascope.probes.protocol import Probe
+from dynascope.probes.resolver import lower_priority
 from dynascope.store.writer import RunWriter
 
 __all__ = ["SystemSampler", "gpu_rows", "process_row"]
@@ -91,6 +92,7 @@ class SystemSampler(Probe):
         self.writer.append("system", cols)
 
     def _loop(self) -> None:
+        lower_priority()  # background work: see dynascope.probes.resolver
         while not self._stop.wait(self.interval_s):
             try:
                 self.sample()

@@ -13,7 +13,9 @@ tensor at every record. Columns of tensors outside the window are NULL.
 The window also has a time budget (``time_budget``, share of wall-clock step time, default 1.5%): a
 window is taken only while the windows' measured host time stays under that share of the time since
 the previous record, so on a small or fast model the full set comes less often instead of slowing
-every step. ``memory_budget=None`` (or ``time_budget=None``) lifts that limit.
+every step. ``memory_budget=None`` (or ``time_budget=None``) lifts that limit. Drift, the costliest part
+of a window (θ₀ is read back), comes at every ``drift_every``-th window a tensor is in (default 4; every
+window when the window holds every tensor), so drift is refreshed once per 4 rotations.
 
 Each statistic family writes a ``Part``: the tracked tensors it covers and its values under their column
 names (``update_stats.ChunkStat``). Everything stays on device until one float64 vector per record is
@@ -56,6 +58,11 @@ __all__ = ["TensorStats"]
 # larger chunks, i.e. fewer op launches per byte, at the price of more windows per rotation.
 RESERVE = 1 / 4
 MIN_CHUNK_ELEMS = 1024
+# Drift against θ₀ is computed at every DRIFT_EVERY-th window a tensor is in (its first one included).
+# Drift is cumulative and moves slowly (at lr ~1e-6 it changes little over a rotation), while streaming θ₀
+# and its statistics take nearly half a window's time (benchmarks/probe_ab.py --stats): under the time
+# budget, the ΔW rotation gets shorter.
+DRIFT_EVERY = 4
 
 
 class TensorStats(Probe):
@@ -65,8 +72,13 @@ class TensorStats(Probe):
 
     def __init__(self, memory_budget: float | None, grad_tol: float | None, eta: float = 1e-3,
                  time_budget: float | None = 0.015, schedule: Schedule | None = None,
-                 bf16_k: int | None = None, run_dir: Path | None = None, rank: int = 0) -> None:
+                 bf16_k: int | None = None, run_dir: Path | None = None, rank: int = 0,
+                 drift_every: int = DRIFT_EVERY) -> None:
+        if int(drift_every) < 1:
+            raise ValueError(f"drift_every must be >= 1, got {drift_every}")
         self.memory_budget = memory_budget
+        self.drift_every = int(drift_every)
+        self._drift_visits: dict[str, int] = {}  # tensor name → windows it has been in
         self.time_budget = None if memory_budget is None else time_budget
         self._schedule = schedule if schedule is not None else every(1)
         self._debt_s = 0.0  # window time spent beyond what time_budget × elapsed time allows
@@ -211,9 +223,13 @@ class TensorStats(Probe):
         return lambda: {"tensor_stats": rows_from_record(rec)}
 
     def _drift(self, rec: Record, reference: Any, locals_: list[torch.Tensor], device: torch.device) -> None:
-        """Drift from θ₀ of the window, θ₀ streamed a chunk at a time (never a whole tensor of it)."""
+        """Drift from θ₀ of the window's tensors that are due (``drift_due``), θ₀ streamed a chunk at a time
+        (never a whole tensor of it)."""
         rows, out = [], []
+        every_tensor = len(rec.window) == len(rec.tracked)
         for i in rec.window:
+            if not self.drift_due(rec.tracked[i].name, every_tensor):
+                continue
             w = locals_[i]
             read_ref = reference.reader(rec.tracked[i].name, w)
             if read_ref is None:
@@ -225,6 +241,13 @@ class TensorStats(Probe):
         cols = tuple(c for s in DRIFT_STATS for c in s.columns)
         rec.add("drift", cols, rows, torch.stack(out) if out else torch.zeros((0, len(cols)), dtype=torch.float64,
                                                                                device=device))
+
+    def drift_due(self, name: str, every_tensor: bool = False) -> bool:
+        """Whether this window computes ``name``'s drift: at every ``drift_every``-th window the tensor is
+        in, its first one included, and always when the window holds every tensor (the full set)."""
+        n = self._drift_visits.get(name, 0)
+        self._drift_visits[name] = n + 1
+        return every_tensor or n % self.drift_every == 0
 
     def _bf16_k(self, rec: Record, step: int, locals_: list[torch.Tensor]) -> None:
         """S_k against the bf16 snapshot of step − k (every tensor it holds), then the next snapshot."""
