@@ -16,13 +16,12 @@ from torch import Tensor
 
 from dynascope.probes.update_stats import DEFAULT_CHUNK_ELEMS, chunk_ranges, norms, wide
 
-__all__ = ["GRAD_COUNT_COLUMNS", "GRAD_NORM_COLUMNS", "GRAD_REDUCTIONS", "DEFAULT_GRAD_TOL", "grad_counts",
+__all__ = ["GRAD_COUNT_COLUMNS", "GRAD_NORM_COLUMNS", "DEFAULT_GRAD_TOL", "grad_counts",
            "grad_norms"]
 
 GRAD_NORM_COLUMNS = ("grad_norm",)
+# Column names of the results (store.schema's registry declares how each combines across ranks).
 GRAD_COUNT_COLUMNS = ("grad_max_abs", "grad_zero_count", "grad_near_zero_count", "grad_nan_count", "grad_inf_count")
-GRAD_REDUCTIONS = {"grad_norm": "norm", "grad_max_abs": "max", "grad_zero_count": "sum",
-                   "grad_near_zero_count": "sum", "grad_nan_count": "sum", "grad_inf_count": "sum"}
 DEFAULT_GRAD_TOL = 1e-8  # near zero: |g| <= tol · rms(g) of the same tensor
 
 
