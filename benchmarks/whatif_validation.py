@@ -126,7 +126,7 @@ def evaluate(d: Path, cores: int) -> dict:
     import dynascope.analyses as A
 
     out: dict = {"round": d.name}
-    done = [k for k in VARIANTS if (d / k / "policy_rl.safetensors").exists()]
+    done = [k for k in VARIANTS if (d / k / "policy_rl.safetensors").exists() and (d / f"{k}.load.json").exists()]
     bg = {k: background(d / k) for k in done}
     out.update({f"bg_{k}": v for k, v in bg.items()})
     if "sync" in done and "async" in done:

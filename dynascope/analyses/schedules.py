@@ -73,7 +73,18 @@ def _inputs_sql(run: str | None, rollout_phases: Sequence[str], sync_phases: Seq
             FROM t JOIN ks USING ({_K}) GROUP BY ALL
             UNION ALL
             SELECT run_id, role, rank, step, {_seg_sql('ks.last_us')}, step_us - coalesce(covered, 0), 0.0 FROM ks),
-        per AS (SELECT run_id, role, rank, step, seg, SUM(busy) AS busy, SUM(sync) AS sync FROM seg GROUP BY ALL),
+        -- A rank's work after its last sync row of step t and before its first of step t+1 is one stretch
+        -- between two collectives: replay it as one segment (split at the step boundary, each half would
+        -- wait for its own slowest rank). It counts in step t+1.
+        nxt AS (SELECT ks.run_id, ks.role, ks.rank, ks.step, ks.syncs,
+                       LEAD(ks.step) OVER (PARTITION BY ks.run_id, ks.role, ks.rank ORDER BY ks.step) = ks.step + 1
+                       AND LEAD(ks.syncs) OVER (PARTITION BY ks.run_id, ks.role, ks.rank ORDER BY ks.step) > 0
+                       AS carry FROM ks),
+        per AS (SELECT seg.run_id, seg.role, seg.rank,
+                       CASE WHEN nxt.carry AND nxt.syncs > 0 AND seg.seg = nxt.syncs THEN seg.step + 1 ELSE seg.step END AS step,
+                       CASE WHEN nxt.carry AND nxt.syncs > 0 AND seg.seg = nxt.syncs THEN 0 ELSE seg.seg END AS seg,
+                       SUM(busy) AS busy, SUM(sync) AS sync
+                FROM seg JOIN nxt USING (run_id, role, rank, step) GROUP BY ALL),
         sim AS (
             SELECT run_id, role, step, SUM(t) AS sim_us
             FROM (SELECT run_id, role, step, seg, MAX(busy) + MIN(sync) AS t FROM per GROUP BY ALL) GROUP BY ALL),
