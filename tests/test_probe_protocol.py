@@ -103,3 +103,19 @@ def test_listeners_are_registered_by_name_never_imported_by_the_probes() -> None
     from dynascope.probes import protocol
     assert protocol.registered_listeners()["wandb"] is wb.WandbMirror
     assert not hasattr(dynascope, "Run") and dynascope.Scope is dynascope.probes.scope.Scope
+
+
+def test_a_step_the_optimizer_skipped_still_closes_with_its_step_row(tmp_path: Path) -> None:
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with dynascope.watch(model, opt, run=tmp_path / "r", system_interval_s=None, memory_budget=None) as scope:
+        for i in range(3):
+            model(torch.ones(1, 3)).sum().backward()
+            if i != 1:  # step 1: skipped, as a GradScaler skips a step with Inf gradients
+                opt.step()
+            opt.zero_grad()
+            scope.step()
+    with open_store(tmp_path / "r") as con:
+        steps = con.sql("SELECT step FROM timings WHERE phase = 'step' ORDER BY step").pl()["step"].to_list()
+        stats = con.sql("SELECT DISTINCT step FROM tensor_stats ORDER BY step").pl()["step"].to_list()
+    assert steps == [0, 1, 2] and stats == [0, 2]

@@ -72,7 +72,7 @@ class Scope:
         self.probes: list[Probe] = list(probes)
         self.reference: Any = None
         self._step = 0
-        self._due: list[Probe] = []  # probes whose before() ran for the current step
+        self._due: list[Probe] | None = None  # probes whose before() ran for the current step (None: none ran)
         self._warned: set[str] = set()
         self._listeners: list[Listener] = []
         self._handles: list[Any] = []
@@ -180,7 +180,10 @@ class Scope:
         step, stage = self._step, self.stage
         ctx = self._context(self.optimizer is None)
         out: list[tuple[Probe, Any]] = []
-        for p in self._due:
+        # No before() ran when the optimizer skipped its step (scope.step() closes it): the probes scheduled
+        # now still close the step (the step row, memory); the tensor statistics have no update to record.
+        due = self._due if self._due is not None else [p for p in self.probes if self._guard(p.name, p.schedule, step)]
+        for p in due:
             try:
                 res = p.after(ctx)
             except Exception as exc:
@@ -189,7 +192,7 @@ class Scope:
                 continue
             if res is not None:
                 out.append((p, res))
-        self._due = []
+        self._due = None
         self._step += 1
         self.resolver.submit(self._resolve, step, stage, out)
 
