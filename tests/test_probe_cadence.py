@@ -1,5 +1,5 @@
 """Cadence of the default set: drift at every 4th window a tensor is in, ΔW at every window; the probe's
-threads at a lower CPU priority than training.
+threads at a lower CPU priority than training; watch()'s writer flushing every 10 s.
 
 Checked against the naive per-tensor reference of tests/test_probe_scope.py on its awkward model (tied,
 bf16, frozen, unused and empty parameters), with the time budget lifted so a window is taken at every
@@ -19,6 +19,8 @@ import torch
 
 import dynascope
 from dynascope.probes.resolver import BACKGROUND_NICE, lower_priority
+from dynascope.probes.scope import WRITER_FLUSH_S
+from dynascope.store.writer import RunWriter
 from tests.test_probe_scope import rows, train
 
 STEPS = 45
@@ -74,6 +76,21 @@ def test_drift_every_must_be_positive(tmp_path: Path) -> None:
     model = torch.nn.Linear(3, 3)
     with pytest.raises(ValueError, match="drift_every"):
         dynascope.watch(model, torch.optim.SGD(model.parameters(), lr=0.1), run=tmp_path / "bad", drift_every=0)
+
+
+def test_watch_writer_flushes_every_ten_seconds_and_a_shared_writer_keeps_its_own(tmp_path: Path) -> None:
+    model = torch.nn.Linear(3, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with dynascope.watch(model, opt, run=tmp_path / "own", system_interval_s=None) as scope:
+        assert scope.writer.flush_secs == WRITER_FLUSH_S == 10.0
+    shared = RunWriter(tmp_path / "shared", flush_secs=0.5)
+    with dynascope.watch(model, opt, writer=shared, system_interval_s=None) as scope:
+        model(torch.randn(2, 3)).sum().backward()
+        opt.step()
+        assert scope.writer is shared and shared.flush_secs == 0.5
+    shared.close()
+    got = rows(tmp_path / "shared", "select count(*) as n from tensor_stats")
+    assert got[0]["n"] == 2  # weight and bias of the one step: close() flushed the shared writer
 
 
 def _nice(t: threading.Thread) -> int:
