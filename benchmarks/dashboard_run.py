@@ -175,7 +175,7 @@ def _build_rest(run: Path, rng, steps: int, sft_end: int, names, layer_of, kind_
                                                                                           ("restart", steps // 2, "info")]
     counts["events"] += _write(run, "events", "bench-r0", 0, {
         "run_id": [run.name] * len(ev), "rank": [0] * len(ev), "step": [e[1] for e in ev],
-        "time_us": [T0 + e[1] * 1_000_000 for e in ev], "kind": [e[0] for e in ev], "severity": [e[2] for e in ev],
+        "time_us": [T0 + e[1] * 1_000_000 for e in ev], "event": [e[0] for e in ev], "severity": [e[2] for e in ev],
         "message": [f"{e[0]} at step {e[1]}" for e in ev], "dur_us": [2_000_000 if e[0] == "checkpoint_save" else None
                                                                      for e in ev]})
 

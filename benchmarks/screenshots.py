@@ -31,11 +31,15 @@ READY_JS = """() => {
 }"""
 
 
-# How much taller than its window the tallest scrolling pane's content is (Streamlit's main pane scrolls,
-# the document does not); 0 once everything shows.
-HIDDEN_HEIGHT_JS = """() => Math.max(0, ...[...document.querySelectorAll('*')]
-    .filter(e => ['auto', 'scroll'].includes(getComputedStyle(e).overflowY))
-    .map(e => e.scrollHeight - e.clientHeight))"""
+# How much taller than its window the page's scrolling pane is (Streamlit's main pane scrolls, the
+# document does not); 0 once everything shows. Only panes holding the page's block container count: tables
+# and legends scroll inside themselves whatever the window's height.
+HIDDEN_HEIGHT_JS = """() => {
+    const body = document.querySelector('[data-testid="stMainBlockContainer"]') || document.body;
+    return Math.max(0, ...[...document.querySelectorAll('*')]
+        .filter(e => e.contains(body) && ['auto', 'scroll'].includes(getComputedStyle(e).overflowY))
+        .map(e => e.scrollHeight - e.clientHeight));
+}"""
 
 
 def fit_to_content(page, width: int, max_height: int = 12_000) -> int:

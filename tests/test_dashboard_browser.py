@@ -180,21 +180,6 @@ def test_sql_console_refuses_file_access_and_downloads(dashboard, tmp_path):
     assert text.splitlines()[0] == '"run_id","n"' and "grpo-sync" in text and "grpo-async" in text
 
 
-@needs_browser
-@pytest.mark.slow
-def test_new_run_appears_with_auto_refresh(dashboard):
-    from dashboard_fixtures import write_small_run
-
-    root, base, page = dashboard
-    open_page(page, base, "runs")
-    page.get_by_text("2 runs", exact=False).first.wait_for(timeout=30_000)
-    page.get_by_text("Auto-refresh").click()
-    write_small_run(root / "grpo-late")
-    # No reload: the page's fragment reruns on its timer and the cache TTL lets the new segments through.
-    page.get_by_text("3 runs", exact=False).first.wait_for(timeout=45_000)
-    assert page.locator('[data-testid="stException"]').count() == 0
-
-
 # ---- what the charts say: axes, colours, bins, legends, tables ------------------------------------------
 # Each chart's title, axes, legend and traces as plotly laid them out (Streamlit wraps titles in <b>).
 _CHART_INFO_JS = f"""() => {_CHARTS_JS}.map(e => {{
@@ -294,6 +279,22 @@ def test_sql_results_keep_full_precision(dashboard):
     cells = '[data-testid="stDataFrame"] td'
     page.locator(cells).first.wait_for(state="attached", timeout=30_000)
     assert page.locator(cells).all_text_contents()[:3] == ["0.99999", "1.0000001", "42"]
+
+
+# Last of the browser tests: it adds a run to the store the others read.
+@needs_browser
+@pytest.mark.slow
+def test_new_run_appears_with_auto_refresh(dashboard):
+    from dashboard_fixtures import write_small_run
+
+    root, base, page = dashboard
+    open_page(page, base, "runs")
+    page.get_by_text("2 runs", exact=False).first.wait_for(timeout=30_000)
+    page.get_by_text("Auto-refresh").click()
+    write_small_run(root / "grpo-late")
+    # No reload: the page's fragment reruns on its timer and the cache TTL lets the new segments through.
+    page.get_by_text("3 runs", exact=False).first.wait_for(timeout=45_000)
+    assert page.locator('[data-testid="stException"]').count() == 0
 
 
 # ---- without a browser: the launcher and the numbers behind the charts --------------------------------

@@ -19,8 +19,8 @@ PHASE_COLORS = {
     "data": "#FF9DA6", "(uninstrumented)": "#BAB0AC",
 }
 # Phases without a fixed colour take these, in name order, after every fixed colour is spent.
-_SPARE = ("#1B9E77", "#7570B3", "#D95F02", "#E7298A", "#66A61E", "#A6761D", "#17BECF", "#BCBD22", "#8C564B",
-          "#393B79", "#637939", "#843C39", "#7B4173", "#3182BD", "#E6550D", "#31A354")
+_SPARE = ("#7570B3", "#D95F02", "#E7298A", "#17BECF", "#843C39", "#BCBD22", "#393B79", "#A6761D", "#7B4173",
+          "#637939", "#1B9E77", "#8C564B", "#66A61E", "#3182BD", "#E6550D", "#31A354")
 
 # A legend goes above the plot only while it fits on one line beside the title of a half-width chart
 # (about this many entries and characters); longer ones go to the right: above, they wrap onto the title.

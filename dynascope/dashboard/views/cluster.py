@@ -72,8 +72,8 @@ def _breakdown(path: str, run: str, colors: dict[str, str]) -> None:
     rank = pl.col("rank").cast(pl.String)
     label = pl.col("role") + ":" + rank if bd["role"].n_unique() > 1 else rank
     bd = bd.with_columns(label.alias("rank"))
-    charts.show(charts.bars(bd, "rank", "ms_per_step", "phase", "mean time per step by phase", "ms / step",
-                            colors=colors), "cl_breakdown")
+    fig = charts.bars(bd, "rank", "ms_per_step", "phase", "mean time per step by phase", "ms / step", colors=colors)
+    charts.show(fig.update_layout(height=max(330, 150 + 22 * bd["phase"].n_unique())), "cl_breakdown")  # legend room
 
 
 def _mfu(path: str, run: str) -> None:
@@ -106,18 +106,19 @@ def _stragglers(path: str, run: str) -> None:
     wif = data.analysis(analyses.what_if, path, run=run)
     if data.empty(scores, "phases timed on two or more ranks"):
         return
-    left, right = st.columns([3, 2])
-    with left:
-        st.caption("Score per rank and phase: reference (fastest rank) median ÷ this rank's median, per window; "
-                   "below 0.75 is flagged. Sorted by excess_ms, the time spent beyond the cross-rank median.")
-        st.dataframe(scores.select("rank", "phase", "status", "score", "excess_ms", "slowdown_x", "median_ms",
-                                   "cross_rank_median_ms", "slow_steps_pct", "flagged_windows", "windows"),
-                     hide_index=True, width="stretch", key="cl_straggler_table")
-    with right:
-        if not data.empty(wif, "what-if scenarios"):
-            st.caption("What-if: that rank runs every phase at the cross-rank median; step time saved.")
-            st.dataframe(wif.select("scenario", "saved_ms", "saved_pct", "simulated_base_ms",
-                                    "reproduction_error_pct"), hide_index=True, width="stretch", key="cl_what_if")
+    # One above the other, each the page's width: side by side, eleven columns ran off the right edge.
+    st.caption("Score per rank and phase: reference (fastest rank) median ÷ this rank's median, per window; "
+               "below 0.75 is flagged. Sorted by excess_ms, the time spent beyond the cross-rank median.")
+    st.dataframe(scores.select("rank", "phase", "status", "score", "excess_ms", "slowdown_x", "median_ms",
+                               "cross_rank_median_ms", "slow_steps_pct", "flagged_windows", "windows"),
+                 hide_index=True, width="stretch", key="cl_straggler_table",
+                 column_config={c: st.column_config.Column(width="small") for c in (
+                     "rank", "score", "excess_ms", "slowdown_x", "median_ms", "slow_steps_pct", "flagged_windows",
+                     "windows")})
+    if not data.empty(wif, "what-if scenarios"):
+        st.caption("What-if: that rank runs every phase at the cross-rank median; step time saved.")
+        st.dataframe(wif.select("scenario", "saved_ms", "saved_pct", "simulated_base_ms", "reproduction_error_pct"),
+                     hide_index=True, width="content", key="cl_what_if")
 
 
 def _gantt(g: pl.DataFrame, run: str, lo: int, hi: int, colors: dict[str, str]) -> None:
@@ -135,7 +136,7 @@ def _gantt(g: pl.DataFrame, run: str, lo: int, hi: int, colors: dict[str, str]) 
     fig.update_layout(barmode="overlay", yaxis=dict(categoryorder="array",
                                                     categoryarray=[f"rank {r}" for r in reversed(ranks)]))
     fig = charts.layout(fig, f"per-rank timeline · {run} · steps {lo}–{hi}", "ms since window start", "",
-                        height=max(260, 60 + 40 * len(ranks), 110 + 21 * len(fig.data)))  # room for the legend
+                        height=max(260, 60 + 40 * len(ranks), 150 + 24 * len(fig.data)))  # room for the legend
     charts.show(fig, "cl_gantt")
     total = int(g["total"][0])
     if total > g.height:
