@@ -37,6 +37,7 @@ RETURNED = {
     "mfu": {"tokens"}, "rank1_dominance": {"step", "rank1_energy", "tensors"},
     "update_sparsity": {"step_unchanged_frac_a", "step_unchanged_frac_b"},
     "delta_sync": {"stage", "steps", "changed_pct", "delta_pct", "full_bf16_bytes"},
+    "schedule": {"steps", "measured_step_ms", "rollout_ms", "weight_sync_ms"},
 }
 CLI = [sys.executable, "-c", "from dynascope.cli import app; app()"]  # the console script, without PATH
 RANKS, STEPS = 4, 24

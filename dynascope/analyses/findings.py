@@ -287,8 +287,52 @@ def _dynamics(con, run: str) -> list[Finding]:
 
 
 
+def _delta_sync(con, run: str) -> list[Finding]:
+    """What shipping only the bf16 elements that changed would send, per RL step (``delta_sync_summary``)."""
+    from dynascope.analyses.delta_sync import delta_sync_summary
+
+    df = delta_sync_summary(con, run)
+    if df.is_empty():
+        return []
+    r = df.sort(pl.col("stage") == "rl", descending=True).row(0, named=True)
+    n = {"stage": r["stage"], "steps": r["steps"], "changed_pct": _r(r["changed_pct"], 4),
+         "delta_pct": _r(r["delta_pct"], 4), "encoding": r["encoding"], "full_bf16_bytes": r["full_bf16_bytes"],
+         "delta_sync_ms": _r(r["delta_sync_ms"]), "full_bf16_sync_ms": _r(r["full_bf16_sync_ms"])}
+    saved = (r["full_bf16_sync_ms"] or 0.0) - (r["delta_sync_ms"] or 0.0)
+    return [_found(run, "delta_sync", "info", n,
+                   S.delta_sync_sql(run, r["stage"]), saved * r["steps"])]
+
+MIN_SCHEDULE_GAIN_X = 1.05  # a schedule predicted to gain under 5% is within the replay's own error
+
+
+def _schedule(con, run: str) -> list[Finding]:
+    """The schedule the replay of a synchronous run's pieces predicts the most samples/s for (defaults)."""
+    from dynascope.analyses.schedules import LIMITS, ROLLOUT_PHASES, SYNC_PHASES, schedule_what_if
+
+    df = schedule_what_if(con, run)
+    if df.is_empty():
+        return []
+    sync = df.filter(pl.col("schedule") == "sync").row(0, named=True)
+    best = df.sort("speedup_x", descending=True).row(0, named=True)
+    if best["speedup_x"] is None or best["speedup_x"] < MIN_SCHEDULE_GAIN_X:
+        return []
+    inp = _first_row(con, S.schedule_sql(run, ROLLOUT_PHASES, SYNC_PHASES))
+    n = {"schedule": best["schedule"], "params": best["params"], "speedup_x": _r(best["speedup_x"]),
+         "step_ms": _r(best["step_ms"]), "replayed_step_ms": _r(sync["step_ms"]),
+         "samples_per_s": _r(best["samples_per_s"]), "staleness_mean": _r(best["staleness_mean"]),
+         "truncated_pct": _r(best["truncated_pct"] or best["carried_pct"] or 0.0, 2),
+         "calibration_error_pct": _r(sync["calibration_error_pct"], 2), "steps": inp["steps"],
+         "measured_step_ms": _r(inp["measured_step_ms"]), "rollout_ms": _r(inp["rollout_ms"]),
+         "weight_sync_ms": _r(inp["weight_sync_ms"]), "devices": "one device per rank, shared by its rollout "
+         "and training", "limits": LIMITS}
+    saved = inp["steps"] * inp["measured_step_ms"] * (1 - 1 / best["speedup_x"])
+    return [_found(run, "schedule", "info", n, S.schedule_sql(run, ROLLOUT_PHASES, SYNC_PHASES), saved,
+                   100 * (1 - 1 / best["speedup_x"]))]
+
+
 GENERATORS: list[Callable[[Any, str], list[Finding]]] = [
-    _stragglers, _tail, _zero_variance, _idle, _remainder, _async, _goodput, _instability, _mfu, _dynamics]
+    _stragglers, _tail, _zero_variance, _idle, _remainder, _async, _goodput, _instability, _mfu, _dynamics,
+    _delta_sync, _schedule]
 
 
 def collect_findings(store: StoreLike, run: str | None = None, *,

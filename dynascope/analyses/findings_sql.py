@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from dynascope.analyses.rollouts import WEIGHT_SYNC_PHASES
-from dynascope.analyses.steps import STEP_ROW, step_rows_sql, top_level_sql
+from dynascope.analyses.steps import STEP_ROW, TOP_LEVEL, step_rows_sql, top_level_sql
 from dynascope.store import quote_literal
 
 q = quote_literal
@@ -157,6 +157,22 @@ def delta_sync_sql(run: str, stage: str) -> str:
         WHERE coalesce(sharded, false) OR rank = first_rank GROUP BY step),
         c AS (SELECT *, min(step) OVER (PARTITION BY stage) AS first FROM s WHERE complete)
         SELECT stage, COUNT(*) AS steps, median(100.0 * changed / numel) AS changed_pct,
-        median(100.0 * least(6 * changed, bitmap + 2 * changed) / (2 * numel)) AS delta_pct,
+        median(100.0 * least(6 * changed, bitmap + 2 * changed, 2 * numel) / (2 * numel)) AS delta_pct,
         median(2 * numel)::BIGINT AS full_bf16_bytes FROM c WHERE step > first AND stage = {q(stage)}
         GROUP BY stage"""
+
+
+def schedule_sql(run: str, rollout_phases: tuple[str, ...], sync_phases: tuple[str, ...]) -> str:
+    """The measured pieces the schedule replay starts from, per RL step (a step with a rollout phase): the
+    wall-clock time per step, and the slowest rank's rollout and weight sync, averaged over those steps."""
+    ro = ", ".join(q(p) for p in rollout_phases)
+    ws = ", ".join(q(p) for p in sync_phases)
+    return f"""WITH t AS (SELECT coalesce(role, '') AS role, rank, step,
+        SUM(dur_us) FILTER (WHERE phase IN ({ro})) AS ro, coalesce(SUM(dur_us) FILTER (WHERE phase IN ({ws})), 0) AS ws
+        FROM timings WHERE run_id = {q(run)} AND {TOP_LEVEL} GROUP BY ALL HAVING bool_or(phase IN ({ro}))),
+        st AS (SELECT role, rank, step, step_us, start_us FROM ({step_rows_sql(run)})),
+        k AS (SELECT * FROM t JOIN st USING (role, rank, step)),
+        s AS (SELECT step, MAX(ro) AS ro, MAX(ws) AS ws FROM k GROUP BY step)
+        SELECT (SELECT COUNT(*) FROM s) AS steps,
+               (SELECT (MAX(start_us + step_us) - MIN(start_us)) / 1000.0 / COUNT(DISTINCT step) FROM k) AS measured_step_ms,
+               (SELECT AVG(ro) / 1000.0 FROM s) AS rollout_ms, (SELECT AVG(ws) / 1000.0 FROM s) AS weight_sync_ms"""

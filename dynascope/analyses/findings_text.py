@@ -120,6 +120,16 @@ SENTENCES: dict[str, Callable[[N], str]] = {
                      "TFLOP/s and {tokens_per_s:.0f} tokens/s per rank)"),
     "rank1_dominance": _template("at step {step} the cumulative update ΔW is {rank1_energy:.0%} rank-1 (σ₁² share "
                                  "of ‖ΔW‖², {tensors} tensors)"),
+    "delta_sync": lambda n: _fmt("a bf16 delta weight sync would send {delta_pct:.2f}% of the full bf16 bytes per "
+                                 "{stage} step ({encoding}; {changed_pct:.2f}% of elements change in bf16, median of "
+                                 "{steps} steps)", **n) + (_fmt(": {delta_sync_ms!t} instead of {full_bf16_sync_ms!t} at "
+                                                                "the measured sync bandwidth", **n)
+                                                           if n.get("delta_sync_ms") is not None else ""),
+    "schedule": _template("replaying this run's measured steps under other schedules, {schedule} ({params}) would "
+                          "give {speedup_x:.2f}× the samples/s: {step_ms!t} per step instead of {replayed_step_ms!t} "
+                          "synchronous (measured {measured_step_ms!t}, replay off by {calibration_error_pct!p}), "
+                          "staleness {staleness_mean:.2f} on average, {truncated_pct!p} of responses cut short; rollout is {rollout_ms!t} and weight sync "
+                          "{weight_sync_ms!t} of each step. The model assumes {devices}; {limits}"),
     "update_sparsity": _template("a {stage_b} step left {step_unchanged_frac_b:.1%} of parameters bit-identical vs "
                                  "{step_unchanged_frac_a:.1%} in {stage_a}"),
 }

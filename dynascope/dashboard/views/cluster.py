@@ -62,6 +62,8 @@ def _body() -> None:
         _mfu(path, run)
     with data.guard("Stragglers"):
         _stragglers(path, run)
+    with data.guard("Schedule what-if"):
+        _schedules(path, run)
 
 
 def _breakdown(path: str, run: str, colors: dict[str, str]) -> None:
@@ -141,3 +143,52 @@ def _gantt(g: pl.DataFrame, run: str, lo: int, hi: int, colors: dict[str, str]) 
     total = int(g["total"][0])
     if total > g.height:
         st.caption(f"Showing the {g.height:,} longest of {total:,} intervals; narrow the step range for all.")
+
+
+_SCHEDULES = ["one_step_off_policy", "async", "tail_cut", "partial_rollout", "split", "sync"]
+
+
+def _schedules(path: str, run: str) -> None:
+    """Pick a schedule and its parameters; the replay of the run's measured steps predicts the rest."""
+    st.subheader("Schedule what-if")
+    if not data.on_demand("schedules", "Replay this run's steps under other RL schedules", path, run):
+        return
+    c = st.columns(4)
+    name = c[0].selectbox("Schedule", _SCHEDULES, key="cl_sched")
+    devices = c[1].number_input("Devices the ranks ran on (0: one per rank)", 0.0, value=0.0, step=1.0,
+                                key="cl_sched_dev")
+    background = c[2].number_input("Other runnable processes", 0.0, value=0.0, step=1.0, key="cl_sched_bg")
+    tail = c[3].slider("Tail cut percentile", 50, 100, 90, key="cl_sched_tail")
+    c = st.columns(4)
+    workers = c[0].number_input("Rollout workers", 1, value=2, key="cl_sched_workers")
+    staleness = c[1].number_input("Staleness bound", 0, value=1, key="cl_sched_stale")
+    policy = c[2].selectbox("Stale batches", ["block", "drop"], key="cl_sched_policy")
+    g_r = c[3].number_input("Rollout devices (split; 0: proportional)", 0.0, value=0.0, step=1.0, key="cl_sched_gr")
+    params = dict(run=run, devices=devices or None, background=background, workers=int(workers),
+                  staleness=int(staleness), staleness_policy=policy, tail_pct=float(tail))
+    if g_r:
+        total = devices or g_r + 1
+        params.update(rollout_devices=g_r, train_devices=max(total - g_r, 1.0))
+    df = data.analysis(analyses.schedule_what_if, path, **params)
+    if data.empty(df, "synchronous RL steps (a rollout phase inside the trainer's steps)"):
+        return
+    row = df.filter(pl.col("schedule") == name)
+    if row.is_empty():
+        st.info(f"{name} needs at least two devices.")
+        return
+    r = row.row(0, named=True)
+    m = st.columns(5)
+    m[0].metric("step time", f"{r['step_ms']:.0f} ms", f"{r['speedup_x']:.2f}× samples/s", delta_color="off")
+    m[1].metric("samples / s", f"{r['samples_per_s']:.1f}")
+    m[2].metric("idle: trainer / rollout", f"{r['trainer_idle_pct']:.0f}% / {r['rollout_idle_pct']:.0f}%")
+    m[3].metric("staleness (mean / max)", f"{r['staleness_mean']:.2f} / {r['staleness_max']}")
+    m[4].metric("weight sync exposed", f"{r['weight_sync_exposed_pct']:.1f}%")
+    st.caption(f"{r['params']}. Replay of the measured synchronous steps (sync row: "
+               f"{df['calibration_error_pct'][0]:.1f}% off the measured step time). Not modelled: memory limits, "
+               "KV-cache effects, network contention, transfer costs beyond the measured weight copy "
+               "(docs/schedules.md).")
+    st.dataframe(df.drop("run_id"), hide_index=True, width="stretch", key="cl_sched_table")
+    stale = data.analysis(analyses.schedule_staleness, path, **params).filter(pl.col("schedule") == name)
+    if stale.height > 1:
+        charts.show(charts.bars(stale.with_columns(pl.col("staleness").cast(pl.String)), "staleness", "share_pct",
+                                None, f"staleness of trained samples: {name}", "% of samples"), "cl_sched_stale")
