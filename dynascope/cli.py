@@ -204,12 +204,13 @@ def diff(
     spectral_k: Annotated[int, typer.Option("--k", help="Top-k for the randomized SVD of ΔW (0: no spectra).")] = 8,
     stage: Annotated[str | None, typer.Option("--stage", help="Stage label for the rows (e.g. sft, rl).")] = None,
     device: Annotated[str, typer.Option("--device", help="Where to compute: auto (GPU if any), cpu, cuda:N.")] = "auto",
+    bf16_k: Annotated[int | None, typer.Option("--bf16-k", help="PULSE S_k: also compare bf16 casts against the checkpoint this many steps back.")] = None,
 ) -> None:
     """Offline checkpoint diff: parameter-update statistics of each checkpoint against BASE, into a run."""
     from dynascope.cli_output import run_diff
 
     run_diff(base, checkpoints, run, console, tensors=tensors, allow_missing=allow_missing, k=spectral_k, stage=stage,
-             device=device)
+             device=device, bf16_k=bf16_k)
 
 
 @app.command()

@@ -53,7 +53,7 @@ def test_ddp_two_ranks(tmp_path: Path) -> None:
               "order by rank")
     assert [(r["rank"], r["n"], r["steps"]) for r in stats] == [(0, 12, 3), (1, 12, 3)]
     names = {r["tensor"] for r in q("select distinct tensor from tensor_stats")}
-    assert names == {"module.0.weight", "module.0.bias", "module.2.weight", "module.2.bias"}
+    assert names == {"0.weight", "0.bias", "2.weight", "2.bias"}  # DDP's module. prefix is not recorded
     # DDP all-reduces gradients and keeps replicas in sync: both ranks see the same update
     same = q("select count(*) as n from tensor_stats a join tensor_stats b using (step, tensor) "
              "where a.rank = 0 and b.rank = 1 and abs(a.update_norm - b.update_norm) <= 1e-6 * a.update_norm "

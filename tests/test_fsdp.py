@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import dynascope
-from dynascope.probes.combine import combine_shards
+from dynascope.store.combine import combine_shards
 from tests.test_ddp_torchrun import torchrun
 
 WORKER = textwrap.dedent("""

@@ -27,15 +27,21 @@ _KIND_RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("mlp", re.compile(r"(mlp|ffn|feed_forward|fc\d?|c_fc|gate_proj|up_proj|down_proj|w[123])(\.|$)", re.I)),
 )
 
-# Wrapper prefixes: DDP (``module.``), torch.compile (``_orig_mod.``), FSDP1 and activation checkpointing.
-_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+# Wrapper components. DDP's ``module`` only ever leads a name (a user's own submodule may be called
+# "module" further in); torch.compile's ``_orig_mod``, FSDP1's and activation checkpointing's wrappers
+# can sit at any depth, since a submodule can be compiled or wrapped on its own.
+_LEADING = frozenset({"module", "_orig_mod"})
+_ANYWHERE = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 
 
 def normalize_name(name: str) -> str:
-    """Strip wrapper prefixes (DDP ``module.``, ``torch.compile``, FSDP1) so checkpoints and models match."""
-    for p in _PREFIXES:
-        name = name.replace(p, "")
-    return name
+    """Strip wrapper components (DDP ``module.``, ``torch.compile``, FSDP1) so checkpoints and models match.
+
+    Whole dotted components only: ``encoder.submodule.weight`` keeps its ``submodule``."""
+    parts = name.split(".")
+    while len(parts) > 1 and parts[0] in _LEADING:
+        parts = parts[1:]
+    return ".".join(p for p in parts if p not in _ANYWHERE)
 
 
 def tensor_layer(name: str) -> int | None:

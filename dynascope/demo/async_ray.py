@@ -53,7 +53,7 @@ class Trainer:
         print(f"SFT: {out['steps']} steps → held-out accuracy {out['eval/accuracy']:.1%}; async GRPO for "
               f"{s.rl.steps} steps", flush=True)
         self.scope.set_stage("rl")
-        self.scope.set_reference("current")
+        self.scope.set_reference("init")
         self.scope.event("stage", "RL starts: θ₀ = SFT result", sft_steps=out["steps"], sft_accuracy=out["eval/accuracy"])
         self.ref = frozen_copy(self.model)
         for group in self.opt.param_groups:

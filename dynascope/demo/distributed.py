@@ -55,7 +55,7 @@ def frozen_copy(model: TinyLM) -> TinyLM:
 def open_scope(s: DemoSettings, model: torch.nn.Module, opt: torch.optim.Optimizer | None, *, rank: int, world: int,
                role: str = "trainer", spectral: RLSpectralSchedule | None = None, stage: str = "sft") -> Any:
     """The demo's probes: every tensor every step (the model is tiny), spectra on RL's schedule."""
-    spec = dict(k=s.spectral_k, budget_ms=500.0, schedule=spectral) if spectral is not None else False
+    spec = dict(k=s.spectral_k, time_budget=None, schedule=spectral) if spectral is not None else False
     return dynascope.watch(model, opt, run=s.run_dir, rank=rank, role=role, world_size=world, stage=stage,
                            every=1 if opt is not None else 0, memory_budget=None, spectral=spec,
                            system_interval_s=2.0, config={"demo": json.loads(s.to_json())})
@@ -82,7 +82,7 @@ def train_rank(s: DemoSettings, rank: int = 0, world: int = 1) -> dict:
     if rank == 0:
         save_weights(model, run_dir / THETA0_FILE)
     scope.set_stage("rl")
-    scope.set_reference("current")
+    scope.set_reference("init")
     scope.event("stage", "RL starts: θ₀ = SFT result", sft_steps=sft["steps"], sft_accuracy=sft["eval/accuracy"])
     ref, rollout_model = frozen_copy(model), frozen_copy(model)  # π_ref for the KL term; the "inference engine"
     for group in opt.param_groups:  # a fresh optimizer state at the RL learning rate
