@@ -176,13 +176,16 @@ def rank1_replacement(w_base: torch.Tensor, w_rl: torch.Tensor) -> tuple[torch.T
 
 
 def alpharl_rank1(base_checkpoint: str | os.PathLike, rl_checkpoint: str | os.PathLike,
-                  out_path: str | os.PathLike, rest: str = "base") -> pl.DataFrame:
+                  out_path: str | os.PathLike, rest: str = "base",
+                  other_rest_path: str | os.PathLike | None = None) -> pl.DataFrame:
     """Write AlphaRL's rank-1 replacement of ``rl_checkpoint``'s update from ``base_checkpoint``.
 
     Block attention/MLP weights (``alpharl_target``) become W_base + ‖ΔW‖_F·u₁v₁ᵀ; every other tensor
     comes from the base (``rest="base"``, the authors' ``upd_rank.py``) or from the RL checkpoint
     (``rest="rl"``: embeddings, lm_head and norms keep their full update). Returns per tensor: tensor,
     action (rank1 | base | rl), rows, cols, drift_norm (‖ΔW‖_F), sigma1 and rank1_energy (σ₁²/‖ΔW‖²_F).
+    ``other_rest_path`` also writes the other ``rest`` variant there, its rank-1 tensors read back from
+    ``out_path`` rather than decomposed again.
     """
     if rest not in ("base", "rl"):
         raise ValueError(f"rest must be 'base' or 'rl', not {rest!r}")
@@ -214,4 +217,12 @@ def alpharl_rank1(base_checkpoint: str | os.PathLike, rl_checkpoint: str | os.Pa
         meta = {"dynascope": "alpharl_rank1", "rest": rest, "base": str(Path(base_checkpoint)),
                 "rl": str(Path(rl_checkpoint))}
         write_safetensors(out_path, specs, tensors(), metadata=meta)
+        if other_rest_path is not None:
+            other = "rl" if rest == "base" else "base"
+            with open_checkpoint(out_path) as done:
+                rank1 = {r["tensor"] for r in report if r["action"] == "rank1"}
+                src = {"base": base, "rl": rl}[other]
+                write_safetensors(other_rest_path, specs,
+                                  (done.get(n) if n in rank1 else src.get(n).to(dt) for n, _, dt in specs),
+                                  metadata={**meta, "rest": other})
     return pl.DataFrame([{k: r.get(k) for k in _ALPHARL_SCHEMA} for r in report], schema=_ALPHARL_SCHEMA)

@@ -62,8 +62,11 @@ def test_which_tensors_are_replaced():
 def test_rank1_replacement_exact_in_float64(tmp_path, rest):
     base, rl, want = _checkpoints(tmp_path)
     report = alpharl_rank1(tmp_path / "base.safetensors", tmp_path / "rl.safetensors", tmp_path / "out.safetensors",
-                           rest=rest)
+                           rest=rest, other_rest_path=tmp_path / "other.safetensors")
     out = load_file(tmp_path / "out.safetensors")
+    other = load_file(tmp_path / "other.safetensors")  # the other variant, same rank-1 tensors
+    for n in base:
+        assert torch.equal(other[n], out[n] if n in (Q, UP) else (rl[n] if rest == "base" else base[n])), n
     assert set(out) == set(base)
     for n in (Q, UP):  # ‖ΔW‖_F·u₁v₁ᵀ; u₁v₁ᵀ's sign is unique, so this is exact up to float64 rounding
         torch.testing.assert_close(out[n], want[n], rtol=0, atol=1e-12)

@@ -131,8 +131,9 @@ def train(s: SmolSettings, say=print) -> dict[str, float]:
 
     # AlphaRL: rank-1 replacement of RL's update, evaluated on the rollout copy (not the probed model).
     with scope.phase("alpharl"):
-        for key, rest, name in (("rank1", "base", RANK1_FILE), ("rank1_rest_rl", "rl", RANK1_REST_RL_FILE)):
-            alpharl_rank1(run_dir / THETA0_FILE, run_dir / FINAL_FILE, run_dir / name, rest=rest)
+        alpharl_rank1(run_dir / THETA0_FILE, run_dir / FINAL_FILE, run_dir / RANK1_FILE, rest="base",
+                      other_rest_path=run_dir / RANK1_REST_RL_FILE)  # one SVD per weight for both variants
+        for key, name in (("rank1", RANK1_FILE), ("rank1_rest_rl", RANK1_REST_RL_FILE)):
             load_weights(rollout, run_dir / name)
             out[key] = accuracy(rollout, tok, held_out, cfg.max_new_tokens)
     scope.log(**{f"alpharl/{k}_accuracy": v for k, v in out.items()})
