@@ -116,7 +116,7 @@ def print_reproduction(s: SmolSettings, console: Console, train_s: float) -> Non
                   "much lower than RL (SFT updates are dense)", *_mukherjee(con, cols, "sft"))
         t.add_row("AlphaRL rank-1 replacement: held-out reward of base, RL and W_base + ‖ΔW‖_F·u₁v₁ᵀ",
                   "rank-1 recovers >99% of RL's gain (arXiv 2510.00553)", *_alpharl(con))
-        t.add_row("bf16 delta weight sync: bytes of changed elements (cheaper of value+index, bitmap)",
+        t.add_row("bf16 delta weight sync: bytes of changed elements (cheapest of value+index, bitmap, full)",
                   "verl: ~1–3% of parameter bytes per step", *_delta_sync(con))
         console.print(t)
         pre = _scalar(con, "alpharl/pretrained_accuracy")
