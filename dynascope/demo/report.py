@@ -114,8 +114,9 @@ def _dynamics(con: StoreConnection, console: Console) -> None:
         t.add_row("top-k energy of RL's ΔW", "", _pct(last["topk_energy"]))
     console.print(t)
     console.print("[dim]These updates are dense because this small model is trained from scratch at lr 1e-3 in "
-                  "fp32, so nearly every weight moves by more than bf16 resolves at every step; for the papers' "
-                  "regime (a pretrained model, lr ≈ 1e-6, bf16) run [bold]dynascope demo --model smollm2[/].[/]")
+                  "fp32: Adam moves nearly every weight at every step (the bit-exact row), and most of those moves "
+                  "still show after rounding to bf16 (the PULSE row). For the papers' regime (a pretrained model, "
+                  "lr ≈ 1e-6, bf16) run [bold]dynascope demo --model smollm2[/].[/]")
 
 
 def _time(con: StoreConnection, console: Console, rl_start: int | None) -> None:

@@ -191,4 +191,4 @@ def _schedules(path: str, run: str) -> None:
     stale = data.analysis(analyses.schedule_staleness, path, **params).filter(pl.col("schedule") == name)
     if stale.height > 1:
         charts.show(charts.bars(stale.with_columns(pl.col("staleness").cast(pl.String)), "staleness", "share_pct",
-                                None, f"staleness of trained samples: {name}", "% of samples"), "cl_sched_stale")
+                                None, f"staleness of trained samples: {name}", "% of samples"), "cl_sched_stale_chart")
