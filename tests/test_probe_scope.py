@@ -100,7 +100,7 @@ def test_full_coverage_matches_naive(tmp_path: Path) -> None:
 
 def test_default_budget_rotates_a_window(tmp_path: Path) -> None:
     run = tmp_path / "rot"
-    truth, _ = train(run, 12, time_budget=None)
+    truth, _ = train(run, 12, time_budget=None, drift_every=1)  # drift at every window (the cadence: test_probe_cadence)
     got = rows(run, "select * from tensor_stats order by step, tensor")
     assert len(got) == 12 * len(truth[0])
     # light stats on every tensor: norms, and NaN/Inf counts proven 0 by the finite norms
