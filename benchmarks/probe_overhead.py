@@ -1,6 +1,6 @@
 """Probe overhead: median step time and peak extra memory, dynascope vs no probe vs peers.
 
-Reference workload (the issue's): 6-layer d=256 pre-norm transformer, vocab 2048, batch 16×64, AdamW,
+Reference workload: 6-layer d=256 pre-norm transformer, vocab 2048, batch 16×64, AdamW,
 ``torch.set_num_threads(2)``. Every measurement runs in a fresh child process (one after another,
 configurations interleaved across ``--rounds``), so hooks never leak and each peak is the child's own:
 

@@ -1,6 +1,6 @@
 """watch() end to end on CPU: every recorded statistic against a naive per-tensor reference.
 
-The model has the awkward cases the issue lists: tied weights, a bf16 submodule, a frozen parameter in
+The model has the awkward cases real models have: tied weights, a bf16 submodule, a frozen parameter in
 the optimizer, a parameter that never gets a gradient, and an empty parameter.
 """
 
