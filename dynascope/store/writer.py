@@ -185,7 +185,8 @@ class RunWriter:
         })
 
     def _drop_oldest_locked(self) -> None:
-        # Oldest batches of the largest table go first; the count becomes one events row per table at the
+        # Oldest batches (by arrival, not by step: a probe's rows come from its own thread, after the
+        # step they describe) of the largest table go first; the count becomes one events row per table at the
         # next flush (not one per drop: a writer far behind drops on every append).
         while self._buffered > self.max_buffer_rows:
             table, victim = max(self._buffers.items(), key=lambda kv: kv[1].rows)
