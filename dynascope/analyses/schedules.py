@@ -34,8 +34,9 @@ import polars as pl
 
 from dynascope.analyses._common import StoreLike, as_store, frame, run_clause
 from dynascope.analyses._schedule_sim import Pieces, Pool, Result, replay, sequential
-from dynascope.analyses.steps import SYNC, TOP_LEVEL, step_rows_sql
-from dynascope.analyses.stragglers import _in, _seg_sql
+from dynascope.analyses._timing_rows import Vocabulary, frame_with_vocabulary, keyed_sql, seg_sql
+from dynascope.analyses.steps import step_rows_sql
+from dynascope.analyses.stragglers import _in
 
 __all__ = ["rl_throughput", "schedule_inputs", "schedule_staleness", "schedule_what_if"]
 
@@ -47,49 +48,28 @@ _K = "run_id, role, rank, step"
 
 
 def _inputs_sql(run: str | None, rollout_phases: Sequence[str], sync_phases: Sequence[str],
-                extra_phase: str | None, tail_q: float) -> str:
+                extra_phase: str | None, tail_q: float, v: Vocabulary) -> str:
     ro, ws = _in("phase", rollout_phases), _in("phase", sync_phases)
     extra = _in("phase", [extra_phase]) if extra_phase else "FALSE"
+    top = "AND NOT is_step"  # the step row's phase is never a rollout, sync or extra phase
+    keyed = keyed_sql(run, v, columns=f", {ro} AS ro, {ws} AS ws, {extra} AS extra", aggregates=f""",
+                   MIN(start_us) FILTER (WHERE ro {top}) AS ro_start, SUM(dur_us) FILTER (WHERE ro {top}) AS ro_us,
+                   coalesce(SUM(dur_us) FILTER (WHERE ws {top}), 0) AS ws_us,
+                   coalesce(SUM(dur_us) FILTER (WHERE extra {top}), 0) AS extra_us""", having=f" AND bool_or(ro {top})")
     return f"""
-        WITH t AS (
-            SELECT run_id, coalesce(role, '') AS role, rank, step, phase, {SYNC} AS sync, start_us, dur_us,
-                   {ro} AS ro, {ws} AS ws, {extra} AS extra
-            FROM timings WHERE {TOP_LEVEL}{run_clause(run)}),
-        rs AS (
-            SELECT {_K}, SUM(dur_us) AS covered, MAX(start_us) AS last_us,
-                   MIN(start_us) FILTER (WHERE sync) AS sync1_us, COUNT(*) FILTER (WHERE sync) AS syncs,
-                   list(start_us) FILTER (WHERE sync) AS sync_us, MIN(start_us) FILTER (WHERE ro) AS ro_start,
-                   SUM(dur_us) FILTER (WHERE ro) AS ro_us, coalesce(SUM(dur_us) FILTER (WHERE ws), 0) AS ws_us,
-                   coalesce(SUM(dur_us) FILTER (WHERE extra), 0) AS extra_us
-            FROM t GROUP BY ALL HAVING bool_or(ro)),
-        ks AS (SELECT st.step_us::DOUBLE AS step_us, st.start_us AS step_start_us, rs.* FROM ({step_rows_sql(run)}) st JOIN rs USING ({_K})),
-        pre AS (
-            SELECT t.run_id, t.role, t.rank, t.step, SUM(t.dur_us) AS pre_us FROM t JOIN ks USING ({_K})
-            WHERE NOT (t.ro OR t.ws OR t.sync) AND t.start_us < ks.ro_start GROUP BY ALL),
-        seg AS (  -- busy and sync µs per rank and segment, remainder in the last one (stragglers' model)
-            SELECT t.run_id, t.role, t.rank, t.step, {_seg_sql('t.start_us')} AS seg,
+        WITH {keyed},
+        seg AS (  -- busy and sync µs per rank and segment, remainder in the last one (stragglers' model), and
+                  -- the trainer work before the rollout
+            SELECT t.run_id, t.role, t.rank, t.step, {seg_sql('t.start_us')} AS seg,
                    SUM(CASE WHEN t.sync THEN 0 ELSE t.dur_us END)::DOUBLE AS busy,
-                   SUM(CASE WHEN t.sync THEN t.dur_us ELSE 0 END)::DOUBLE AS sync
-            FROM t JOIN ks USING ({_K}) GROUP BY ALL
+                   SUM(CASE WHEN t.sync THEN t.dur_us ELSE 0 END)::DOUBLE AS sync,
+                   SUM(t.dur_us) FILTER (WHERE NOT (t.ro OR t.ws OR t.sync) AND t.start_us < ks.ro_start) AS pre_us
+            FROM t JOIN ks USING ({_K}) WHERE NOT t.is_step GROUP BY ALL
             UNION ALL
-            SELECT run_id, role, rank, step, {_seg_sql('ks.last_us')}, step_us - coalesce(covered, 0), 0.0 FROM ks),
-        -- A rank's work after its last sync row of step t and before its first of step t+1 is one stretch
-        -- between two collectives: replay it as one segment (split at the step boundary, each half would
-        -- wait for its own slowest rank). It counts in step t+1.
-        nxt AS (SELECT ks.run_id, ks.role, ks.rank, ks.step, ks.syncs,
-                       LEAD(ks.step) OVER (PARTITION BY ks.run_id, ks.role, ks.rank ORDER BY ks.step) = ks.step + 1
-                       AND LEAD(ks.syncs) OVER (PARTITION BY ks.run_id, ks.role, ks.rank ORDER BY ks.step) > 0
-                       AS carry FROM ks),
-        per AS (SELECT seg.run_id, seg.role, seg.rank,
-                       CASE WHEN nxt.carry AND nxt.syncs > 0 AND seg.seg = nxt.syncs THEN seg.step + 1 ELSE seg.step END AS step,
-                       CASE WHEN nxt.carry AND nxt.syncs > 0 AND seg.seg = nxt.syncs THEN 0 ELSE seg.seg END AS seg,
-                       SUM(busy) AS busy, SUM(sync) AS sync
-                FROM seg JOIN nxt USING (run_id, role, rank, step) GROUP BY ALL),
-        sim AS (
-            SELECT run_id, role, step, SUM(t) AS sim_us
-            FROM (SELECT run_id, role, step, seg, MAX(busy) + MIN(sync) AS t FROM per GROUP BY ALL) GROUP BY ALL),
-        d AS (SELECT run_id, rank, step, gen_end_us - gen_start_us AS d FROM samples
-              WHERE step IS NOT NULL{run_clause(run)}),
+            SELECT run_id, role, rank, step, {seg_sql('ks.last_us')}, step_us - coalesce(covered, 0), 0.0, NULL FROM ks),
+        pre AS (SELECT {_K}, SUM(pre_us) AS pre_us FROM seg GROUP BY ALL),
+        d AS (SELECT TRY_CAST(run_id AS {v.run_ids}) AS run_id, rank, step, gen_end_us - gen_start_us AS d
+              FROM samples WHERE step IS NOT NULL{run_clause(run)}),
         q AS (SELECT run_id, rank, step, COUNT(*) AS n, MAX(d) AS gen_max, quantile_cont(d, {tail_q}) AS gen_cut
               FROM d GROUP BY ALL),
         smp AS (
@@ -97,18 +77,30 @@ def _inputs_sql(run: str | None, rollout_phases: Sequence[str], sync_phases: Seq
                    ANY_VALUE(q.gen_cut) AS gen_cut, COUNT(*) FILTER (WHERE d.d > q.gen_cut) AS n_tail
             FROM q JOIN d USING (run_id, rank, step) GROUP BY q.run_id, q.rank, q.step),
         rk AS (  -- per rank: the rollout with its tail cut, and (partial rollout) with the carry-over
-            SELECT ks.run_id, ks.role, ks.rank, ks.step, ks.step_us, ks.step_start_us, ks.ro_us, ks.ws_us, ks.extra_us,
-                   coalesce(pre.pre_us, 0) AS pre_us, coalesce(smp.n, 0) AS n, coalesce(smp.n_tail, 0) AS n_tail,
-                   coalesce(smp.gen_max - smp.gen_cut, 0) AS carry_us,
+            SELECT ks.run_id, ks.role, ks.rank, ks.step, ks.syncs, ks.step_us, ks.step_start_us, ks.ro_us, ks.ws_us,
+                   ks.extra_us, coalesce(pre.pre_us, 0) AS pre_us, coalesce(smp.n, 0) AS n,
+                   coalesce(smp.n_tail, 0) AS n_tail, coalesce(smp.gen_max - smp.gen_cut, 0) AS carry_us,
                    ks.ro_us - coalesce(smp.gen_max, 0) AS outside_us, smp.gen_cut
             FROM ks LEFT JOIN pre USING ({_K}) LEFT JOIN smp USING (run_id, rank, step)),
-        rk2 AS (
+        -- A rank's work after its last sync row of step t and before its first of step t+1 is one stretch
+        -- between two collectives: replay it as one segment (split at the step boundary, each half would
+        -- wait for its own slowest rank). It counts in step t+1 (``carry``).
+        rk2 AS MATERIALIZED (
             SELECT *, outside_us + gen_cut AS cut_us,
                    outside_us + greatest(gen_cut, coalesce(LAG(carry_us) OVER w, 0)) AS partial_us,
-                   coalesce(LAG(n_tail) OVER w, 0) AS carried_in
-            FROM rk WINDOW w AS (PARTITION BY run_id, role, rank ORDER BY step))
-        SELECT run_id, role, step, COUNT(*) AS ranks, MAX(step_us) AS measured_us, ANY_VALUE(sim_us) AS sim_us,
-               MIN(step_start_us) AS start_us, MAX(step_start_us + step_us) AS end_us,
+                   coalesce(LAG(n_tail) OVER w, 0) AS carried_in,
+                   LEAD(step) OVER w = step + 1 AND LEAD(syncs) OVER w > 0 AS carry
+            FROM rk WINDOW w AS (PARTITION BY run_id, role, rank ORDER BY step)),
+        per AS (SELECT seg.run_id, seg.role, seg.rank,
+                       CASE WHEN nxt.carry AND nxt.syncs > 0 AND seg.seg = nxt.syncs THEN seg.step + 1 ELSE seg.step END AS step,
+                       CASE WHEN nxt.carry AND nxt.syncs > 0 AND seg.seg = nxt.syncs THEN 0 ELSE seg.seg END AS seg,
+                       SUM(busy) AS busy, SUM(sync) AS sync
+                FROM seg JOIN rk2 nxt USING ({_K}) GROUP BY ALL),
+        sim AS (
+            SELECT run_id, role, step, SUM(t) AS sim_us
+            FROM (SELECT run_id, role, step, seg, MAX(busy) + MIN(sync) AS t FROM per GROUP BY ALL) GROUP BY ALL)
+        SELECT run_id::VARCHAR AS run_id, role::VARCHAR AS role, step, COUNT(*) AS ranks, MAX(step_us) AS measured_us,
+               ANY_VALUE(sim_us) AS sim_us, MIN(step_start_us) AS start_us, MAX(step_start_us + step_us) AS end_us,
                MAX(pre_us)::DOUBLE AS pre_us, MAX(ws_us)::DOUBLE AS sync_us, MAX(ro_us)::DOUBLE AS rollout_us,
                MAX(extra_us)::DOUBLE AS extra_us, MAX(coalesce(cut_us, ro_us))::DOUBLE AS rollout_cut_us,
                MAX(coalesce(partial_us, ro_us))::DOUBLE AS rollout_partial_us, SUM(n)::BIGINT AS samples,
@@ -133,7 +125,8 @@ def schedule_inputs(store: StoreLike, run: str | None = None, *, tail_pct: float
     """
     if not 0 < tail_pct <= 100:
         raise ValueError(f"tail_pct must be in (0, 100], not {tail_pct}")
-    df = frame(as_store(store), _inputs_sql(run, rollout_phases, sync_phases, behaviour_logprob_phase, tail_pct / 100))
+    df = frame_with_vocabulary(as_store(store), run, lambda v: _inputs_sql(
+        run, rollout_phases, sync_phases, behaviour_logprob_phase, tail_pct / 100, v))
     ms = {c: pl.col(f"{c}_us") / 1e3 for c in ("pre", "sync", "rollout", "extra", "rollout_cut", "rollout_partial")}
     return df.select(
         "run_id", "role", "step", pl.col("ranks").cast(pl.Int64), (pl.col("measured_us") / 1e3).alias("measured_ms"),

@@ -31,12 +31,12 @@ from collections.abc import Iterable
 import polars as pl
 
 from dynascope.analyses._common import StoreLike, as_store, frame, run_clause
-from dynascope.analyses.steps import SYNC, TOP_LEVEL, step_rows_sql
+from dynascope.analyses._timing_rows import REMAINDER as REMAINDER  # stragglers_shared reads it here
+from dynascope.analyses._timing_rows import Vocabulary, frame_with_vocabulary, rows_sql
 from dynascope.store import quote_literal
 
 __all__ = ["straggler_scores", "what_if", "what_if_steps"]
 
-REMAINDER = "(uninstrumented)"
 _G = ["run_id", "role", "step"]
 
 
@@ -105,49 +105,6 @@ def straggler_scores(store: StoreLike, run: str | None = None, *, window: int = 
         ORDER BY excess_ms DESC, score ASC NULLS LAST, run_id, role, rank, phase""")
 
 
-_K = "run_id, role, rank, step"
-
-
-def _seg_sql(at: str) -> str:
-    """Segment of a row starting at ``at``: how many of its rank-step's sync rows start before it (a row
-    at the same start as a sync row precedes it). One sync row, the usual case, needs no list."""
-    return (f"(CASE WHEN ks.syncs = 0 THEN 0 WHEN ks.syncs = 1 THEN ({at} > ks.sync1_us)::INTEGER "
-            f"ELSE len(list_filter(ks.sync_us, lambda x: x < {at})) END)::BIGINT")
-
-
-def _rows_sql(run: str | None) -> str:
-    """Top-level rows summed per (rank, step, segment, phase) plus each rank's remainder row, with the
-    cross-rank median of each busy (step, segment, phase) as ``med_us``: the input of every simulation.
-
-    Only rank-steps with a step row count. Everything is hash aggregation and joins (no window sort): the
-    segment of a row comes from its rank-step's sync start times (see ``_seg_sql``)."""
-    return f"""
-        WITH t AS (
-            SELECT run_id, coalesce(role, '') AS role, rank, step, phase, {SYNC} AS sync, start_us, dur_us
-            FROM timings WHERE {TOP_LEVEL}{run_clause(run)}),
-        rs AS (
-            SELECT {_K}, SUM(dur_us) AS covered, MAX(start_us) AS last_us,
-                   MIN(start_us) FILTER (WHERE sync) AS sync1_us, COUNT(*) FILTER (WHERE sync) AS syncs,
-                   list(start_us) FILTER (WHERE sync) AS sync_us
-            FROM t GROUP BY ALL),
-        ks AS (
-            SELECT st.run_id, st.role, st.rank, st.step, st.step_us::DOUBLE AS step_us, rs.covered, rs.last_us,
-                   rs.sync1_us, coalesce(rs.syncs, 0) AS syncs, rs.sync_us
-            FROM ({step_rows_sql(run)}) st LEFT JOIN rs USING ({_K})),
-        rows AS (
-            SELECT t.run_id, t.role, t.rank, t.step, {_seg_sql('t.start_us')} AS seg, t.phase, t.sync,
-                   SUM(t.dur_us)::DOUBLE AS dur_us
-            FROM t JOIN ks USING ({_K}) GROUP BY ALL
-            UNION ALL
-            -- the remainder: step time not covered by top-level rows, busy time in the rank's last segment
-            SELECT run_id, role, rank, step, {_seg_sql('ks.last_us')}, {quote_literal(REMAINDER)}, false,
-                   step_us - coalesce(covered, 0.0)
-            FROM ks)
-        SELECT rows.*, med.med_us FROM rows LEFT JOIN (
-            SELECT run_id, role, step, seg, phase, median(dur_us) AS med_us FROM rows WHERE NOT sync GROUP BY ALL
-        ) med USING (run_id, role, step, seg, phase)"""
-
-
 def _in(col: str, values: Iterable[str | int] | None) -> str:
     """SQL truth value of ``col IN values`` (TRUE for None: no restriction)."""
     if values is None:
@@ -199,17 +156,19 @@ def what_if_steps(store: StoreLike, run: str | None = None, *, ranks: Iterable[i
         replace = "FALSE"
     else:
         replace = f"{'TRUE' if ranks == 'all' else _in('rank', ranks)} AND {_in('phase', phases)}"
-    df = frame(as_store(store), f"""
-        WITH rows AS ({_rows_sql(run)}),
+
+    def sql(v: Vocabulary) -> str:
+        return f"""
+        WITH {rows_sql(run, v)},
         pr AS ({_per_rank_sql('rows', replace)}),
         sg AS ({_segments_sql('pr')}),
         sim AS ({_simulate_sql('sg')}),
-        measured AS (SELECT run_id, role, step, COUNT(*) AS ranks, MAX(step_us) AS step_us
-                     FROM ({step_rows_sql(run)}) GROUP BY ALL)
-        SELECT run_id, role, step, ranks, step_us / 1e3 AS measured_ms, sim_us / 1e3 AS simulated_base_ms,
-               new_us / 1e3 AS simulated_ms, (sim_us - new_us) / 1e3 AS saved_ms
+        measured AS (SELECT run_id, role, step, COUNT(*) AS ranks, MAX(step_us) AS step_us FROM ks GROUP BY ALL)
+        SELECT run_id::VARCHAR AS run_id, role::VARCHAR AS role, step, ranks, step_us / 1e3 AS measured_ms,
+               sim_us / 1e3 AS simulated_base_ms, new_us / 1e3 AS simulated_ms, (sim_us - new_us) / 1e3 AS saved_ms
         FROM measured JOIN sim USING (run_id, role, step)
-        ORDER BY run_id, role, step""")
+        ORDER BY run_id, role, step"""
+    df = frame_with_vocabulary(as_store(store), run, sql)
     return df.cast(_STEP_SCHEMA) if not df.is_empty() else pl.DataFrame(schema=_STEP_SCHEMA)
 
 
@@ -235,7 +194,7 @@ def what_if(store: StoreLike, run: str | None = None, *, ranks: Iterable[int] | 
     chosen = _in("rank", ranks)
     by_phase_sql = "" if not by_phase else f"""
         UNION ALL
-        SELECT k.run_id, k.role, k.rank, 'rank ' || k.rank || ' ' || ph.phase, ph.phase,
+        SELECT k.run_id, k.role, k.rank, 'rank ' || k.rank || ' ' || ph.phase, ph.phase::VARCHAR,
                coalesce(bp.saved_us, 0.0)
         FROM (SELECT DISTINCT run_id, role, rank FROM pr WHERE {chosen}) k
         CROSS JOIN (SELECT DISTINCT phase FROM rows WHERE NOT sync AND {_in('phase', phases)}) ph
@@ -246,12 +205,14 @@ def what_if(store: StoreLike, run: str | None = None, *, ranks: Iterable[int] | 
                   FROM rows WHERE NOT sync GROUP BY ALL) d
             JOIN other o USING (run_id, role, step, seg, rank)
             GROUP BY ALL) bp USING (run_id, role, rank, phase)"""
-    df = frame(as_store(store), f"""
-        WITH rows AS {'MATERIALIZED ' if by_phase else ''}({_rows_sql(run)}),
+
+    def sql(v: Vocabulary) -> str:
+        return f"""
+        WITH {rows_sql(run, v, materialized=by_phase)},
         pr AS MATERIALIZED ({_per_rank_sql('rows', _in('phase', phases))}),
         sg AS MATERIALIZED ({_segments_sql('pr')}),
         sim AS ({_simulate_sql('sg')}),
-        measured AS (SELECT run_id, role, step, MAX(step_us) AS step_us FROM ({step_rows_sql(run)}) GROUP BY ALL),
+        measured AS (SELECT run_id, role, step, MAX(step_us) AS step_us FROM ks GROUP BY ALL),
         tot AS (SELECT run_id, role, COUNT(*) AS steps, SUM(step_us) AS step_us, SUM(sim_us) AS sim_us,
                        SUM(sim_us - new_us) AS all_saved_us
                 FROM measured JOIN sim USING (run_id, role, step) GROUP BY ALL),
@@ -266,10 +227,11 @@ def what_if(store: StoreLike, run: str | None = None, *, ranks: Iterable[int] | 
             FROM other WHERE {chosen} GROUP BY ALL{by_phase_sql}
             UNION ALL
             SELECT run_id, role, NULL, 'all ranks', NULL, all_saved_us FROM tot)
-        SELECT res.run_id, res.role, scenario, rank::BIGINT AS rank, phase, steps,
+        SELECT res.run_id::VARCHAR AS run_id, res.role::VARCHAR AS role, scenario, rank::BIGINT AS rank, phase, steps,
                step_us / 1e3 AS measured_ms, sim_us / 1e3 AS simulated_base_ms,
                (sim_us - saved_us) / 1e3 AS simulated_ms, saved_us / 1e3 AS saved_ms,
                100 * saved_us / sim_us AS saved_pct, 100 * abs(sim_us - step_us) / step_us AS reproduction_error_pct
         FROM res JOIN tot USING (run_id, role)
-        ORDER BY run_id, role, saved_ms DESC, scenario""")
+        ORDER BY run_id, role, saved_ms DESC, scenario"""
+    df = frame_with_vocabulary(as_store(store), run, sql)
     return df.cast(_WHAT_IF_SCHEMA) if not df.is_empty() else pl.DataFrame(schema=_WHAT_IF_SCHEMA)
