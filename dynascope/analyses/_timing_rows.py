@@ -72,7 +72,7 @@ def keyed_sql(run: str | None, v: Vocabulary, columns: str = "", aggregates: str
               having: str = "") -> str:
     """CTEs ``t`` (top-level rows and step rows, ``is_step`` marking the latter; ``columns`` adds columns,
     computed from timings' own columns) and ``ks`` (one row per rank-step with a step row: step_us,
-    step_start_us, covered, last_us, syncs, sync1_us, sync_us, plus ``aggregates``; ``having`` narrows it
+    covered, last_us, syncs, sync1_us, sync_us, plus ``aggregates``; ``having`` narrows it
     further)."""
     top = "FILTER (WHERE NOT is_step)"
     return f"""
@@ -82,7 +82,6 @@ def keyed_sql(run: str | None, v: Vocabulary, columns: str = "", aggregates: str
             FROM timings WHERE (({TOP_LEVEL}) OR ({STEP_ROW})){run_clause(run)}),
         ks AS MATERIALIZED (
             SELECT {KEYS}, MAX(dur_us) FILTER (WHERE is_step)::DOUBLE AS step_us,
-                   MIN(start_us) FILTER (WHERE is_step) AS step_start_us,
                    SUM(dur_us) {top} AS covered, MAX(start_us) {top} AS last_us,
                    COUNT(*) FILTER (WHERE sync) AS syncs, MIN(start_us) FILTER (WHERE sync) AS sync1_us,
                    list(start_us) FILTER (WHERE sync) AS sync_us{aggregates}

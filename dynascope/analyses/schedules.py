@@ -53,6 +53,7 @@ def _inputs_sql(run: str | None, rollout_phases: Sequence[str], sync_phases: Seq
     extra = _in("phase", [extra_phase]) if extra_phase else "FALSE"
     top = "AND NOT is_step"  # the step row's phase is never a rollout, sync or extra phase
     keyed = keyed_sql(run, v, columns=f", {ro} AS ro, {ws} AS ws, {extra} AS extra", aggregates=f""",
+                   MIN(start_us) FILTER (WHERE is_step) AS step_start_us,
                    MIN(start_us) FILTER (WHERE ro {top}) AS ro_start, SUM(dur_us) FILTER (WHERE ro {top}) AS ro_us,
                    coalesce(SUM(dur_us) FILTER (WHERE ws {top}), 0) AS ws_us,
                    coalesce(SUM(dur_us) FILTER (WHERE extra {top}), 0) AS extra_us""", having=f" AND bool_or(ro {top})")
