@@ -160,6 +160,7 @@ def evaluate(d: Path, cores: int) -> dict:
             steps = A.what_if_shared(d / "slow", ranks=[2], **{"devices": cores, **kw})
             pred = steps.filter(pl.col("step").is_in(rl))["simulated_ms"].mean()
             out[f"noslow_pred_{tag}_ms"] = pred
+            out[f"slow_replay_{tag}_ms"] = steps.filter(pl.col("step").is_in(rl))["simulated_base_ms"].mean()
             out[f"noslow_err_{tag}_pct"] = 100 * (pred - measured) / measured
         for k in ("slow", "even"):
             row = A.schedule_what_if(d / k, devices=cores).filter(pl.col("schedule") == "sync").row(0, named=True)
