@@ -144,7 +144,10 @@ def test_demo_runs_and_report_say_the_same_steps_and_shares(runs):
     assert re.search(rf"│\s+{steps}\s+│", listed), listed  # a final eval logged at step N is no step
     rollout = float(re.search(r"│ rollout\s+│[^│]+│\s+([\d.]+)%", printed).group(1))
     rl_line = next(line for line in report.splitlines() if line.startswith("  step time, rl "))
-    assert f"rollout {rollout:.0f}%" in rl_line, (rollout, rl_line)
+    shown = re.search(r"rollout (\d+)%", rl_line)
+    # The demo's table shows one decimal, the report none: the same share rounded twice (50.5 in the table
+    # can be 50.53, which the report shows as 51), so they agree to within the two roundings.
+    assert shown is not None and abs(int(shown.group(1)) - rollout) <= 0.5 + 0.05, (rollout, rl_line)
 
 
 def test_report_write_events_appends_detected_instability_once(tmp_path):
