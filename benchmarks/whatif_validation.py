@@ -157,10 +157,10 @@ def evaluate(d: Path, cores: int) -> dict:
                    noslow_runs=len(runs), noslow_spread_pct=100 * (max(runs) - min(runs)) / measured)
         for tag, kw in (("own", {}), ("plain", {"devices": 10**6}),
                         ("loaded", {"background": bg["slow"], "target_background": target_bg})):
-            steps = A.what_if_shared(d / "slow", ranks=[2], **{"devices": cores, **kw})
-            pred = steps.filter(pl.col("step").is_in(rl))["simulated_ms"].mean()
+            steps = A.what_if_shared(d / "slow", ranks=[2], **{"devices": cores, **kw}).filter(pl.col("step").is_in(rl))
+            pred = steps["simulated_ms"].mean()
             out[f"noslow_pred_{tag}_ms"] = pred
-            out[f"slow_replay_{tag}_ms"] = steps.filter(pl.col("step").is_in(rl))["simulated_base_ms"].mean()
+            out[f"slow_replay_{tag}_ms"] = steps["simulated_base_ms"].mean()
             out[f"noslow_err_{tag}_pct"] = 100 * (pred - measured) / measured
         for k in ("slow", "even"):
             row = A.schedule_what_if(d / k, devices=cores).filter(pl.col("schedule") == "sync").row(0, named=True)

@@ -20,10 +20,9 @@ import duckdb
 import polars as pl
 
 from dynascope.analyses._common import frame, run_clause
-from dynascope.analyses.steps import STEP_ROW, SYNC, TOP_LEVEL
+from dynascope.analyses.steps import REMAINDER, STEP_ROW, SYNC, TOP_LEVEL
 from dynascope.store import StoreConnection, quote_literal
 
-REMAINDER = "(uninstrumented)"
 KEYS = "run_id, role, rank, step"
 
 

@@ -33,7 +33,7 @@ from dynascope.analyses.rollouts import (
     tail_wait_share,
     zero_variance_groups,
 )
-from dynascope.analyses.steps import idle_time, step_breakdown
+from dynascope.analyses.steps import REMAINDER, idle_time, step_breakdown
 from dynascope.analyses.stragglers import straggler_scores, what_if
 from dynascope.analyses.throughput import throughput_mfu
 from dynascope.core.errors import first_line
@@ -191,7 +191,7 @@ def _idle(con, run: str) -> list[Finding]:
 
 def _remainder(con, run: str) -> list[Finding]:
     b = step_breakdown(con, run).filter(pl.col("step_ms").is_not_null())
-    rem = b.filter(pl.col("phase") == "(uninstrumented)")
+    rem = b.filter(pl.col("phase") == REMAINDER)
     if rem.is_empty():
         return []
     pct = 100 * rem["dur_ms"].sum() / rem["step_ms"].sum()

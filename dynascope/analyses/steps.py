@@ -19,6 +19,7 @@ from __future__ import annotations
 import polars as pl
 
 from dynascope.analyses._common import StoreLike, as_store, frame, run_clause
+from dynascope.store import quote_literal
 
 __all__ = ["critical_path", "idle_time", "step_breakdown"]
 
@@ -30,6 +31,8 @@ TOP_LEVEL = (
 )
 STEP_ROW = "step IS NOT NULL AND stream IS NULL AND (category = 'step' OR (category IS NULL AND phase = 'step'))"
 SYNC = "coalesce(category, 'phase') IN ('wait', 'comm')"
+# The phase name of a step's time outside its top-level rows (what no row covers).
+REMAINDER = "(uninstrumented)"
 
 
 def top_level_sql(run: str | None) -> str:
@@ -68,7 +71,7 @@ def step_breakdown(store: StoreLike, run: str | None = None) -> pl.DataFrame:
                100.0 * ph.dur_us / nullif(st.step_us, 0) AS share_pct
         FROM ph LEFT JOIN st USING ({KEYS})
         UNION ALL
-        SELECT st.run_id, st.role, st.rank, st.step, '(uninstrumented)', 'remainder',
+        SELECT st.run_id, st.role, st.rank, st.step, {quote_literal(REMAINDER)}, 'remainder',
                greatest(st.step_us - coalesce(tot.phases_us, 0), 0) / 1000.0, st.step_us / 1000.0,
                100.0 * greatest(st.step_us - coalesce(tot.phases_us, 0), 0) / nullif(st.step_us, 0)
         FROM st LEFT JOIN tot USING ({KEYS})

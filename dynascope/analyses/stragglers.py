@@ -31,8 +31,8 @@ from collections.abc import Iterable
 import polars as pl
 
 from dynascope.analyses._common import StoreLike, as_store, frame, run_clause
-from dynascope.analyses._timing_rows import REMAINDER as REMAINDER  # stragglers_shared reads it here
 from dynascope.analyses._timing_rows import Vocabulary, frame_with_vocabulary, rows_sql
+from dynascope.analyses.steps import REMAINDER as REMAINDER  # stragglers_shared reads it here
 from dynascope.store import quote_literal
 
 __all__ = ["straggler_scores", "what_if", "what_if_steps"]
