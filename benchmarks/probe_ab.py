@@ -39,7 +39,7 @@ from collections.abc import Callable
 from typing import Any
 
 # watch() keyword arguments per configuration. The per-statistic configurations each add one family:
-# timings alone (no tensor statistics), + ‖W‖/‖g‖ of every tensor every step (no window after the first),
+# timings alone (no tensor statistics), + ‖g‖ of every tensor every step and ‖W‖ every 8th (no window after the first),
 # + the windowed statistics of every tensor at every step (ΔW snapshot, ‖ΔW‖, changed fractions, sign
 # flips, gradient sparsity), + drift with θ₀ streamed from disk, + spectral summaries at every record.
 AB_CONFIGS: dict[str, dict[str, Any]] = {
@@ -263,10 +263,10 @@ def coverage(run: str, steps: int) -> dict[str, Any]:
     out: dict[str, Any] = {"steps": steps}
     try:
         for col in ("update_norm", "grad_zero_count", "drift_norm"):
-            rows = store._con.execute(
+            rows = store.rows(
                 f"SELECT tensor, list(step ORDER BY step) FROM tensor_stats WHERE {col} IS NOT NULL "
-                "GROUP BY tensor").fetchall()
-            n_tensors = store._con.execute("SELECT count(DISTINCT tensor) FROM tensor_stats").fetchone()[0]
+                "GROUP BY tensor")
+            n_tensors = store.rows("SELECT count(DISTINCT tensor) FROM tensor_stats")[0][0]
             covered = {t: s for t, s in rows}
             full = max(s[0] for s in covered.values()) + 1 if covered and len(covered) == n_tensors else None
             gaps = [b - a for s in covered.values() for a, b in zip(s, s[1:], strict=False)]
@@ -347,6 +347,13 @@ def print_rotation(rot: dict[str, Any] | None, label: str) -> None:
               f"{r['max_gap_steps'] if r['max_gap_steps'] is not None else '-':>9}")
 
 
+def model_args(ap: argparse.ArgumentParser, **defaults: str) -> None:
+    """The reference workload's options (``Loop`` reads them), with ``defaults`` overriding."""
+    for name, default in ({"device": "cpu", "warmup": "3", "threads": "2", "vocab": "2048", "layers": "6",
+                           "batch": "16", "seq": "64", "d-model": "256"} | defaults).items():
+        ap.add_argument(f"--{name}", default=default, type=str if name == "device" else int)
+
+
 def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--ab-rounds", type=int, default=7, help="A/B rounds (each: every config once)")
     ap.add_argument("--block", type=int, default=16, help="steps per A/B block")
@@ -355,9 +362,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for name, default in (("device", "cpu"), ("warmup", "3"), ("threads", "2"), ("vocab", "2048"),
-                          ("layers", "6"), ("batch", "16"), ("seq", "64"), ("d-model", "256")):
-        ap.add_argument(f"--{name}", default=default, type=str if name == "device" else int)
+    model_args(ap)
     add_args(ap)
     ap.add_argument("--configs", default="ds-default,ds-noref")
     ap.add_argument("--rotation-steps", type=int, default=0)

@@ -119,7 +119,7 @@ def background(run_dir: Path) -> float:
 
     samples = json.loads(run_dir.with_suffix(".load.json").read_text())
     with open_store(run_dir) as s:
-        t0, t1 = s._con.sql("SELECT MIN(start_us), MAX(start_us + dur_us) FROM timings WHERE phase = 'step' "
+        t0, t1 = s.sql("SELECT MIN(start_us), MAX(start_us + dur_us) FROM timings WHERE phase = 'step' "
                             "AND step >= (SELECT MIN(step) FROM samples)").fetchall()[0]
     inside = [b for t, b in samples if t0 <= t <= t1]
     return sum(inside) / len(inside) if inside else 0.0

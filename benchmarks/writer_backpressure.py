@@ -98,7 +98,7 @@ def main() -> None:
         med = statistics.median(ts)
         p90 = statistics.quantiles(ts, n=10)[-1]
         print(f"{name:<22} {med * 1e3:>15.3f} {p90 * 1e3:>12.3f} {med / base:>7.3f}")
-    events = open_store(root)._con.sql(
+    events = open_store(root).sql(
         "SELECT count(*), coalesce(sum(CAST(json_extract(fields_json, '$.dropped') AS BIGINT)), 0) "
         "FROM events WHERE event = 'rows_dropped'").fetchall()[0]
     print(f"\nslow writer: {written:,} rows written, {dropped:,} dropped (oldest first); "

@@ -374,8 +374,9 @@ def test_heatmap_cells_pool_the_raw_rows(store):
     raw = store.sql("SELECT step, update_norm, w_norm, changed_count, numel FROM tensor_stats "
                     "WHERE run_id = 'grpo-sync' AND layer = 2 AND kind IN ('q', 'k', 'mlp') AND step = 11").pl()
     cell = hm.filter((pl.col("layer") == 2) & (pl.col("step") == 11)).row(0, named=True)
+    upd = raw.filter(pl.col("update_norm").is_not_null())  # ‖W‖ of the rows that have an update
     assert cell["update ratio ‖ΔW‖/‖W‖"] == pytest.approx(
-        (raw["update_norm"] ** 2).sum() ** 0.5 / (raw["w_norm"] ** 2).sum() ** 0.5)
+        (upd["update_norm"] ** 2).sum() ** 0.5 / (upd["w_norm"] ** 2).sum() ** 0.5)
     assert cell["step-changed fraction"] == pytest.approx(raw["changed_count"].sum() / raw["numel"].sum())
     nf = params.nonfinite_steps(cube, "grpo-sync")
     assert nf["step"].to_list() == [13] and nf["nan"].to_list() == [3]
@@ -397,7 +398,7 @@ def test_per_step_sums_from_the_rollup_equal_the_raw_rows(store):
     key = ["step", "kind", "stage"]
     a, b = cube.sort(key), raw.sort(key)
     assert a.select(key).equals(b.select(key))
-    for col in ("dw2", "w2", "changed", "changed_numel", "bf16", "bf16_numel", "drift2", "drift_w2", "gzero", "gnear",
+    for col in ("dw2", "update_w2", "changed", "changed_numel", "bf16", "bf16_numel", "drift2", "drift_w2", "gzero", "gnear",
                 "grad_numel"):
         assert a[col].to_list() == pytest.approx(b[col].to_list(), rel=1e-12, nan_ok=True), col
     assert a["nan"].equals(b["nan"]) and a["inf"].equals(b["inf"])

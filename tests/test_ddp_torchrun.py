@@ -48,7 +48,7 @@ def test_ddp_two_ranks(tmp_path: Path) -> None:
     run = tmp_path / "ddp"
     torchrun(tmp_path, WORKER, run)
     con = dynascope.open_store(run)
-    q = lambda sql: con._con.sql(sql).pl().to_dicts()  # noqa: E731
+    q = lambda sql: con.sql(sql).pl().to_dicts()  # noqa: E731
     stats = q("select rank, count(*) as n, count(distinct step) as steps from tensor_stats group by rank "
               "order by rank")
     assert [(r["rank"], r["n"], r["steps"]) for r in stats] == [(0, 12, 3), (1, 12, 3)]

@@ -46,7 +46,7 @@ def tiny_training(steps, scope=None, writer=None, on_step=None):
 
 def events(run, kind):
     with open_store(run) as s:
-        return s._con.sql(f"SELECT count(*) FROM events WHERE event = '{kind}'").fetchall()[0][0]
+        return s.sql(f"SELECT count(*) FROM events WHERE event = '{kind}'").fetchall()[0][0]
 
 
 def test_run_dir_deleted_mid_training(tmp_path):
@@ -70,9 +70,9 @@ def test_run_dir_deleted_mid_training(tmp_path):
     assert (run / "dynascope.json").exists()
     with open_store(run) as s:
         # the loop's own metrics (the probes also log scalars, resolved off-thread and possibly later)
-        steps = {r[0] for r in s._con.sql("SELECT DISTINCT step FROM scalars WHERE key LIKE 'fault/%'").fetchall()}
+        steps = {r[0] for r in s.sql("SELECT DISTINCT step FROM scalars WHERE key LIKE 'fault/%'").fetchall()}
         assert steps == set(range(11, 40))  # everything appended after the deletion survived
-        assert s._con.sql("SELECT count(*) FROM tensor_stats WHERE step > 11").fetchall()[0][0] > 0
+        assert s.sql("SELECT count(*) FROM tensor_stats WHERE step > 11").fetchall()[0][0] > 0
     assert events(run, "run_dir_recreated") == 1
 
 
@@ -124,7 +124,7 @@ def test_transient_write_errors_lose_nothing(tmp_path, monkeypatch):
     assert failures["left"] == 0 and w.write_errors == 5 and w.rows_dropped == 0
     assert any("No space left" in str(c.message) for c in caught)
     with open_store(tmp_path / "run") as s:
-        assert s._con.sql("SELECT count(*) FROM scalars").fetchall() == [(30 * 50,)]
+        assert s.sql("SELECT count(*) FROM scalars").fetchall() == [(30 * 50,)]
     assert events(tmp_path / "run", "write_error") >= 1 and events(tmp_path / "run", "write_recovered") >= 1
 
 
@@ -146,7 +146,7 @@ def test_exception_in_writer_thread_is_reported(tmp_path):
     assert any("flush failed: RuntimeError: boom" in str(c.message) for c in caught)
     assert events(tmp_path / "run", "writer_error") == 1
     with open_store(tmp_path / "run") as s:  # the thread lived on: nothing was lost
-        assert s._con.sql("SELECT count(*) FROM scalars").fetchall() == [(20 * 50,)]
+        assert s.sql("SELECT count(*) FROM scalars").fetchall() == [(20 * 50,)]
 
 
 def test_writer_slower_than_training_drops_oldest(tmp_path):
@@ -217,7 +217,7 @@ def test_sigkill_at_100_random_points(tmp_path):
         durable = pool.map(_kill_one, jobs)
     runs = [j[0] for j in jobs if os.path.exists(os.path.join(j[0], "dynascope.json"))]
     with open_store(tmp_path) as s:  # the root of 100 killed runs opens, and every run reads
-        rows = s._con.sql("SELECT run_id, count(*), min(step), max(step), count(DISTINCT step) "
+        rows = s.sql("SELECT run_id, count(*), min(step), max(step), count(DISTINCT step) "
                           "FROM scalars GROUP BY 1").fetchall()
     got = {r[0]: r[1:] for r in rows}
     killed_mid_flush = 0

@@ -52,7 +52,7 @@ def test_fsdp2_shards_combine_to_global_stats(tmp_path: Path, monkeypatch: pytes
     torchrun(tmp_path, WORKER, run)
     truth = json.loads(Path(str(run) + ".truth.json").read_text())
     con = dynascope.open_store(run)
-    raw = con._con.sql("select * from tensor_stats").pl()
+    raw = con.sql("select * from tensor_stats").pl()
     assert set(raw["rank"].to_list()) == {0, 1} and raw["sharded"].all()
     # each rank holds half of the 16-row weight: local numel, not the global one
     w0 = raw.filter(raw["tensor"] == "0.weight")

@@ -1,4 +1,5 @@
-"""Cadence of the default set: drift at every 4th window a tensor is in, ΔW at every window; the probe's
+"""Cadence of the default set: drift at every 4th window a tensor is in, ΔW at every window, ‖W‖ of every
+tensor at every 8th record (and of the window's at each); the probe's
 threads at a lower CPU priority than training; watch()'s writer flushing every 10 s; CPython's full
 collection run inside watch(), not in a later training step.
 
@@ -21,6 +22,7 @@ import torch
 import dynascope
 from dynascope.probes.resolver import BACKGROUND_NICE, lower_priority
 from dynascope.probes.scope import WRITER_FLUSH_S
+from dynascope.probes.tensors import W_NORM_EVERY
 from dynascope.store.writer import RunWriter
 from tests.test_probe_scope import rows, train
 
@@ -73,10 +75,32 @@ def test_full_set_computes_drift_at_every_record(tmp_path: Path) -> None:
     assert len(got) == 6 * len(truth[0]) and all(r["drift_norm"] is not None for r in got)
 
 
+def test_weight_norm_of_every_tensor_every_eighth_record_and_exact(tmp_path: Path) -> None:
+    truth, _ = train(tmp_path / "w8", 20, time_budget=None)
+    got = rows(tmp_path / "w8", "select * from tensor_stats order by step, tensor")
+    for r in got:
+        full = r["step"] % W_NORM_EVERY == 0  # records 0, 8, 16 (one record per step here)
+        assert (r["w_norm"] is not None) == (full or r["update_norm"] is not None), (r["step"], r["tensor"])
+        if r["w_norm"] is not None:
+            assert r["w_norm"] == pytest.approx(truth[r["step"]][r["tensor"]][0][0], rel=1e-5, abs=1e-12)
+            assert r["w_nan_count"] == 0 and r["w_inf_count"] == 0
+        else:  # unknown, not zero: no pass over these weights at this record
+            assert r["w_nan_count"] is None and r["update_ratio"] is None
+        if r["update_norm"] is not None and r["w_norm"]:
+            assert r["update_ratio"] == pytest.approx(r["update_norm"] / r["w_norm"])
+    every = rows(tmp_path / "w8", "select count(*) as n, count(w_norm) as w from tensor_stats")[0]
+    assert every["w"] < every["n"]
+    train(tmp_path / "w1", 6, time_budget=None, w_norm_every=1)
+    one = rows(tmp_path / "w1", "select count(*) as n, count(w_norm) as w from tensor_stats")[0]
+    assert one["w"] == one["n"]
+
+
 def test_drift_every_must_be_positive(tmp_path: Path) -> None:
     model = torch.nn.Linear(3, 3)
     with pytest.raises(ValueError, match="drift_every"):
         dynascope.watch(model, torch.optim.SGD(model.parameters(), lr=0.1), run=tmp_path / "bad", drift_every=0)
+    with pytest.raises(ValueError, match="w_norm_every"):
+        dynascope.watch(model, torch.optim.SGD(model.parameters(), lr=0.1), run=tmp_path / "bad2", w_norm_every=0)
 
 
 def test_watch_writer_flushes_every_ten_seconds_and_a_shared_writer_keeps_its_own(tmp_path: Path) -> None:

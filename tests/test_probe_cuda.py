@@ -39,7 +39,7 @@ def test_watch_on_cuda(tmp_path: Path) -> None:
                 model(torch.randn(32, 64, device="cuda")).pow(2).mean().backward()
                 opt.step()
                 opt.zero_grad()
-    q = lambda sql: dynascope.open_store(run)._con.sql(sql).pl().to_dicts()  # noqa: E731
+    q = lambda sql: dynascope.open_store(run).sql(sql).pl().to_dicts()  # noqa: E731
     stats = q("select * from tensor_stats where step = 3 order by tensor")
     assert len(stats) == 4 and all(r["update_norm"] > 0 and r["ref_covered"] for r in stats)
     t = q("select phase, min(dur_us) as lo, max(device) as dev from timings group by phase")

@@ -38,12 +38,12 @@ def test_probe_holds_at_most_its_budget(tmp_path: Path, bf16_k: int | None) -> N
         peak = held_peak(scope.stats, step, 20, torch.device("cpu"))
         if bf16_k:
             assert scope.stats.history.resident_bytes == 0 and scope.stats.history.path.exists()
-    covered = dynascope.open_store(tmp_path / "run")._con.sql(
+    covered = dynascope.open_store(tmp_path / "run").sql(
         "select count(distinct tensor) from tensor_stats where update_norm is not null and ref_covered").fetchall()
     assert covered == [(32,)]  # the rotation reached every tensor, ΔW and drift alike
     assert 0.05 * param_bytes < peak <= 0.1 * param_bytes, peak / param_bytes
     if bf16_k:
-        k_steps = dynascope.open_store(tmp_path / "run")._con.sql(
+        k_steps = dynascope.open_store(tmp_path / "run").sql(
             "select distinct step from tensor_stats where bf16_unchanged_k_count is not null order by 1").fetchall()
         assert k_steps == [(3,), (6,), (9,), (12,), (15,), (18,)]  # every k-th step, within the same budget
 

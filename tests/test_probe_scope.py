@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 import dynascope
+from dynascope.probes.tensors import W_NORM_EVERY
 from tests.test_probe_stats import naive_grad, naive_update
 
 
@@ -62,7 +63,7 @@ def train(run: Path, steps: int, **kw) -> tuple[list[dict], nn.Module]:
 
 def rows(run: Path, sql: str) -> list[dict]:
     con = dynascope.open_store(run)
-    return con._con.sql(sql).pl().to_dicts()
+    return con.sql(sql).pl().to_dicts()
 
 
 def test_full_coverage_matches_naive(tmp_path: Path) -> None:
@@ -103,8 +104,11 @@ def test_default_budget_rotates_a_window(tmp_path: Path) -> None:
     truth, _ = train(run, 12, time_budget=None, drift_every=1)  # drift at every window (the cadence: test_probe_cadence)
     got = rows(run, "select * from tensor_stats order by step, tensor")
     assert len(got) == 12 * len(truth[0])
-    # light stats on every tensor: norms, and NaN/Inf counts proven 0 by the finite norms
-    assert all(r["w_norm"] is not None and r["w_nan_count"] == 0 for r in got)
+    # ‖W‖ of every tensor at every 8th record and of the window's at each (test_probe_cadence), with its
+    # NaN/Inf counts proven 0 by the finite norms; ‖g‖ of every tensor at every record
+    has_w = [r["step"] % W_NORM_EVERY == 0 or r["update_norm"] is not None for r in got]
+    assert [r["w_norm"] is not None for r in got] == has_w and not all(has_w)
+    assert all(r["w_nan_count"] == 0 for r, h in zip(got, has_w, strict=True) if h)
     assert all(r["grad_norm"] is not None and r["grad_inf_count"] == 0 for r in got if r["tensor"] != "unused.weight"
                and not r["tensor"].startswith(("frozen", "unused")))
     covered = [r for r in got if r["update_norm"] is not None]
@@ -241,5 +245,7 @@ def test_time_budget_thins_windows_but_not_light_stats(tmp_path: Path) -> None:
     truth, _ = train(run, 12, time_budget=1e-9)  # windows cost more than this budget ever earns back
     got = rows(run, "select step, count(update_norm) as windowed, count(w_norm) as light from tensor_stats "
                     "group by step order by step")
-    assert [r["light"] for r in got] == [len(truth[0])] * 12
+    # ‖W‖: every tensor at records 0 and 8, the window's tensors (if a window was taken) at the others
+    assert [r["light"] for r in got] == [len(truth[0]) if r["step"] % W_NORM_EVERY == 0 else r["windowed"]
+                                         for r in got]
     assert got[0]["windowed"] > 0 and sum(r["windowed"] > 0 for r in got) < 12

@@ -11,7 +11,9 @@ from dynascope.probes.grad_stats import grad_counts, grad_norms
 from dynascope.probes.update_stats import (
     DRIFT_STAT_COLUMNS,
     UPDATE_STAT_COLUMNS,
+    SnapshotArena,
     UpdateStats,
+    tensor_update_stats,
     weight_drift_stats,
     weight_update_stats,
 )
@@ -175,3 +177,33 @@ def test_chunked_statistics_equal_whole_tensor_ones(dtype: torch.dtype, chunk: i
     gn = grad_norms(g)[:, 0]
     torch.testing.assert_close(grad_counts(g, gn, chunk_elems=chunk), grad_counts(g, gn), rtol=0, atol=0,
                                equal_nan=True)
+
+
+def test_snapshot_arena_reuses_one_host_buffer_and_snapshots_exactly() -> None:
+    """Windows of any dtypes and shapes are carved from one buffer that persists (the same pages every
+    window) and grows only for a larger window; the statistics equal those of a fresh clone."""
+    torch.manual_seed(0)
+    big = [torch.randn(64, 33), torch.randn(7).to(torch.bfloat16), torch.randn(3, 5).double()]
+    small = [torch.randn(5, 5), torch.randn(9).half()]
+    upd = UpdateStats()
+    ptrs = []
+    for window in (big, small, big):
+        old = [p.clone() for p in window]
+        upd.before(window)
+        snap = upd._snap
+        assert snap is not None and all(s.is_contiguous() and s.dtype == p.dtype and s.shape == p.shape
+                                        for s, p in zip(snap, window, strict=True))
+        assert all(s.data_ptr() % SnapshotArena.ALIGN == 0 for s in snap)
+        ptrs.append(snap[0].data_ptr())
+        for p in window:
+            p.add_(torch.randn_like(p) * 1e-2)  # the step
+        got = upd.after(window)
+        want = torch.stack([tensor_update_stats(p, o) for p, o in zip(window, old, strict=True)])
+        assert torch.equal(got, want)
+    assert ptrs[0] == ptrs[1] == ptrs[2]  # the smaller window and the next large one reuse the buffer
+    assert upd.arena.nbytes == sum(-(-p.numel() * p.element_size() // 64) * 64 for p in big)
+    upd.before([torch.randn(4000)])  # a larger window grows it
+    upd.after([torch.randn(4000)])
+    assert upd.arena.nbytes >= 16_000
+    upd.close()
+    assert upd.arena.nbytes == 0 and not upd.pending

@@ -15,7 +15,7 @@ from dynascope.probes.timing import first_grad_tensor
 
 
 def rows(run: Path, sql: str) -> list[dict]:
-    return dynascope.open_store(run)._con.sql(sql).pl().to_dicts()
+    return dynascope.open_store(run).sql(sql).pl().to_dicts()
 
 
 def test_phases_nest_and_auto_phases_are_timed(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import dynascope
+from dynascope.probes.tensors import W_NORM_EVERY
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 VOCAB, PROMPT, RESPONSE, GROUP = 12, 4, 4, 4
@@ -113,13 +114,18 @@ def test_readme_python_snippet_runs_and_gives_numbers(tmp_path, monkeypatch):
     assert first.height >= 3 and first.null_count().sum_horizontal()[0] == 0, first
     assert ((first["update_ratio"] > 0) & (first["update_ratio"] < 1)).all() and (first["tensors"] >= 1).all()
     # What the snippet's comment says of the other steps: their update columns are NULL (outside the
-    # window), while every tensor has its norms at every one of the 40 optimizer steps.
+    # window), while every tensor has ‖g‖ at every one of the 40 optimizer steps, and ‖W‖ at every 8th
+    # and wherever the window gave it an update ratio.
     with dynascope.open_store("runs/grpo-1") as con:
         per_step = con.frame("""SELECT step, count(*) AS tensors, count(w_norm) AS w_norms,
-                                count(grad_norm) AS grad_norms, count(update_ratio) AS covered
+                                count(grad_norm) AS grad_norms, count(update_ratio) AS covered,
+                                count(update_norm) AS windowed
                                 FROM tensor_stats GROUP BY step ORDER BY step""")
     assert per_step["step"].to_list() == list(range(40))
-    assert (per_step["w_norms"] == per_step["tensors"]).all() and (per_step["grad_norms"] == per_step["tensors"]).all()
+    assert (per_step["grad_norms"] == per_step["tensors"]).all()
+    full = per_step["step"] % W_NORM_EVERY == 0
+    assert (per_step.filter(full)["w_norms"] == per_step.filter(full)["tensors"]).all()
+    assert (per_step.filter(~full)["w_norms"] == per_step.filter(~full)["windowed"]).all()
     assert per_step.filter(pl.col("covered") > 0)["step"].to_list() == first["step"].to_list()
     # One process: nothing to compare across ranks, said as empty frames rather than errors.
     assert stragglers.is_empty() and what_if.filter(pl.col("rank").is_not_null()).height <= 1

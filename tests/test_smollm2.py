@@ -63,7 +63,7 @@ def test_recorded_s1_and_drift_match_a_direct_bf16_comparison(tmp_path):
     scope.close()
 
     with open_store(run) as con:
-        rows = con._con.sql(f"""SELECT step, tensor, numel, bf16_unchanged_count, drift_unchanged_count, drift_zero_count
+        rows = con.sql(f"""SELECT step, tensor, numel, bf16_unchanged_count, drift_unchanged_count, drift_zero_count
                                 FROM tensor_stats WHERE tensor IN {TENSORS} ORDER BY step, tensor""").fetchall()
     got = {(s, t): (a, b, c) for s, t, _, a, b, c in rows}
     assert set(got) == set(direct)
@@ -126,9 +126,9 @@ def test_demo_pipeline_end_to_end_on_a_small_llama(tmp_path, monkeypatch):
         assert row in text
     with open_store(tmp_path / "run") as con:
         n_tensors = len(list(small()[0].parameters()))
-        per_step = con._con.sql("""SELECT stage, step, count(*), count(bf16_unchanged_count), count(drift_unchanged_count),
+        per_step = con.sql("""SELECT stage, step, count(*), count(bf16_unchanged_count), count(drift_unchanged_count),
                                           count(bf16_unchanged_k_count) FROM tensor_stats GROUP BY ALL ORDER BY step""").fetchall()
-        phases = {p for (p,) in con._con.sql("SELECT DISTINCT phase FROM timings").fetchall()}
+        phases = {p for (p,) in con.sql("SELECT DISTINCT phase FROM timings").fetchall()}
     assert [(st, n) for st, _, n, *_ in per_step] == [("sft", n_tensors)] * 2 + [("rl", n_tensors)] * 3
     assert all(a == n and b == n for _, _, n, a, b, _ in per_step)  # S₁ and drift on every tensor, every step
     assert {"weight_sync", "rollout", "reward", "train", "alpharl"} <= phases

@@ -108,7 +108,7 @@ def test_live_rule_in_python_matches_the_view(tmp_path):
     live = {s[2].name for s in live_segments(list_segments(run, "scalars")[wdir])}
     assert live == {segment_name(1, 5, 2), segment_name(6, 6)}
     with open_store(run) as s:
-        got = s._con.sql("SELECT count(*), count(DISTINCT step) FROM scalars").fetchall()
+        got = s.sql("SELECT count(*), count(DISTINCT step) FROM scalars").fetchall()
     assert got == [(600, 600)]
 
 

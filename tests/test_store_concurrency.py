@@ -98,5 +98,5 @@ def test_compaction_under_live_writers_and_readers(tmp_path):
     assert sum(c.removed_segments for c in compactions) > 0, "nor deleted a merged-away segment under readers"
     assert final.removed_segments > 0
     with open_store(root) as s:
-        assert s._con.sql("SELECT run_id, count(*), count(DISTINCT (rank, step)) FROM scalars GROUP BY 1 ORDER BY 1"
+        assert s.sql("SELECT run_id, count(*), count(DISTINCT (rank, step)) FROM scalars GROUP BY 1 ORDER BY 1"
                           ).fetchall() == [("a", 120_000, 120_000), ("b", 120_000, 120_000)]

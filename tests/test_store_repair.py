@@ -65,7 +65,7 @@ def age(run: Path, seconds: float = 3600.0) -> None:
 def pooled(run: Path) -> dict[str, tuple[list, list]]:
     """(rollup pooled over the store, the same pooling by SQL from tensor_stats) per rollup."""
     with open_store(run) as s:
-        sql = s._con.sql
+        sql = s.sql
         return {"tensor_stats_by_kind": (sql(POOLED_BY_KIND).fetchall(), sql(NAIVE).fetchall()),
                 "tensor_stats_by_layer": (sql(ROLLED_BY_LAYER).fetchall(), sql(NAIVE_BY_LAYER).fetchall())}
 
@@ -73,7 +73,7 @@ def pooled(run: Path) -> dict[str, tuple[list, list]]:
 def rolled_rows(run: Path) -> dict[str, int]:
     """Source rows each rollup accounts for (its ``tensors``), and tensor_stats' own row count."""
     with open_store(run) as s:
-        return {t: s._con.sql(f"SELECT coalesce(sum({'tensors' if t != 'tensor_stats' else 1}), 0) FROM {t}")
+        return {t: s.sql(f"SELECT coalesce(sum({'tensors' if t != 'tensor_stats' else 1}), 0) FROM {t}")
                 .fetchall()[0][0] for t in ("tensor_stats", *ROLLUPS)}
 
 

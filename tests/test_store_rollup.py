@@ -44,12 +44,13 @@ def _same(a, b) -> bool:
 
 def _batch(rng, step: int, n: int, with_drift: bool) -> dict:
     frozen = rng.random(n) < 0.3  # params without grads: every grad column null
+    outside = rng.random(n) < 0.4  # outside the step's window: no update statistics
     def maybe(values, mask):
         return [None if m else v for v, m in zip(values.tolist(), mask, strict=True)]
     return {
         "step": step, "time_us": 1_000 + step, "stage": "rl" if step % 2 else "sft",
         "tensor": [f"t{i}" for i in range(n)], "layer": np.arange(n) % 3, "kind": [KINDS[i % 4] for i in range(n)],
-        "numel": rng.integers(0, 5000, n), "w_norm": rng.random(n), "update_norm": rng.random(n),
+        "numel": rng.integers(0, 5000, n), "w_norm": rng.random(n), "update_norm": maybe(rng.random(n), outside),
         "update_ratio": rng.random(n), "changed_count": rng.integers(0, 100, n),
         "changed_bf16_count": maybe(rng.integers(0, 9, n), rng.random(n) < 0.5),
         "sign_flip_count": rng.integers(0, 5, n), "w_nan_count": rng.integers(0, 2, n), "w_inf_count": 0,
@@ -113,7 +114,7 @@ def test_layer_rollup_equals_naive_pooling_over_split_blocks(tmp_path):
     with open_store(run) as s:
         naive = s.rows(NAIVE_BY_LAYER)
         rolled = s.rows(ROLLED_BY_LAYER)
-        split = s._con.sql("SELECT count(*) FROM (SELECT rank, step, stage, kind, layer FROM tensor_stats_by_layer "
+        split = s.sql("SELECT count(*) FROM (SELECT rank, step, stage, kind, layer FROM tensor_stats_by_layer "
                            "GROUP BY ALL HAVING count(*) > 1)").fetchall()[0][0]
         blocks = {r[0] for r in s.rows("SELECT DISTINCT step FROM tensor_stats_by_layer")}
     assert split > 0  # the test exercises blocks written in pieces
@@ -202,13 +203,14 @@ def test_heat_cells_from_the_layer_rollup_equal_the_raw_rows(tmp_path, monkeypat
     want = (raw.with_columns(bucket=s0 + (pl.col("step") - s0) // width * width,
                              layer=pl.col("layer").fill_null(-1), kind=pl.col("kind").fill_null("other"))
             .group_by("bucket", "layer", "kind", "stage")
-            .agg(dw2=sql_sum(pl.col("update_norm") ** 2), w2=sql_sum(pl.col("w_norm") ** 2),
+            .agg(dw2=sql_sum(pl.col("update_norm") ** 2),
+                 update_w2=sql_sum(pl.when(pl.col("update_norm").is_not_null()).then(pl.col("w_norm") ** 2)),
                  changed=sql_sum(pl.col("changed_count").cast(pl.Float64)), drift2=sql_sum(pl.col("drift_norm") ** 2),
                  drift_w2=sql_sum(pl.when(pl.col("drift_norm").is_not_null()).then(pl.col("w_norm") ** 2))))
     key = ["bucket", "layer", "kind", "stage"]
     got, want = cube.sort(key), want.sort(key)
     assert got.height == want.height > 0 and got.select(key).equals(want.select(key).cast(got.select(key).schema))
-    for col in ("dw2", "w2", "changed", "drift2", "drift_w2"):
+    for col in ("dw2", "update_w2", "changed", "drift2", "drift_w2"):
         g, w = got[col].to_list(), want[col].to_list()
         assert [v is None for v in g] == [v is None for v in w], col  # NULL cells match exactly
         assert [v for v in g if v is not None] == pytest.approx([v for v in w if v is not None], rel=1e-12), col

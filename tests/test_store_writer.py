@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import subprocess
+import sys
 import threading
 import warnings
 
 import numpy as np
+import pytest
 import torch
 
 from dynascope.store import RunWriter, open_store
@@ -100,3 +104,16 @@ def test_max_block_s_lets_append_wait_for_room(tmp_path):
     w.close()
     assert w.rows_dropped == 0
     assert rows(tmp_path / "r", "SELECT count(*) FROM scalars") == [(10_000,)]
+
+
+def test_pyarrow_conversion_is_warmed_where_the_writer_is_made(tmp_path) -> None:
+    """pyarrow imports pandas at its first value conversion; the writer triggers it when it is made (on the
+    caller's thread, before training), so its first flush does not import anything inside a step."""
+    if importlib.util.find_spec("pandas") is None:
+        pytest.skip("pandas is not installed: pyarrow has nothing to import")
+    code = ("import sys; from dynascope.store.writer import RunWriter\n"
+            "assert 'pandas' not in sys.modules, 'imported before the writer'\n"
+            f"w = RunWriter({str(tmp_path / 'r')!r}, flush_secs=60)\n"
+            "print('pandas' in sys.modules); w.close()\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "True"

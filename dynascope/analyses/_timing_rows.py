@@ -14,7 +14,7 @@ A run of 8 ranks × 34k steps holds 1.65M top-level rows, so the SQL is shaped f
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import duckdb
 import polars as pl
@@ -24,6 +24,7 @@ from dynascope.analyses.steps import REMAINDER, STEP_ROW, SYNC, TOP_LEVEL
 from dynascope.store import StoreConnection, quote_literal
 
 KEYS = "run_id, role, rank, step"
+T = TypeVar("T")
 
 
 class Vocabulary(NamedTuple):
@@ -47,17 +48,22 @@ def vocabulary(store: StoreConnection, run: str | None) -> Vocabulary:
     return Vocabulary(_enum(runs or [""]), _enum(roles or [""]), _enum([*(phases or []), REMAINDER]))
 
 
-def frame_with_vocabulary(store: StoreConnection, run: str | None,
-                          sql: Callable[[Vocabulary], str]) -> pl.DataFrame:
-    """``frame(store, sql(vocabulary))``. A name written between reading the vocabulary and the query (a
-    live run) fails the ENUM cast; the query then runs again with the names read anew."""
+def with_vocabulary(store: StoreConnection, run: str | None, query: Callable[[Vocabulary], T]) -> T:
+    """``query(vocabulary)``. A name written between reading the vocabulary and the query (a live run)
+    fails the ENUM cast; the query then runs again with the names read anew."""
     for attempt in range(3):
         try:
-            return frame(store, sql(vocabulary(store, run)))
+            return query(vocabulary(store, run))
         except duckdb.ConversionException:
             if attempt == 2:
                 raise
     raise AssertionError("unreachable")
+
+
+def frame_with_vocabulary(store: StoreConnection, run: str | None,
+                          sql: Callable[[Vocabulary], str]) -> pl.DataFrame:
+    """``frame(store, sql(vocabulary))``, read again if a name arrives meanwhile (``with_vocabulary``)."""
+    return with_vocabulary(store, run, lambda v: frame(store, sql(v)))
 
 
 def seg_sql(at: str, ks: str = "ks.") -> str:

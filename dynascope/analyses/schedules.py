@@ -33,6 +33,8 @@ import numpy as np
 import polars as pl
 
 from dynascope.analyses._common import StoreLike, as_store, frame, run_clause
+from dynascope.analyses._rank_steps import rank_steps
+from dynascope.analyses._schedule_frames import inputs_frame, sample_stats
 from dynascope.analyses._schedule_sim import Pieces, Pool, Result, replay, sequential
 from dynascope.analyses._timing_rows import Vocabulary, frame_with_vocabulary, keyed_sql, seg_sql
 from dynascope.analyses.steps import step_rows_sql
@@ -126,8 +128,14 @@ def schedule_inputs(store: StoreLike, run: str | None = None, *, tail_pct: float
     """
     if not 0 < tail_pct <= 100:
         raise ValueError(f"tail_pct must be in (0, 100], not {tail_pct}")
-    df = frame_with_vocabulary(as_store(store), run, lambda v: _inputs_sql(
-        run, rollout_phases, sync_phases, behaviour_logprob_phase, tail_pct / 100, v))
+    con = as_store(store)
+    samples = sample_stats(con, run, tail_pct / 100)
+    rs = rank_steps(con, run)
+    df = None if rs is None else inputs_frame(rs, samples, rollout_phases, sync_phases, behaviour_logprob_phase)
+    if df is None:  # the SQL below reads the samples itself; the thread's read is only waited for
+        samples.result()
+        df = frame_with_vocabulary(con, run, lambda v: _inputs_sql(
+            run, rollout_phases, sync_phases, behaviour_logprob_phase, tail_pct / 100, v))
     ms = {c: pl.col(f"{c}_us") / 1e3 for c in ("pre", "sync", "rollout", "extra", "rollout_cut", "rollout_partial")}
     return df.select(
         "run_id", "role", "step", pl.col("ranks").cast(pl.Int64), (pl.col("measured_us") / 1e3).alias("measured_ms"),

@@ -31,7 +31,9 @@ from collections.abc import Iterable
 import polars as pl
 
 from dynascope.analyses._common import StoreLike, as_store, frame, run_clause
+from dynascope.analyses._rank_steps import rank_steps
 from dynascope.analyses._timing_rows import Vocabulary, frame_with_vocabulary, rows_sql
+from dynascope.analyses._what_if_frames import what_if_frame, what_if_steps_frame
 from dynascope.analyses.steps import REMAINDER as REMAINDER  # stragglers_shared reads it here
 from dynascope.store import quote_literal
 
@@ -152,6 +154,9 @@ def what_if_steps(store: StoreLike, run: str | None = None, *, ranks: Iterable[i
     busy phase including the un-instrumented remainder. Columns: run_id, role, step, ranks, measured_ms,
     simulated_base_ms, simulated_ms, saved_ms.
     """
+    con = as_store(store)
+    if (rs := rank_steps(con, run)) is not None:
+        return what_if_steps_frame(rs, ranks, phases, _STEP_SCHEMA)
     if ranks is None:
         replace = "FALSE"
     else:
@@ -168,7 +173,7 @@ def what_if_steps(store: StoreLike, run: str | None = None, *, ranks: Iterable[i
                sim_us / 1e3 AS simulated_base_ms, new_us / 1e3 AS simulated_ms, (sim_us - new_us) / 1e3 AS saved_ms
         FROM measured JOIN sim USING (run_id, role, step)
         ORDER BY run_id, role, step"""
-    df = frame_with_vocabulary(as_store(store), run, sql)
+    df = frame_with_vocabulary(con, run, sql)
     return df.cast(_STEP_SCHEMA) if not df.is_empty() else pl.DataFrame(schema=_STEP_SCHEMA)
 
 
@@ -187,10 +192,14 @@ def what_if(store: StoreLike, run: str | None = None, *, ranks: Iterable[int] | 
     Totals are over all steps: saved_pct = saved_ms / simulated_base_ms; reproduction_error_pct compares
     the unreplaced simulation with the measured step times (see the module docstring for the model).
 
-    Everything runs in DuckDB: with only rank r replaced, a segment's slowest busy time is
-    max(slowest other rank, r's replaced busy), and the slowest other rank is the segment's top value, or
-    its second one when r alone holds the top; so every one-rank scenario is priced in one pass.
+    With only rank r replaced, a segment's slowest busy time is max(slowest other rank, r's replaced
+    busy), and the slowest other rank is the segment's top value, or its second one when r alone holds the
+    top; so every one-rank scenario is priced in one pass. ``_what_if_frames`` does it over the rows read
+    once and sorted (``_rank_steps``); the SQL below, the same model, runs for rows it does not take.
     """
+    con = as_store(store)
+    if (rs := rank_steps(con, run)) is not None:
+        return what_if_frame(rs, ranks, phases, by_phase, _WHAT_IF_SCHEMA)
     chosen = _in("rank", ranks)
     by_phase_sql = "" if not by_phase else f"""
         UNION ALL
@@ -233,5 +242,5 @@ def what_if(store: StoreLike, run: str | None = None, *, ranks: Iterable[int] | 
                100 * saved_us / sim_us AS saved_pct, 100 * abs(sim_us - step_us) / step_us AS reproduction_error_pct
         FROM res JOIN tot USING (run_id, role)
         ORDER BY run_id, role, saved_ms DESC, scenario"""
-    df = frame_with_vocabulary(as_store(store), run, sql)
+    df = frame_with_vocabulary(con, run, sql)
     return df.cast(_WHAT_IF_SCHEMA) if not df.is_empty() else pl.DataFrame(schema=_WHAT_IF_SCHEMA)

@@ -32,7 +32,7 @@ from dynascope.probes.reference import build_reference
 from dynascope.probes.resolver import Resolver, lower_priority
 from dynascope.probes.schedule import Schedule, as_schedule, every
 from dynascope.probes.system import SystemSampler
-from dynascope.probes.tensors import DRIFT_EVERY, TensorStats
+from dynascope.probes.tensors import DRIFT_EVERY, W_NORM_EVERY, TensorStats
 from dynascope.probes.timing import TimingProbe
 from dynascope.store.writer import RunWriter
 
@@ -352,7 +352,7 @@ def watch(model: Any, optimizer: Any = None, run: str | os.PathLike = "runs/defa
           grad_tol: float | None = None, wandb: bool = False, config: dict | None = None,
           writer: RunWriter | None = None, time_budget: float | None = 0.015, bf16_k: int | None = None,
           probes: Sequence[Probe] = (), listeners: Sequence[Listener | str] = (),
-          drift_every: int = DRIFT_EVERY) -> Scope:
+          drift_every: int = DRIFT_EVERY, w_norm_every: int = W_NORM_EVERY) -> Scope:
     """Attach dynascope's probes to ``model`` and ``optimizer`` and record into the run at ``run``.
 
     Args:
@@ -371,7 +371,7 @@ def watch(model: Any, optimizer: Any = None, run: str | os.PathLike = "runs/defa
         writer: share an existing ``RunWriter`` (it is then flushed, not closed, by ``close``); by
             default watch() makes one that flushes every ``WRITER_FLUSH_S`` (10 s).
         time_budget: share of wall time the windowed statistics may take on average (default 1.5%;
-            None: no limit). ‖W‖ and ‖g‖ of every tensor are recorded regardless.
+            None: no limit). ‖g‖ of every tensor is recorded regardless, and ‖W‖ as ``w_norm_every`` says.
         bf16_k: record PULSE's S_k (``bf16_unchanged_k_*``) against the weights ``bf16_k`` steps back;
             the bf16 snapshot is resident when the budget covers it, else on disk beside θ₀.
         probes: further ``Probe`` objects, run after the built-in ones.
@@ -379,6 +379,11 @@ def watch(model: Any, optimizer: Any = None, run: str | os.PathLike = "runs/defa
         drift_every: drift from θ₀ at every N-th window a tensor is in (default 4: drift is cumulative
             and slow, so its refresh once per 4 rotations leaves more of the time budget to ΔW); a
             window that holds every tensor (``memory_budget`` >= 2 or None) always computes it.
+        w_norm_every: ‖W‖ of every tensor at every N-th record (default 8, the first included; 1: every
+            record) and of the window's tensors at every record, where ``update_ratio`` needs it. ‖W‖
+            moves slowly, and its pass over every weight costs about as much as the gradients' norm pass.
+            Weights' NaN/Inf counts are known where ‖W‖ is (a finite norm proves them 0); gradients',
+            from which a non-finite weight normally comes, at every record.
     """
     r, local_rank, ws, role_ = _identity(rank, role, world_size)
     own = writer is None
@@ -388,7 +393,7 @@ def watch(model: Any, optimizer: Any = None, run: str | os.PathLike = "runs/defa
     schedule = as_schedule(every)
     built: list[Probe] = [TensorStats(memory_budget, grad_tol, time_budget=time_budget, schedule=schedule,
                                       bf16_k=bf16_k, run_dir=writer.run_dir, rank=writer.rank,
-                                      drift_every=drift_every)]
+                                      drift_every=drift_every, w_norm_every=w_norm_every)]
     failed: list[tuple[str, Exception]] = []
     for name, make in (("spectral", lambda: _spectral_probe(spectral) if spectral else None),
                        ("system", lambda: SystemSampler(writer, system_interval_s, local_rank)

@@ -1,8 +1,11 @@
 """The ``tensor_stats`` probe: plan the window, compute on device, pack, unpack to rows by column name.
 
 Cost model (see benchmarks/probe_overhead.py for the measured figures). Every recorded step, for every
-tracked tensor: ‖W‖ and ‖g‖ (batched norms, no extra memory; a finite norm also proves NaN/Inf counts
-are 0). The statistics that need the pre-step weights, θ₀, the weights k steps back or several passes
+tracked tensor: ‖g‖ (batched norms, no extra memory; a finite norm also proves NaN/Inf counts are 0);
+‖W‖ for every tensor at every ``w_norm_every``-th record (default 8, the first included) and for the
+window's tensors at every record, which is where ``update_ratio`` needs it. Both passes read every
+parameter's bytes, so on a host they are bound by memory bandwidth (~2% of the reference step together),
+and ‖W‖ moves slowly: at lr ~1e-6 by about 1e-6 of itself per step. The statistics that need the pre-step weights, θ₀, the weights k steps back or several passes
 over the data — ‖ΔW‖, changed/sign-flip/bf16-unchanged counts, drift, max|g| and zero/near-zero
 gradient counts — run on a *window* of tensors that rotates through the model, sized by
 ``memory_budget``: the share of parameter bytes the probe may hold at its peak, i.e. the window's
@@ -63,6 +66,8 @@ MIN_CHUNK_ELEMS = 1024
 # and its statistics take nearly half a window's time (benchmarks/probe_ab.py --stats): under the time
 # budget, the ΔW rotation gets shorter.
 DRIFT_EVERY = 4
+# ‖W‖ of every tensor at every W_NORM_EVERY-th record (the first included); the window's tensors at each.
+W_NORM_EVERY = 8
 
 
 class TensorStats(Probe):
@@ -73,9 +78,12 @@ class TensorStats(Probe):
     def __init__(self, memory_budget: float | None, grad_tol: float | None, eta: float = 1e-3,
                  time_budget: float | None = 0.015, schedule: Schedule | None = None,
                  bf16_k: int | None = None, run_dir: Path | None = None, rank: int = 0,
-                 drift_every: int = DRIFT_EVERY) -> None:
-        if int(drift_every) < 1:
-            raise ValueError(f"drift_every must be >= 1, got {drift_every}")
+                 drift_every: int = DRIFT_EVERY, w_norm_every: int = W_NORM_EVERY) -> None:
+        for name, n in (("drift_every", drift_every), ("w_norm_every", w_norm_every)):
+            if int(n) < 1:
+                raise ValueError(f"{name} must be >= 1, got {n}")
+        self.w_norm_every = int(w_norm_every)
+        self._records = 0  # records made so far: every w_norm_every-th has ‖W‖ of every tensor
         self.memory_budget = memory_budget
         self.drift_every = int(drift_every)
         self._drift_visits: dict[str, int] = {}  # tensor name → windows it has been in
@@ -208,9 +216,12 @@ class TensorStats(Probe):
         tracked = rec.tracked
         locals_ = [t.local() for t in tracked]
         device = locals_[0].device if locals_ else torch.device("cpu")
-        rec.add("w_norm", ("w_norm",), list(range(len(tracked))), norms(locals_).to(device))
+        every_tensor = self._records % self.w_norm_every == 0 or len(rec.window) == len(tracked)
+        self._records += 1
+        with_w = list(range(len(tracked))) if every_tensor else rec.window
+        rec.add("w_norm", ("w_norm",), with_w, norms([locals_[i] for i in with_w]).to(device))
         t0 = time.perf_counter()
-        if self.update.pending:  # frees each snapshot tensor as soon as its statistics are computed
+        if self.update.pending:
             rec.add("update", self.update.columns, rec.window,
                     self.update.after([locals_[i] for i in rec.window], rec.chunk_elems))
         if ctx.reference is not None:
@@ -310,5 +321,6 @@ class TensorStats(Probe):
         self.update.reset()
 
     def close(self) -> None:
+        self.update.close()
         if self.history is not None:
             self.history.drop()

@@ -32,7 +32,7 @@ from dynascope.probes.bf16_visibility import bf16_unchanged_count
 from dynascope.probes.drift_sparsity import drift_sparsity_counts
 
 __all__ = ["BF16_K_STATS", "DEFAULT_CHUNK_ELEMS", "DRIFT_STATS", "DRIFT_STAT_COLUMNS", "UPDATE_STATS", "UPDATE_STAT_COLUMNS",
-           "ChunkStat", "Reader", "UpdateStats", "chunk_ranges", "chunk_rows", "chunked_stats", "columns_of",
+           "ChunkStat", "Reader", "SnapshotArena", "UpdateStats", "chunk_ranges", "chunk_rows", "chunked_stats", "columns_of",
            "norms", "tensor_update_stats", "transient_bytes", "weight_drift_stats", "weight_update_stats", "wide"]
 
 # Without a budget: 4M elements, i.e. temporaries of at most ~100 MB whatever the tensor's size.
@@ -230,19 +230,65 @@ def weight_drift_stats(current: list[Tensor], base: list[Tensor], eta: float = 1
     return _pairwise(base, current, DRIFT_STATS, eta, chunk_elems)
 
 
+class SnapshotArena:
+    """Host memory for the pre-step snapshots: one flat buffer that every window's snapshot is carved
+    from, kept between windows and grown only when a window needs more than any before.
+
+    Why not a fresh buffer per window on CPU: glibc returns a freed multi-MiB block to the OS (trim or
+    munmap), so every window's snapshot was faulted in again page by page, and blocks held across the
+    optimizer step and then freed reshaped the heap the training step allocates from. A buffer that stays
+    put costs its pages once; its size is the largest window's snapshot, within ``memory_budget``.
+    Accelerator snapshots stay per window: the caching allocator reuses their blocks without faults, and
+    freeing them after the step leaves that memory to the next forward's activations.
+    """
+
+    ALIGN = 64  # bytes: every view starts aligned for any dtype and for vectorised kernels
+
+    def __init__(self) -> None:
+        self._buf: dict[torch.device, Tensor] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self._buf.values())
+
+    def views(self, params: list[Tensor]) -> list[Tensor]:
+        """Contiguous uninitialised tensors shaped and typed like ``params``, on their devices (views of
+        the buffer for host tensors, fresh ones elsewhere)."""
+        need: dict[torch.device, int] = {}
+        offsets = []
+        for p in params:
+            if p.device.type != "cpu":
+                offsets.append(-1)
+                continue
+            off = need.get(p.device, 0)
+            offsets.append(off)
+            need[p.device] = off + -(-p.numel() * p.element_size() // self.ALIGN) * self.ALIGN
+        for dev, n in need.items():
+            if dev not in self._buf or self._buf[dev].numel() < n:
+                self._buf.pop(dev, None)  # free the smaller buffer before allocating its successor
+                self._buf[dev] = torch.empty(n, dtype=torch.uint8, device=dev)
+        return [torch.empty(p.shape, dtype=p.dtype, device=p.device) if off < 0 else
+                self._buf[p.device][off:off + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
+                for p, off in zip(params, offsets, strict=True)]
+
+    def release(self) -> None:
+        self._buf.clear()
+
+
 class UpdateStats:
     """Two-step probe for one optimizer step: ``before(params)`` snapshots, ``after(params)`` computes.
 
-    The snapshot lives in buffers allocated for this step only; ``after`` frees each tensor's copy as
-    soon as its statistics are computed, so the extra memory is the size of the tensors handed to
-    ``before`` (the scope hands it a budgeted window) plus one chunk's temporaries.
+    On the host the snapshot is carved from a ``SnapshotArena`` kept between steps; elsewhere it lives
+    for the step only. Either way the extra memory is the largest window handed to ``before`` (the scope
+    hands it a budgeted window) plus one chunk's temporaries.
     """
 
     columns = UPDATE_STAT_COLUMNS
 
     def __init__(self, eta: float = 1e-3) -> None:
         self.eta = float(eta)
-        self._snap: list[Tensor | None] | None = None
+        self.arena = SnapshotArena()
+        self._snap: list[Tensor] | None = None
 
     @property
     def pending(self) -> bool:
@@ -250,7 +296,7 @@ class UpdateStats:
 
     @torch.no_grad()
     def before(self, params: list[Tensor]) -> None:
-        self._snap = [torch.empty_like(p) for p in params]
+        self._snap = self.arena.views(params)
         if params:
             torch._foreach_copy_(self._snap, params)
 
@@ -261,12 +307,13 @@ class UpdateStats:
             raise RuntimeError("UpdateStats.after without a matching before")
         if not params:
             return weight_update_stats([], [])
-        out = []
-        for i, p in enumerate(params):
-            old, snap[i] = snap[i], None  # drop the list's reference: the copy is freed after its stats
-            out.append(tensor_update_stats(p, old, self.eta, chunk_elems=chunk_elems))  # type: ignore[arg-type]
-            del old
-        return torch.stack(out)
+        return torch.stack([tensor_update_stats(p, old, self.eta, chunk_elems=chunk_elems)
+                            for p, old in zip(params, snap, strict=True)])
 
     def reset(self) -> None:
         self._snap = None
+
+    def close(self) -> None:
+        """Drop the pending snapshot and give the arena's memory back."""
+        self._snap = None
+        self.arena.release()

@@ -7,7 +7,8 @@ per string, which made flushing the bottleneck; so each column is assembled from
 - a scalar broadcast over a batch (``step=7``, ``run_id``) becomes a run in a NumPy repeat, never a list;
 - string columns are dictionary-encoded: a value list passed again and again (the same list of tensor or
   metric names every step) is converted once and referenced by index, then expanded in C++ by a cast;
-- NumPy arrays are taken as they are; other Python lists are concatenated and converted in one call.
+- NumPy and Arrow arrays are taken as they are (an Arrow array keeps its NULLs, which a NumPy float array
+  cannot tell from NaN); other Python lists are concatenated and converted in one call.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-# Part kinds: ("s", value, n) scalar broadcast, ("l", seq, n) Python sequence, ("a", ndarray, n) array.
+# Part kinds: ("s", value, n) scalar broadcast, ("l", seq, n) Python sequence, ("a", ndarray, n) array,
+# ("p", pa.Array, n) Arrow array.
 # A column's parts carry their first row; rows no part covers are NULL (the batch did not give the column).
 Part = tuple[int, str, Any, int]
 
@@ -29,6 +31,8 @@ def classify(offset: int, value: Any, n: int) -> Part:
         return (offset, "l", value, n)
     if isinstance(value, np.ndarray) and value.ndim > 0:
         return (offset, "a", value, n)
+    if isinstance(value, pa.Array):
+        return (offset, "p", value, n)
     if hasattr(value, "tolist") and getattr(value, "ndim", 0) > 0:  # torch tensors and friends
         return (offset, "l", value.tolist(), n)
     if isinstance(value, np.generic):
@@ -78,7 +82,7 @@ def _strings(parts: Sequence[Part], typ: pa.DataType, total: int) -> pa.Array:
             continue
         idx = seq_index.get(id(value))
         if idx is None:
-            seq = value.tolist() if kind == "a" else value
+            seq = value.tolist() if kind == "a" else value.to_pylist() if kind == "p" else value
             idx = np.arange(len(dictionary), len(dictionary) + len(seq), dtype=np.int32)
             dictionary.extend("" if v is None else v for v in seq)  # None rows are masked below
             if None in seq:
@@ -113,7 +117,10 @@ def _generic(parts: Sequence[Part], typ: pa.DataType, total: int) -> pa.Array:
             spill()
             arrays.append(pa.nulls(off - row, typ))
         row = off + n
-        if kind == "a" and value.dtype != object and not pa.types.is_nested(typ):
+        if kind == "p":
+            spill()
+            arrays.append(value if value.type == typ else value.cast(typ))
+        elif kind == "a" and value.dtype != object and not pa.types.is_nested(typ):
             spill()
             arrays.append(pa.array(value, type=typ) if value.dtype.kind != "f" or pa.types.is_floating(typ)
                           else pa.array(value.tolist(), type=typ))

@@ -76,7 +76,8 @@ TENSOR_STATS_COLUMNS: tuple[Column, ...] = (
     Column("numel", _i64, "elements", "sum", pool=(("numel", "sum", None),)),
     Column("sharded", _bool),
     # weights and the step update ΔW = W_t − W_{t−1}
-    Column("w_norm", _f64, reduce="norm", pool=(("w_sq", "sq", None), ("drift_w_sq", "sq", "drift_norm")), doc="‖W_t‖"),
+    Column("w_norm", _f64, reduce="norm", pool=(("w_sq", "sq", None), ("update_w_sq", "sq", "update_norm"),
+                                                ("drift_w_sq", "sq", "drift_norm")), doc="‖W_t‖"),
     Column("update_norm", _f64, reduce="norm", pool=(("update_sq", "sq", None),), doc="‖W_t − W_{t−1}‖"),
     Column("update_ratio", _f64, ratio=("update_norm", "w_norm"), pool=(("update_ratio_max", "max", None),)),
     _count("changed_count", "bits differ in the parameter's dtype", "changed_numel"), _frac("changed_count"),

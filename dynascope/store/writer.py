@@ -111,6 +111,10 @@ class RunWriter:
         self._pending_events: list[dict[str, Any]] = []
         self._unreported_drops: dict[str, int] = {}
         self.run_id = self._init_run(run_name, world_size, framework, config or {})
+        # pyarrow's first conversion of Python or NumPy values imports pandas when it is installed (to
+        # tell whether the input is a pandas object): ~0.3-1 s of imports holding the GIL. Done here, on
+        # the thread that makes the writer, so it does not land in a training step at the first flush.
+        pa.array([0])
         self._heartbeat_path = heartbeat_path(self.run_dir, self.writer_id)
         self._heartbeat()
         self._thread = threading.Thread(target=self._loop, name=f"dynascope-writer-{self.rank}", daemon=True)

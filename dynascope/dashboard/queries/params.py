@@ -13,8 +13,10 @@ from dynascope.store.schema import ROLLUP_BLOCK_STEPS
 # rollup of 16-step blocks (tensor_stats_by_layer) summed per (step bucket, layer, kind, stage) for the heat
 # maps (tensor_stats itself when buckets are narrower than a block). Kind and stage filters then pool
 # these sums in polars, so changing a filter never re-scans the table.
+# ‖ΔW‖/‖W‖ pools ‖W‖² over the rows that have an update: under a memory budget only the window's tensors
+# do, and pooling every tensor's ‖W‖² would shrink the ratio by about √(window share).
 _HEAT_SUMS = """
-    sum(update_norm * update_norm) AS dw2, sum(w_norm * w_norm) AS w2,
+    sum(update_norm * update_norm) AS dw2, sum(CASE WHEN update_norm IS NOT NULL THEN w_norm * w_norm END) AS update_w2,
     CAST(sum(changed_count) AS DOUBLE) AS changed,
     CAST(sum(CASE WHEN changed_count IS NOT NULL THEN numel END) AS DOUBLE) AS changed_numel,
     sum(drift_norm * drift_norm) AS drift2, sum(CASE WHEN drift_norm IS NOT NULL THEN w_norm * w_norm END) AS drift_w2"""
@@ -28,9 +30,10 @@ _SUMS = _HEAT_SUMS + """,
     CAST(sum(coalesce(w_nan_count, 0) + coalesce(grad_nan_count, 0)) AS BIGINT) AS nan,
     CAST(sum(coalesce(w_inf_count, 0) + coalesce(grad_inf_count, 0)) AS BIGINT) AS inf"""
 
-# The same sums from the rollups' pooled columns (see dynascope/store/rollup.py).
+# The same sums from the rollups' pooled columns (see dynascope/store/rollup.py). Rollup rows written
+# before ``update_w_sq`` existed have only w_sq, every tensor's ‖W‖², which is what they pool.
 _HEAT_ROLLUP_SUMS = """
-    sum(update_sq) AS dw2, sum(w_sq) AS w2, CAST(sum(changed_count) AS DOUBLE) AS changed,
+    sum(update_sq) AS dw2, sum(CASE WHEN update_sq IS NOT NULL THEN coalesce(update_w_sq, w_sq) END) AS update_w2, CAST(sum(changed_count) AS DOUBLE) AS changed,
     CAST(sum(changed_numel) AS DOUBLE) AS changed_numel, sum(drift_sq) AS drift2, sum(drift_w_sq) AS drift_w2"""
 _ROLLUP_SUMS = _HEAT_ROLLUP_SUMS + """,
     CAST(sum(changed_bf16_count) AS DOUBLE) AS bf16, CAST(sum(changed_bf16_numel) AS DOUBLE) AS bf16_numel,
@@ -43,7 +46,7 @@ _KEYS = "coalesce(kind, 'other') AS kind, coalesce(stage, '') AS stage"
 
 # Heat-map metrics: label → pooled expression over the cube's sums.
 HEAT_METRICS = {
-    "update ratio ‖ΔW‖/‖W‖": (pl.col("dw2").sum().sqrt() / pl.col("w2").sum().sqrt()),
+    "update ratio ‖ΔW‖/‖W‖": (pl.col("dw2").sum().sqrt() / pl.col("update_w2").sum().sqrt()),
     "step-changed fraction": (pl.col("changed").sum() / pl.col("changed_numel").sum()),
     "drift vs θ₀ ‖W−θ₀‖/‖W‖": (pl.col("drift2").sum().sqrt() / pl.col("drift_w2").sum().sqrt()),
 }
@@ -110,7 +113,7 @@ def stages_and_kinds(cube: pl.DataFrame) -> pl.DataFrame:
 def layer_heatmap(cube: pl.DataFrame, stages: tuple[str, ...], kinds: tuple[str, ...]) -> pl.DataFrame:
     """Layer × step-bucket cells with every heat metric; layer −1 holds tensors outside the blocks.
 
-    Ratios are pooled (√Σ‖ΔW‖² / √Σ‖W‖², Σ changed / Σ numel), so a cell is the layer as one tensor and
+    Ratios are pooled (√Σ‖ΔW‖² / √Σ‖W‖² over the rows with an update, Σ changed / Σ numel), so a cell is the layer as one tensor and
     FSDP shards combine exactly.
     """
     cells = cube.filter(~pl.col("per_step") & pl.col("stage").is_in(stages) & pl.col("kind").is_in(kinds))
@@ -120,7 +123,7 @@ def layer_heatmap(cube: pl.DataFrame, stages: tuple[str, ...], kinds: tuple[str,
 
 def _per_step(cube: pl.DataFrame, kinds: tuple[str, ...]) -> pl.DataFrame:
     return (cube.filter(pl.col("per_step") & pl.col("kind").is_in(kinds)).group_by("step", "stage").agg(
-        (pl.col("dw2").sum().sqrt() / pl.col("w2").sum().sqrt()).alias("ratio"),
+        (pl.col("dw2").sum().sqrt() / pl.col("update_w2").sum().sqrt()).alias("ratio"),
         (pl.col("changed").sum() / pl.col("changed_numel").sum()).alias("changed"),
         (pl.col("bf16").sum() / pl.col("bf16_numel").sum()).alias("changed_bf16"),
         (pl.col("gzero").sum() / pl.col("grad_numel").sum()).alias("zero"),

@@ -1,0 +1,104 @@
+"""The resolver's vectorised rows equal the per-tensor reference (``tensor_row``), NULLs and edge values included,
+and the writer stores them as the registry types them."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from dynascope.probes.params import Tracked
+from dynascope.probes.rows import Record, rows_from_record, summarize, tensor_row
+from dynascope.store.schema import TENSOR_STATS_COLUMNS
+from dynascope.store.writer import RunWriter
+
+
+def _tracked() -> list[Tracked]:
+    shapes = [(4, 3), (5,), (0,), (2, 2), (7,)]
+    kinds = ["attn", "norm", "other", "attn", "mlp"]
+    return [Tracked(f"layers.{i}.w", torch.zeros(s), layer=i if i != 2 else None, kind=k, shape=str(list(s)),
+                    dtype="float32") for i, (s, k) in enumerate(zip(shapes, kinds, strict=True))]
+
+
+def _record(tracked: list[Tracked]) -> tuple[Record, dict[int, dict[str, float]]]:
+    """A record with parts covering different tensors, NaN/Inf values, a zero denominator and a constant;
+    returns it with the per-tensor values a naive unpacking gives."""
+    rec = Record(12, "rl", tracked)
+    parts = {
+        "w_norm": (("w_norm",), [0, 1, 2, 3, 4], [[2.0], [math.nan], [0.0], [math.inf], [3.0]]),
+        "update": (("update_norm", "changed_count", "sign_flip_count"), [0, 2, 3],
+                   [[0.5, 6.0, 1.0], [0.0, math.nan, 0.0], [1.0, 2.0, math.inf]]),
+        "drift": (("ref_norm", "drift_norm", "drift_unchanged_count"), [4], [[0.0, 0.25, 3.0]]),
+        "grad_norms": (("grad_norm",), [0, 1, 4], [[1.0], [math.inf], [2.0]]),
+        "bf16_k": (("bf16_unchanged_k_count",), [1, 3], [[4.0], [1.0]]),
+    }
+    naive: dict[int, dict[str, float]] = {i: {} for i in range(len(tracked))}
+    for key, (cols, rows, vals) in parts.items():
+        rec.add(key, cols, rows, torch.tensor(vals, dtype=torch.float64))
+        for r, i in enumerate(rows):
+            naive[i].update(zip(cols, vals[r], strict=True))
+    rec.constants["bf16_k"] = {"bf16_k_steps": 3}
+    for i in (1, 3):
+        naive[i]["bf16_k_steps"] = 3
+    rec.host = torch.cat([v.reshape(-1) for v in rec.values.values()])
+    return rec, naive
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return (math.isnan(a) and math.isnan(b)) or a == b
+    return a == b and type(a) is type(b)
+
+
+def test_vectorised_rows_equal_the_per_tensor_reference() -> None:
+    tracked = _tracked()
+    rec, naive = _record(tracked)
+    cols = rows_from_record(rec)
+    assert cols["step"] == 12 and cols["stage"] == "rl"
+    for i, t in enumerate(tracked):
+        meta = dict(tensor=t.name, layer=t.layer, kind=t.kind, shape=t.shape, dtype=t.dtype, sharded=t.sharded)
+        want = tensor_row({**naive[i], **meta}, t.param.numel())
+        for c in TENSOR_STATS_COLUMNS:
+            v = cols[c.name]
+            got = v[i].as_py() if isinstance(v, pa.Array) else (v[i].item() if isinstance(v, np.ndarray) else v[i])
+            assert _same(got, want[c.name]), (t.name, c.name, got, want[c.name])
+    # The cases the fixture plants: a NaN norm stays NaN (not NULL); Inf/NaN counts become NULL; a zero
+    # denominator gives a NULL ratio; a finite norm proves zero NaN/Inf counts; numel 0 gives NULL fractions.
+    assert math.isnan(cols["w_norm"][1].as_py()) and cols["w_nan_count"][1].as_py() is None
+    assert cols["w_nan_count"][0].as_py() == 0 and cols["grad_inf_count"][4].as_py() == 0
+    assert cols["sign_flip_count"][3].as_py() is None and cols["changed_count"][2].as_py() is None
+    assert cols["update_ratio"][2].as_py() is None and cols["drift_ratio"][4].as_py() is None
+    assert cols["changed_frac"][0].as_py() == 0.5 and cols["sign_flip_frac"][2].as_py() is None
+    assert cols["ref_covered"].to_pylist() == [False, False, False, False, True]
+    assert cols["bf16_k_steps"].to_pylist() == [None, 3, None, 3, None]
+
+
+def test_summary_means_per_kind_skip_nulls() -> None:
+    rec, _ = _record(_tracked())
+    s = summarize(rows_from_record(rec))
+    assert s["update_ratio"] == (0.25 + 1 / math.inf) / 2  # rows 0 and 3; row 2 is NULL
+    assert s["update_ratio/attn"] == s["update_ratio"] and "update_ratio/mlp" not in s
+    assert s["changed_frac"] == 0.5
+
+
+def test_writer_stores_the_arrays_with_their_nulls(tmp_path) -> None:
+    tracked = _tracked()
+    rec, _ = _record(tracked)
+    w = RunWriter(tmp_path / "run", run_name="rows")
+    for step in (1, 2):
+        rec.step = step
+        w.append("tensor_stats", rows_from_record(rec))
+    w.close()
+    import duckdb
+
+    con = duckdb.connect()
+    got = con.execute(f"SELECT step, tensor, layer, numel, w_norm, w_nan_count, update_ratio, ref_covered "
+                      f"FROM read_parquet('{tmp_path}/run/tensor_stats/**/*.parquet') "
+                      "ORDER BY step, tensor").fetchall()
+    assert len(got) == 2 * len(tracked)
+    row1 = [r for r in got if r[0] == 1 and r[1] == "layers.1.w"][0]
+    assert row1[2] == 1 and row1[3] == 5 and math.isnan(row1[4]) and row1[5] is None and row1[6] is None
+    assert [r[7] for r in got if r[0] == 2] == [False, False, False, False, True]
+    assert [r[2] for r in got if r[0] == 2][2] is None  # layer NULL stays NULL

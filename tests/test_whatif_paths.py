@@ -1,0 +1,108 @@
+"""The what-ifs' two paths give one answer: the sorted-array path (``_rank_steps``) against the SQL it falls
+back to (``_timing_rows``), on real stores written by the RunWriter: random phase orders, repeated phases,
+several sync rows, a rank-step without a step row, several runs and roles in one store, a phase named like
+the remainder, samples with and without durations; and the fallback taken for NULL keys."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from polars.testing import assert_frame_equal
+
+import dynascope.analyses._rank_steps as rank_steps_mod
+import dynascope.analyses.schedules as schedules
+import dynascope.analyses.stragglers as stragglers
+from dynascope.analyses.steps import REMAINDER
+from dynascope.store import RunWriter, open_store
+from tests.test_schedules import T0, _random_run, plant, timing_rows
+
+
+def _sql_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    for mod in (stragglers, schedules):
+        monkeypatch.setattr(mod, "rank_steps", lambda *a, **k: None)
+
+
+def _both(monkeypatch: pytest.MonkeyPatch, fn, *args, **kw) -> None:
+    fast = fn(*args, **kw)
+    with monkeypatch.context() as m:
+        _sql_only(m)
+        sql = fn(*args, **kw)
+    assert_frame_equal(fast, sql, rel_tol=1e-9, abs_tol=1e-9)
+
+
+def _mixed_store(root: Path) -> Path:
+    """Two runs in one root; the second has two roles, uneven ranks, a phase named like the remainder, a
+    rank-step whose phases start together with its sync row, and samples without an end."""
+    _random_run(root / "a", 3, seed=7)
+    rng = random.Random(3)
+    for role, ranks in (("trainer", 3), ("rollout", 2)):
+        for r in range(ranks):
+            with RunWriter(root / "b", rank=r, role=role) as w:
+                for step in range(6):
+                    names = ["rollout", "train", REMAINDER, "allreduce", "optimizer"]
+                    if (r + step) % 3 == 0:
+                        names = ["rollout", "allreduce", "train", "train", "optimizer"]
+                    rows, t = timing_rows(T0 + step * 10**7, [(p, rng.randint(1_000, 50_000),
+                                                               "comm" if p == "allreduce" else "phase") for p in names])
+                    if step == 3 and r == 1:  # a phase starting with the sync row counts before it
+                        rows["start_us"][4] = rows["start_us"][3]
+                    w.append("timings", {**rows, "step": step})
+                    if step != 4 or r != 2:
+                        w.append("timings", {"phase": "step", "category": "step", "step": step,
+                                             "start_us": T0 + step * 10**7, "dur_us": t - T0 - step * 10**7 + 7_000})
+                    gens = [rng.randint(1_000, 30_000) for _ in range(5)]
+                    w.append("samples", {"step": step, "sample_id": list(range(5)), "gen_start_us": T0,
+                                         "gen_end_us": [T0 + g if i != 2 or step != 1 else None
+                                                        for i, g in enumerate(gens)]})
+    return root
+
+
+def test_paths_agree_when_a_phase_is_named_like_the_remainder(tmp_path, monkeypatch):
+    # every rank-step alike (the dense median), the named phase and the remainder in one segment
+    rng = random.Random(9)
+    for r in range(3):
+        with RunWriter(tmp_path / "u", rank=r) as w:
+            for step in range(5):
+                rows, t = timing_rows(T0 + step * 10**7, [(p, rng.randint(1_000, 9_000), "phase")
+                                                          for p in ("train", REMAINDER)])
+                w.append("timings", {**rows, "step": step})
+                w.append("timings", {"phase": "step", "category": "step", "step": step,
+                                     "start_us": T0 + step * 10**7, "dur_us": t - T0 - step * 10**7 + rng.randint(0, 5_000)})
+    _both(monkeypatch, stragglers.what_if, tmp_path / "u", by_phase=True)
+    _both(monkeypatch, stragglers.what_if_steps, tmp_path / "u", ranks="all")
+
+
+@pytest.mark.parametrize("n_ranks", [1, 2, 4])
+def test_what_if_paths_agree_on_random_runs(tmp_path, monkeypatch, n_ranks):
+    run = _random_run(tmp_path / "rand", n_ranks, seed=11 + n_ranks)
+    for kw in ({}, {"by_phase": True}, {"ranks": [0], "phases": ["a", REMAINDER]}, {"by_phase": True, "phases": ["c"]}):
+        _both(monkeypatch, stragglers.what_if, run, **kw)
+    for kw in ({}, {"ranks": "all"}, {"ranks": [n_ranks - 1], "phases": ["a", REMAINDER]}):
+        _both(monkeypatch, stragglers.what_if_steps, run, **kw)
+
+
+def test_paths_agree_on_a_store_of_several_runs_and_roles(tmp_path, monkeypatch):
+    root = _mixed_store(tmp_path)
+    for run in (None, "a", "b"):
+        _both(monkeypatch, stragglers.what_if, root, run, by_phase=True)
+        _both(monkeypatch, stragglers.what_if_steps, root, run, ranks="all")
+        for kw in ({}, {"tail_pct": 50}, {"behaviour_logprob_phase": "optimizer", "rollout_phases": ("rollout",)}):
+            _both(monkeypatch, schedules.schedule_inputs, root, run, **kw)
+
+
+@pytest.mark.parametrize("kw", [{}, {"ranks": 2, "slow": {1: 1.5}}, {"eval_ms": 20.0, "gens_ms": [10.0, 50, 90, 90]}])
+def test_schedule_paths_agree_on_planted_runs(tmp_path, monkeypatch, kw):
+    run = plant(tmp_path / "p", **kw)
+    for tail in (90.0, 50.0, 100.0):
+        _both(monkeypatch, schedules.schedule_inputs, run, tail_pct=tail)
+    _both(monkeypatch, schedules.schedule_what_if, run)
+
+
+def test_null_keys_take_the_sql(tmp_path):
+    run = _random_run(tmp_path / "n", 2, seed=5)
+    with RunWriter(run, rank=0) as w:  # a top-level row without a start: only the SQL models it
+        w.append("timings", {"phase": "a", "category": "phase", "step": 1, "dur_us": 10})
+    assert rank_steps_mod.rank_steps(open_store(run), None) is None
+    assert stragglers.what_if(run).height == 3  # rank 0, rank 1, all ranks
