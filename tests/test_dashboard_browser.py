@@ -411,6 +411,8 @@ def test_overlay_and_gradients_follow_the_stages(store):
     kinds = tuple(params.stages_and_kinds(cube)["kind"].unique())
     ov = params.stage_overlay(cube, "grpo-sync", kinds)
     by_stage = {s: g for (s,), g in ov.group_by("stage")}
+    # Stages in the order the run reached them, as the per-step charts list them: the same colour each
+    assert ov["stage"].unique(maintain_order=True).to_list() == ["sft", "rl"]
     assert by_stage["sft"]["step_in_stage"].min() == 0 and by_stage["rl"]["first_step"].min() == 9
     # The fixture's RL steps move an order of magnitude less and change a smaller share than SFT.
     assert by_stage["rl"]["ratio"].mean() < by_stage["sft"]["ratio"].mean() / 5

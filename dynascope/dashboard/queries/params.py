@@ -136,9 +136,11 @@ def _bucketed(df: pl.DataFrame, x: str, values: list[str], by: list[str], max_po
                       or 1) // max_points))
     aggs = [e for v in values for e in (pl.col(v).mean().alias(v), pl.col(v).min().alias(f"{v}_lo"),
                                         pl.col(v).max().alias(f"{v}_hi"))]
-    return (df.with_columns((pl.col(x) // width * width).alias(x)).group_by(*by, x)
-            .agg(pl.col("step").min().alias("first_step") if x != "step" else pl.len().alias("steps"), *aggs)
-            .sort(*by, x))
+    out = (df.with_columns((pl.col(x) // width * width).alias(x)).group_by(*by, x)
+           .agg(pl.col("step").min().alias("first_step") if x != "step" else pl.len().alias("steps"), *aggs))
+    # Groups in the order the run reached them (SFT before RL), not by name: every chart of the page colours
+    # its series in group order, and the per-step charts (delta sync) list stages by step.
+    return out.sort(pl.col("first_step" if x != "step" else x).min().over(by), *by, x)
 
 
 def stage_overlay(cube: pl.DataFrame, run: str, kinds: tuple[str, ...], max_points: int = MAX_POINTS) -> pl.DataFrame:
