@@ -45,6 +45,15 @@ TARGETS = ("even", "even2")
 OURS = ("dynascope", "distributed.py", "ray::Trainer", "ray::RolloutWorker")
 
 
+def is_ours(cmd: str) -> bool:
+    """Whether a process (by its command line) is one of the demo's modelled devices: a trainer rank or a
+    rollout actor. The driver of an ``--async`` run is not: it starts Ray, hands batches from the actors
+    to the trainer and prints the report, CPU the model places on no device, so it counts as background."""
+    if "whatif_validation" in cmd or (" demo " in f" {cmd} " and "--async" in cmd.split()):
+        return False
+    return any(k in cmd for k in OURS)
+
+
 def _runnable_threads() -> tuple[int, int]:
     """(all runnable threads on the machine, those in the demo's compute processes), from /proc."""
     total = ours = 0
@@ -60,7 +69,7 @@ def _runnable_threads() -> tuple[int, int]:
             continue
         r = sum(s == "R" for s in states)
         total += r
-        if r and any(k in cmd for k in OURS) and "whatif_validation" not in cmd:
+        if r and is_ours(cmd):
             ours += r
     return total, ours
 

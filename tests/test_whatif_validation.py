@@ -56,3 +56,16 @@ def test_removing_the_slow_rank_is_predicted_to_save_time(result):
     # comparison across runs, and this machine's speed drifts between runs by as much as the goal (the
     # same 4-rank run took 310-402 ms per RL step; once the slow-rank run was faster than both targets).
     assert result["noslow_runs"] == 2 and result["noslow_measured_ms"] > 0
+
+
+def test_load_sampler_counts_the_async_driver_as_background() -> None:
+    """The trainer ranks and rollout actors are the model's devices; the ``--async`` driver (Ray start-up,
+    batch hand-off, the report) is not, so its CPU is background load."""
+    import whatif_validation as V
+
+    exe = "python3 -c import sys; from dynascope.cli import app; sys.argv[0] = 'dynascope'; app() demo --run r"
+    assert V.is_ours(f"{exe} --quick")  # the synchronous demo: the driver is the trainer
+    assert V.is_ours("python3 /work/dynascope/demo/distributed.py --rank 1")
+    assert V.is_ours("ray::Trainer.train_step") and V.is_ours("ray::RolloutWorker.generate")
+    assert not V.is_ours(f"{exe} --quick --async")
+    assert not V.is_ours("python3 benchmarks/whatif_validation.py --quick") and not V.is_ours("raylet --node")
