@@ -20,7 +20,7 @@ from dynascope.probes.params import Tracked
 from dynascope.probes.update_stats import DEFAULT_CHUNK_ELEMS
 from dynascope.store.schema import TENSOR_STATS_COLUMNS
 
-__all__ = ["Part", "Record", "rows_from_record", "summarize", "tensor_row"]
+__all__ = ["Part", "Record", "rows_from_record", "summarize", "tensor_columns", "tensor_row"]
 
 
 class Part(NamedTuple):
@@ -80,35 +80,21 @@ def tensor_row(values: dict[str, Any], numel: int) -> dict[str, Any]:
     return row
 
 
-def _metadata(tracked: list[Tracked]) -> dict[str, Any]:
-    """The per-tensor columns every record of ``tracked`` repeats, built once per tracked list.
-
-    The same list objects are handed to the writer at every record, so its string columns are converted
-    once per flush (``store._columns`` dictionary-encodes a list it has seen by identity).
-    """
-    global _META
-    cached = _META
-    if cached is not None and cached[0] is tracked and cached[1] == len(tracked):
-        return cached[2]
-    numel = np.array([int(t.local().numel()) for t in tracked], dtype=np.int64)
-    kinds = [t.kind for t in tracked]
-    meta: dict[str, Any] = {
-        "tensor": [t.name for t in tracked], "layer": [t.layer for t in tracked], "kind": kinds,
-        "shape": [t.shape for t in tracked], "dtype": [t.dtype for t in tracked],
-        "sharded": [t.sharded for t in tracked], "numel": numel,
-        "by_kind": {k: np.flatnonzero(np.array(kinds, dtype=object) == k) for k in dict.fromkeys(kinds)},
-    }
-    _META = (tracked, len(tracked), meta)  # one slot: a process has one tracked list per scope
-    return meta
+def tensor_columns(tracked: list[Tracked]) -> dict[str, Any]:
+    """The per-tensor columns every record of ``tracked`` repeats (names, layer, kind, shape, dtype,
+    sharded, numel). The probe builds them once per tracked list and hands the same lists to the writer at
+    every record, so its string columns are converted once per flush (``store._columns`` dictionary-encodes
+    a list it has seen by identity)."""
+    return {"tensor": [t.name for t in tracked], "layer": [t.layer for t in tracked],
+            "kind": [t.kind for t in tracked], "shape": [t.shape for t in tracked],
+            "dtype": [t.dtype for t in tracked], "sharded": [t.sharded for t in tracked],
+            "numel": np.array([int(t.local().numel()) for t in tracked], dtype=np.int64)}
 
 
-_META: tuple[list[Tracked], int, dict[str, Any]] | None = None
-_META_COLUMNS = ("tensor", "layer", "kind", "shape", "dtype", "sharded", "numel")
-
-
-def rows_from_record(rec: Record) -> dict[str, Any]:
+def rows_from_record(rec: Record, meta: dict[str, Any] | None = None) -> dict[str, Any]:
     """Columns of the ``tensor_stats`` rows of one record (runs on the resolver thread), as Arrow arrays
     typed by the registry (NULL where a tensor had no value), derived as ``tensor_row`` derives them.
+    ``meta``: ``tensor_columns(rec.tracked)``, when the caller keeps it between records.
 
     Vectorised over tensors: a Python loop over every tensor and column took ~4 ms per record of a
     100-tensor model, on a thread that holds the GIL the training thread needs between its ops.
@@ -138,7 +124,7 @@ def rows_from_record(rec: Record) -> dict[str, Any]:
             put(c, idx, block[:, j])
         for c, x in rec.constants.get(key, {}).items():
             put(c, idx, x)
-    meta = _metadata(rec.tracked)
+    meta = tensor_columns(rec.tracked) if meta is None else meta
     numel = meta["numel"]
     if "ref_covered" not in vals:
         vals["ref_covered"] = have.get("drift_norm", np.zeros(n, dtype=bool)).astype(np.float64)
@@ -149,7 +135,7 @@ def rows_from_record(rec: Record) -> dict[str, Any]:
             finite = have[norm] & np.isfinite(vals[norm])
             for c in counts:
                 put(c, np.flatnonzero(finite & ~have.get(c, np.zeros(n, dtype=bool))), 0.0)
-    cols: dict[str, Any] = {c: meta[c] for c in _META_COLUMNS}
+    cols: dict[str, Any] = dict(meta)
     absent = np.zeros(n, dtype=bool)
     with np.errstate(divide="ignore", invalid="ignore"):
         for col in TENSOR_STATS_COLUMNS:
@@ -180,7 +166,8 @@ def summarize(cols: dict[str, Any]) -> dict[str, float]:
     kinds = cols.get("kind")
     if not kinds:
         return out
-    groups = _metadata_groups(kinds)
+    k = np.array(kinds, dtype=object)
+    groups = {kind: np.flatnonzero(k == kind) for kind in dict.fromkeys(kinds)}
     for key in ("update_ratio", "changed_frac", "bf16_unchanged_frac", "drift_changed_frac",
                 "drift_unchanged_frac", "grad_zero_frac"):
         col = cols.get(key)
@@ -194,10 +181,3 @@ def summarize(cols: dict[str, Any]) -> dict[str, float]:
                 out[f"{key}/{kind}" if kind else key] = float(v.mean())
     return out
 
-
-def _metadata_groups(kinds: list[Any]) -> dict[Any, np.ndarray]:
-    cached = _META
-    if cached is not None and cached[2]["kind"] is kinds:
-        return cached[2]["by_kind"]
-    k = np.array(kinds, dtype=object)
-    return {kind: np.flatnonzero(k == kind) for kind in dict.fromkeys(kinds)}

@@ -5,9 +5,9 @@ tracked tensor: ‖g‖ (batched norms, no extra memory; a finite norm also prov
 ‖W‖ for every tensor at every ``w_norm_every``-th record (default 8, the first included) and for the
 window's tensors at every record, which is where ``update_ratio`` needs it. Both passes read every
 parameter's bytes, so on a host they are bound by memory bandwidth (~2% of the reference step together),
-and ‖W‖ moves slowly: at lr ~1e-6 by about 1e-6 of itself per step. The statistics that need the pre-step weights, θ₀, the weights k steps back or several passes
-over the data — ‖ΔW‖, changed/sign-flip/bf16-unchanged counts, drift, max|g| and zero/near-zero
-gradient counts — run on a *window* of tensors that rotates through the model, sized by
+and ‖W‖ moves slowly: at lr ~1e-6 by about 1e-6 of itself per step. The statistics that need the
+pre-step weights, θ₀, the weights k steps back or several passes over the data — ‖ΔW‖,
+changed/sign-flip/bf16-unchanged counts, drift, max|g| and zero/near-zero gradient counts — run on a *window* of tensors that rotates through the model, sized by
 ``memory_budget``: the share of parameter bytes the probe may hold at its peak, i.e. the window's
 pre-step snapshot plus one chunk's temporaries (θ₀ is read from disk a chunk at a time, every statistic
 is computed a chunk at a time; see ``plan``). At the default 0.1 each tensor gets the full set every
@@ -41,7 +41,7 @@ from dynascope.probes.bf16_visibility import Bf16History
 from dynascope.probes.grad_stats import GRAD_COUNT_COLUMNS, GRAD_NORM_COLUMNS, grad_counts, grad_norms
 from dynascope.probes.params import Tracked
 from dynascope.probes.protocol import Probe, Rows, StepContext
-from dynascope.probes.rows import Record, rows_from_record, summarize
+from dynascope.probes.rows import Record, rows_from_record, summarize, tensor_columns
 from dynascope.probes.schedule import Schedule, every
 from dynascope.probes.update_stats import (
     BF16_K_STATS,
@@ -99,6 +99,7 @@ class TensorStats(Probe):
         self._cursor = 0
         self._chunk: int | None = DEFAULT_CHUNK_ELEMS  # chunk size of the last planned window
         self._rec: Record | None = None
+        self._columns: tuple[list[Tracked], dict[str, Any]] | None = None  # the tracked list's own columns
         self._early_window: list[int] | None = None
 
     def schedule(self, step: int) -> bool:
@@ -231,7 +232,14 @@ class TensorStats(Probe):
         if self.history is not None:
             self._bf16_k(rec, ctx.step, locals_)
         self._pack(rec, device)
-        return lambda: {"tensor_stats": rows_from_record(rec)}
+        return lambda: {"tensor_stats": rows_from_record(rec, self._tensor_columns(rec.tracked))}
+
+    def _tensor_columns(self, tracked: list[Tracked]) -> dict[str, Any]:
+        """``tensor_columns(tracked)``, rebuilt only when the scope discovers a new tracked list (resolver
+        thread: one per scope, so no lock)."""
+        if self._columns is None or self._columns[0] is not tracked:
+            self._columns = (tracked, tensor_columns(tracked))
+        return self._columns[1]
 
     def _drift(self, rec: Record, reference: Any, locals_: list[torch.Tensor], device: torch.device) -> None:
         """Drift from θ₀ of the window's tensors that are due (``drift_due``), θ₀ streamed a chunk at a time

@@ -245,34 +245,30 @@ class SnapshotArena:
     ALIGN = 64  # bytes: every view starts aligned for any dtype and for vectorised kernels
 
     def __init__(self) -> None:
-        self._buf: dict[torch.device, Tensor] = {}
+        self._buf: Tensor | None = None
 
     @property
     def nbytes(self) -> int:
-        return sum(b.numel() for b in self._buf.values())
+        return 0 if self._buf is None else self._buf.numel()
 
     def views(self, params: list[Tensor]) -> list[Tensor]:
         """Contiguous uninitialised tensors shaped and typed like ``params``, on their devices (views of
         the buffer for host tensors, fresh ones elsewhere)."""
-        need: dict[torch.device, int] = {}
-        offsets = []
-        for p in params:
-            if p.device.type != "cpu":
-                offsets.append(-1)
-                continue
-            off = need.get(p.device, 0)
-            offsets.append(off)
-            need[p.device] = off + -(-p.numel() * p.element_size() // self.ALIGN) * self.ALIGN
-        for dev, n in need.items():
-            if dev not in self._buf or self._buf[dev].numel() < n:
-                self._buf.pop(dev, None)  # free the smaller buffer before allocating its successor
-                self._buf[dev] = torch.empty(n, dtype=torch.uint8, device=dev)
-        return [torch.empty(p.shape, dtype=p.dtype, device=p.device) if off < 0 else
-                self._buf[p.device][off:off + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
-                for p, off in zip(params, offsets, strict=True)]
+        sizes = [p.numel() * p.element_size() if p.device.type == "cpu" else -1 for p in params]
+        offsets, need = [], 0
+        for n in sizes:
+            offsets.append(need)
+            need += -(-max(n, 0) // self.ALIGN) * self.ALIGN
+        buf = self._buf
+        if buf is None or buf.numel() < need:
+            buf = self._buf = None  # free the smaller buffer before allocating its successor
+            buf = self._buf = torch.empty(need, dtype=torch.uint8)
+        return [torch.empty(p.shape, dtype=p.dtype, device=p.device) if n < 0 else
+                buf[off:off + n].view(p.dtype).view(p.shape)
+                for p, n, off in zip(params, sizes, offsets, strict=True)]
 
     def release(self) -> None:
-        self._buf.clear()
+        self._buf = None
 
 
 class UpdateStats:
