@@ -106,3 +106,46 @@ def test_null_keys_take_the_sql(tmp_path):
         w.append("timings", {"phase": "a", "category": "phase", "step": 1, "dur_us": 10})
     assert rank_steps_mod.rank_steps(open_store(run), None) is None
     assert stragglers.what_if(run).height == 3  # rank 0, rank 1, all ranks
+
+
+def test_alike_rank_steps_take_the_table_path(tmp_path, monkeypatch):
+    # every rank-step runs the same phases: segment_phases appends the remainder as a column and takes the
+    # medians along the ranks; the grouped path and the SQL give the same answer
+    import dynascope.analyses._rank_segments as segments
+
+    run = plant(tmp_path / "p", ranks=4, slow={1: 1.4, 2: 1.7})  # medians between two ranks
+    taken = []
+    width = segments._uniform_width
+    monkeypatch.setattr(segments, "_uniform_width", lambda *a: taken.append(width(*a)) or taken[-1])
+    table = stragglers.what_if(run, by_phase=True)
+    assert taken and taken[-1] is not None
+    with monkeypatch.context() as m:
+        m.setattr(segments, "_uniform_width", lambda *a: None)
+        assert_frame_equal(table, stragglers.what_if(run, by_phase=True), rel_tol=1e-12, abs_tol=1e-9)
+    _both(monkeypatch, stragglers.what_if, run, by_phase=True)
+    _both(monkeypatch, stragglers.what_if_steps, run, ranks=[2])
+
+
+def test_sparse_rank_numbers_take_the_sorted_replay(tmp_path, monkeypatch):
+    # rank ids far apart would make the (step, segment) × rank table mostly empty: the replay groups by
+    # sorting instead, with the same result as the SQL
+    import dynascope.analyses._schedule_frames as frames
+
+    rng = random.Random(4)
+    for r in (0, 3, 90_000):
+        with RunWriter(tmp_path / "s", rank=r) as w:
+            for step in range(5):
+                order = [("weight_sync", 2_000, "phase"), ("rollout", rng.randint(20_000, 60_000), "phase"),
+                         ("train", rng.randint(5_000, 9_000), "phase"), ("allreduce", 1_000, "comm"),
+                         ("optimizer", 2_000, "phase")]
+                rows, t = timing_rows(T0 + step * 10**6, order)
+                w.append("timings", {**rows, "step": step})
+                w.append("timings", {"phase": "step", "category": "step", "step": step, "start_us": T0 + step * 10**6,
+                                     "dur_us": t - T0 - step * 10**6 + 500})
+                w.append("samples", {"step": step, "sample_id": [0, 1, 2], "gen_start_us": T0,
+                                     "gen_end_us": [T0 + rng.randint(1_000, 9_000) for _ in range(3)]})
+    sorted_calls = []
+    replay = frames._replayed_sorted
+    monkeypatch.setattr(frames, "_replayed_sorted", lambda *a: sorted_calls.append(1) or replay(*a))
+    _both(monkeypatch, schedules.schedule_inputs, tmp_path / "s")
+    assert sorted_calls

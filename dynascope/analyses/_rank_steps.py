@@ -16,7 +16,7 @@ not model: ``rank_steps`` returns None for them and the caller runs the SQL.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 import numpy as np
@@ -75,7 +75,9 @@ def sort_order(*keys: np.ndarray) -> np.ndarray:
         return np.lexsort(keys[::-1])
     packed = np.zeros(len(keys[0]), dtype=np.int64)
     for k, m, b in zip(keys, lo, bits, strict=True):
-        packed = (packed << b) | (k - m).astype(np.int64)
+        if b:  # a constant key orders nothing
+            packed <<= b
+            packed |= k.astype(np.int64, copy=False) - m
     return np.argsort(packed, kind="stable")
 
 
@@ -88,165 +90,122 @@ def codes(col: pa.ChunkedArray) -> tuple[np.ndarray, list[str]]:
 
 
 def _read(store: StoreConnection, run: str | None, v: Vocabulary) -> pa.Table:
+    run_id = "" if run is not None else f"run_id::{v.run_ids} AS run_id, "
     return store.arrow(f"""
-        SELECT run_id::{v.run_ids} AS run_id, coalesce(role, '')::{v.roles} AS role, rank, step,
+        SELECT {run_id}coalesce(role, '')::{v.roles} AS role, rank, step,
                coalesce(phase, {quote_literal(REMAINDER)})::{v.phases} AS phase, ({STEP_ROW}) AS is_step,
                {SYNC} AS sync, start_us, dur_us
         FROM timings WHERE (({TOP_LEVEL}) OR ({STEP_ROW})){run_clause(run)}""")
 
 
-def rank_steps(store: StoreConnection, run: str | None) -> RankSteps | None:
+def rank_steps(store: StoreConnection, run: str | None,
+               after_read: Callable[[], object] | None = None) -> RankSteps | None:
     """The top-level and step rows of ``run`` as ``RankSteps``; None when there are none, or a key, start
-    or duration is NULL (the SQL handles both)."""
+    or duration is NULL (the SQL handles both). ``after_read`` runs once DuckDB has read the rows, before
+    the arrays are built (a caller starts other reads there, which then share the cores with NumPy
+    instead of with this read)."""
     t = with_vocabulary(store, run, lambda v: _read(store, run, v))
-    if any(t[c].null_count for c in ("run_id", "rank", "step", "start_us", "dur_us")):
+    if after_read is not None:
+        after_read()
+    if any(t[c].null_count for c in ("rank", "step", "start_us", "dur_us")) or \
+            ("run_id" in t.column_names and t["run_id"].null_count):
         return None
-    run_c, runs = codes(t["run_id"])
+    n = t.num_rows
+    if not n:
+        return None
+    # one run asked for: its id is not read (a constant column)
+    run_c, runs = codes(t["run_id"]) if "run_id" in t.column_names else (np.zeros(n, dtype=np.int64), [run])
     role_c, roles = codes(t["role"])
     phase_c, phases = codes(t["phase"])  # REMAINDER is one of them, as in the SQL
     n_roles = max(len(roles), 1)
-    pair = run_c * n_roles + role_c
-    grp_ids = np.flatnonzero(np.bincount(pair, minlength=len(runs) * n_roles))  # the pairs present
-    number = np.zeros(len(runs) * n_roles, dtype=np.int64)
-    number[grp_ids] = np.arange(len(grp_ids))
-    grp = number[pair]
+    if len(runs) * n_roles == 1:  # one (run, role): no pairs to number
+        grp_ids, grp = np.zeros(1, dtype=np.int64), np.zeros(n, dtype=np.int64)
+    else:
+        pair = run_c * n_roles + role_c
+        grp_ids = np.flatnonzero(np.bincount(pair, minlength=len(runs) * n_roles))  # the pairs present
+        number = np.zeros(len(runs) * n_roles, dtype=np.int64)
+        number[grp_ids] = np.arange(len(grp_ids))
+        grp = number[pair]
     groups = pl.DataFrame({"grp": np.arange(len(grp_ids), dtype=np.int64),
                            "run_id": [runs[g // n_roles] for g in grp_ids],
                            "role": [roles[g % n_roles] for g in grp_ids]},
                           schema={"grp": pl.Int64, "run_id": pl.String, "role": pl.String})
-    col = {"grp": grp, "rank": t["rank"].to_numpy().astype(np.int64),
-           "step": t["step"].to_numpy(), "start_us": t["start_us"].to_numpy(), "dur_us": t["dur_us"].to_numpy(),
-           "phase": phase_c, "is_step": t["is_step"].to_numpy(zero_copy_only=False),
-           "sync": t["sync"].to_numpy(zero_copy_only=False)}
-    # in the order each writer wrote its rows (rank, step, start): the sort finds them nearly sorted
-    order = sort_order(col["grp"], col["rank"], col["step"], col["start_us"])
-    col = {k: v[order] for k, v in col.items()}
-    n = len(order)
-    if not n:
-        return None
-    first = runs_of(col["grp"], col["rank"], col["step"])
-    rs = at_runs(first, n)
-    # A row's segment: the sync rows of its rank-step that start strictly before it, i.e. (rows sorted by
-    # start) the sync rows before the first row that starts when it does.
-    sync_i = col["sync"].astype(np.int64)
-    before = np.cumsum(sync_i) - sync_i
-    same = runs_of(rs, col["start_us"])
-    seg = before[same[at_runs(same, n)]] - before[first[rs]]
-    step_row = col["is_step"]
-    top = ~step_row
-    big = np.iinfo(np.int64)
-    has_step = np.logical_or.reduceat(step_row, first)
-    steps = {"grp": col["grp"][first], "step": col["step"][first], "rank": col["rank"][first],
-             "step_us": np.maximum.reduceat(np.where(step_row, col["dur_us"], big.min), first).astype(float),
-             "step_start_us": np.minimum.reduceat(np.where(step_row, col["start_us"], big.max), first),
-             "covered": np.add.reduceat(np.where(top, col["dur_us"], 0), first).astype(float),
-             "syncs": np.add.reduceat(sync_i, first),
-             "last_seg": np.maximum.reduceat(np.where(top, seg, 0), first)}
-    # the rank-steps with a step row, numbered in (grp, step, rank) order
-    steps = {k: v[has_step] for k, v in steps.items()}
-    by_step = sort_order(steps["grp"], steps["step"], steps["rank"])
-    steps = {k: v[by_step] for k, v in steps.items()}
-    number = np.full(len(first), -1, dtype=np.int64)
-    number[np.flatnonzero(has_step)[by_step]] = np.arange(len(by_step))
-    # rows moved, rank-step by rank-step, into that order: rank-step blocks of rows, each by start
-    at = _blocks(first, n, np.flatnonzero(has_step)[by_step])
-    keep = top[at]
-    at = at[keep]
-    rows = {"rs": number[rs[at]], "seg": seg[at], "phase": col["phase"][at], "sync": col["sync"][at],
-            "start_us": col["start_us"][at], "dur_us": col["dur_us"][at]}
+    rank, step = t["rank"].to_numpy().astype(np.int64), t["step"].to_numpy()
+    start, dur = t["start_us"].to_numpy(), t["dur_us"].to_numpy()
+    order, rs, first = _by_rank_step(grp, step, rank, start)
+    is_step = t["is_step"].to_numpy(zero_copy_only=False)[order]
+    # the rank-steps with a step row, numbered in that order (their step row: the longest, the earliest start)
+    srow = np.flatnonzero(is_step)
+    s_first = runs_of(rs[srow])
+    with_step = rs[srow][s_first]
+    n_rs = len(with_step)
+    at, s_at = order[first[with_step]], order[srow]  # positions in the rows as read
+    steps = {"grp": grp[at], "step": step[at], "rank": rank[at],
+             "step_us": np.maximum.reduceat(dur[s_at], s_first).astype(float) if n_rs else np.zeros(0),
+             "step_start_us": np.minimum.reduceat(start[s_at], s_first) if n_rs else np.zeros(0, dtype=np.int64)}
+    if n_rs == len(first):  # every rank-step has its step row (the usual case)
+        keep = np.flatnonzero(~is_step)
+        rows = {"rs": rs[keep]}
+    else:
+        number = np.full(len(first), -1, dtype=np.int64)
+        number[with_step] = np.arange(n_rs)
+        keep = np.flatnonzero(~is_step & (number[rs] >= 0))
+        rows = {"rs": number[rs[keep]]}
+    src = order[keep]  # their top-level rows, gathered once from the rows as read
+    rows.update(phase=phase_c[src], sync=t["sync"].to_numpy(zero_copy_only=False)[src], start_us=start[src],
+                dur_us=dur[src])
+    rows["seg"] = _segments_of(rows["rs"], rows["start_us"], rows["sync"])
+    steps["covered"] = np.bincount(rows["rs"], weights=rows["dur_us"], minlength=n_rs)
+    steps["syncs"] = np.bincount(rows["rs"][rows["sync"]], minlength=n_rs).astype(np.int64)
+    last = np.zeros(n_rs, dtype=np.int64)  # segments never decrease along a rank-step: its last row's
+    if len(keep):
+        ends = np.append(runs_of(rows["rs"])[1:], len(keep)) - 1
+        last[rows["rs"][ends]] = rows["seg"][ends]
+    steps["last_seg"] = last
     return RankSteps(rows, steps, groups, phases)
 
 
-def _blocks(first: np.ndarray, n: int, chosen: np.ndarray) -> np.ndarray:
-    """Positions of the rows of blocks ``chosen`` (block i: rows first[i] up to the next block), in that
-    order."""
-    length = np.diff(np.append(first, n))[chosen]
-    start = np.cumsum(length) - length
-    return np.repeat(first[chosen] - start, length) + np.arange(int(length.sum()))
+def _by_rank_step(grp: np.ndarray, step: np.ndarray, rank: np.ndarray,
+                  start: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The rows' order by (grp, step, rank, start), the rank-step index of each row in that order, and each
+    rank-step's first row. Each writer wrote a rank's rows by step, so the sort merges a few long runs; the
+    rank-steps come out in (grp, step, rank) order, each one's rows contiguous and by start."""
+    keys = (grp, step, rank, start)
+    lo = [int(k.min()) for k in keys]
+    bits = [int(int(k.max()) - m).bit_length() for k, m in zip(keys, lo, strict=True)]
+    if sum(bits) <= 62:  # one integer sort; the rank-step is the key without its start bits
+        packed = np.zeros(len(start), dtype=np.int64)
+        for k, m, b in zip(keys, lo, bits, strict=True):
+            if b:
+                packed <<= b
+                packed |= k.astype(np.int64, copy=False) - m
+        order = np.argsort(packed, kind="stable")
+        first = runs_of(packed[order] >> bits[-1])
+    else:
+        order = np.lexsort((start, rank, step, grp))
+        first = runs_of(grp[order], step[order], rank[order])
+    return order, at_runs(first, len(order)), first
+
+
+def _segments_of(rs: np.ndarray, start: np.ndarray, sync: np.ndarray) -> np.ndarray:
+    """A row's segment: the sync rows of its rank-step that start strictly before it. Rows are sorted by
+    (rank-step, start), so that is the sync rows before it, unless one of them starts when it does: then
+    the count stops at the first row that starts when it does."""
+    n = len(rs)
+    if not n:
+        return np.zeros(0, dtype=np.int64)
+    before = np.cumsum(sync, dtype=np.int64)
+    before -= sync
+    first = runs_of(rs)
+    base = np.repeat(before[first], np.diff(np.append(first, n)))
+    if np.any((rs[1:] == rs[:-1]) & (start[1:] == start[:-1])):  # equal starts in a rank-step
+        same = runs_of(rs, start)
+        before = before[same[at_runs(same, n)]]
+    before -= base
+    return before
 
 
 def step_ids(rs: RankSteps) -> tuple[np.ndarray, np.ndarray]:
     """Per rank-step the index of its (grp, step), and the first rank-step of each (grp, step)."""
     starts = runs_of(rs.steps["grp"], rs.steps["step"])
     return at_runs(starts, len(rs.steps["grp"])), starts
-
-
-def segment_phases(rs: RankSteps) -> Arrays:
-    """Top-level rows summed per (rank-step, segment, phase, sync), each rank-step's remainder row after
-    them (busy, in its last segment), sorted by (rank-step, segment); with ``med_us``, the cross-rank
-    median of each busy (grp, step, seg, phase) (``rows`` of ``_timing_rows.rows_sql``)."""
-    r, st = rs.rows, rs.steps
-    n_ph = len(rs.phases)
-    # rows are sorted by (rank-step, start), so by (rank-step, segment): sum repeats within each segment,
-    # unless (the usual case) no (phase, sync) occurs twice in one
-    cell = r["phase"] * 2 + r["sync"]
-    seg_starts = runs_of(r["rs"], r["seg"])
-    if len(seg_starts) and _repeats(cell, seg_starts):
-        key = ((r["rs"] * (int(r["seg"].max(initial=0)) + 1) + r["seg"]) * n_ph * 2 + cell)
-        order = np.argsort(key, kind="stable")
-        starts = runs_of(key[order])
-        rs_i, seg, phase, sync = (r[c][order][starts] for c in ("rs", "seg", "phase", "sync"))
-        dur = np.add.reduceat(r["dur_us"][order], starts).astype(float)
-    else:
-        rs_i, seg, phase, sync = r["rs"], r["seg"], r["phase"], r["sync"]
-        dur = r["dur_us"].astype(float)
-    # each rank-step's remainder row goes after its last row
-    n_rs = len(st["grp"])
-    at = np.searchsorted(rs_i, np.arange(n_rs), side="right")
-    rem = rs.phases.index(REMAINDER)
-    rs_i = np.insert(rs_i, at, np.arange(n_rs))
-    seg = np.insert(seg, at, st["last_seg"])
-    phase = np.insert(phase, at, rem)
-    sync = np.insert(sync, at, False)
-    dur = np.insert(dur, at, st["step_us"] - st["covered"])
-    sid, _ = step_ids(rs)
-    out = {"rs": rs_i, "sid": sid[rs_i], "seg": seg, "phase": phase, "sync": sync, "dur_us": dur}
-    out["med_us"] = _median_by(out)
-    return out
-
-
-def _repeats(cell: np.ndarray, starts: np.ndarray) -> bool:
-    """Whether some run (from ``starts``) holds a value of ``cell`` twice: more rows than distinct bits
-    (values beyond 64 share bits, which can only report a repeat that is not there)."""
-    bits = np.bitwise_or.reduceat(np.left_shift(np.uint64(1), (cell % 64).astype(np.uint64)), starts)
-    return bool(np.any(np.bitwise_count(bits) < np.diff(np.append(starts, len(cell)))))
-
-
-def _median_by(s: Arrays) -> np.ndarray:
-    """Per busy row: the median of ``dur_us`` over the busy rows of its (grp, step, seg, phase) (NaN for
-    sync rows, which never read it)."""
-    dense = _median_dense(s)
-    if dense is not None:
-        return dense
-    busy = np.flatnonzero(~s["sync"])
-    seg_span = int(s["seg"].max(initial=0)) + 1
-    key = (s["sid"][busy] * seg_span + s["seg"][busy]) * (int(s["phase"].max(initial=0)) + 1) + s["phase"][busy]
-    order = sort_order(key, s["dur_us"][busy])
-    v = s["dur_us"][busy][order]
-    starts = runs_of(key[order])
-    counts = np.diff(np.append(starts, len(order)))
-    lo, hi = v[starts + (counts - 1) // 2], v[starts + counts // 2]
-    med = lo + (hi - lo) * 0.5
-    out = np.full(len(s["dur_us"]), np.nan)
-    out[busy[order]] = med[at_runs(starts, len(order))]
-    return out
-
-
-def _median_dense(s: Arrays) -> np.ndarray | None:
-    """``_median_by`` when every step has as many rank-steps and every rank-step the same (segment, phase,
-    sync) rows in the same order (synchronous ranks running the same phases): the medians of a
-    (steps × ranks × rows) array along its ranks. None otherwise."""
-    starts = runs_of(s["rs"])
-    width = len(s["rs"]) // max(len(starts), 1)
-    steps = runs_of(s["sid"][starts])
-    ranks = len(starts) // max(len(steps), 1)
-    if width * len(starts) != len(s["rs"]) or ranks * len(steps) != len(starts) or not width * ranks:
-        return None
-    cell = ((s["seg"] * (int(s["phase"].max()) + 1) + s["phase"]) * 2 + s["sync"]).reshape(-1, width)
-    if not (np.all(np.diff(starts) == width) and np.all(np.diff(steps) == ranks) and np.all(cell == cell[0])
-            and len(np.unique(cell[0])) == width):  # (a phase named like the remainder shares its cell)
-        return None
-    v = np.sort(s["dur_us"].reshape(len(steps), ranks, width), axis=1)
-    lo, hi = v[:, (ranks - 1) // 2, :], v[:, ranks // 2, :]
-    med = np.repeat((lo + (hi - lo) * 0.5)[:, None, :], ranks, axis=1).ravel()
-    return np.where(s["sync"], np.nan, med)

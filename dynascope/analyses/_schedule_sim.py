@@ -139,26 +139,28 @@ def replay(p: Pieces, *, pools: list[Pool], trainer_pool: int, trainer_procs: fl
 
     start(0, "train", pre[0])  # the work before the first rollout; version 0 is published when it is done
     caps = [pl.capacity for pl in pools]
+    backs = [pl.background for pl in pools]
+    # (this loop runs a few times per replayed step, so it sticks to plain floats and lists)
     while jobs:
-        procs = [pl.background for pl in pools]
-        for j in jobs.values():
+        running = list(jobs.values())
+        procs = backs.copy()
+        for j in running:
             procs[j.pool] += j.procs
         share = [min(1.0, c / q) if q > 0 else 1.0 for c, q in zip(caps, procs, strict=True)]
         dt = float("inf")
-        for j in jobs.values():
-            j.rate = j.procs * share[j.pool]
-            if j.left < dt * j.rate:
-                dt = j.left / j.rate
-        if 0 not in jobs and any(j.kind == "load" for j in jobs.values()):
+        for j in running:
+            j.rate = rate_j = j.procs * share[j.pool]
+            if j.left < dt * rate_j:
+                dt = j.left / rate_j
+        if 0 not in jobs and any(j.kind == "load" for j in running):
             res.sync_exposed_us += dt  # the trainer waits while weights are being loaded
         t += dt
-        done = []
-        for j in jobs.values():
-            j.left -= j.rate * dt
-            if j.left <= EPS * (1.0 + j.rate * dt):
-                done.append(j)
-        for j in done:
-            del jobs[j.owner]
+        for j in running:
+            step_work = j.rate * dt
+            j.left -= step_work
+            if j.left > EPS * (1.0 + step_work):
+                continue
+            del jobs[j.owner]  # done
             if j.kind == "load":
                 res.rollout_busy_us += t - j.started
                 res.sync_us += t - j.started
@@ -173,8 +175,10 @@ def replay(p: Pieces, *, pools: list[Pool], trainer_pool: int, trainer_procs: fl
                 if trained == n:  # the last batch is trained: the run is over
                     res.makespan_us, res.trained = t, trained
                     return res
-        feed_trainer()
-        feed_workers()
+        if queue and 0 not in jobs:
+            feed_trainer()
+        if idle and version >= 0:
+            feed_workers()
     raise RuntimeError("schedule replay stalled")  # every path above ends with the last batch trained
 
 

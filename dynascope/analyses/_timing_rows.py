@@ -41,10 +41,12 @@ def _enum(values: list[str]) -> str:
 
 def vocabulary(store: StoreConnection, run: str | None) -> Vocabulary:
     """The names the ENUMs need, read from the step-bearing timing rows."""
+    run_ids = "NULL" if run is not None else "list(DISTINCT run_id) FILTER (WHERE run_id IS NOT NULL)"
     runs, roles, phases = store.rows(f"""
-        SELECT list(DISTINCT run_id) FILTER (WHERE run_id IS NOT NULL), list(DISTINCT coalesce(role, '')),
-               list(DISTINCT phase) FILTER (WHERE phase IS NOT NULL)
+        SELECT {run_ids}, list(DISTINCT coalesce(role, '')), list(DISTINCT phase) FILTER (WHERE phase IS NOT NULL)
         FROM timings WHERE step IS NOT NULL{run_clause(run)}""")[0]
+    if run is not None:  # the rows read are the run's own
+        runs = [run]
     return Vocabulary(_enum(runs or [""]), _enum(roles or [""]), _enum([*(phases or []), REMAINDER]))
 
 

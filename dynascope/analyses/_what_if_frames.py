@@ -9,12 +9,12 @@ from collections.abc import Iterable
 import numpy as np
 import polars as pl
 
+from dynascope.analyses._rank_segments import segment_phases
 from dynascope.analyses._rank_steps import (
     Arrays,
     RankSteps,
     at_runs,
     runs_of,
-    segment_phases,
     sort_order,
     step_ids,
 )
@@ -33,11 +33,16 @@ def _per_rank(s: Arrays, rs: RankSteps, replace: np.ndarray) -> Arrays:
     set to their median."""
     starts = runs_of(s["rs"], s["seg"])
     busy = ~s["sync"]
-    pr = {"rs": s["rs"][starts], "sid": s["sid"][starts], "seg": s["seg"][starts], "at": at_runs(starts, len(busy))}
-    pr["busy"] = np.add.reduceat(np.where(busy, s["dur_us"], 0.0), starts)
-    new = np.where(replace, s["med_us"], s["dur_us"])
-    pr["new_busy"] = np.add.reduceat(np.where(busy, new, 0.0), starts)
-    pr["sync"] = np.add.reduceat(np.where(busy, 0.0, s["dur_us"]), starts)
+    at = at_runs(starts, len(busy))
+    pr = {"rs": s["rs"][starts], "sid": s["sid"][starts], "seg": s["seg"][starts], "at": at}
+
+    def per(w: np.ndarray) -> np.ndarray:  # sums per (rank-step, segment), in row order like reduceat
+        return np.bincount(at, weights=w, minlength=len(starts))
+
+    busy_us = np.where(busy, s["dur_us"], 0.0)
+    pr["busy"] = per(busy_us)
+    pr["new_busy"] = per(np.where(busy & replace, s["med_us"], busy_us))
+    pr["sync"] = per(s["dur_us"] - busy_us)
     pr["rank"] = rs.steps["rank"][pr["rs"]]
     return pr
 

@@ -129,8 +129,9 @@ def schedule_inputs(store: StoreLike, run: str | None = None, *, tail_pct: float
     if not 0 < tail_pct <= 100:
         raise ValueError(f"tail_pct must be in (0, 100], not {tail_pct}")
     con = as_store(store)
-    samples = sample_stats(con, run, tail_pct / 100)
-    rs = rank_steps(con, run)
+    started: list = []  # the samples are read while NumPy sorts the timing rows
+    rs = rank_steps(con, run, after_read=lambda: started.append(sample_stats(con, run, tail_pct / 100)))
+    samples = started[0] if started else sample_stats(con, run, tail_pct / 100)
     df = None if rs is None else inputs_frame(rs, samples, rollout_phases, sync_phases, behaviour_logprob_phase)
     if df is None:  # the SQL below reads the samples itself; the thread's read is only waited for
         samples.result()
@@ -262,7 +263,7 @@ def schedule_what_if(store: StoreLike, run: str | None = None, *, devices: float
                      staleness_policy: str = "block", tail_pct: float = 90.0,
                      rollout_devices: float | None = None, train_devices: float | None = None,
                      behaviour_logprob_phase: str | None = None, rollout_phases: Sequence[str] = ROLLOUT_PHASES,
-                     sync_phases: Sequence[str] = SYNC_PHASES, max_steps: int | None = 2000) -> pl.DataFrame:
+                     sync_phases: Sequence[str] = SYNC_PHASES, max_steps: int | None = 1000) -> pl.DataFrame:
     """Predicted step time, samples/s, idle shares, staleness and weight-sync exposure per schedule.
 
     One row per schedule (sync, one_step_off_policy, async, tail_cut, partial_rollout, split) and
@@ -292,7 +293,7 @@ def schedule_staleness(store: StoreLike, run: str | None = None, **params) -> pl
     Takes the parameters of ``schedule_what_if``.
     """
     defaults = {"devices": None, "background": 0.0, "target_background": None, "workers": 2, "staleness": 1, "staleness_policy": "block",
-                "rollout_devices": None, "train_devices": None, "max_steps": 2000}
+                "rollout_devices": None, "train_devices": None, "max_steps": 1000}
     unknown = set(params) - set(defaults) - {"tail_pct", "rollout_phases", "sync_phases", "behaviour_logprob_phase"}
     if unknown:
         raise TypeError(f"unknown parameters: {', '.join(sorted(unknown))}")
