@@ -11,7 +11,7 @@ import torch.nn as nn
 
 import dynascope
 from dynascope.probes.schedule import as_schedule, every, log_spaced, never
-from dynascope.probes.timing import first_grad_tensor
+from dynascope.probes.timing import PROBE_PHASE, first_grad_tensor
 
 
 def rows(run: Path, sql: str) -> list[dict]:
@@ -56,6 +56,49 @@ def test_phases_nest_and_auto_phases_are_timed(tmp_path: Path) -> None:
     last = summaries[-1][1]
     assert {"update_ratio", "phase/forward_ms", "phase/backward_ms", "phase/train_ms"} <= set(last)
     assert last["phase/rollout_ms"] >= 2.0
+
+
+def test_the_probes_own_work_is_a_phase_outside_the_optimizer(tmp_path: Path) -> None:
+    # The statistics the probes compute before and after optimizer.step() on the training thread are timed
+    # as their own phase: top-level when the loop has no phase around them, never inside `optimizer`.
+    model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 32))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    run = tmp_path / "own"
+    with dynascope.watch(model, opt, run=run, system_interval_s=None, time_budget=None, memory_budget=None):
+        for _ in range(4):
+            model(torch.randn(16, 32)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    got = rows(run, "select * from timings order by step, start_us")
+    for s in range(4):
+        rs = [r for r in got if r["step"] == s]
+        own = [r for r in rs if r["phase"] == PROBE_PHASE]
+        opt_row = next(r for r in rs if r["phase"] == "optimizer")
+        step_row = next(r for r in rs if r["phase"] == "step")
+        bwd = next(r for r in rs if r["phase"] == "backward")
+        # one span before the optimizer step (gradient statistics, snapshots), one after it (ΔW)
+        assert len(own) == 2 and all(r["parent"] is None and r["category"] == "phase" for r in own)
+        before, after = own
+        assert bwd["start_us"] + bwd["dur_us"] <= before["start_us"] + 1
+        assert before["start_us"] + before["dur_us"] <= opt_row["start_us"] + 1
+        assert opt_row["start_us"] + opt_row["dur_us"] <= after["start_us"] + 1
+        assert after["start_us"] + after["dur_us"] <= step_row["start_us"] + step_row["dur_us"] + 1
+        assert after["dur_us"] > 0  # ΔW of every tensor (no budget) is real work
+
+
+def test_the_probe_phase_only_in_steps_with_probe_work(tmp_path: Path) -> None:
+    model = nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for sched, expected in ((never, set()), (every(2), {0, 2})):
+        run = tmp_path / str(bool(expected))
+        with dynascope.watch(model, opt, run=run, every=sched, system_interval_s=None):
+            for _ in range(4):
+                model(torch.randn(4, 8)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+        got = rows(run, "select step, phase from timings")
+        assert {r["step"] for r in got if r["phase"] == "optimizer"} == {0, 1, 2, 3}
+        assert {r["step"] for r in got if r["phase"] == PROBE_PHASE} == expected
 
 
 def test_events_log_samples_and_stage(tmp_path: Path) -> None:

@@ -33,7 +33,7 @@ from dynascope.probes.resolver import Resolver, lower_priority
 from dynascope.probes.schedule import Schedule, as_schedule, every
 from dynascope.probes.system import SystemSampler
 from dynascope.probes.tensors import DRIFT_EVERY, W_NORM_EVERY, TensorStats
-from dynascope.probes.timing import TimingProbe
+from dynascope.probes.timing import PROBE_PHASE, TimingProbe
 from dynascope.store.writer import RunWriter
 
 __all__ = ["WRITER_FLUSH_S", "Scope", "watch"]
@@ -177,12 +177,29 @@ class Scope:
     def _context(self, manual: bool) -> StepContext:
         return StepContext(self._step, self.stage, self.tracked, self.reference, manual)
 
+    @contextmanager
+    def _own_work(self, due: Sequence[Probe]) -> Iterator[None]:
+        """Time the probes' own work on this thread as a phase (when timing is on and another probe is due)."""
+        timer = self.timer
+        rec = None
+        if timer is not None and any(p is not self.timing for p in due):
+            rec = self._guard("timing", timer.start, PROBE_PHASE)
+        try:
+            yield
+        finally:
+            if rec is not None:
+                self._guard("timing", timer.stop, rec)
+
     def _before(self, manual: bool) -> None:
         self._refresh()
         ctx = self._context(manual)
         self._due = [p for p in self.probes if self._guard(p.name, p.schedule, ctx.step)]
-        for p in self._due:  # a failed before() is reported; its after() still runs and may return nothing
-            self._guard(p.name, p.before, ctx)
+        with self._own_work(self._due):
+            for p in self._due:  # a failed before() is reported; its after() still runs and may return nothing
+                if p is not self.timing:
+                    self._guard(p.name, p.before, ctx)
+        if self.timing in self._due:  # last: the optimizer phase starts when the probes are done
+            self._guard(self.timing.name, self.timing.before, ctx)
 
     def _boundary(self) -> None:
         step, stage = self._step, self.stage
@@ -191,18 +208,25 @@ class Scope:
         # No before() ran when the optimizer skipped its step (scope.step() closes it): the probes scheduled
         # now still close the step (the step row, memory); the tensor statistics have no update to record.
         due = self._due if self._due is not None else [p for p in self.probes if self._guard(p.name, p.schedule, step)]
-        for p in due:
-            try:
-                res = p.after(ctx)
-            except Exception as exc:
-                self._report(p.name, exc)
-                self._guard(p.name, p.discard)
-                continue
-            if res is not None:
-                out.append((p, res))
+        with self._own_work(due):
+            for p in due:
+                if p is not self.timing:
+                    self._after(p, ctx, out)
+        if self.timing in due:  # last: its step row and phases close the step, the probes' work included
+            self._after(self.timing, ctx, out)
         self._due = None
         self._step += 1
         self.resolver.submit(self._resolve, step, stage, out)
+
+    def _after(self, p: Probe, ctx: StepContext, out: list[tuple[Probe, Any]]) -> None:
+        try:
+            res = p.after(ctx)
+        except Exception as exc:
+            self._report(p.name, exc)
+            self._guard(p.name, p.discard)
+            return
+        if res is not None:
+            out.append((p, res))
 
     def _resolve(self, step: int, stage: str | None, out: list[tuple[Probe, Any]]) -> None:
         summary: dict[str, float] = {}

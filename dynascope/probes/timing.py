@@ -12,6 +12,10 @@ model's output fires when backward reaches the model, and ``queue_callback`` fir
 backward pass is done. That stays right with gradient accumulation, losses computed outside the
 model, and work between backward and the optimizer (clipping, logging), which would otherwise be
 billed to backward.
+
+The probes' own work on the training thread (statistics before and after the optimizer step) is timed
+as the phase ``PROBE_PHASE``, so that a step breakdown shows what watching costs instead of leaving it
+in the step's un-instrumented remainder.
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ import torch
 from dynascope.core.clock import now_us
 from dynascope.probes.protocol import Probe, Rows, StepContext
 
-__all__ = ["PhaseRecord", "Timer", "TimingProbe", "first_grad_tensor"]
+__all__ = ["PROBE_PHASE", "PhaseRecord", "Timer", "TimingProbe", "first_grad_tensor"]
+
+PROBE_PHASE = "dynascope"
 
 
 class PhaseRecord:
