@@ -149,3 +149,39 @@ def test_sparse_rank_numbers_take_the_sorted_replay(tmp_path, monkeypatch):
     monkeypatch.setattr(frames, "_replayed_sorted", lambda *a: sorted_calls.append(1) or replay(*a))
     _both(monkeypatch, schedules.schedule_inputs, tmp_path / "s")
     assert sorted_calls
+
+
+def test_arrow_columns_read_from_their_buffers():
+    # as_numpy reads primitive columns from their buffers: sliced chunks (offsets, bit-packed booleans at
+    # odd offsets), several chunks, and NULLs (pyarrow's conversion) give pyarrow's own values
+    import numpy as np
+    import pyarrow as pa
+
+    from dynascope.analyses._rank_steps import as_numpy
+
+    rng = np.random.default_rng(0)
+    for typ, values in ((pa.int64(), rng.integers(-10**12, 10**12, 50)), (pa.int32(), rng.integers(-9, 9, 50)),
+                        (pa.uint8(), rng.integers(0, 255, 50)), (pa.float64(), rng.normal(size=50)),
+                        (pa.bool_(), rng.random(50) < 0.3)):
+        arr = pa.array(values, type=typ)
+        chunked = pa.chunked_array([arr.slice(3, 7), arr.slice(13, 29), arr.slice(0, 0), arr.slice(45)])
+        for col in (arr, arr.slice(5, 11), chunked):
+            got = as_numpy(col)
+            assert got.dtype == col.to_numpy(zero_copy_only=False).dtype
+            assert np.array_equal(got, col.to_numpy(zero_copy_only=False)), (typ, col)
+    with_null = pa.chunked_array([pa.array([1, None, 3])])
+    assert np.array_equal(as_numpy(with_null), with_null.to_numpy(zero_copy_only=False), equal_nan=True)
+
+
+def test_a_what_if_does_not_import_pandas(tmp_path):
+    # pyarrow's NumPy conversion imports pandas the first time a process uses it (0.4 s); the what-ifs
+    # read their columns without it
+    import subprocess
+    import sys
+
+    run = plant(tmp_path / "p", ranks=2)
+    code = ("import sys; import dynascope.analyses as A; "
+            f"A.what_if({str(run)!r}, by_phase=True); A.schedule_what_if({str(run)!r}); "
+            "print('pandas' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -12,7 +12,7 @@ import polars as pl
 import pyarrow.compute as pc
 
 from dynascope.analyses._common import run_clause
-from dynascope.analyses._rank_steps import RankSteps, at_runs, runs_of, sort_order
+from dynascope.analyses._rank_steps import RankSteps, as_numpy, at_runs, runs_of, sort_order
 from dynascope.store import StoreConnection
 
 _F = pl.Float64
@@ -26,7 +26,8 @@ def _sample_stats(store: StoreConnection, run: str | None, tail_q: float) -> pl.
     """Per (run_id, rank, step) of the samples, in that order: n (rows), gen_max, gen_cut (the ``tail_q``
     quantile, as DuckDB's quantile_cont interpolates it) and n_tail (generations longer than the cut)."""
     one = run is not None  # one run asked for: its id is not read
-    t = store.arrow(f"""SELECT {'' if one else 'run_id, '}rank, step, gen_end_us - gen_start_us AS d FROM samples
+    t = store.arrow(f"""SELECT {'' if one else 'run_id, '}rank, step, coalesce(gen_end_us - gen_start_us, 0) AS d,
+                               gen_end_us - gen_start_us IS NULL AS missing FROM samples
                         WHERE step IS NOT NULL AND run_id IS NOT NULL AND rank IS NOT NULL{run_clause(run)}""")
     if one:
         names, run_c = [run], np.zeros(t.num_rows, dtype=np.int64)
@@ -37,11 +38,10 @@ def _sample_stats(store: StoreConnection, run: str | None, tail_q: float) -> pl.
         by_name = np.argsort(np.array(names, dtype=object)).astype(np.int64) if names else np.zeros(0, np.int64)
         rename = np.empty(len(names), dtype=np.int64)
         rename[by_name] = np.arange(len(names))
-        run_c = rename[enc.indices.to_numpy(zero_copy_only=False).astype(np.int64)]
+        run_c = rename[as_numpy(enc.indices).astype(np.int64)]
         names = [names[i] for i in by_name]
-    rank, step = (t[c].to_numpy().astype(np.int64) for c in ("rank", "step"))
-    missing = t["d"].is_null().to_numpy(zero_copy_only=False)
-    d = t["d"].fill_null(0).to_numpy().astype(np.int64)
+    rank, step = (as_numpy(t[c]).astype(np.int64) for c in ("rank", "step"))
+    missing, d = as_numpy(t["missing"]), as_numpy(t["d"]).astype(np.int64)
     order = sort_order(run_c, rank, step, missing.astype(np.int64), d)  # a group's durations first, sorted
     run_c, rank, step, missing, d = run_c[order], rank[order], step[order], missing[order], d[order]
     starts = runs_of(run_c, rank, step)
