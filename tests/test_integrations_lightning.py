@@ -16,6 +16,10 @@ class _Regressor(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         self.net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        self.grad_norms: list[dict[str, float]] = []  # this step's ‖g‖ per tensor, seen after backward
+
+    def on_after_backward(self) -> None:
+        self.grad_norms.append({n: float(p.grad.norm()) for n, p in self.named_parameters()})
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -53,7 +57,11 @@ def test_lightning_five_steps(tmp_path):
     n_params = len(list(module.parameters()))
     assert _q(run, "SELECT count(DISTINCT step), min(step), max(step), count(*) FROM tensor_stats") == [
         (5, 0, 4, 5 * n_params)]
-    assert _q(run, "SELECT count(*) FROM tensor_stats WHERE NOT (update_ratio > 0 AND grad_norm > 0)") == [(0,)]
+    assert _q(run, "SELECT count(*) FROM tensor_stats WHERE grad_norm IS NULL OR NOT (update_ratio > 0 AND "
+                   "grad_norm > 0)") == [(0,)]
+    # the closure computes each step's gradients inside optimizer.step: the recorded ones are that step's
+    got = _q(run, "SELECT step, tensor, grad_norm FROM tensor_stats ORDER BY step, tensor")
+    assert [g for _, _, g in got] == pytest.approx([module.grad_norms[s][t] for s, t, _ in got], rel=1e-6)
     assert set(_q(run, "SELECT DISTINCT tensor FROM tensor_stats")) == {(n,) for n, _ in module.named_parameters()}
     phases = dict(_q(run, "SELECT phase, count(*) FROM timings GROUP BY phase"))
     assert phases["step"] == 5 and phases["train"] == 5 and phases["optimizer"] == 5

@@ -219,6 +219,33 @@ def test_no_grad_steps_and_manual_steps(tmp_path: Path) -> None:
     assert not math.isnan(got[1]["w_norm"])
 
 
+@pytest.mark.parametrize("as_kwarg", [False, True])
+def test_a_closure_step_records_its_own_gradients(tmp_path: Path, as_kwarg: bool) -> None:
+    # optimizer.step(closure) computes the gradients inside the step (LBFGS, Lightning's automatic
+    # optimization): before the step they are still the last step's, so they are read after it
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = tmp_path / f"closure{as_kwarg}"
+    seen: list[float] = []
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = model(torch.randn(8, 4)).pow(2).mean()
+        loss.backward()
+        seen.append(float(model.weight.grad.norm()))
+        return loss
+
+    with dynascope.watch(model, opt, run=run, system_interval_s=None, memory_budget=None, time_budget=None):
+        for _ in range(3):
+            old = model.weight.detach().clone()
+            opt.step(closure=closure) if as_kwarg else opt.step(closure)
+            assert not torch.equal(old, model.weight)
+    got = rows(run, "select step, grad_norm, update_norm from tensor_stats where tensor = 'weight' order by step")
+    assert [r["grad_norm"] for r in got] == pytest.approx(seen, rel=1e-6)
+    assert all(r["update_norm"] > 0 for r in got)
+
+
 def test_spectral_probe_is_wired(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 12), nn.Tanh(), nn.Linear(12, 4))

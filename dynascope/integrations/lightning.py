@@ -9,7 +9,8 @@
   (wrapped on the instance for the fit, removed after) and ``backward`` between the
   ``on_before_backward``/``on_after_backward`` hooks. In automatic optimization Lightning runs both
   inside ``optimizer.step(closure)``, so the probe's ``optimizer`` phase encloses them there: the
-  optimizer's own time is ``optimizer`` minus its ``forward`` and ``backward`` children.
+  optimizer's own time is ``optimizer`` minus its ``forward`` and ``backward`` children. The scope sees
+  the closure in ``optimizer.step``'s arguments and reads that step's gradients after it.
 * The metrics the module ``self.log``s (``trainer.callback_metrics``) become ``scalars`` every
   ``log_every_n_steps`` steps, Lightning's own logging cadence (reading them costs one sync per metric).
   dynascope numbers optimizer steps from 0, so Lightning's ``global_step`` N is dynascope step N−1.

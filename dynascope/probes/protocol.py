@@ -35,6 +35,9 @@ class StepContext:
     tracked: list[Tracked]
     reference: Any = None  # dynascope.probes.reference.Reference or None
     manual: bool = False  # no optimizer: ``before`` and ``after`` both run at the scope.step() boundary
+    # optimizer.step(closure): the closure computes the gradients inside the step (LBFGS, Lightning's
+    # automatic optimization), so before the step they are the last step's; read them after it
+    grads_after: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
 

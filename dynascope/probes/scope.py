@@ -93,6 +93,7 @@ class Scope:
         self._fingerprint: tuple | None = None
         self._skipped_reported: set[str] = set()
         self._stepped = False  # the optimizer stepped since the last boundary
+        self._grads_after = False  # this step's optimizer.step() got a closure (StepContext.grads_after)
         self.stats = self._find(TensorStats)
         self.memory = self._find(MemoryProbe)
         self.timing = self._find(TimingProbe)
@@ -165,6 +166,8 @@ class Scope:
             self._handles += self.timing.attach(self.model, self._guard)
 
     def _pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        # the hook gets step()'s own arguments: (optimizer, closure?) and its keywords
+        self._grads_after = (kwargs or {}).get("closure", args[1] if len(args) > 1 else None) is not None
         self._before(manual=False)
 
     def _post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -175,7 +178,8 @@ class Scope:
 
     # ---- the protocol: before, the step boundary ------------------------------------------------------
     def _context(self, manual: bool) -> StepContext:
-        return StepContext(self._step, self.stage, self.tracked, self.reference, manual)
+        return StepContext(self._step, self.stage, self.tracked, self.reference, manual,
+                           grads_after=self._grads_after and not manual)
 
     @contextmanager
     def _own_work(self, due: Sequence[Probe]) -> Iterator[None]:
@@ -215,6 +219,7 @@ class Scope:
         if self.timing in due:  # last: its step row and phases close the step, the probes' work included
             self._after(self.timing, ctx, out)
         self._due = None
+        self._grads_after = False
         self._step += 1
         self.resolver.submit(self._resolve, step, stage, out)
 

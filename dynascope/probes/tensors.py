@@ -162,11 +162,12 @@ class TensorStats(Probe):
     @torch.no_grad()
     def before(self, ctx: StepContext) -> None:
         """Pre-step half: gradients and the ΔW snapshot of the window. Without an optimizer this runs at
-        the start of the step (the previous boundary) and only snapshots; the gradients wait for ``after``."""
+        the start of the step (the previous boundary) and only snapshots; the gradients wait for ``after``,
+        as they do when a closure computes them inside the step (``ctx.grads_after``)."""
         if not self._schedule(ctx.step):  # a step scheduled only for S_k's snapshot, taken in after()
             return
         self._tick()
-        if ctx.manual:
+        if ctx.manual or ctx.grads_after:  # the gradients are not this step's yet: after() reads them
             self._early_window = self.plan(ctx.tracked)
             self.update.before([ctx.tracked[i].local() for i in self._early_window])
             return
@@ -209,7 +210,7 @@ class TensorStats(Probe):
         if not self._schedule(ctx.step):
             self._snapshot(ctx.step, ctx.tracked, [t.local() for t in ctx.tracked])
             return None
-        if ctx.manual:
+        if ctx.manual or ctx.grads_after:
             self._grads(ctx, snapshot=False)
         rec, self._rec = self._rec, None
         if rec is None:
