@@ -72,3 +72,19 @@ def test_steps_without_s1_are_left_out_not_counted_as_changed(tmp_path):
     # rows written by a probe that had no S₁ (null): no step can be priced, so none is
     run = _run(tmp_path / "r", [_row(1, Q, 1_000, None), _row(1, MLP, 1_000, None)])
     assert delta_sync_bytes(run).is_empty() and delta_sync_summary(run).is_empty()
+
+
+def test_one_rank_runs_skip_the_lowest_rank_window(tmp_path, monkeypatch):
+    # a run from one process has one row per (step, tensor): the window that picks each tensor's lowest
+    # rank is skipped, with the same answer as taking it; a run with two ranks still takes it
+    import dynascope.analyses.delta_sync as ds
+
+    rows = [_row(s, t, n, n - (s * 37 + n // 100) % n) for s in range(1, 6) for t, n in ((Q, 3_000), (MLP, 5_000))]
+    run = _run(tmp_path / "one", rows, timings=[(1, 4_000), (2, 6_000)])
+    assert ds._one_rank(ds.as_store(run), "")
+    fast = delta_sync_bytes(run)
+    with monkeypatch.context() as m:
+        m.setattr(ds, "_one_rank", lambda con, where: False)
+        assert fast.equals(delta_sync_bytes(run)) and fast.height == 5
+    _run(tmp_path / "one", rows[:2], rank=1)  # a second rank
+    assert not ds._one_rank(ds.as_store(run), "")
