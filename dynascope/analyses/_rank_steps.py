@@ -66,19 +66,28 @@ def at_runs(starts: np.ndarray, n: int) -> np.ndarray:
     return np.cumsum(mark)
 
 
-def sort_order(*keys: np.ndarray) -> np.ndarray:
-    """``np.lexsort`` order of ``keys`` (most significant first): one integer sort when the keys, all
-    integer-valued, pack into 63 bits, which is several times faster than sorting on each key in turn."""
+def pack(*keys: np.ndarray) -> tuple[np.ndarray, list[int]] | None:
+    """``keys`` (most significant first) packed into one int64 that orders like them, and each key's bit
+    width; None when they are not all integer-valued or need more than 62 bits."""
+    if any(k.dtype.kind == "f" and not np.all(k == np.floor(k)) for k in keys):
+        return None
     lo = [int(k.min()) if len(k) else 0 for k in keys]
     bits = [int(int(k.max()) - m).bit_length() if len(k) else 0 for k, m in zip(keys, lo, strict=True)]
-    if sum(bits) > 62 or any(k.dtype.kind == "f" and not np.all(k == np.floor(k)) for k in keys):
-        return np.lexsort(keys[::-1])
+    if sum(bits) > 62:
+        return None
     packed = np.zeros(len(keys[0]), dtype=np.int64)
     for k, m, b in zip(keys, lo, bits, strict=True):
         if b:  # a constant key orders nothing
             packed <<= b
             packed |= k.astype(np.int64, copy=False) - m
-    return np.argsort(packed, kind="stable")
+    return packed, bits
+
+
+def sort_order(*keys: np.ndarray) -> np.ndarray:
+    """``np.lexsort`` order of ``keys`` (most significant first): one integer sort when the keys, all
+    integer-valued, pack into 63 bits, which is several times faster than sorting on each key in turn."""
+    p = pack(*keys)
+    return np.lexsort(keys[::-1]) if p is None else np.argsort(p[0], kind="stable")
 
 
 _NUMPY = {pa.bool_(): np.bool_, pa.int8(): np.int8, pa.int16(): np.int16, pa.int32(): np.int32,
@@ -131,14 +140,14 @@ def rank_steps(store: StoreConnection, run: str | None,
     t = with_vocabulary(store, run, lambda v: _read(store, run, v))
     if after_read is not None:
         after_read()
-    if any(t[c].null_count for c in ("rank", "step", "start_us", "dur_us")) or \
-            ("run_id" in t.column_names and t["run_id"].null_count):
+    keys = ("rank", "step", "start_us", "dur_us") + (() if run is not None else ("run_id",))
+    if any(t[c].null_count for c in keys):
         return None
     n = t.num_rows
     if not n:
         return None
     # one run asked for: its id is not read (a constant column)
-    run_c, runs = codes(t["run_id"]) if "run_id" in t.column_names else (np.zeros(n, dtype=np.int64), [run])
+    run_c, runs = (np.zeros(n, dtype=np.int64), [run]) if run is not None else codes(t["run_id"])
     role_c, roles = codes(t["role"])
     phase_c, phases = codes(t["phase"])  # REMAINDER is one of them, as in the SQL
     n_roles = max(len(roles), 1)
@@ -194,15 +203,9 @@ def _by_rank_step(grp: np.ndarray, step: np.ndarray, rank: np.ndarray,
     """The rows' order by (grp, step, rank, start), the rank-step index of each row in that order, and each
     rank-step's first row. Each writer wrote a rank's rows by step, so the sort merges a few long runs; the
     rank-steps come out in (grp, step, rank) order, each one's rows contiguous and by start."""
-    keys = (grp, step, rank, start)
-    lo = [int(k.min()) for k in keys]
-    bits = [int(int(k.max()) - m).bit_length() for k, m in zip(keys, lo, strict=True)]
-    if sum(bits) <= 62:  # one integer sort; the rank-step is the key without its start bits
-        packed = np.zeros(len(start), dtype=np.int64)
-        for k, m, b in zip(keys, lo, bits, strict=True):
-            if b:
-                packed <<= b
-                packed |= k.astype(np.int64, copy=False) - m
+    p = pack(grp, step, rank, start)
+    if p is not None:  # one integer sort; the rank-step is the key without its start bits
+        packed, bits = p
         order = np.argsort(packed, kind="stable")
         first = runs_of(packed[order] >> bits[-1])
     else:

@@ -12,7 +12,7 @@ import polars as pl
 import pyarrow.compute as pc
 
 from dynascope.analyses._common import run_clause
-from dynascope.analyses._rank_steps import RankSteps, as_numpy, at_runs, runs_of, sort_order
+from dynascope.analyses._rank_steps import RankSteps, as_numpy, at_runs, pack, runs_of, sort_order
 from dynascope.store import StoreConnection
 
 _F = pl.Float64
@@ -71,24 +71,18 @@ def sample_stats(store: StoreConnection, run: str | None, tail_q: float) -> Futu
 
 def _lookup(table: Sequence[np.ndarray], query: Sequence[np.ndarray]) -> np.ndarray:
     """For each query row, the index of the equal row of ``table`` (its rows sorted and distinct), or -1."""
-    lo = [min(int(a.min(initial=0)), int(b.min(initial=0))) for a, b in zip(table, query, strict=True)]
-    hi = [max(int(a.max(initial=0)), int(b.max(initial=0))) for a, b in zip(table, query, strict=True)]
-    bits = [int(h - m).bit_length() for h, m in zip(hi, lo, strict=True)]
-    if sum(bits) > 62:  # too wide to pack: polars joins them
+    n = len(table[0])
+    p = pack(*(np.concatenate([a, b]) for a, b in zip(table, query, strict=True)))  # one packing for both
+    if p is None:  # too wide to pack: polars joins them
         t = pl.DataFrame({str(i): a for i, a in enumerate(table)}).with_row_index("at")
         q = pl.DataFrame({str(i): a for i, a in enumerate(query)})
         return q.join(t, on=[str(i) for i in range(len(table))], how="left", maintain_order="left")[
             "at"].fill_null(-1).to_numpy().astype(np.int64)
-
-    def pack(cols: Sequence[np.ndarray]) -> np.ndarray:
-        out = np.zeros(len(cols[0]), dtype=np.int64)
-        for c, m, b in zip(cols, lo, bits, strict=True):
-            out = (out << b) | (c.astype(np.int64) - m)
-        return out
-
-    tk, qk = pack(table), pack(query)
-    at = np.minimum(np.searchsorted(tk, qk), max(len(tk) - 1, 0))
-    return np.where((len(tk) > 0) & (tk[at] == qk) if len(tk) else np.zeros(len(qk), dtype=bool), at, -1)
+    tk, qk = p[0][:n], p[0][n:]
+    if not n:
+        return np.full(len(qk), -1, dtype=np.int64)
+    at = np.minimum(np.searchsorted(tk, qk), n - 1)
+    return np.where(tk[at] == qk, at, -1)
 
 
 def inputs_frame(rs: RankSteps, samples: Future[pl.DataFrame], rollout_phases: Sequence[str],

@@ -62,15 +62,15 @@ def delta_sync_bytes(store: StoreLike, run: str | None = None, stage: str | None
     if "bf16_unchanged_count" not in _columns(con):
         raise StoreError("tensor_stats has no bf16_unchanged_count (PULSE S₁): record with a probe that writes it")
     where = run_clause(run) + ("" if stage is None else f" AND stage = {quote_literal(stage)}")
-    one_rank = _one_rank(con, where)
-    rows = (f"SELECT run_id, stage, step, tensor, rank, sharded, numel, dtype, bf16_unchanged_count, rank AS first_rank "
-            f"FROM tensor_stats WHERE step IS NOT NULL{where}") if one_rank else f"""
-            SELECT run_id, stage, step, tensor, rank, sharded, numel, dtype, bf16_unchanged_count,
-                   min(rank) OVER (PARTITION BY run_id, step, tensor) AS first_rank
-            FROM tensor_stats WHERE step IS NOT NULL{where}"""
-    tensors = "count(*)" if one_rank else "count(DISTINCT tensor)"  # one row per tensor and step on one rank
+    one_rank = _one_rank(con, where)  # then each (step, tensor) has one row: no lowest rank to pick
+    first_rank = "rank" if one_rank else "min(rank) OVER (PARTITION BY run_id, step, tensor)"
+    tensors = "count(*)" if one_rank else "count(DISTINCT tensor)"
     per_step = frame(con, f"""
-        WITH rows AS ({rows})
+        WITH rows AS (
+            SELECT run_id, stage, step, tensor, rank, sharded, numel, dtype, bf16_unchanged_count,
+                   {first_rank} AS first_rank
+            FROM tensor_stats WHERE step IS NOT NULL{where}
+        )
         SELECT run_id, any_value(stage) AS stage, step, {tensors} AS tensors,
                sum(numel)::BIGINT AS numel, count(bf16_unchanged_count) = count(*) AS complete,
                sum(numel - bf16_unchanged_count)::BIGINT AS changed_count,

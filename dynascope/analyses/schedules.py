@@ -47,6 +47,7 @@ SYNC_PHASES = ("weight_sync", "sync_weights", "update_weights")
 LIMITS = ("memory limits, KV-cache effects, network contention, weight-transfer costs beyond the measured "
           "copy, and sub-linear scaling on other device counts are not modelled")
 _K = "run_id, role, rank, step"
+MAX_STEPS = 1000  # RL steps a schedule replays (evenly spaced ones stand for a longer run; docs/schedules.md)
 
 
 def _inputs_sql(run: str | None, rollout_phases: Sequence[str], sync_phases: Sequence[str],
@@ -263,7 +264,7 @@ def schedule_what_if(store: StoreLike, run: str | None = None, *, devices: float
                      staleness_policy: str = "block", tail_pct: float = 90.0,
                      rollout_devices: float | None = None, train_devices: float | None = None,
                      behaviour_logprob_phase: str | None = None, rollout_phases: Sequence[str] = ROLLOUT_PHASES,
-                     sync_phases: Sequence[str] = SYNC_PHASES, max_steps: int | None = 1000) -> pl.DataFrame:
+                     sync_phases: Sequence[str] = SYNC_PHASES, max_steps: int | None = MAX_STEPS) -> pl.DataFrame:
     """Predicted step time, samples/s, idle shares, staleness and weight-sync exposure per schedule.
 
     One row per schedule (sync, one_step_off_policy, async, tail_cut, partial_rollout, split) and
@@ -293,7 +294,7 @@ def schedule_staleness(store: StoreLike, run: str | None = None, **params) -> pl
     Takes the parameters of ``schedule_what_if``.
     """
     defaults = {"devices": None, "background": 0.0, "target_background": None, "workers": 2, "staleness": 1, "staleness_policy": "block",
-                "rollout_devices": None, "train_devices": None, "max_steps": 1000}
+                "rollout_devices": None, "train_devices": None, "max_steps": MAX_STEPS}
     unknown = set(params) - set(defaults) - {"tail_pct", "rollout_phases", "sync_phases", "behaviour_logprob_phase"}
     if unknown:
         raise TypeError(f"unknown parameters: {', '.join(sorted(unknown))}")

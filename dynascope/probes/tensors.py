@@ -7,12 +7,13 @@ window's tensors at every record, which is where ``update_ratio`` needs it. Both
 parameter's bytes, so on a host they are bound by memory bandwidth (~2% of the reference step together),
 and ‖W‖ moves slowly: at lr ~1e-6 by about 1e-6 of itself per step. The statistics that need the
 pre-step weights, θ₀, the weights k steps back or several passes over the data — ‖ΔW‖,
-changed/sign-flip/bf16-unchanged counts, drift, max|g| and zero/near-zero gradient counts — run on a *window* of tensors that rotates through the model, sized by
-``memory_budget``: the share of parameter bytes the probe may hold at its peak, i.e. the window's
-pre-step snapshot plus one chunk's temporaries (θ₀ is read from disk a chunk at a time, every statistic
-is computed a chunk at a time; see ``plan``). At the default 0.1 each tensor gets the full set every
-~13 windows; ``memory_budget >= 2`` (θ₀ resident + a full snapshot) gives every statistic for every
-tensor at every record. Columns of tensors outside the window are NULL.
+changed/sign-flip/bf16-unchanged counts, drift, max|g| and zero/near-zero gradient counts — run on a
+*window* of tensors that rotates through the model, sized by ``memory_budget``: the share of parameter
+bytes the probe may hold at its peak, i.e. the window's pre-step snapshot plus one chunk's temporaries
+(θ₀ is read from disk a chunk at a time, every statistic is computed a chunk at a time; see ``plan``).
+At the default 0.1 each tensor gets the full set every ~13 windows; ``memory_budget >= 2`` (θ₀
+resident + a full snapshot) gives every statistic for every tensor at every record. Columns of tensors
+outside the window are NULL.
 The window also has a time budget (``time_budget``, share of wall-clock step time, default 1.5%): a
 window is taken only while the windows' measured host time stays under that share of the time since
 the previous record, so on a small or fast model the full set comes less often instead of slowing
