@@ -63,6 +63,30 @@ FAMILIES = (
 )
 
 
+# ``--malloc-fixed``: glibc's trimming and mmap of large blocks off, so freed memory stays in the heap
+# and is reused without page faults. Under glibc's defaults the reference step re-faults 4k-12k pages
+# (16-48 MiB) of activations per step, and how many depends on where earlier allocations happened to
+# land: the same configuration varies 3x between fresh processes, by itself a few % of step time.
+FIXED_MALLOC = {"MALLOC_TRIM_THRESHOLD_": str(1 << 40), "MALLOC_MMAP_THRESHOLD_": str(1 << 40)}
+
+
+def minor_faults() -> int:
+    """Minor page faults of this process so far (every thread)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def malloc_arg(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--malloc-fixed", action="store_true",
+                    help="timing children with glibc's heap trimming and large-block mmap off (see FIXED_MALLOC)")
+
+
+def child_env(args: argparse.Namespace, env: dict[str, str], memory_run: bool = False) -> dict[str, str]:
+    """``env`` for a timing child: with ``FIXED_MALLOC`` when ``--malloc-fixed`` asks for it."""
+    return dict(env, **FIXED_MALLOC) if getattr(args, "malloc_fixed", False) and not memory_run else env
+
+
 def tensor_stats_of(scope: Any) -> Any:
     """The scope's tensor-statistics probe (``scope.stats``, or the probe named ``tensor_stats``)."""
     stats = getattr(scope, "stats", None)
@@ -179,13 +203,14 @@ def block(loop: Loop, config: str | None, steps: int, drop: int, tmp: str, famil
     threads = _probe_threads()
     times: list[float] = []
     inside: dict[str, float] = {}
-    cpu0 = 0.0
+    cpu0, faults0 = 0.0, 0
     for i in range(steps):
         if i == drop:
             acc.clear()
-            cpu0 = _thread_cpu(threads)
+            cpu0, faults0 = _thread_cpu(threads), minor_faults()
         times.append(loop.step())
     bg = _thread_cpu(threads) - cpu0
+    faults = minor_faults() - faults0
     inside = dict(acc)
     if scope is not None:
         scope.close()
@@ -193,7 +218,8 @@ def block(loop: Loop, config: str | None, steps: int, drop: int, tmp: str, famil
     shutil.rmtree(run, ignore_errors=True)
     kept = times[drop:]
     n = max(len(kept), 1)
-    return {"median_s": statistics.median(kept), "bg_s": bg / n, "inside": {k: v / n for k, v in inside.items()}}
+    return {"median_s": statistics.median(kept), "bg_s": bg / n, "faults": faults / n,
+            "inside": {k: v / n for k, v in inside.items()}}
 
 
 def ab_child(args: argparse.Namespace) -> dict[str, Any]:
@@ -203,7 +229,8 @@ def ab_child(args: argparse.Namespace) -> dict[str, Any]:
     tmp = tempfile.mkdtemp(prefix="ds-ab-")
     for _ in range(args.warmup):
         loop.step()
-    out: dict[str, Any] = {c: {"ratio": [], "step_s": [], "base_s": [], "bg_s": [], "inside": []} for c in configs}
+    out: dict[str, Any] = {c: {"ratio": [], "step_s": [], "base_s": [], "bg_s": [], "faults": [], "base_faults": [],
+                               "inside": []} for c in configs}
     families = bool(args.families)
     try:
         prev = block(loop, None, args.block, args.drop, tmp, families)
@@ -218,6 +245,8 @@ def ab_child(args: argparse.Namespace) -> dict[str, Any]:
                 o["step_s"].append(probed["median_s"])
                 o["base_s"].append(base)
                 o["bg_s"].append(probed["bg_s"])
+                o["faults"].append(probed["faults"])
+                o["base_faults"].append((prev["faults"] + nxt["faults"]) / 2)
                 o["inside"].append(probed["inside"])
                 prev = nxt
         rotation = rotation_run(loop, args.rotation_steps, tmp) if args.rotation_steps else None
@@ -286,9 +315,10 @@ def run_ab(args: argparse.Namespace, configs: list[str], families: bool = False,
               "drop")]
     flags += [f"--ab-configs={','.join(configs)}", f"--rotation-steps={rotation_steps}"]
     flags += ["--families=1"] if families else []
+    flags += ["--malloc-fixed"] if getattr(args, "malloc_fixed", False) else []
     here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join(
-        p for p in (here, os.environ.get("PYTHONPATH", "")) if p))
+    env = child_env(args, dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join(
+        p for p in (here, os.environ.get("PYTHONPATH", "")) if p)))
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--ab-child", *flags], capture_output=True,
                          text=True, env=env, timeout=7200)
     if out.returncode != 0:
@@ -306,14 +336,15 @@ def print_ab(res: dict[str, Any], args: argparse.Namespace) -> None:
           f"params={res['param_bytes'] / 4e6:.2f}M, {args.ab_rounds} rounds of blocks of {args.block} steps "
           f"(first {args.drop} dropped), each probed block between two plain blocks")
     print(f"{'config':<14}{'ratio min / median / max':>27}{'plain ms':>10}{'probed ms':>11}"
-          f"{'in-step ms':>12}{'bg CPU ms/step':>16}")
+          f"{'in-step ms':>12}{'bg CPU ms/step':>16}{'faults/step plain':>19}{'probed':>8}")
     for c, o in res["configs"].items():
         if not o["ratio"]:
             continue
         inside = statistics.median(d.get("probe", 0.0) for d in o["inside"]) * 1e3
         print(f"{c:<14}{spread(o['ratio']):>27}{statistics.median(o['base_s']) * 1e3:>10.1f}"
               f"{statistics.median(o['step_s']) * 1e3:>11.1f}{inside:>12.2f}"
-              f"{statistics.median(o['bg_s']) * 1e3:>16.2f}")
+              f"{statistics.median(o['bg_s']) * 1e3:>16.2f}{statistics.median(o['base_faults']):>19.0f}"
+              f"{statistics.median(o['faults']):>8.0f}")
 
 
 def print_families(res: dict[str, Any]) -> None:
@@ -367,6 +398,7 @@ def main() -> None:
     ap.add_argument("--configs", default="ds-default,ds-noref")
     ap.add_argument("--rotation-steps", type=int, default=0)
     ap.add_argument("--families", type=int, default=0)
+    malloc_arg(ap)
     ap.add_argument("--ab-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--ab-configs", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()

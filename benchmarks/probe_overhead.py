@@ -10,6 +10,8 @@ configurations interleaved across ``--rounds``), so hooks never leak and each pe
     ds-full         memory_budget=2: θ₀ resident, every statistic for every tensor at every step
     wandb           wandb.watch(model, log="all", log_freq=1), WANDB_MODE=offline, dir in a tmpdir
     tensorboard     per-tensor weight and gradient histograms every step (torch.utils.tensorboard)
+    ds-closed       watch() then close() before the first step, so no probe runs (not in the default
+                    list): how far the heap layout an attached-then-detached probe leaves moves the step
 
 Parts:
 1. Step time at the reference size, every configuration, across processes: median step-time ratio to
@@ -21,6 +23,13 @@ Parts:
    ``--stats`` adds the per-statistic configurations and the in-step split by statistic family. Then
    the rotation length of the default set (``--rotation-steps``), read back from its store, and one
    table that puts the A/B beside the cross-process rounds.
+   Both step-time parts also count the process's minor page faults per measured step. Under glibc's
+   defaults the reference step returns freed activation memory to the OS and faults it back in, 4k-12k
+   pages a step, and how many depends on where earlier allocations landed, so it differs between two
+   processes of one configuration by up to 3x: a few % of step time that belongs to the heap's layout,
+   not to the probe's work. ``--malloc-fixed`` runs the timing children with trimming and large-block
+   mmap off (``probe_ab.FIXED_MALLOC``), which removes it, as a caching allocator (jemalloc, tcmalloc)
+   would; the default is glibc's own behaviour, what a user's process gets.
 3. Memory at several model sizes (``--sizes``, d_model values; benchmarks/probe_memory.py): for each
    ``--mem-configs`` configuration, the process's peak over ``none`` ("extra") and the probe's own
    peak at the allocator ("held": snapshot + θ₀ chunks + temporaries), each fitted as
@@ -144,7 +153,11 @@ def child(args: argparse.Namespace) -> dict:
     tmp = tempfile.mkdtemp(prefix="ds-bench-")
     scope, tb, wb = None, None, None
     probe_s = [0.0]
-    if args.config.startswith("ds-"):
+    if args.config == "ds-closed":  # attached and detached before the steps: what only the heap remembers
+        import dynascope
+
+        dynascope.watch(model, opt, run=os.path.join(tmp, "run")).close()
+    elif args.config.startswith("ds-"):
         import dynascope
 
         kw = dict(DS_KWARGS[args.config])
@@ -188,17 +201,21 @@ def child(args: argparse.Namespace) -> dict:
             torch.cuda.synchronize()
 
     times, probes = [], []
+    faults0 = 0
     for i in range(args.warmup + args.steps):
-        if i == args.warmup and dev.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            cuda_peak[0] = 0
+        if i == args.warmup:
+            faults0 = probe_ab.minor_faults()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                cuda_peak[0] = 0
         t0 = time.perf_counter()
         probe_s[0] = 0.0
         one_step(i)
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
             probes.append(probe_s[0])
+    faults = (probe_ab.minor_faults() - faults0) / max(args.steps, 1)
     if dev.type == "cuda":
         _note_cuda_peak(cuda_peak)
     peak = cuda_peak[0] if dev.type == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0
@@ -214,7 +231,7 @@ def child(args: argparse.Namespace) -> dict:
         wb.finish()
     if tb is not None:
         tb.close()
-    return {"config": args.config, "times": times, "probe": probes, "peak_bytes": peak, "code_bytes": code, "held_bytes": held,
+    return {"config": args.config, "times": times, "probe": probes, "faults": faults, "peak_bytes": peak, "code_bytes": code, "held_bytes": held,
             "param_bytes": param_bytes, "imports_bytes": rss_imported - rss_start,
             "arrow_init_bytes": rss_arrow - rss_imported}
 
@@ -246,7 +263,7 @@ def run_child(args: argparse.Namespace, config: str, d_model: int, steps: int, m
     flags = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
              ("device", "warmup", "threads", "vocab", "layers", "batch", "seq")]
     flags += [f"--d-model={d_model}", f"--steps={steps}"] + (["--memory-run"] if memory_run else [])
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env = probe_ab.child_env(args, dict(os.environ, HF_HUB_OFFLINE="1"), memory_run)
     if memory_run and not args.malloc_default:
         # A fixed mmap threshold: glibc then returns every large freed block at once instead of keeping
         # it (its default raises the threshold as blocks are freed), so RSS tracks live memory and two
@@ -268,7 +285,9 @@ def timing_part(args: argparse.Namespace, configs: list[str]) -> dict[str, dict]
             r = run_child(args, c, args.d_model, args.steps, memory_run=False)
             if r is None:
                 continue
-            agg = results.setdefault(c, {"times": [], "probe": [], "peaks": [], "round_ratios": [], **r})
+            agg = results.setdefault(c, {"times": [], "probe": [], "peaks": [], "round_ratios": [], "faults_all": [],
+                                         **r})
+            agg["faults_all"].append(r["faults"])
             agg["times"] += r["times"]
             agg["probe"] += r["probe"]
             agg["peaks"].append(r["peak_bytes"])
@@ -285,7 +304,7 @@ def timing_part(args: argparse.Namespace, configs: list[str]) -> dict[str, dict]
           f"batch={args.batch}x{args.seq} threads={args.threads} params={pb / 4e6:.2f}M "
           f"steps={args.steps}x{args.rounds} rounds")
     print(f"{'config':<14}{'median step ms':>16}{'ratio':>9}{'per-round ratio min / median / max':>36}"
-          f"{'in-step probe ratio':>21}{'peak extra MiB':>16}{'/ param bytes':>15}")
+          f"{'in-step probe ratio':>21}{'peak extra MiB':>16}{'/ param bytes':>15}{'faults/step min/med/max':>25}")
     for c in configs:
         if c not in results:
             continue
@@ -297,7 +316,10 @@ def timing_part(args: argparse.Namespace, configs: list[str]) -> dict[str, dict]
         own_s = f"{own:.3f}x" if any(results[c]["probe"]) else "-"
         rr = results[c]["round_ratios"]
         rr_s = f"{min(rr):.3f} / {statistics.median(rr):.3f} / {max(rr):.3f}" if rr else "-"
-        print(f"{c:<14}{t * 1e3:>16.1f}{t / base_t:>8.3f}x{rr_s:>36}{own_s:>21}{m / MiB:>16.1f}{m / pb:>15.1%}")
+        fa = results[c]["faults_all"]
+        fa_s = f"{min(fa):.0f} / {statistics.median(fa):.0f} / {max(fa):.0f}"
+        print(f"{c:<14}{t * 1e3:>16.1f}{t / base_t:>8.3f}x{rr_s:>36}{own_s:>21}{m / MiB:>16.1f}{m / pb:>15.1%}"
+              f"{fa_s:>25}")
     return results
 
 
@@ -331,6 +353,7 @@ def main() -> None:
     ap.add_argument("--mem-steps", type=int, default=16, help="≥ one rotation of the window, ~1/(0.75·budget)")
     ap.add_argument("--mem-rounds", type=int, default=1)
     ap.add_argument("--malloc-default", action="store_true", help="memory runs under glibc's default tuning")
+    probe_ab.malloc_arg(ap)
     ap.add_argument("--ab-configs", default="ds-default,ds-noref", help="in-process A/B configurations ('' skips it)")
     probe_ab.add_args(ap)
     ap.add_argument("--stats", action="store_true",

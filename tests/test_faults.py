@@ -232,3 +232,25 @@ def test_sigkill_at_100_random_points(tmp_path):
         killed_mid_flush += any(f.endswith(".tmp") for _, _, fs in os.walk(run) for f in fs)
     assert len(runs) >= 25  # kills also land while a run is being created: those leave no marker, no run
     assert killed_mid_flush > 0  # some kills really landed inside a segment write
+
+
+def test_system_sampler_last_sample_error_is_reported(tmp_path):
+    """A sample that fails at close (the last one, which short runs rely on) warns and leaves an event row."""
+    run = tmp_path / "run"
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scope = dynascope.watch(model, opt, run=run, system_interval_s=3600)
+
+    class Gone:
+        def cpu_percent(self, interval):
+            raise ProcessLookupError("process vanished")
+
+    scope.system._proc = Gone()
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    with pytest.warns(RuntimeWarning, match="system sampler stopped: ProcessLookupError"):
+        scope.close()
+    with open_store(run) as s:
+        rows = s.rows("SELECT fields_json->>'probe', message FROM events WHERE event = 'probe_error'")
+    assert [r[0] for r in rows] == ["system"], rows
+    assert "process vanished" in rows[0][1]

@@ -75,6 +75,7 @@ class SystemSampler(Probe):
         self._proc.cpu_percent(None)  # the first call only sets the baseline
         self._nvml = _nvml() if local_rank == 0 else None
         self._stop = threading.Event()
+        self._broken = False
         self._thread = threading.Thread(target=self._loop, name="dynascope-system", daemon=True)
         self._thread.start()
 
@@ -91,22 +92,29 @@ class SystemSampler(Probe):
         cols["time_us"] = [t] * len(rows)
         self.writer.append("system", cols)
 
+    def _failed(self, exc: Exception) -> None:
+        """The one warning and ``probe_error`` event of a failed sample; the sampler takes no more."""
+        self._broken = True
+        warnings.warn(f"dynascope: system sampler stopped: {type(exc).__name__}: {exc}",
+                      RuntimeWarning, stacklevel=1)
+        self.writer.event("probe_error", f"system sampler: {type(exc).__name__}: {exc}",
+                          severity="warning", probe="system")
+
     def _loop(self) -> None:
         lower_priority()  # background work: see dynascope.probes.resolver
         while not self._stop.wait(self.interval_s):
             try:
                 self.sample()
             except Exception as exc:
-                warnings.warn(f"dynascope: system sampler stopped: {type(exc).__name__}: {exc}",
-                              RuntimeWarning, stacklevel=1)
-                self.writer.event("probe_error", f"system sampler: {type(exc).__name__}: {exc}",
-                                  severity="warning", probe="system")
+                self._failed(exc)
                 return
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        if self._broken:  # already reported; a last attempt would fail the same way
+            return
         try:
             self.sample()  # a last sample so even short runs have one row
-        except Exception:
-            pass
+        except Exception as exc:
+            self._failed(exc)
