@@ -64,9 +64,9 @@ FAMILIES = (
 
 
 # ``--malloc-fixed``: glibc's trimming and mmap of large blocks off, so freed memory stays in the heap
-# and is reused without page faults. Under glibc's defaults the reference step re-faults 4k-12k pages
-# (16-48 MiB) of activations per step, and how many depends on where earlier allocations happened to
-# land: the same configuration varies 3x between fresh processes, by itself a few % of step time.
+# and is reused without page faults. Under glibc's defaults the reference step faults thousands of pages
+# of activations back in at every step, and how many depends on where earlier allocations happened to
+# land: the count differs 2-3x between fresh processes of one configuration (figures in README).
 FIXED_MALLOC = {"MALLOC_TRIM_THRESHOLD_": str(1 << 40), "MALLOC_MMAP_THRESHOLD_": str(1 << 40)}
 
 
@@ -82,9 +82,9 @@ def malloc_arg(ap: argparse.ArgumentParser) -> None:
                     help="timing children with glibc's heap trimming and large-block mmap off (see FIXED_MALLOC)")
 
 
-def child_env(args: argparse.Namespace, env: dict[str, str], memory_run: bool = False) -> dict[str, str]:
+def child_env(args: argparse.Namespace, env: dict[str, str]) -> dict[str, str]:
     """``env`` for a timing child: with ``FIXED_MALLOC`` when ``--malloc-fixed`` asks for it."""
-    return dict(env, **FIXED_MALLOC) if getattr(args, "malloc_fixed", False) and not memory_run else env
+    return dict(env, **FIXED_MALLOC) if args.malloc_fixed else env
 
 
 def tensor_stats_of(scope: Any) -> Any:
@@ -315,7 +315,6 @@ def run_ab(args: argparse.Namespace, configs: list[str], families: bool = False,
               "drop")]
     flags += [f"--ab-configs={','.join(configs)}", f"--rotation-steps={rotation_steps}"]
     flags += ["--families=1"] if families else []
-    flags += ["--malloc-fixed"] if getattr(args, "malloc_fixed", False) else []
     here = os.path.dirname(os.path.abspath(__file__))
     env = child_env(args, dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join(
         p for p in (here, os.environ.get("PYTHONPATH", "")) if p)))

@@ -24,12 +24,12 @@ Parts:
    the rotation length of the default set (``--rotation-steps``), read back from its store, and one
    table that puts the A/B beside the cross-process rounds.
    Both step-time parts also count the process's minor page faults per measured step. Under glibc's
-   defaults the reference step returns freed activation memory to the OS and faults it back in, 4k-12k
-   pages a step, and how many depends on where earlier allocations landed, so it differs between two
-   processes of one configuration by up to 3x: a few % of step time that belongs to the heap's layout,
-   not to the probe's work. ``--malloc-fixed`` runs the timing children with trimming and large-block
-   mmap off (``probe_ab.FIXED_MALLOC``), which removes it, as a caching allocator (jemalloc, tcmalloc)
-   would; the default is glibc's own behaviour, what a user's process gets.
+   defaults the reference step returns freed activation memory to the OS and faults it back in,
+   thousands of pages a step, and how many depends on where earlier allocations landed, so the count
+   differs 2-3x between processes of one configuration. ``--malloc-fixed`` runs the timing children
+   with trimming and large-block mmap off (``probe_ab.FIXED_MALLOC``), which removes those faults as a
+   caching allocator (jemalloc, tcmalloc) would, to tell the heap's share of the spread from the host's;
+   the default is glibc's own behaviour, what a user's process gets.
 3. Memory at several model sizes (``--sizes``, d_model values; benchmarks/probe_memory.py): for each
    ``--mem-configs`` configuration, the process's peak over ``none`` ("extra") and the probe's own
    peak at the allocator ("held": snapshot + θ₀ chunks + temporaries), each fitted as
@@ -263,8 +263,10 @@ def run_child(args: argparse.Namespace, config: str, d_model: int, steps: int, m
     flags = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
              ("device", "warmup", "threads", "vocab", "layers", "batch", "seq")]
     flags += [f"--d-model={d_model}", f"--steps={steps}"] + (["--memory-run"] if memory_run else [])
-    env = probe_ab.child_env(args, dict(os.environ, HF_HUB_OFFLINE="1"), memory_run)
-    if memory_run and not args.malloc_default:
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    if not memory_run:
+        env = probe_ab.child_env(args, env)
+    elif not args.malloc_default:
         # A fixed mmap threshold: glibc then returns every large freed block at once instead of keeping
         # it (its default raises the threshold as blocks are freed), so RSS tracks live memory and two
         # configurations differ by what they hold, not by where glibc happened to keep free space.
