@@ -2,7 +2,8 @@
 
 Reference workload: 6-layer d=256 pre-norm transformer, vocab 2048, batch 16×64, AdamW,
 ``torch.set_num_threads(2)``. Every measurement runs in a fresh child process (one after another,
-configurations interleaved across ``--rounds``), so hooks never leak and each peak is the child's own:
+configurations interleaved across ``--rounds``, in reverse order every other round), so hooks never leak
+and each peak is the child's own:
 
     none            no probe (the loop still reads the loss, as every configuration does)
     ds-default      dynascope.watch(model, opt) — every=1, θ₀="init", memory_budget=0.1
@@ -281,9 +282,12 @@ def run_child(args: argparse.Namespace, config: str, d_model: int, steps: int, m
 
 def timing_part(args: argparse.Namespace, configs: list[str]) -> dict[str, dict]:
     results: dict[str, dict] = {}
-    for _ in range(args.rounds):
+    for i in range(args.rounds):
         medians: dict[str, float] = {}
-        for c in configs:  # configurations interleave across rounds, so slow drift hits all of them
+        # Configurations interleave across rounds, so slow drift hits all of them, and every other round runs
+        # them in reverse order: a drift within a round then biases its ratio one way in one round and the
+        # other way in the next, instead of always in favour of the configuration that runs first.
+        for c in configs if i % 2 == 0 else configs[::-1]:
             r = run_child(args, c, args.d_model, args.steps, memory_run=False)
             if r is None:
                 continue

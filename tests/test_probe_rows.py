@@ -75,6 +75,30 @@ def test_vectorised_rows_equal_the_per_tensor_reference() -> None:
     assert cols["bf16_k_steps"].to_pylist() == [None, 3, None, 3, None]
 
 
+def test_a_record_outside_the_window_equals_the_reference() -> None:
+    """The usual record between windows: ‖g‖ only, and a family that covered no tensor. Its columns without
+    a value are NULL arrays typed as the registry types them."""
+    tracked = _tracked()
+    rec = Record(3, None, tracked)
+    rec.add("grad_norms", ("grad_norm",), [0, 1, 4], torch.tensor([[1.0], [math.nan], [2.0]], dtype=torch.float64))
+    rec.add("drift", ("ref_norm", "drift_norm"), [], torch.zeros((0, 2), dtype=torch.float64))
+    rec.host = torch.cat([v.reshape(-1) for v in rec.values.values()])
+    cols = rows_from_record(rec)
+    naive = {0: {"grad_norm": 1.0}, 1: {"grad_norm": math.nan}, 4: {"grad_norm": 2.0}}
+    for i, t in enumerate(tracked):
+        meta = dict(tensor=t.name, layer=t.layer, kind=t.kind, shape=t.shape, dtype=t.dtype, sharded=t.sharded)
+        want = tensor_row({**naive.get(i, {}), **meta}, t.param.numel())
+        for c in TENSOR_STATS_COLUMNS:
+            v = cols[c.name]
+            got = v[i].as_py() if isinstance(v, pa.Array) else (v[i].item() if isinstance(v, np.ndarray) else v[i])
+            assert _same(got, want[c.name]), (t.name, c.name, got, want[c.name])
+    for c in TENSOR_STATS_COLUMNS:
+        if isinstance(cols[c.name], pa.Array):
+            assert cols[c.name].type == c.type, c.name
+    assert cols["drift_norm"].null_count == len(tracked) and cols["grad_inf_count"].to_pylist() == [0, None, None, None, 0]
+    assert summarize(cols) == {}  # no headline fraction has a value
+
+
 def test_summary_means_per_kind_skip_nulls() -> None:
     rec, _ = _record(_tracked())
     s = summarize(rows_from_record(rec))

@@ -13,6 +13,7 @@ from dynascope.probes.update_stats import (
     UPDATE_STAT_COLUMNS,
     SnapshotArena,
     UpdateStats,
+    norms,
     tensor_update_stats,
     weight_drift_stats,
     weight_update_stats,
@@ -207,3 +208,18 @@ def test_snapshot_arena_reuses_one_host_buffer_and_snapshots_exactly() -> None:
     assert upd.arena.nbytes >= 16_000
     upd.close()
     assert upd.arena.nbytes == 0 and not upd.pending
+
+
+def test_norms_on_the_host_match_a_float64_reference() -> None:
+    """The host path (a BLAS dot per contiguous fp32 tensor) against float64, at a size where fp32
+    accumulation error shows; a transposed view takes the batched path; Inf and NaN propagate."""
+    g = torch.Generator().manual_seed(3)
+    big = torch.randn(1 << 20, generator=g) * 1e-3
+    ts = [big, torch.randn(64, 32, generator=g).t(), torch.zeros(0), torch.tensor([3.0, float("inf")]),
+          torch.tensor([float("nan"), 1.0])]
+    got = norms(ts)
+    assert got.dtype == torch.float64
+    for t, n in zip(ts[:3], got[:3].tolist(), strict=True):
+        want = t.double().norm().item()
+        assert n == pytest.approx(want, rel=2e-6, abs=0.0), (tuple(t.shape), n, want)
+    assert math.isinf(got[3].item()) and math.isnan(got[4].item())

@@ -1,7 +1,7 @@
 """Gradient statistics at the optimizer step: norm, max-abs, exact/near-zero, NaN and Inf counts.
 
-Two tiers so ``every=1`` stays cheap: ``grad_norms`` (one batched ``_foreach_norm`` pass) runs on every
-tracked tensor; ``grad_counts`` (max-abs, zero / near-zero / NaN / Inf counts, several passes — a
+Two tiers so ``every=1`` stays cheap: ``grad_norms`` (one read of each gradient, ``update_stats.norms``)
+runs on every tracked tensor; ``grad_counts`` (max-abs, zero / near-zero / NaN / Inf counts, several passes — a
 max-reduction alone costs several norm passes on CPU) runs on the budgeted window of tensors. A finite
 norm proves there is no NaN or Inf element, so the scope fills those counts as exactly 0 for every
 tensor whose norm is finite without touching the data again.

@@ -8,6 +8,7 @@ copied to the host once. The resolver thread unpacks it by name and ``tensor_row
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -119,6 +120,8 @@ def rows_from_record(rec: Record, meta: dict[str, Any] | None = None) -> dict[st
         size = len(part.rows) * len(part.columns)
         block = arr[off:off + size].reshape(len(part.rows), len(part.columns))
         off += size
+        if not part.rows:  # a family that covered no tensor this record (e.g. drift outside its turn)
+            continue
         idx = np.asarray(part.rows, dtype=np.int64)
         for j, c in enumerate(part.columns):
             put(c, idx, block[:, j])
@@ -136,28 +139,39 @@ def rows_from_record(rec: Record, meta: dict[str, Any] | None = None) -> dict[st
             for c in counts:
                 put(c, np.flatnonzero(finite & ~have.get(c, np.zeros(n, dtype=bool))), 0.0)
     cols: dict[str, Any] = dict(meta)
-    absent = np.zeros(n, dtype=bool)
+    # Only a few columns hold a value in most records (the window is often empty: ‖g‖ and the counts a
+    # finite norm proves are all there is); a column whose sources are all unset is one shared NULL array.
+    filled = {name: bool(h.any()) for name, h in have.items()}
     with np.errstate(divide="ignore", invalid="ignore"):
         for col in TENSOR_STATS_COLUMNS:
             if col.name in cols:
                 continue
+            src = (col.frac_of,) if col.frac_of is not None else col.ratio if col.ratio is not None else (col.name,)
+            if not all(filled.get(c, False) for c in src):
+                cols[col.name] = _nulls(n, col.type)
+                continue
             if col.frac_of is not None:
-                x = vals.get(col.frac_of)
-                ok = absent if x is None else have[col.frac_of] & np.isfinite(x) & (numel != 0)
-                v = np.zeros(n) if x is None else x / np.where(numel != 0, numel, 1)
+                x = vals[col.frac_of]
+                ok = have[col.frac_of] & np.isfinite(x) & (numel != 0)
+                v = x / np.where(numel != 0, numel, 1)
             elif col.ratio is not None:
-                a, b = vals.get(col.ratio[0]), vals.get(col.ratio[1])
-                ok = absent if a is None or b is None else have[col.ratio[0]] & have[col.ratio[1]] & (b != 0)
-                v = np.zeros(n) if a is None or b is None else a / np.where(ok, b, 1.0)
+                a, b = vals[col.ratio[0]], vals[col.ratio[1]]
+                ok = have[col.ratio[0]] & have[col.ratio[1]] & (b != 0)
+                v = a / np.where(ok, b, 1.0)
             else:
-                x = vals.get(col.name)
-                ok = absent if x is None else have[col.name] & (np.isfinite(x) if col.integer else True)
-                v = np.zeros(n) if x is None else x
+                v = vals[col.name]
+                ok = have[col.name] & np.isfinite(v) if col.integer else have[col.name]
             if col.integer or pa.types.is_boolean(col.type):
                 v = np.where(ok, v, 0).astype(np.int64 if col.integer else bool)
             cols[col.name] = pa.array(v, type=col.type, mask=None if ok.all() else ~ok)
     cols.update(step=rec.step, time_us=rec.time_us, stage=rec.stage)
     return cols
+
+
+@functools.lru_cache(maxsize=64)
+def _nulls(n: int, type_: pa.DataType) -> pa.Array:
+    """An all-NULL column of ``n`` rows (Arrow arrays are immutable, so records share it)."""
+    return pa.nulls(n, type_)
 
 
 def summarize(cols: dict[str, Any]) -> dict[str, float]:
@@ -171,7 +185,7 @@ def summarize(cols: dict[str, Any]) -> dict[str, float]:
     for key in ("update_ratio", "changed_frac", "bf16_unchanged_frac", "drift_changed_frac",
                 "drift_unchanged_frac", "grad_zero_frac"):
         col = cols.get(key)
-        if col is None:
+        if col is None or (isinstance(col, pa.Array) and col.null_count == len(col)):
             continue
         x = col.to_numpy(zero_copy_only=False) if isinstance(col, pa.Array) else np.array(col, dtype=np.float64)
         for kind, idx in (("", None), *groups.items()):

@@ -32,7 +32,7 @@ from dynascope.probes.reference import build_reference
 from dynascope.probes.resolver import Resolver, lower_priority
 from dynascope.probes.schedule import Schedule, as_schedule, every
 from dynascope.probes.system import SystemSampler
-from dynascope.probes.tensors import DRIFT_EVERY, W_NORM_EVERY, TensorStats
+from dynascope.probes.tensors import DRIFT_EVERY, TIME_BUDGET, W_NORM_EVERY, TensorStats
 from dynascope.probes.timing import PROBE_PHASE, TimingProbe
 from dynascope.store.writer import RunWriter
 
@@ -379,7 +379,7 @@ def watch(model: Any, optimizer: Any = None, run: str | os.PathLike = "runs/defa
           spectral: bool | dict = False, stage: str | None = None, rank: int | None = None,
           role: str | None = None, world_size: int | None = None, system_interval_s: float | None = 5.0,
           grad_tol: float | None = None, wandb: bool = False, config: dict | None = None,
-          writer: RunWriter | None = None, time_budget: float | None = 0.015, bf16_k: int | None = None,
+          writer: RunWriter | None = None, time_budget: float | None = TIME_BUDGET, bf16_k: int | None = None,
           probes: Sequence[Probe] = (), listeners: Sequence[Listener | str] = (),
           drift_every: int = DRIFT_EVERY, w_norm_every: int = W_NORM_EVERY) -> Scope:
     """Attach dynascope's probes to ``model`` and ``optimizer`` and record into the run at ``run``.
@@ -399,8 +399,9 @@ def watch(model: Any, optimizer: Any = None, run: str | os.PathLike = "runs/defa
             registers; ``dynascope.watch`` imports it when asked).
         writer: share an existing ``RunWriter`` (it is then flushed, not closed, by ``close``); by
             default watch() makes one that flushes every ``WRITER_FLUSH_S`` (10 s).
-        time_budget: share of wall time the windowed statistics may take on average (default 1.5%;
-            None: no limit). ‖g‖ of every tensor is recorded regardless, and ‖W‖ as ``w_norm_every`` says.
+        time_budget: share of wall time the windowed statistics may take on average (default 1%,
+            ``probes.tensors.TIME_BUDGET``; None: no limit). ‖g‖ of every tensor is recorded regardless,
+            and ‖W‖ as ``w_norm_every`` says.
         bf16_k: record PULSE's S_k (``bf16_unchanged_k_*``) against the weights ``bf16_k`` steps back;
             the bf16 snapshot is resident when the budget covers it, else on disk beside θ₀.
         probes: further ``Probe`` objects, run after the built-in ones.
