@@ -16,7 +16,8 @@ Beside the step time, each probed block reports what the probe spends where:
 
 Rotation length: a default-set run of ``--rotation-steps`` steps, read back from its store: the steps
 until every tensor had its windowed statistics once, and the longest gap between two records of one
-tensor (how stale the per-tensor view gets).
+tensor (how stale the per-tensor view gets); and the mean in-step time per step over that run by the
+probe's own clock, which, unlike the median steps compared above, includes the windows at their rate.
 
 Used by benchmarks/probe_overhead.py (``--ab-rounds``, ``--stats``, ``--rotation-steps``); runs alone too:
 
@@ -302,6 +303,15 @@ def coverage(run: str, steps: int) -> dict[str, Any]:
             out[col] = {"tensors": n_tensors, "covered": len(covered), "first_full_rotation_steps": full,
                         "max_gap_steps": max(gaps) if gaps else None,
                         "median_gap_steps": statistics.median(gaps) if gaps else None}
+        # The steady-state cost by the probe's own clock: the mean of its in-step phase per step, beside the
+        # mean step, after the first window (whose first drift pass and buffers come once). A mean, because
+        # windows come on some steps only: the median step that the A/B and the cross-process rounds
+        # compare leaves them out, and A/B blocks, each with a fresh scope, take few windows past the first.
+        probe_us, step_us, n = store.rows(
+            "SELECT sum(dur_us) FILTER (WHERE phase = 'dynascope'), sum(dur_us) FILTER (WHERE phase = 'step'), "
+            "count(*) FILTER (WHERE phase = 'step') FROM timings WHERE step >= 3")[0]
+        if n:
+            out["in_step_mean_ms"], out["step_mean_ms"] = (probe_us or 0) / n / 1e3, step_us / n / 1e3
     finally:
         store.close()
     return out
@@ -375,6 +385,10 @@ def print_rotation(rot: dict[str, Any] | None, label: str) -> None:
         print(f"{col:<18}{r['tensors']:>9}{r['covered']:>9}{full if full is not None else '> ' + str(rot['steps']):>25}"
               f"{r['median_gap_steps'] if r['median_gap_steps'] is not None else '-':>12}"
               f"{r['max_gap_steps'] if r['max_gap_steps'] is not None else '-':>9}")
+    if rot.get("in_step_mean_ms") is not None:
+        print(f"steady state by the probe's clock (mean over steps 3-{rot['steps'] - 1}): "
+              f"{rot['in_step_mean_ms']:.2f} ms in the step per {rot['step_mean_ms']:.1f} ms step "
+              f"({rot['in_step_mean_ms'] / (rot['step_mean_ms'] - rot['in_step_mean_ms']):.2%} of the rest)")
 
 
 def model_args(ap: argparse.ArgumentParser, **defaults: str) -> None:
