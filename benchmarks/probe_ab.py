@@ -285,6 +285,9 @@ def windows_per_rotation(scope: Any) -> int | None:
     return windows
 
 
+STEADY_FROM = 3  # the rotation run's steady state starts after its first window (step 0) has been paid back
+
+
 def coverage(run: str, steps: int) -> dict[str, Any]:
     """Per windowed column: steps until every tensor had it once, and the longest gap between records."""
     from dynascope.store import open_store
@@ -304,12 +307,12 @@ def coverage(run: str, steps: int) -> dict[str, Any]:
                         "max_gap_steps": max(gaps) if gaps else None,
                         "median_gap_steps": statistics.median(gaps) if gaps else None}
         # The steady-state cost by the probe's own clock: the mean of its in-step phase per step, beside the
-        # mean step, after the first window (whose first drift pass and buffers come once). A mean, because
+        # mean step, from ``STEADY_FROM`` on (the first window's drift pass and buffers come once). A mean, because
         # windows come on some steps only: the median step that the A/B and the cross-process rounds
         # compare leaves them out, and A/B blocks, each with a fresh scope, take few windows past the first.
         probe_us, step_us, n = store.rows(
             "SELECT sum(dur_us) FILTER (WHERE phase = 'dynascope'), sum(dur_us) FILTER (WHERE phase = 'step'), "
-            "count(*) FILTER (WHERE phase = 'step') FROM timings WHERE step >= 3")[0]
+            f"count(*) FILTER (WHERE phase = 'step') FROM timings WHERE step >= {STEADY_FROM}")[0]
         if n:
             out["in_step_mean_ms"], out["step_mean_ms"] = (probe_us or 0) / n / 1e3, step_us / n / 1e3
     finally:
@@ -386,7 +389,7 @@ def print_rotation(rot: dict[str, Any] | None, label: str) -> None:
               f"{r['median_gap_steps'] if r['median_gap_steps'] is not None else '-':>12}"
               f"{r['max_gap_steps'] if r['max_gap_steps'] is not None else '-':>9}")
     if rot.get("in_step_mean_ms") is not None:
-        print(f"steady state by the probe's clock (mean over steps 3-{rot['steps'] - 1}): "
+        print(f"steady state by the probe's clock (mean over steps {STEADY_FROM}-{rot['steps'] - 1}): "
               f"{rot['in_step_mean_ms']:.2f} ms in the step per {rot['step_mean_ms']:.1f} ms step "
               f"({rot['in_step_mean_ms'] / (rot['step_mean_ms'] - rot['in_step_mean_ms']):.2%} of the rest)")
 

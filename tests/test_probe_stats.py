@@ -212,7 +212,7 @@ def test_snapshot_arena_reuses_one_host_buffer_and_snapshots_exactly() -> None:
 
 def test_norms_on_the_host_match_a_float64_reference() -> None:
     """The host path (a BLAS dot per contiguous fp32 tensor) against float64, at a size where fp32
-    accumulation error shows; a transposed view takes the batched path; Inf and NaN propagate."""
+    accumulation error shows; a transposed view takes vector_norm instead; Inf and NaN propagate."""
     g = torch.Generator().manual_seed(3)
     big = torch.randn(1 << 20, generator=g) * 1e-3
     ts = [big, torch.randn(64, 32, generator=g).t(), torch.zeros(0), torch.tensor([3.0, float("inf")]),

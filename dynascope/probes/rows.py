@@ -146,8 +146,7 @@ def rows_from_record(rec: Record, meta: dict[str, Any] | None = None) -> dict[st
         for col in TENSOR_STATS_COLUMNS:
             if col.name in cols:
                 continue
-            src = (col.frac_of,) if col.frac_of is not None else col.ratio if col.ratio is not None else (col.name,)
-            if not all(filled.get(c, False) for c in src):
+            if not all(filled.get(c, False) for c in _SOURCES[col.name]):
                 cols[col.name] = _nulls(n, col.type)
                 continue
             if col.frac_of is not None:
@@ -166,6 +165,11 @@ def rows_from_record(rec: Record, meta: dict[str, Any] | None = None) -> dict[st
             cols[col.name] = pa.array(v, type=col.type, mask=None if ok.all() else ~ok)
     cols.update(step=rec.step, time_us=rec.time_us, stage=rec.stage)
     return cols
+
+
+# The statistics each column is derived from: its own value, the count of a fraction, the two of a ratio.
+_SOURCES = {c.name: (c.frac_of,) if c.frac_of is not None else c.ratio if c.ratio is not None else (c.name,)
+            for c in TENSOR_STATS_COLUMNS}
 
 
 @functools.lru_cache(maxsize=64)
