@@ -5,10 +5,8 @@ The sidebar holds what every page shares (the runs picked, auto-refresh); pages 
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
-import threading
 from pathlib import Path
 
 import streamlit as st
@@ -65,10 +63,6 @@ def _preload_plotly() -> None:
 
 
 def main() -> None:
-    if "pandas" not in sys.modules:
-        # st.dataframe imports pandas on first use: 0.4 s idle, >1 s on a busy 2-core machine, paid inside
-        # the first page that shows a table. Start it now beside the first script run, off the page's path.
-        threading.Thread(target=importlib.import_module, args=("pandas",), daemon=True).start()
     st.set_page_config(page_title="dynascope", layout="wide")
     path = _store_path()
     st.session_state["store_path"] = path

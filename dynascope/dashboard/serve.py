@@ -10,7 +10,10 @@ Streamlit imports a page's modules inside the first browser session's script run
 would wait for plotly, pandas (``st.dataframe``), the analyses and plotly's lazily built trace validators:
 about a second on 2 cores, on top of the JavaScript. ``warm`` imports them in a thread while the web
 server starts. Python's import lock makes a race with the first script run safe: whichever thread imports
-a module first, the other waits for it.
+a module first, the other waits for it. pandas is the exception, imported before Streamlit starts: plotly
+looks for it in ``sys.modules`` without the import lock (``get_module(..., should_load=False)``), so while
+another thread was importing it, Streamlit's start-up (its plotly theme) or a page's figure got a
+half-initialised module and the server died with "partially initialized module 'pandas'".
 """
 
 from __future__ import annotations
@@ -139,7 +142,6 @@ def warm() -> None:
     """Import what the pages import, and build one figure of each trace type the pages draw."""
     t0 = time.perf_counter()
     try:
-        import pandas  # noqa: F401  (st.dataframe converts through it)
         import plotly.graph_objects as go
         from streamlit import runtime
 
@@ -171,6 +173,8 @@ def server_args(args: list[str]) -> list[str]:
 
 
 def main() -> None:
+    import pandas  # noqa: F401  (st.dataframe converts through it; here, not in a thread: see the module doc)
+
     threading.Thread(target=warm, name="dynascope-warm", daemon=True).start()
     from streamlit.web.cli import main as streamlit_main
 
