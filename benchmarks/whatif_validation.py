@@ -10,6 +10,12 @@
 3. Calibration: the ``sync`` replay against the measured step time of the synchronous and 4-rank runs
    (goal: within 5 %).
 
+The synchronous run copies weights within one process; the Ray run publishes each version to the object
+store and every worker loads it from there. Each round therefore also measures that transport on its own
+(``transport``: the demo's ``publish_weights`` in one Ray actor and ``load_weights`` in another, the
+policy's own model, 30 times), and the async prediction is reported with it as ``publish_ms``/``load_ms``
+as well: the cost a user would measure for the transport a schedule is to use.
+
 Devices: the demo's processes share this machine's cores (one torch thread each), so the model gets
 ``devices`` = the cores, and the other runnable threads on the machine while each run's RL steps ran
 (other users, Ray's own daemons) as ``background``: a sampler reads /proc every 0.25 s and counts runnable
@@ -122,6 +128,55 @@ def _run_once(run_dir: Path, args: list[str], quick: bool, src: Path, timeout_s:
     return wall
 
 
+TRANSPORT = r"""
+import json, os, statistics, sys, tempfile, time
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+import ray, torch
+from dynascope.demo.async_ray import _start_ray, load_weights, publish_weights
+from dynascope.demo.model import TinyLM
+from dynascope.demo.settings import DemoSettings
+
+class Side:
+    def __init__(self, js):
+        torch.set_num_threads(1)
+        self.model = TinyLM(DemoSettings.from_json(js).model)
+    def publish(self):
+        t = time.perf_counter()
+        refs = publish_weights(self.model)
+        return time.perf_counter() - t, refs
+    def load(self, refs):
+        t = time.perf_counter()
+        load_weights(self.model, refs)
+        return time.perf_counter() - t
+
+js, n = open(sys.argv[1]).read(), int(sys.argv[2])
+_start_ray(ray, tempfile.mkdtemp(prefix="dsray", dir="/tmp"), 2)
+env = {"env_vars": {"OMP_NUM_THREADS": "1"}}
+trainer, worker = (ray.remote(num_cpus=1, runtime_env=env)(Side).remote(js) for _ in range(2))
+pub, load = [], []
+for i in range(n + 3):  # one after the other, as in a run whose trainer and worker have a core each
+    p, refs = ray.get(trainer.publish.remote())
+    l = ray.get(worker.load.remote(refs))
+    if i >= 3:
+        pub.append(p * 1e3); load.append(l * 1e3)
+print(json.dumps({"publish_ms": statistics.median(pub), "load_ms": statistics.median(load),
+                  "publish_ms_range": [min(pub), max(pub)], "load_ms_range": [min(load), max(load)]}))
+ray.shutdown()
+"""
+
+
+def transport(settings: Path, out: Path, src: Path, n: int = 30) -> dict:
+    """Median time of the demo's weight publish (one actor) and load (another) through Ray's object store."""
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    done = subprocess.run([sys.executable, "-c", TRANSPORT, str(settings), str(n)], cwd=src, env=env,
+                          capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"transport measurement failed: {done.stderr.strip().splitlines()[-1:]}")
+    res = json.loads(done.stdout.strip().splitlines()[-1])
+    out.write_text(json.dumps(res))
+    return res
+
+
 def background(run_dir: Path) -> float:
     """Mean background runnable threads while the run's RL steps ran."""
     from dynascope.store import open_store
@@ -152,7 +207,14 @@ def evaluate(d: Path, cores: int) -> dict:
         measured = A.rl_throughput(d / "async")["samples_per_s"][0]
         out.update(sync_measured_sps=A.rl_throughput(d / "sync")["samples_per_s"][0], async_measured_sps=measured,
                    sync_calibration_pct=sync_row["calibration_error_pct"])
-        for tag, df in (("plain", plain), ("loaded", loaded)):
+        frames = [("plain", plain), ("loaded", loaded)]
+        if (d / "transport.json").exists():  # the object store's publish and load, measured on their own
+            tr = json.loads((d / "transport.json").read_text())
+            out.update(publish_ms=tr["publish_ms"], load_ms=tr["load_ms"])
+            frames.append(("transport", A.schedule_what_if(
+                d / "sync", background=bg["sync"], target_background=bg["async"], publish_ms=tr["publish_ms"],
+                load_ms=tr["load_ms"], **kw)))
+        for tag, df in frames:
             pred = df.filter(pl.col("schedule") == "async")["samples_per_s"][0]
             out[f"async_pred_{tag}_sps"] = pred
             out[f"async_err_{tag}_pct"] = 100 * (pred - measured) / measured
@@ -209,6 +271,13 @@ def main() -> None:
                         print(exc, flush=True)
                         continue
                     print(f"{d.name}/{k}: {wall:.0f} s, load average {os.getloadavg()[0]:.1f}", flush=True)
+            if not (d / "transport.json").exists() and (d / "sync" / "demo_settings.json").exists():
+                try:  # the synchronous run's model, so the same bytes cross the object store
+                    tr = transport(d / "sync" / "demo_settings.json", d / "transport.json", src)
+                    print(f"{d.name}/transport: publish {tr['publish_ms']:.1f} ms, load {tr['load_ms']:.1f} ms",
+                          flush=True)
+                except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                    print(exc, flush=True)
     rounds = sorted(p for p in args.dir.glob("round*") if p.is_dir())
     res = pl.DataFrame([evaluate(d, cores) for d in rounds])
     pl.Config.set_tbl_cols(-1)

@@ -234,6 +234,28 @@ def test_cluster_phases_keep_one_distinct_colour(dashboard):
 
 @needs_browser
 @pytest.mark.slow
+def test_schedule_what_if_follows_its_parameters(dashboard):
+    _, base, page = dashboard
+    open_page(page, base, "cluster")
+
+    def step_ms() -> float:
+        metric = page.locator('[data-testid="stMetric"]').filter(has_text="step time").first
+        return float(re.search(r"([\d.]+) ms", metric.inner_text()).group(1))
+
+    before = step_ms()  # one_step_off_policy, the default pick, with weights published at no cost
+    box = page.get_by_label("Publish ms per version (trainer)")
+    box.fill("500")
+    box.press("Enter")
+    wait_idle(page)
+    page.wait_for_function("() => [...document.querySelectorAll('[data-testid=stCaptionContainer]')]"
+                           ".some(e => e.innerText.includes('publish_ms=500'))", timeout=60_000)
+    # Each of the run's steps now waits for a 500 ms publish on the trainer's critical path.
+    assert step_ms() > before + 400, (before, step_ms())
+    assert page.locator('[data-testid="stException"]').count() == 0
+
+
+@needs_browser
+@pytest.mark.slow
 def test_staleness_histogram_has_integer_bins(dashboard):
     _, base, page = dashboard
     st = chart(charts_of(page, base, "rollouts"), "staleness")

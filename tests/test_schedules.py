@@ -111,6 +111,29 @@ def test_one_step_off_policy_rollout_bound(tmp_path):
     assert b["weight_sync_exposed_pct"] == pytest.approx(100 * 5 / 1100)
 
 
+def test_weight_transfer_between_processes(tmp_path):
+    # The run of test_one_step_off_policy_rollout_bound (W=5, R=100, T'=55, 2 devices), with publishing at
+    # P=10 per version on the trainer: version 0 is out at 10, so every batch starts 10 ms later, and the
+    # trainer's 55 + 10 stays under the worker's 105: makespan 1100 + 10. Ten publishes (version 0 and
+    # after each update but the last) and nine loads: 14.5 ms per trained batch; the trainer idles through
+    # the first load and publishes for 100 ms: 105 ms exposed.
+    run = plant(tmp_path / "one")
+    b = rows(schedules.schedule_what_if(run, devices=2, publish_ms=10))["one_step_off_policy"]
+    assert b["step_ms"] == pytest.approx(1110 / STEPS)
+    assert b["weight_sync_ms"] == pytest.approx((10 * 10 + 9 * 5) / STEPS)
+    assert b["weight_sync_exposed_pct"] == pytest.approx(100 * 105 / 1110)
+    assert "publish_ms=10" in b["params"]
+    # Loads at L=20 instead of the measured 5: batch 0 is ready at 10 + 120, batch 1 (version 0 again) at
+    # 230, every later one loads and takes 120: 230 + 8·120 = 1190, trained by 1245.
+    b = rows(schedules.schedule_what_if(run, devices=2, publish_ms=10, load_ms=20))["one_step_off_policy"]
+    assert b["step_ms"] == pytest.approx(1245 / STEPS)
+    # The synchronous replay keeps the measured copy: its calibration does not move.
+    s = rows(schedules.schedule_what_if(run, devices=2, publish_ms=10, load_ms=20))["sync"]
+    assert s["step_ms"] == pytest.approx(160) and s["weight_sync_ms"] == pytest.approx(5)
+    with pytest.raises(ValueError, match="publish_ms"):
+        schedules.schedule_what_if(run, publish_ms=-1)
+
+
 def test_one_step_off_policy_train_bound(tmp_path):
     # W=5, R=50, T'=80: the trainer is the bottleneck: 55 ms until batch 0 exists, then 10 × 80 ms.
     df = rows(schedules.schedule_what_if(plant(tmp_path / "one", rollout_ms=50.0, train_ms=65.0), devices=2))

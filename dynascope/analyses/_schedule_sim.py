@@ -8,7 +8,9 @@ time-sliced GPUs share SMs: each process gets an equal share (at most one device
 ``procs × min(1, share)``. Between events rates are constant, so every completion time is exact.
 
 The processes are a trainer and ``workers`` rollout workers. The trainer publishes weight version 0, then
-repeatedly takes the oldest finished batch, trains on it and publishes the next version. A worker loads
+repeatedly takes the oldest finished batch, trains on it and publishes the next version (publishing costs
+the trainer ``publish_us`` per version: serialising or broadcasting to processes of their own, which a
+synchronous run, whose rollout engine shares the trainer's process, never pays). A worker loads
 the newest published weights (paying the weight-sync time when its version changed), generates a batch
 and hands it over; workers stop once every batch the run still needs is generated or being generated. Batches are replayed in measured order (the k-th generated batch costs the k-th
 measured rollout, the k-th trained batch the k-th measured training, cycling if more are generated).
@@ -36,7 +38,7 @@ class _Job:
     pool: int
     procs: float
     left: float               # device-µs still to do
-    kind: str                 # train | publish | rollout
+    kind: str                 # train | publish | load | rollout
     started: float
     version: int = -1         # load/rollout: the weights it generates with
     batch: int = 0            # load/rollout: which measured rollout it replays
@@ -81,13 +83,19 @@ class Result:
     workers: int
     sync_exposed_us: float            # time the trainer sat idle while weights were being loaded
     sync_us: float = 0.0              # time workers spent loading weights
+    publish_us: float = 0.0           # time the trainer spent publishing weights
     staleness: list[int] = field(default_factory=list)
     dropped: int = 0
 
 
 def replay(p: Pieces, *, pools: list[Pool], trainer_pool: int, trainer_procs: float, worker_pool: int,
-           worker_procs: float, workers: int, staleness: int, policy: str, rate: float) -> Result:
+           worker_procs: float, workers: int, staleness: int, policy: str, rate: float,
+           publish_us: float = 0.0, load_us: float | None = None) -> Result:
     """Replay ``p`` with a trainer and ``workers`` rollout workers; ``rate`` converts µs to device-µs.
+
+    ``publish_us``: what publishing a version costs each trainer process on a device of its own (0: the
+    moment an update is done, weights are there); ``load_us``: what a worker's load costs on a device of
+    its own, instead of the measured weight sync.
 
     The trainer publishes a version the moment an update is done; a worker pays the weight-sync time
     when it starts a batch with a version it has not loaded yet (the copy into the inference engine, on
@@ -98,6 +106,9 @@ def replay(p: Pieces, *, pools: list[Pool], trainer_pool: int, trainer_procs: fl
     """
     n = len(p)
     pre, sync, roll, train = ((np.asarray(v, dtype=float) * rate).tolist() for v in (p.pre, p.sync, p.rollout, p.train))
+    if load_us is not None:  # device-µs: each of the worker's processes on a device of its own
+        sync = [load_us * worker_procs] * n
+    publish = publish_us * trainer_procs
     samples = p.samples.tolist()
     res = Result(0.0, 0, 0.0, 0.0, 0.0, workers, 0.0)
     jobs: dict[int, _Job] = {}
@@ -154,6 +165,8 @@ def replay(p: Pieces, *, pools: list[Pool], trainer_pool: int, trainer_procs: fl
                 dt = j.left / rate_j
         if 0 not in jobs and any(j.kind == "load" for j in running):
             res.sync_exposed_us += dt  # the trainer waits while weights are being loaded
+        elif 0 in jobs and jobs[0].kind == "publish":
+            res.sync_exposed_us += dt  # the trainer's own publishing: on its critical path
         t += dt
         for j in running:
             step_work = j.rate * dt
@@ -171,6 +184,11 @@ def replay(p: Pieces, *, pools: list[Pool], trainer_pool: int, trainer_procs: fl
                 idle.append(j.owner - 1)
             else:
                 res.trainer_busy_us += t - j.started
+                if j.kind == "publish":
+                    res.publish_us += t - j.started
+                elif publish > 0 and trained < n:  # the new weights still have to reach the workers
+                    jobs[0] = _Job(0, trainer_pool, trainer_procs, publish, "publish", t)
+                    continue
                 version += 1
                 if trained == n:  # the last batch is trained: the run is over
                     res.makespan_us, res.trained = t, trained

@@ -45,7 +45,8 @@ __all__ = ["rl_throughput", "schedule_inputs", "schedule_staleness", "schedule_w
 ROLLOUT_PHASES = ("rollout", "generate", "generation", "reward")
 SYNC_PHASES = ("weight_sync", "sync_weights", "update_weights")
 LIMITS = ("memory limits, KV-cache effects, network contention, weight-transfer costs beyond the measured "
-          "copy, and sub-linear scaling on other device counts are not modelled")
+          "copy (unless given as publish_ms/load_ms), framework overhead, and sub-linear scaling on other "
+          "device counts are not modelled")
 _K = "run_id, role, rank, step"
 MAX_STEPS = 1000  # RL steps a schedule replays (evenly spaced ones stand for a longer run; docs/schedules.md)
 
@@ -166,12 +167,12 @@ def _row(name: str, params: str, r: Result, weights: np.ndarray, stale: np.ndarr
             "staleness_mean": float(np.average(stale, weights=weights)) if weights.sum() > 0 else 0.0,
             "staleness_max": int(stale.max()) if len(stale) else 0,
             "stale_samples_pct": 100 * float(weights[stale > 0].sum() / max(weights.sum(), 1)),
-            "weight_sync_ms": r.sync_us / max(r.trained, 1) / 1e3,
+            "weight_sync_ms": (r.sync_us + r.publish_us) / max(r.trained, 1) / 1e3,
             "weight_sync_exposed_pct": 100 * r.sync_exposed_us / span, "dropped_batches_count": r.dropped}
 
 
 def _simulate(inp: pl.DataFrame, *, devices: float | None, background: float, target_background: float | None,
-              workers: int, staleness: int,
+              workers: int, staleness: int, publish_ms: float, load_ms: float | None,
               staleness_policy: str, rollout_devices: float | None, train_devices: float | None,
               max_steps: int | None) -> tuple[list[dict], list[dict]]:
     """Every schedule for one (run, role): result rows and staleness-histogram rows."""
@@ -189,6 +190,10 @@ def _simulate(inp: pl.DataFrame, *, devices: float | None, background: float, ta
     d = float(devices if devices is not None else ranks)
     if d <= 0 or background < 0 or workers < 1 or staleness < 0:
         raise ValueError("devices must be > 0, background ≥ 0, workers ≥ 1 and staleness ≥ 0")
+    if publish_ms < 0 or (load_ms is not None and load_ms < 0):
+        raise ValueError("publish_ms and load_ms must be ≥ 0")
+    transfer = {"publish_us": publish_ms * 1e3, "load_us": None if load_ms is None else load_ms * 1e3}
+    moved = (f" publish_ms={publish_ms:g}" if publish_ms else "") + (f" load_ms={load_ms:g}" if load_ms is not None else "")
     if staleness_policy not in ("block", "drop"):
         raise ValueError(f"staleness_policy must be 'block' or 'drop', not {staleness_policy!r}")
     rate = ranks * min(1.0, d / (ranks + background))  # devices the measured rank group ran on
@@ -213,8 +218,8 @@ def _simulate(inp: pl.DataFrame, *, devices: float | None, background: float, ta
     shared = [Pool(d, background)]
     for name, w, s, pol in (("one_step_off_policy", 1, 1, "block"), ("async", workers, staleness, staleness_policy)):
         r = replay(off, pools=shared, trainer_pool=0, trainer_procs=ranks, worker_pool=0, worker_procs=ranks,
-                   workers=w, staleness=s, policy=pol, rate=rate)
-        add(name, f"workers={w} staleness={s} policy={pol} {where}", r, n_s[:r.trained], np.array(r.staleness))
+                   workers=w, staleness=s, policy=pol, rate=rate, **transfer)
+        add(name, f"workers={w} staleness={s} policy={pol} {where}{moved}", r, n_s[:r.trained], np.array(r.staleness))
     total = float(n_s.sum())
     cut = sequential(Pieces(base.pre, base.sync, col["rollout_cut_ms"], base.train, n_s).scaled(slow))
     tail = inp["tail_samples_count"].to_numpy().astype(float)
@@ -234,9 +239,9 @@ def _simulate(inp: pl.DataFrame, *, devices: float | None, background: float, ta
         pools = [Pool(train_devices, background * train_devices / g), Pool(rollout_devices, background * rollout_devices / g)]
         r = replay(off, pools=pools, trainer_pool=0, trainer_procs=train_devices, worker_pool=1,
                    worker_procs=rollout_devices / workers, workers=workers, staleness=staleness,
-                   policy=staleness_policy, rate=rate)
+                   policy=staleness_policy, rate=rate, **transfer)
         add("split", f"rollout_devices={rollout_devices:g} train_devices={train_devices:g} workers={workers} "
-            f"staleness={staleness} policy={staleness_policy}", r, n_s[:r.trained], np.array(r.staleness))
+            f"staleness={staleness} policy={staleness_policy}{moved}", r, n_s[:r.trained], np.array(r.staleness))
     for tag, tail_params in (("tail_cut", "cut"), ("partial_rollout", "carry")):
         for row in rows:
             if row["schedule"] == tag:
@@ -261,8 +266,8 @@ def _all(store: StoreLike, run: str | None, tail_pct: float, rollout_phases: Seq
 
 def schedule_what_if(store: StoreLike, run: str | None = None, *, devices: float | None = None,
                      background: float = 0.0, target_background: float | None = None, workers: int = 2, staleness: int = 1,
-                     staleness_policy: str = "block", tail_pct: float = 90.0,
-                     rollout_devices: float | None = None, train_devices: float | None = None,
+                     staleness_policy: str = "block", tail_pct: float = 90.0, publish_ms: float = 0.0,
+                     load_ms: float | None = None, rollout_devices: float | None = None, train_devices: float | None = None,
                      behaviour_logprob_phase: str | None = None, rollout_phases: Sequence[str] = ROLLOUT_PHASES,
                      sync_phases: Sequence[str] = SYNC_PHASES, max_steps: int | None = MAX_STEPS) -> pl.DataFrame:
     """Predicted step time, samples/s, idle shares, staleness and weight-sync exposure per schedule.
@@ -273,14 +278,20 @@ def schedule_what_if(store: StoreLike, run: str | None = None, *, devices: float
     they share); ``background``: other runnable processes on them while the run was measured, and
     ``target_background`` while the schedules would run (default: the same). ``rollout_devices``/``train_devices``
     place ``split``; by default the devices are divided in proportion to rollout vs training time.
+    ``publish_ms``/``load_ms``: the weight transfer of the schedules whose rollout runs in processes of its
+    own (one_step_off_policy, async, split), each on a device of its own: what the trainer pays to publish
+    a version (default 0) and a worker to load one (default: the measured weight sync, a copy within one
+    process). Measure them for the transport the schedule would use (an object store, a NCCL broadcast).
     Runs longer than ``max_steps`` RL steps are replayed on that many evenly spaced steps.
     Columns: run_id, role, schedule, params, steps, step_ms, samples_per_s, speedup_x (samples/s over the
     sync replay's), trainer_idle_pct, rollout_idle_pct, staleness_mean, staleness_max, stale_samples_pct,
-    weight_sync_ms, weight_sync_exposed_pct (share of time the trainer waits on a weight load),
+    weight_sync_ms (loads plus publishing, per trained batch), weight_sync_exposed_pct (share of time the
+    trainer waits on a weight load or publishes),
     truncated_pct, carried_pct, dropped_batches_count, measured_step_ms and calibration_error_pct (sync row).
     """
     rows, _ = _all(store, run, tail_pct, rollout_phases, sync_phases, behaviour_logprob_phase, devices=devices,
-                   background=background, target_background=target_background, workers=workers, staleness=staleness, staleness_policy=staleness_policy,
+                   background=background, target_background=target_background, workers=workers, staleness=staleness,
+                   publish_ms=publish_ms, load_ms=load_ms, staleness_policy=staleness_policy,
                    rollout_devices=rollout_devices, train_devices=train_devices, max_steps=max_steps)
     if not rows:
         return pl.DataFrame(schema=_SCHEMA)
@@ -293,7 +304,8 @@ def schedule_staleness(store: StoreLike, run: str | None = None, **params) -> pl
     Staleness = trainer version when a sample is trained on − version of the weights that generated it.
     Takes the parameters of ``schedule_what_if``.
     """
-    defaults = {"devices": None, "background": 0.0, "target_background": None, "workers": 2, "staleness": 1, "staleness_policy": "block",
+    defaults = {"devices": None, "background": 0.0, "target_background": None, "workers": 2, "staleness": 1,
+                "publish_ms": 0.0, "load_ms": None, "staleness_policy": "block",
                 "rollout_devices": None, "train_devices": None, "max_steps": MAX_STEPS}
     unknown = set(params) - set(defaults) - {"tail_pct", "rollout_phases", "sync_phases", "behaviour_logprob_phase"}
     if unknown:

@@ -22,6 +22,20 @@ from rich.console import Console
 from dynascope.demo.settings import DemoSettings
 
 
+def publish_weights(model: torch.nn.Module) -> list:
+    """Put a copy of ``model``'s weights in the object store; a list, so Ray hands the reference itself on."""
+    import ray
+
+    return [ray.put({k: v.detach().clone() for k, v in model.state_dict().items()})]
+
+
+def load_weights(model: torch.nn.Module, refs: list) -> None:
+    """Load the weights ``publish_weights`` put in the object store into ``model``."""
+    import ray
+
+    model.load_state_dict(ray.get(refs[0]))
+
+
 class Trainer:
     """SFT, then one GRPO update per consumed batch; publishes weights after each update."""
 
@@ -63,11 +77,9 @@ class Trainer:
         return self._publish()
 
     def _publish(self) -> tuple[int, list]:
-        import ray
-
         with self.scope.phase("weight_sync"):
-            ref = ray.put({k: v.detach().clone() for k, v in self.model.state_dict().items()})
-        return self.version, [ref]  # a list, so Ray hands the reference itself to the caller
+            refs = publish_weights(self.model)
+        return self.version, refs
 
     def train(self, batch: dict) -> tuple[int, list]:
         """One decoupled-PPO GRPO update on a (possibly stale) batch; returns the new published version."""
@@ -116,14 +128,12 @@ class RolloutWorker:
         self.version, self.batches = -1, 0
 
     def generate(self, version: int, weights: list) -> dict:
-        import ray
-
         from dynascope.demo.grpo import generate_groups, score
         from dynascope.demo.model import token_logprobs
 
         if version != self.version:
             with self.scope.phase("weight_sync"):
-                self.model.load_state_dict(ray.get(weights[0]))
+                load_weights(self.model, weights)
                 self.version = version
         with self.scope.phase("rollout"):
             expanded, r = generate_groups(self.model, self.tok, self.s.task, self.s.rl, self.gen)

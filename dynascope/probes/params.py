@@ -56,8 +56,8 @@ class Tracked:
 
     @property
     def nbytes(self) -> int:
-        t = self.local()
-        return t.numel() * t.element_size()
+        """Bytes this rank holds (read at every record by the budget: no detached view, ~0.1 µs a tensor)."""
+        return self.local().nbytes if self.sharded else self.param.nbytes
 
 
 def _skip_reason(p: Tensor) -> str | None:

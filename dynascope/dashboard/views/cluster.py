@@ -164,8 +164,13 @@ def _schedules(path: str, run: str) -> None:
     staleness = c[1].number_input("Staleness bound", 0, value=1, key="cl_sched_stale")
     policy = c[2].selectbox("Stale batches", ["block", "drop"], key="cl_sched_policy")
     g_r = c[3].number_input("Rollout devices (split; 0: proportional)", 0.0, value=0.0, step=1.0, key="cl_sched_gr")
+    c = st.columns(4)
+    publish = c[0].number_input("Publish ms per version (trainer)", 0.0, value=0.0, step=1.0, key="cl_sched_pub")
+    load = c[1].number_input("Load ms per version (worker; 0: the measured copy)", 0.0, value=0.0, step=1.0,
+                             key="cl_sched_load")
     params = dict(run=run, devices=devices or None, background=background, workers=int(workers),
-                  staleness=int(staleness), staleness_policy=policy, tail_pct=float(tail))
+                  staleness=int(staleness), staleness_policy=policy, tail_pct=float(tail), publish_ms=float(publish),
+                  load_ms=float(load) or None)
     if g_r:
         total = devices or g_r + 1
         params.update(rollout_devices=g_r, train_devices=max(total - g_r, 1.0))
@@ -176,6 +181,8 @@ def _schedules(path: str, run: str) -> None:
     if row.is_empty():
         st.info(f"{name} needs at least two devices.")
         return
+    from dynascope.analyses.schedules import LIMITS  # loaded by the analysis above
+
     r = row.row(0, named=True)
     m = st.columns(5)
     m[0].metric("step time", f"{r['step_ms']:.0f} ms", f"{r['speedup_x']:.2f}× samples/s", delta_color="off")
@@ -184,9 +191,8 @@ def _schedules(path: str, run: str) -> None:
     m[3].metric("staleness (mean / max)", f"{r['staleness_mean']:.2f} / {r['staleness_max']}")
     m[4].metric("weight sync exposed", f"{r['weight_sync_exposed_pct']:.1f}%")
     st.caption(f"{r['params']}. Replay of the measured synchronous steps (sync row: "
-               f"{df['calibration_error_pct'][0]:.1f}% off the measured step time). Not modelled: memory limits, "
-               "KV-cache effects, network contention, transfer costs beyond the measured weight copy "
-               "(docs/schedules.md).")
+               f"{df['calibration_error_pct'][0]:.1f}% off the measured step time). Not modelled: "
+               f"{LIMITS.removesuffix(' are not modelled')} (docs/schedules.md).")
     st.dataframe(df.drop("run_id"), hide_index=True, width="stretch", key="cl_sched_table")
     stale = data.analysis(analyses.schedule_staleness, path, **params).filter(pl.col("schedule") == name)
     if stale.height > 1:
