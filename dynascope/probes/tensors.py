@@ -228,7 +228,9 @@ class TensorStats(Probe):
         device = locals_[0].device if locals_ else torch.device("cpu")
         every_tensor = self._records % self.w_norm_every == 0 or len(rec.window) == len(tracked)
         self._records += 1
-        with_w = list(range(len(tracked))) if every_tensor else rec.window
+        # The update family computes ‖W‖ of the window's tensors in the same pass as ‖ΔW‖: not twice.
+        in_update = set(rec.window) if self.update.pending else set()
+        with_w = [i for i in (range(len(tracked)) if every_tensor else rec.window) if i not in in_update]
         rec.add("w_norm", ("w_norm",), with_w, norms([locals_[i] for i in with_w]).to(device))
         t0 = time.perf_counter()
         if self.update.pending:
