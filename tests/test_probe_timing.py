@@ -175,3 +175,21 @@ def test_first_grad_tensor_walks_outputs() -> None:
     a = torch.ones(2, requires_grad=True) * 2
     assert first_grad_tensor({"loss": None, "logits": (torch.ones(1), a)}) is a
     assert first_grad_tensor(torch.ones(2)) is None
+
+
+def test_host_rss_reads_what_the_kernel_reports() -> None:
+    import psutil
+
+    from dynascope.probes.memory import MemoryProbe
+
+    probe = MemoryProbe(torch.device("cpu"))
+    block = torch.ones(64 * 2**20 // 4)  # 64 MiB touched between two reads
+    before = probe.read()["mem/rss_bytes"]
+    ref = psutil.Process().memory_info().rss
+    assert abs(before - ref) < 8 * 2**20, (before, ref)
+    del block
+    grown = torch.ones(96 * 2**20 // 4)
+    assert probe.read()["mem/rss_bytes"] > before + 16 * 2**20  # the read follows the process, not a cache
+    del grown
+    probe.close()
+    assert probe.read() == {}  # closed: nothing, rather than a read of a recycled descriptor

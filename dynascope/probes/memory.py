@@ -7,6 +7,7 @@ per-step peak means resetting the peak counter after each read, so a user's own
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -16,6 +17,8 @@ from dynascope.probes.protocol import Probe, Rows, StepContext
 from dynascope.probes.schedule import Schedule, every
 
 __all__ = ["MemoryProbe"]
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 class MemoryProbe(Probe):
@@ -28,10 +31,14 @@ class MemoryProbe(Probe):
         self.cuda = device is not None and device.type == "cuda" and torch.cuda.is_available()
         self.device = device
         self._proc: Any = None
+        self._statm: int | None = None
         if not self.cuda:
-            import psutil
+            try:  # Linux: RSS from /proc/self/statm, one read of an open file (psutil's call costs ~10x)
+                self._statm = os.open("/proc/self/statm", os.O_RDONLY)
+            except OSError:
+                import psutil
 
-            self._proc = psutil.Process()
+                self._proc = psutil.Process()
 
     def read(self) -> dict[str, float]:
         """Scalars for this step; resets the CUDA peak so the next read covers the next step only."""
@@ -41,7 +48,16 @@ class MemoryProbe(Probe):
                    "mem/reserved_bytes": float(torch.cuda.memory_reserved(self.device))}
             torch.cuda.reset_peak_memory_stats(self.device)
             return out
+        if self._statm is not None:
+            return {"mem/rss_bytes": float(int(os.pread(self._statm, 128, 0).split()[1]) * _PAGE)}
+        if self._proc is None:  # closed
+            return {}
         return {"mem/rss_bytes": float(self._proc.memory_info().rss)}
+
+    def close(self) -> None:
+        if self._statm is not None:
+            os.close(self._statm)
+            self._statm = None
 
     def schedule(self, step: int) -> bool:
         return bool(self._schedule(step))
