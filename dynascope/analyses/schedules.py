@@ -19,6 +19,10 @@ them to four pieces on the step's critical path (``schedule_inputs``):
   generation times; the longer samples are truncated, or (partial) finish during the next step's rollout;
 - (e) ``split``: (c) with rollout on ``rollout_devices`` and training on ``train_devices`` of their own.
 
+(b), (c) and (e) run rollout in processes of its own, so weights cross a process boundary: ``publish_ms``
+(the trainer's cost per version) and ``load_ms`` (a worker's, instead of the measured in-process copy)
+say what the target's transport costs.
+
 Devices: the measured run had ``ranks`` processes on ``devices`` devices (default: one device per rank;
 on a CPU machine pass the cores the processes share) with ``background`` other runnable processes. A
 piece measured at d µs is d × (the rank group's rate) device-µs of work, and every schedule shares its
