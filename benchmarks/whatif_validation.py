@@ -202,7 +202,8 @@ def evaluate(d: Path, cores: int) -> dict:
         kw = dict(devices=cores, workers=settings["rollout_workers"], staleness=settings["max_staleness"],
                   staleness_policy="drop", behaviour_logprob_phase="ref_logprob")
         plain = A.schedule_what_if(d / "sync", **kw)
-        loaded = A.schedule_what_if(d / "sync", background=bg["sync"], target_background=bg["async"], **kw)
+        load = dict(background=bg["sync"], target_background=bg["async"], **kw)
+        loaded = A.schedule_what_if(d / "sync", **load)
         sync_row = plain.filter(pl.col("schedule") == "sync").row(0, named=True)
         measured = A.rl_throughput(d / "async")["samples_per_s"][0]
         out.update(sync_measured_sps=A.rl_throughput(d / "sync")["samples_per_s"][0], async_measured_sps=measured,
@@ -210,10 +211,9 @@ def evaluate(d: Path, cores: int) -> dict:
         frames = [("plain", plain), ("loaded", loaded)]
         if (d / "transport.json").exists():  # the object store's publish and load, measured on their own
             tr = json.loads((d / "transport.json").read_text())
-            out.update(publish_ms=tr["publish_ms"], load_ms=tr["load_ms"])
-            frames.append(("transport", A.schedule_what_if(
-                d / "sync", background=bg["sync"], target_background=bg["async"], publish_ms=tr["publish_ms"],
-                load_ms=tr["load_ms"], **kw)))
+            moved = {k: tr[k] for k in ("publish_ms", "load_ms")}
+            out.update(moved)
+            frames.append(("transport", A.schedule_what_if(d / "sync", **load, **moved)))
         for tag, df in frames:
             pred = df.filter(pl.col("schedule") == "async")["samples_per_s"][0]
             out[f"async_pred_{tag}_sps"] = pred

@@ -97,7 +97,7 @@ def replay(p: Pieces, *, pools: list[Pool], trainer_pool: int, trainer_procs: fl
     moment an update is done, weights are there); ``load_us``: what a worker's load costs on a device of
     its own, instead of the measured weight sync.
 
-    The trainer publishes a version the moment an update is done; a worker pays the weight-sync time
+    The trainer publishes a version once an update is done (``publish_us`` later); a worker pays the weight-sync time
     when it starts a batch with a version it has not loaded yet (the copy into the inference engine, on
     the rollout side, as in the measured synchronous step). ``policy`` "block": a worker starts batch j
     only once the trainer's version is ≥ j − staleness, so no batch is staler than the bound (AReaL);
