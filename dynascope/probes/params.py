@@ -49,10 +49,14 @@ class Tracked:
         return p.detach()
 
     def grad(self) -> Tensor | None:
+        """The gradient this rank holds (read at every record for every tensor: no detached view unless
+        the gradient itself is part of a graph, as with ``create_graph=True``)."""
         g = self.param.grad
         if g is None:
             return None
-        return (g.to_local() if _is_dtensor(g) else g).detach()
+        if self.sharded and _is_dtensor(g):
+            g = g.to_local()
+        return g.detach() if g.requires_grad else g
 
     @property
     def nbytes(self) -> int:

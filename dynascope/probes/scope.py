@@ -85,7 +85,7 @@ class Scope:
         self._listeners: list[Listener] = []
         self._handles: list[Any] = []
         self._closed = False
-        self.resolver = Resolver(self._resolver_error)
+        self.resolver = Resolver(self._resolver_error, self._resolve_batch)
         writer_thread = getattr(writer, "_thread", None)
         if writer_thread is not None:  # background work at a lower priority (see probes.resolver)
             lower_priority(writer_thread)
@@ -221,7 +221,7 @@ class Scope:
         self._due = None
         self._grads_after = False
         self._step += 1
-        self.resolver.submit(self._resolve, step, stage, out)
+        self.resolver.collect((step, stage, out))
 
     def _after(self, p: Probe, ctx: StepContext, out: list[tuple[Probe, Any]]) -> None:
         try:
@@ -233,15 +233,38 @@ class Scope:
         if res is not None:
             out.append((p, res))
 
+    def _resolve_batch(self, items: list[tuple[int, str | None, list[tuple[Probe, Any]]]]) -> None:
+        """Rows of the steps the resolver collected: each probe converts its results of all of them at once
+        (``resolve_many``). Listeners get one summary per step, so with listeners steps resolve one by one."""
+        if self._listeners or len(items) == 1:
+            for item in items:
+                self._resolve(*item)
+            return
+        results: dict[int, tuple[Probe, list[Any]]] = {}
+        for _, _, out in items:
+            for p, res in out:
+                results.setdefault(id(p), (p, []))[1].append(res)
+        for p, batch in results.values():
+            try:
+                rows_list = p.resolve_many(batch)
+            except Exception as exc:  # report it, then resolve step by step: one bad step costs only itself
+                self._report(f"resolve:{p.name}", exc)
+                rows_list = [rows for res in batch if (rows := self._guard(f"resolve:{p.name}", _call, res))]
+            for rows in rows_list:
+                for table, cols in rows.items():
+                    if cols:
+                        self.writer.append(table, cols)
+
     def _resolve(self, step: int, stage: str | None, out: list[tuple[Probe, Any]]) -> None:
         summary: dict[str, float] = {}
         for p, res in out:
             try:
-                rows: Rows = res() if callable(res) else res
+                rows: Rows = _call(res)
                 for table, cols in rows.items():
                     if cols:
                         self.writer.append(table, cols)
-                summary.update(p.summarize(rows))
+                if self._listeners:
+                    summary.update(p.summarize(rows))
             except Exception as exc:
                 self._report(f"resolve:{p.name}", exc)
         if out:
@@ -328,7 +351,8 @@ class Scope:
                               resident=resident, path=str(self.reference.path or ""))
 
     def add_listener(self, fn: Listener) -> None:
-        """``fn(step, summary)`` is called on the resolver thread after each recorded step."""
+        """``fn(step, summary)`` is called on the resolver thread after each recorded step (with a listener
+        attached, the resolver converts each step's rows on their own, not a few seconds' worth at once)."""
         self._listeners.append(fn)
 
     def flush(self) -> None:
@@ -363,6 +387,10 @@ class Scope:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _call(res: Any) -> Rows:
+    return res() if callable(res) else res
 
 
 def _spectral_probe(spec: Any) -> Probe:

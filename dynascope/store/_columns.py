@@ -7,6 +7,7 @@ per string, which made flushing the bottleneck; so each column is assembled from
 - a scalar broadcast over a batch (``step=7``, ``run_id``) becomes a run in a NumPy repeat, never a list;
 - string columns are dictionary-encoded: a value list passed again and again (the same list of tensor or
   metric names every step) is converted once and referenced by index, then expanded in C++ by a cast;
+  a dictionary array (the probe's rows of several steps) gives its codes as they are;
 - NumPy and Arrow arrays are taken as they are (an Arrow array keeps its NULLs, which a NumPy float array
   cannot tell from NaN); other Python lists are concatenated and converted in one call.
 """
@@ -79,6 +80,17 @@ def _strings(parts: Sequence[Part], typ: pa.DataType, total: int) -> pa.Array:
                 i = scalar_index[value] = len(dictionary)
                 dictionary.append(value)
             indices[off:off + n] = i
+            continue
+        if kind == "p" and pa.types.is_dictionary(value.type):  # already encoded: take its codes as they are
+            words = value.dictionary.to_pylist()
+            remap = np.arange(len(dictionary), len(dictionary) + len(words), dtype=np.int32)
+            dictionary.extend("" if v is None else v for v in words)
+            if None in words:
+                remap[[j for j, v in enumerate(words) if v is None]] = -1
+            codes = remap[value.indices.to_numpy(zero_copy_only=False)]
+            if value.null_count:
+                codes[~value.is_valid().to_numpy(zero_copy_only=False)] = -1
+            indices[off:off + n] = codes
             continue
         idx = seq_index.get(id(value))
         if idx is None:

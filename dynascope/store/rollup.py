@@ -39,19 +39,26 @@ def _codes(col: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, pa.Array]:
     return enc.indices.to_numpy(zero_copy_only=False).astype(np.int64), enc.dictionary
 
 
-def _numbers(col: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
-    """(values as float64 with nulls as 0, validity mask)."""
+def _numbers(col: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray] | None:
+    """(values as float64 with nulls as 0, validity mask), or None when every value is NULL (most of a
+    flush's update and drift columns: the rotating window covers few of its rows)."""
     arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    if arr.null_count == len(arr):
+        return None
     valid = arr.is_valid().to_numpy(zero_copy_only=False)
     return arr.fill_null(0).to_numpy(zero_copy_only=False).astype(np.float64), valid
 
 
-def tensor_stats_by_kind(t: pa.Table) -> pa.Table:
-    """Pool a tensor_stats table per (run_id, rank, role, step, stage, kind); schema ``tensor_stats_by_kind``."""
-    return _pool(t, _KIND_KEYS, TABLES["tensor_stats_by_kind"])
+Numbers = dict[str, "tuple[np.ndarray, np.ndarray] | None"]
 
 
-def tensor_stats_by_layer(t: pa.Table) -> pa.Table:
+def tensor_stats_by_kind(t: pa.Table, numbers: Numbers | None = None) -> pa.Table:
+    """Pool a tensor_stats table per (run_id, rank, role, step, stage, kind); schema ``tensor_stats_by_kind``.
+    ``numbers``: a dict the rollups of one table share, so each source column is converted once."""
+    return _pool(t, _KIND_KEYS, TABLES["tensor_stats_by_kind"], numbers)
+
+
+def tensor_stats_by_layer(t: pa.Table, numbers: Numbers | None = None) -> pa.Table:
     """Pool a tensor_stats table per (run_id, rank, role, step block, stage, kind, layer); schema
     ``tensor_stats_by_layer``, whose ``step`` is the first step of a block of ``ROLLUP_BLOCK_STEPS``."""
     if t.num_rows:
@@ -59,10 +66,10 @@ def tensor_stats_by_layer(t: pa.Table) -> pa.Table:
         block = pc.multiply(pc.divide(step, pa.scalar(ROLLUP_BLOCK_STEPS, step.type)),
                             pa.scalar(ROLLUP_BLOCK_STEPS, step.type))
         t = t.set_column(t.schema.get_field_index("step"), "step", block)
-    return _pool(t, _LAYER_KEYS, TABLES["tensor_stats_by_layer"])
+    return _pool(t, _LAYER_KEYS, TABLES["tensor_stats_by_layer"], numbers)
 
 
-def _pool(t: pa.Table, keys: list[str], schema: pa.Schema) -> pa.Table:
+def _pool(t: pa.Table, keys: list[str], schema: pa.Schema, numbers: Numbers | None = None) -> pa.Table:
     """Sums of ``t``'s statistics per distinct ``keys``, as ``schema``.
 
     NumPy, not ``Table.group_by``: that loads Arrow's Acero engine, ~6 MiB of resident memory in every
@@ -78,40 +85,54 @@ def _pool(t: pa.Table, keys: list[str], schema: pa.Schema) -> pa.Table:
     out: dict[str, pa.Array] = {k: v.take(pa.array(c)) for k, v, c in
                                 zip(keys, values, np.unravel_index(uniq, [max(len(v), 1) for v in values]),
                                     strict=True)}
+    numbers = {} if numbers is None else numbers
+    present = set(t.column_names)
 
-    def total(x: np.ndarray, valid: np.ndarray) -> pa.Array:
+    def column(name: str) -> tuple[np.ndarray, np.ndarray] | None:
+        if name not in numbers:  # a column an older segment lacks is NULL throughout
+            numbers[name] = _numbers(t[name]) if name in present else None
+        return numbers[name]
+
+    def total(x: np.ndarray, valid: np.ndarray, typ: pa.DataType) -> pa.Array:
         sums = np.bincount(group, weights=np.where(valid, x, 0.0), minlength=n)
-        return pa.array(sums, mask=np.bincount(group, weights=valid, minlength=n) == 0)
+        return pa.array(sums if pa.types.is_floating(typ) else sums.round().astype(np.int64), type=typ,
+                        mask=np.bincount(group, weights=valid, minlength=n) == 0)
 
-    def peak(x: np.ndarray, valid: np.ndarray) -> pa.Array:
+    def peak(x: np.ndarray, valid: np.ndarray, typ: pa.DataType) -> pa.Array:
         best = np.full(n, -np.inf)
         np.maximum.at(best, group[valid], x[valid])
-        return pa.array(best, mask=np.bincount(group, weights=valid, minlength=n) == 0)
+        return pa.array(best, mask=np.bincount(group, weights=valid, minlength=n) == 0).cast(typ)
 
     # Each pooled column as the registry declares it (store.schema.POOLED): Σx², Σx, max, or the Σnumel a
     # count is out of (over the rows where that count, or the column named by ``where``, is not NULL).
-    numel, numel_ok = _numbers(t["numel"])
-    names = {src for _, _, src, _ in POOLED} | {w for *_, w in POOLED if w} | {"time_us"}
-    cols = {c: _numbers(t[c]) if c in t.column_names else (np.zeros(t.num_rows), np.zeros(t.num_rows, bool))
-            for c in names}  # a column an older segment lacks is NULL throughout
-    out |= {"time_us": peak(*cols["time_us"]), "tensors": pa.array(np.bincount(group, minlength=n))}
+    types = {f.name: f.type for f in schema}
+    stamp = column("time_us")
+    out["time_us"] = pa.nulls(n, types["time_us"]) if stamp is None else peak(*stamp, types["time_us"])
+    out["tensors"] = pa.array(np.bincount(group, minlength=n), type=types["tensors"])
+    numel = column("numel")
     for name, how, src, where in POOLED:
-        x, ok = cols[src]
-        if where is not None:
-            ok = ok & cols[where][1]
+        got, cond = column(src), column(where) if where is not None else None
+        if got is None or (where is not None and cond is None) or (how == "numel" and numel is None):
+            out[name] = pa.nulls(n, types[name])
+            continue
+        x, ok = got
+        if cond is not None:
+            ok = ok & cond[1]
         if how == "sq":
-            out[name] = total(x ** 2, ok)
+            out[name] = total(x ** 2, ok, types[name])
         elif how == "sum":
-            out[name] = total(x, ok)
+            out[name] = total(x, ok, types[name])
         elif how == "max":
-            out[name] = peak(x, ok)
+            out[name] = peak(x, ok, types[name])
         else:  # "numel"
-            out[name] = total(numel, numel_ok & ok)
-    return pa.table([out[f.name].cast(f.type) for f in schema], schema=schema)
+            assert numel is not None
+            out[name] = total(numel[0], numel[1] & ok, types[name])
+    return pa.table([out[f.name] if out[f.name].type == f.type else out[f.name].cast(f.type) for f in schema],
+                    schema=schema)
 
 
 # source table -> its rollups (table, how to make it); the writer writes each rollup of every source segment.
-ROLLUPS: dict[str, tuple[tuple[str, Callable[[pa.Table], pa.Table]], ...]] = {
+ROLLUPS: dict[str, tuple[tuple[str, Callable[..., pa.Table]], ...]] = {
     "tensor_stats": (("tensor_stats_by_kind", tensor_stats_by_kind), ("tensor_stats_by_layer", tensor_stats_by_layer)),
 }
 ROLLUP_TABLES = frozenset(name for rolls in ROLLUPS.values() for name, _ in rolls)

@@ -259,9 +259,10 @@ class RunWriter:
                     self._unwritten_rollups.append((table, arrow))
 
     def _write_rollup(self, table: str, arrow: pa.Table) -> None:
+        numbers: dict = {}  # source columns as NumPy, converted once for every rollup of this segment
         for name, roll in ROLLUPS[table]:
             try:
-                rolled = roll(arrow)
+                rolled = roll(arrow, numbers)
             except Exception as exc:  # a rollup bug must not cost the source rows, which are already written
                 self._problem("rollup_error", f"{name}: rollup failed ({type(exc).__name__}: {exc})")
                 continue
