@@ -16,10 +16,17 @@ store and every worker loads it from there. Each round therefore also measures t
 policy's own model, 30 times), and the async prediction is reported with it as ``publish_ms``/``load_ms``
 as well: the cost a user would measure for the transport a schedule is to use.
 
+The replay shares the cores ideally; real time slicing of more processes than cores loses some of their
+capacity (each switch, and the caches refilled after it). Each round measures that too (``timeslice``: one
+of the demo's processes alone against n of them at once, n = the async run's processes and the 4-rank
+runs' ranks, alternating 3 times), and the predictions are also reported with it as
+``timeslice_efficiency``.
+
 Devices: the demo's processes share this machine's cores (one torch thread each), so the model gets
 ``devices`` = the cores, and the other runnable threads on the machine while each run's RL steps ran
-(other users, Ray's own daemons) as ``background``: a sampler reads /proc every 0.25 s and counts runnable
-threads outside the demo's compute processes. Predictions are reported with and without that load.
+(other users, Ray's own daemons, the threads beside each demo process's compute thread: the probe's
+writer and resolver, Ray's) as ``background``: a sampler reads /proc every 0.25 s and counts runnable
+threads other than the demo processes' main threads. Predictions are reported with and without that load.
 
     python benchmarks/whatif_validation.py --quick --rounds 3 --dir /tmp/whatif
     python benchmarks/whatif_validation.py --reuse --dir /tmp/whatif     # re-evaluate stored runs
@@ -60,8 +67,17 @@ def is_ours(cmd: str) -> bool:
     return any(k in cmd for k in OURS)
 
 
+def tally(pid: str, cmd: str, states: dict[str, str]) -> tuple[int, int]:
+    """(runnable threads, runnable compute threads) of one process from its threads' states (thread id ->
+    /proc state letter). A demo process computes on its main thread (one torch thread; a Ray actor runs its
+    methods there too); its other runnable threads (the probe's writer and resolver, Ray's own) are load on
+    the cores like any other process's, so they are not compute threads."""
+    runnable = sum(st == "R" for st in states.values())
+    return runnable, int(states.get(pid) == "R" and is_ours(cmd))
+
+
 def _runnable_threads() -> tuple[int, int]:
-    """(all runnable threads on the machine, those in the demo's compute processes), from /proc."""
+    """(all runnable threads on the machine, the demo's runnable compute threads), from /proc."""
     total = ours = 0
     me = os.getpid()
     for pid in os.listdir("/proc"):
@@ -69,14 +85,12 @@ def _runnable_threads() -> tuple[int, int]:
             continue
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            states = [Path(f"/proc/{pid}/task/{t}/stat").read_text().rsplit(")", 1)[1].split()[0]
-                      for t in os.listdir(f"/proc/{pid}/task")]
+            states = {t: Path(f"/proc/{pid}/task/{t}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                      for t in os.listdir(f"/proc/{pid}/task")}
         except OSError:
             continue
-        r = sum(s == "R" for s in states)
-        total += r
-        if r and is_ours(cmd):
-            ours += r
+        r, o = tally(pid, cmd, states)
+        total, ours = total + r, ours + o
     return total, ours
 
 
@@ -177,6 +191,63 @@ def transport(settings: Path, out: Path, src: Path, n: int = 30) -> dict:
     return res
 
 
+# One of the demo's processes at work for a while: a torch thread generating GRPO groups and training on them.
+TIMESLICE = r"""
+import sys, time, torch
+torch.set_num_threads(1)
+from dynascope.demo.grpo import generate_groups
+from dynascope.demo.model import TinyLM, token_logprobs
+from dynascope.demo.settings import DemoSettings
+from dynascope.demo.task import CharTokenizer
+
+s = DemoSettings.from_json(open(sys.argv[1]).read())
+torch.manual_seed(0)
+tok, model = CharTokenizer(), TinyLM(s.model)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+gen = torch.Generator().manual_seed(1)
+seconds, start = float(sys.argv[2]), float(sys.argv[3])
+while time.time() < start:  # every process of a block starts at once
+    time.sleep(0.001)
+n, t0 = 0, time.perf_counter()
+while time.perf_counter() - t0 < seconds:
+    with torch.no_grad():
+        _, r = generate_groups(model, tok, s.task, s.rl, gen)
+    token_logprobs(model, r)[0].sum().backward()
+    opt.step()
+    opt.zero_grad()
+    n += 1
+print(n / (time.perf_counter() - t0))
+"""
+
+
+def timeslice(settings: Path, out: Path, src: Path, counts: tuple[int, ...], cores: int, repeats: int = 3,
+              seconds: float = 6.0) -> dict:
+    """The part of the cores' capacity that does work when ``n`` of the demo's processes share them, for each
+    n in ``counts``: blocks of one process alone and of n at once alternate ``repeats`` times, and each
+    n-block's rate per process over the neighbouring lone rate, over min(1, cores / n), is one sample."""
+    env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
+
+    def block(n: int) -> float:
+        start = time.time() + 3.0  # after every process has imported torch
+        procs = [subprocess.Popen([sys.executable, "-c", TIMESLICE, str(settings), str(seconds), str(start)], cwd=src,
+                                  env=env, stdout=subprocess.PIPE, text=True) for _ in range(n)]
+        rates = [float(p.communicate(timeout=120)[0].strip().splitlines()[-1]) for p in procs]
+        return sum(rates) / n
+
+    res: dict = {}
+    for n in counts:
+        samples = []
+        alone = block(1)
+        for _ in range(repeats):
+            shared = block(n)
+            nxt = block(1)
+            samples.append(shared / ((alone + nxt) / 2) / min(1.0, cores / n))
+            alone = nxt
+        res[str(n)] = {"efficiency": sorted(samples)[len(samples) // 2], "samples": samples}
+    out.write_text(json.dumps(res))
+    return res
+
+
 def background(run_dir: Path) -> float:
     """Mean background runnable threads while the run's RL steps ran."""
     from dynascope.store import open_store
@@ -209,11 +280,15 @@ def evaluate(d: Path, cores: int) -> dict:
         out.update(sync_measured_sps=A.rl_throughput(d / "sync")["samples_per_s"][0], async_measured_sps=measured,
                    sync_calibration_pct=sync_row["calibration_error_pct"])
         frames = [("plain", plain), ("loaded", loaded)]
+        ts = _efficiency(d, 1 + settings["rollout_workers"])
         if (d / "transport.json").exists():  # the object store's publish and load, measured on their own
             tr = json.loads((d / "transport.json").read_text())
             moved = {k: tr[k] for k in ("publish_ms", "load_ms")}
             out.update(moved)
             frames.append(("transport", A.schedule_what_if(d / "sync", **load, **moved)))
+            if ts is not None:  # and the cores' time slicing among the async run's processes, measured alone
+                out["timeslice_async"] = ts
+                frames.append(("timeslice", A.schedule_what_if(d / "sync", **load, **moved, timeslice_efficiency=ts)))
         for tag, df in frames:
             pred = df.filter(pl.col("schedule") == "async")["samples_per_s"][0]
             out[f"async_pred_{tag}_sps"] = pred
@@ -226,8 +301,13 @@ def evaluate(d: Path, cores: int) -> dict:
         target_bg = sum(bg[k] for k in targets) / len(targets)
         out.update(slow_measured_ms=A.rl_throughput(d / "slow")["step_ms"][0], noslow_measured_ms=measured,
                    noslow_runs=len(runs), noslow_spread_pct=100 * (max(runs) - min(runs)) / measured)
-        for tag, kw in (("own", {}), ("plain", {"devices": 10**6}),
-                        ("loaded", {"background": bg["slow"], "target_background": target_bg})):
+        cases = [("own", {}), ("plain", {"devices": 10**6}),
+                 ("loaded", {"background": bg["slow"], "target_background": target_bg})]
+        ts = _efficiency(d, 4)  # the four ranks of both runs on the cores
+        if ts is not None:
+            out["timeslice_ranks"] = ts
+            cases.append(("timeslice", {**cases[2][1], "timeslice_efficiency": ts}))
+        for tag, kw in cases:
             steps = A.what_if_shared(d / "slow", ranks=[2], **{"devices": cores, **kw}).filter(pl.col("step").is_in(rl))
             pred = steps["simulated_ms"].mean()
             out[f"noslow_pred_{tag}_ms"] = pred
@@ -237,6 +317,13 @@ def evaluate(d: Path, cores: int) -> dict:
             row = A.schedule_what_if(d / k, devices=cores).filter(pl.col("schedule") == "sync").row(0, named=True)
             out[f"{k}_calibration_pct"] = row["calibration_error_pct"]
     return out
+
+
+def _efficiency(d: Path, n: int) -> float | None:
+    """The round's measured time-slice efficiency for ``n`` processes (``timeslice.json``), if measured."""
+    f = d / "timeslice.json"
+    got = json.loads(f.read_text()).get(str(n)) if f.exists() else None
+    return None if got is None else got["efficiency"]
 
 
 def main() -> None:
@@ -278,6 +365,15 @@ def main() -> None:
                           flush=True)
                 except (RuntimeError, subprocess.TimeoutExpired) as exc:
                     print(exc, flush=True)
+            if not (d / "timeslice.json").exists() and (d / "sync" / "demo_settings.json").exists():
+                settings = json.loads((d / "sync" / "demo_settings.json").read_text())
+                counts = (1 + settings["rollout_workers"], 4)  # the async run's processes, the 4-rank runs'
+                try:
+                    got = timeslice(d / "sync" / "demo_settings.json", d / "timeslice.json", src, counts, cores)
+                    print(f"{d.name}/timeslice: " + ", ".join(f"{n} processes {v['efficiency']:.3f}"
+                                                              for n, v in got.items()), flush=True)
+                except (RuntimeError, ValueError, subprocess.TimeoutExpired) as exc:
+                    print(f"time-slice measurement failed: {exc}", flush=True)
     rounds = sorted(p for p in args.dir.glob("round*") if p.is_dir())
     res = pl.DataFrame([evaluate(d, cores) for d in rounds])
     pl.Config.set_tbl_cols(-1)

@@ -372,3 +372,39 @@ def test_what_if_shared_turns_durations_into_work(tmp_path):
     assert what_if_shared(tmp_path / "shared", ranks=[0], devices=2).equals(
         stragglers.what_if_steps(tmp_path / "shared", ranks=[0]))
     assert shared_time(pl.Series([50.0, 150.0]).to_numpy(), 1, 0) == pytest.approx(200)
+
+
+def test_time_slicing_costs_an_oversubscribed_pool(tmp_path):
+    # The run of test_colocated_overlap_on_one_device_gains_nothing (R = T' = 100, W = 0, one device), with
+    # time slicing keeping e = 0.8 of a device its two processes share: each runs at 0.8/2 = 0.4 while both
+    # are busy. Batch 0 generates alone (100), every pair (train k, generate k+1) takes 100/0.4 = 250, the
+    # last trains alone (100): 100 + 9·250 + 100 = 2450 ms. The synchronous run had one process on its
+    # device, so its replay is unchanged.
+    from dynascope.analyses._schedule_sim import process_share
+
+    run = plant(tmp_path / "one", rollout_ms=100.0, train_ms=90.0, opt_ms=5.0, gap_ms=5.0, sync_ms=0.0)
+    df = rows(schedules.schedule_what_if(run, devices=1, timeslice_efficiency=0.8))
+    assert df["one_step_off_policy"]["step_ms"] == pytest.approx(2450 / STEPS)
+    assert df["sync"]["step_ms"] == pytest.approx(200.0) and df["sync"]["calibration_error_pct"] == pytest.approx(0)
+    assert "timeslice_efficiency=0.8" in df["one_step_off_policy"]["params"]
+    # the loss grows with the excess up to one process, then stays: 2 devices, 2.5 and 3 and 4 processes
+    assert process_share(2, 2, 0.8) == 1.0 and process_share(2, 2.5, 0.8) == pytest.approx(0.9 * 2 / 2.5)
+    assert process_share(2, 3, 0.8) == pytest.approx(0.8 * 2 / 3) and process_share(2, 4, 0.8) == pytest.approx(0.4)
+    with pytest.raises(ValueError, match="timeslice_efficiency"):
+        schedules.schedule_what_if(run, devices=1, timeslice_efficiency=0)
+
+
+def test_what_if_shared_with_time_slicing(tmp_path):
+    # The two ranks of test_what_if_shared_turns_durations_into_work on one device, which time slicing leaves
+    # e = 0.5 of while both are busy (0.25 each). Rank 0 did 25 device-ms in its 100 ms, rank 1 25 + 100
+    # alone: the replay as measured is 100 + 100 + 4 = 204 ms again. With rank 0 at the median work (75):
+    # 75 and 125 at 0.25 each until rank 0 is done at 300, rank 1's last 50 alone: 350 + 4 = 354 ms.
+    from dynascope.analyses.stragglers_shared import what_if_shared
+
+    for r, (busy, wait) in enumerate(((100, 104), (200, 4))):
+        with RunWriter(tmp_path / "shared", rank=r, world_size=2) as w:
+            tr, end = timing_rows(T0, [("train", busy * MS, "phase"), ("grad_allreduce", wait * MS, "comm")])
+            w.append("timings", {**tr, "step": 0})
+            w.append("timings", {"phase": "step", "category": "step", "step": 0, "start_us": T0, "dur_us": end - T0})
+    got = what_if_shared(tmp_path / "shared", ranks=[0], devices=1, timeslice_efficiency=0.5)
+    assert got["simulated_base_ms"][0] == pytest.approx(204) and got["simulated_ms"][0] == pytest.approx(354)

@@ -69,3 +69,13 @@ def test_load_sampler_counts_the_async_driver_as_background() -> None:
     assert V.is_ours("ray::Trainer.train_step") and V.is_ours("ray::RolloutWorker.generate")
     assert not V.is_ours(f"{exe} --quick --async")
     assert not V.is_ours("python3 benchmarks/whatif_validation.py --quick") and not V.is_ours("raylet --node")
+
+
+def test_load_sampler_counts_threads_beside_a_compute_thread_as_background() -> None:
+    """A demo process computes on its main thread; its probe and Ray threads are load like anyone else's."""
+    import whatif_validation as V
+
+    trainer = "ray::Trainer.train"
+    assert V.tally("7", trainer, {"7": "R", "8": "R", "9": "S"}) == (2, 1)  # computing, its writer runnable
+    assert V.tally("7", trainer, {"7": "S", "8": "R"}) == (1, 0)  # waiting, while its writer works
+    assert V.tally("7", "raylet --node", {"7": "R", "8": "R"}) == (2, 0)

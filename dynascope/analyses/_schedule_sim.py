@@ -5,7 +5,8 @@ group ran at ``rate`` devices, is ``d × rate`` device-µs of work. A *job* is a
 processes, each able to use at most one device, on a *pool* of ``capacity`` devices that ``background``
 other runnable processes also share. The pool is processor-shared, as an OS scheduler shares cores or
 time-sliced GPUs share SMs: each process gets an equal share (at most one device), so a job's rate is
-``procs × min(1, share)``. Between events rates are constant, so every completion time is exact.
+``procs × min(1, share)``, less what time slicing costs when processes outnumber devices (``process_share``).
+Between events rates are constant, so every completion time is exact.
 
 The processes are a trainer and ``workers`` rollout workers. The trainer publishes weight version 0, then
 repeatedly takes the oldest finished batch, trains on it and publishes the next version (publishing costs
@@ -45,12 +46,20 @@ class _Job:
     rate: float = 0.0
 
 
-def share_rates(jobs: list[_Job], pool: Pool) -> None:
-    """Set each job's rate: equal per-process shares of the pool, at most one device per process."""
-    procs = sum(j.procs for j in jobs) + pool.background
-    share = min(1.0, pool.capacity / procs) if procs > 0 else 1.0
-    for j in jobs:
-        j.rate = j.procs * share
+def process_share(capacity: float, procs: float, timeslice: float = 1.0) -> float:
+    """Each of ``procs`` runnable processes' share of ``capacity`` devices: at most one device, an equal part
+    of the pool when there are more processes than devices.
+
+    ``timeslice``: the part of the pool's capacity that still does work when one process more than it has
+    devices time-slices it (each switch costs the switch and refilled caches; 1 is ideal sharing, and
+    ``benchmarks/whatif_validation.py`` measures 0.7-0.8 for three demo processes on two cores). With a
+    fraction of a process in excess (a background load) the loss is that fraction of it, beyond one
+    process it stays as measured.
+    """
+    if procs <= capacity:
+        return 1.0
+    used = 1.0 - (1.0 - timeslice) * min(1.0, procs - capacity)
+    return used * capacity / procs
 
 
 @dataclass
@@ -90,8 +99,9 @@ class Result:
 
 def replay(p: Pieces, *, pools: list[Pool], trainer_pool: int, trainer_procs: float, worker_pool: int,
            worker_procs: float, workers: int, staleness: int, policy: str, rate: float,
-           publish_us: float = 0.0, load_us: float | None = None) -> Result:
-    """Replay ``p`` with a trainer and ``workers`` rollout workers; ``rate`` converts µs to device-µs.
+           publish_us: float = 0.0, load_us: float | None = None, timeslice: float = 1.0) -> Result:
+    """Replay ``p`` with a trainer and ``workers`` rollout workers; ``rate`` converts µs to device-µs;
+    ``timeslice``: what an oversubscribed pool keeps of its capacity (``process_share``).
 
     ``publish_us``: what publishing a version costs each trainer process on a device of its own (0: the
     moment an update is done, weights are there); ``load_us``: what a worker's load costs on a device of
@@ -157,7 +167,7 @@ def replay(p: Pieces, *, pools: list[Pool], trainer_pool: int, trainer_procs: fl
         procs = backs.copy()
         for j in running:
             procs[j.pool] += j.procs
-        share = [min(1.0, c / q) if q > 0 else 1.0 for c, q in zip(caps, procs, strict=True)]
+        share = [process_share(c, q, timeslice) for c, q in zip(caps, procs, strict=True)]
         dt = float("inf")
         for j in running:
             j.rate = rate_j = j.procs * share[j.pool]

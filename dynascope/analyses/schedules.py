@@ -26,7 +26,7 @@ say what the target's transport costs.
 Devices: the measured run had ``ranks`` processes on ``devices`` devices (default: one device per rank;
 on a CPU machine pass the cores the processes share) with ``background`` other runnable processes. A
 piece measured at d µs is d × (the rank group's rate) device-µs of work, and every schedule shares its
-devices between the processes placed on them. docs/schedules.md has the model and what it leaves out.
+devices between the processes placed on them (losing ``timeslice_efficiency`` of an oversubscribed pool). docs/schedules.md has the model and what it leaves out.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import polars as pl
 from dynascope.analyses._common import StoreLike, as_store, frame, run_clause
 from dynascope.analyses._rank_steps import rank_steps
 from dynascope.analyses._schedule_frames import inputs_frame, sample_stats
-from dynascope.analyses._schedule_sim import Pieces, Pool, Result, replay, sequential
+from dynascope.analyses._schedule_sim import Pieces, Pool, Result, process_share, replay, sequential
 from dynascope.analyses._timing_rows import Vocabulary, frame_with_vocabulary, keyed_sql, seg_sql
 from dynascope.analyses.steps import step_rows_sql
 from dynascope.analyses.stragglers import _in
@@ -49,8 +49,8 @@ __all__ = ["rl_throughput", "schedule_inputs", "schedule_staleness", "schedule_w
 ROLLOUT_PHASES = ("rollout", "generate", "generation", "reward")
 SYNC_PHASES = ("weight_sync", "sync_weights", "update_weights")
 LIMITS = ("memory limits, KV-cache effects, network contention, weight-transfer costs beyond the measured "
-          "copy (unless given as publish_ms/load_ms), framework overhead, and sub-linear scaling on other "
-          "device counts are not modelled")
+          "copy (unless given as publish_ms/load_ms), framework overhead, the cost of time slicing (unless "
+          "given as timeslice_efficiency) and sub-linear scaling on other device counts are not modelled")
 _K = "run_id, role, rank, step"
 MAX_STEPS = 1000  # RL steps a schedule replays (evenly spaced ones stand for a longer run; docs/schedules.md)
 
@@ -178,7 +178,7 @@ def _row(name: str, params: str, r: Result, weights: np.ndarray, stale: np.ndarr
 def _simulate(inp: pl.DataFrame, *, devices: float | None, background: float, target_background: float | None,
               workers: int, staleness: int, publish_ms: float, load_ms: float | None,
               staleness_policy: str, rollout_devices: float | None, train_devices: float | None,
-              max_steps: int | None) -> tuple[list[dict], list[dict]]:
+              max_steps: int | None, timeslice_efficiency: float) -> tuple[list[dict], list[dict]]:
     """Every schedule for one (run, role): result rows and staleness-histogram rows."""
     # The measured mean step: wall-clock time over the RL steps (ranks' step rows start at different times,
     # so the longest step row of each step overstates it under data parallelism).
@@ -196,18 +196,23 @@ def _simulate(inp: pl.DataFrame, *, devices: float | None, background: float, ta
         raise ValueError("devices must be > 0, background ≥ 0, workers ≥ 1 and staleness ≥ 0")
     if publish_ms < 0 or (load_ms is not None and load_ms < 0):
         raise ValueError("publish_ms and load_ms must be ≥ 0")
-    transfer = {"publish_us": publish_ms * 1e3, "load_us": None if load_ms is None else load_ms * 1e3}
+    transfer: dict = {"publish_us": publish_ms * 1e3, "load_us": None if load_ms is None else load_ms * 1e3}
     moved = (f" publish_ms={publish_ms:g}" if publish_ms else "") + (f" load_ms={load_ms:g}" if load_ms is not None else "")
     if staleness_policy not in ("block", "drop"):
         raise ValueError(f"staleness_policy must be 'block' or 'drop', not {staleness_policy!r}")
-    rate = ranks * min(1.0, d / (ranks + background))  # devices the measured rank group ran on
+    ts = float(timeslice_efficiency)
+    if not 0 < ts <= 1:
+        raise ValueError(f"timeslice_efficiency must be in (0, 1], not {timeslice_efficiency}")
+    rate = ranks * process_share(d, ranks + background, ts)  # devices the measured rank group ran on
     background = background if target_background is None else target_background  # during the schedules
     if background < 0:
         raise ValueError("target_background must be ≥ 0")
     # A step's pieces in sequence, at the rank group's rate under the schedules' background load.
-    slow = rate / (ranks * min(1.0, d / (ranks + background)))
+    slow = rate / (ranks * process_share(d, ranks + background, ts))
     off = Pieces(base.pre, base.sync, base.rollout + col["extra_ms"], base.train, n_s)
-    where = f"devices={d:g}" + (f" background={background:g}" if background else "")
+    where = (f"devices={d:g}" + (f" background={background:g}" if background else "")
+             + (f" timeslice_efficiency={ts:g}" if ts != 1 else ""))
+    transfer["timeslice"] = ts
     rows, hist = [], []
 
     def add(name: str, params: str, r: Result, weights: np.ndarray, stale: np.ndarray, **extra: float) -> None:
@@ -273,7 +278,8 @@ def schedule_what_if(store: StoreLike, run: str | None = None, *, devices: float
                      staleness_policy: str = "block", tail_pct: float = 90.0, publish_ms: float = 0.0,
                      load_ms: float | None = None, rollout_devices: float | None = None, train_devices: float | None = None,
                      behaviour_logprob_phase: str | None = None, rollout_phases: Sequence[str] = ROLLOUT_PHASES,
-                     sync_phases: Sequence[str] = SYNC_PHASES, max_steps: int | None = MAX_STEPS) -> pl.DataFrame:
+                     sync_phases: Sequence[str] = SYNC_PHASES, max_steps: int | None = MAX_STEPS,
+                     timeslice_efficiency: float = 1.0) -> pl.DataFrame:
     """Predicted step time, samples/s, idle shares, staleness and weight-sync exposure per schedule.
 
     One row per schedule (sync, one_step_off_policy, async, tail_cut, partial_rollout, split) and
@@ -286,6 +292,9 @@ def schedule_what_if(store: StoreLike, run: str | None = None, *, devices: float
     own (one_step_off_policy, async, split), each on a device of its own: what the trainer pays to publish
     a version (default 0) and a worker to load one (default: the measured weight sync, a copy within one
     process). Measure them for the transport the schedule would use (an object store, a NCCL broadcast).
+    ``timeslice_efficiency``: the part of its capacity a pool keeps when one process more than it has
+    devices shares it (time slicing's switches and refilled caches; default 1, ideal sharing): measure it
+    for the machine, as ``benchmarks/whatif_validation.py`` does for the demo's processes on its cores.
     Runs longer than ``max_steps`` RL steps are replayed on that many evenly spaced steps.
     Columns: run_id, role, schedule, params, steps, step_ms, samples_per_s, speedup_x (samples/s over the
     sync replay's), trainer_idle_pct, rollout_idle_pct, staleness_mean, staleness_max, stale_samples_pct,
@@ -296,7 +305,8 @@ def schedule_what_if(store: StoreLike, run: str | None = None, *, devices: float
     rows, _ = _all(store, run, tail_pct, rollout_phases, sync_phases, behaviour_logprob_phase, devices=devices,
                    background=background, target_background=target_background, workers=workers, staleness=staleness,
                    publish_ms=publish_ms, load_ms=load_ms, staleness_policy=staleness_policy,
-                   rollout_devices=rollout_devices, train_devices=train_devices, max_steps=max_steps)
+                   rollout_devices=rollout_devices, train_devices=train_devices, max_steps=max_steps,
+                   timeslice_efficiency=timeslice_efficiency)
     if not rows:
         return pl.DataFrame(schema=_SCHEMA)
     return pl.DataFrame([{k: r.get(k) for k in _SCHEMA} for r in rows], schema=_SCHEMA)
@@ -310,7 +320,7 @@ def schedule_staleness(store: StoreLike, run: str | None = None, **params) -> pl
     """
     defaults = {"devices": None, "background": 0.0, "target_background": None, "workers": 2, "staleness": 1,
                 "publish_ms": 0.0, "load_ms": None, "staleness_policy": "block",
-                "rollout_devices": None, "train_devices": None, "max_steps": MAX_STEPS}
+                "rollout_devices": None, "train_devices": None, "max_steps": MAX_STEPS, "timeslice_efficiency": 1.0}
     unknown = set(params) - set(defaults) - {"tail_pct", "rollout_phases", "sync_phases", "behaviour_logprob_phase"}
     if unknown:
         raise TypeError(f"unknown parameters: {', '.join(sorted(unknown))}")

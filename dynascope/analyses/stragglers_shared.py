@@ -5,7 +5,7 @@ do. When ranks share devices (four gloo ranks on two CPU cores, time-sliced GPUs
 rank is still generating, the others train with less competition, and a phase measured in that run is
 shorter than it would be with every rank busy. So a measured duration is first turned into *work*: a rank
 busy (inside its step row, outside its sync rows) from a to b received ∫ₐᵇ min(1, devices / (busy ranks(t)
-+ background)) dt device-µs. The step is then replayed as in ``what_if`` — segments between sync rows, the
++ background)) dt device-µs (less what time slicing costs, ``_schedule_sim.process_share``). The step is then replayed as in ``what_if`` — segments between sync rows, the
 collective costing the least wait of any rank — except that a segment's busy work runs processor-shared:
 every busy rank gets an equal share (at most one device), and the share grows as ranks finish.
 With at least as many devices as ranks (plus background) every rate is 1 and this is ``what_if_steps``.
@@ -19,23 +19,24 @@ import numpy as np
 import polars as pl
 
 from dynascope.analyses._common import StoreLike, as_store, frame, run_clause
+from dynascope.analyses._schedule_sim import process_share
 from dynascope.analyses.steps import STEP_ROW, SYNC, TOP_LEVEL
 from dynascope.analyses.stragglers import _STEP_SCHEMA, REMAINDER, what_if_steps
 
 __all__ = ["what_if_shared"]
 
 
-def shared_time(work: np.ndarray, devices: float, background: float) -> float:
+def shared_time(work: np.ndarray, devices: float, background: float, timeslice: float = 1.0) -> float:
     """Time for jobs of ``work`` device-µs started together, one process each, on shared ``devices``."""
     t = done = 0.0
     w = np.sort(work)
     for i, x in enumerate(w):
-        t += (x - done) / min(1.0, devices / (len(w) - i + background))
+        t += (x - done) / process_share(devices, len(w) - i + background, timeslice)
         done = x
     return t
 
 
-def _work(g: pl.DataFrame, devices: float, background: float) -> pl.DataFrame:
+def _work(g: pl.DataFrame, devices: float, background: float, timeslice: float = 1.0) -> pl.DataFrame:
     """Each row's work (device-µs) from the busy ranks over time: steps are busy, sync rows are not."""
     busy = g.filter(pl.col("is_step") | pl.col("sync"))
     sign = np.where(busy["is_step"].to_numpy(), 1, -1)
@@ -43,17 +44,32 @@ def _work(g: pl.DataFrame, devices: float, background: float) -> pl.DataFrame:
     d = np.concatenate([sign, -sign])
     order = np.lexsort((d, t))
     t, n = t[order], np.cumsum(d[order])  # busy ranks from each event to the next
-    rate = np.minimum(1.0, devices / np.maximum(n + background, 1e-9))
+    rate = np.array([process_share(devices, float(k) + background, timeslice) for k in n])
     cum = np.concatenate([[0.0], np.cumsum(rate[:-1] * np.diff(t))])
     at = lambda col: np.interp(g[col].to_numpy().astype(float), t, cum)  # noqa: E731
     return g.with_columns(work=pl.Series(at("end_us") - at("start_us")))
 
 
+def _join_across_steps(parts: pl.DataFrame, key: list[str]) -> pl.DataFrame:
+    """A rank's work after its last collective of step t and before its first of step t+1 is one stretch
+    between two collectives: replayed as one segment, counted in step t+1 (as ``schedule_inputs`` does).
+    Split at the step boundary, each half would wait for its own slowest rank (4-5% too long on the demo's
+    4-rank runs on 2 cores)."""
+    syncs = parts.filter(pl.col("sync")).group_by(key).agg(syncs=pl.col("seg").max() + 1)
+    following = syncs.select(*key[:-1], pl.col("step") - 1, next_syncs=pl.col("syncs"))
+    parts = parts.join(syncs, on=key, how="left").join(following, on=key, how="left")
+    move = (pl.col("seg") == pl.col("syncs")) & pl.col("next_syncs").is_not_null()
+    return parts.with_columns(step=pl.when(move).then(pl.col("step") + 1).otherwise(pl.col("step")),
+                              seg=pl.when(move).then(0).otherwise(pl.col("seg"))).drop("syncs", "next_syncs")
+
+
 def what_if_shared(store: StoreLike, run: str | None = None, *, ranks: Iterable[int] | str | None = None,
                    phases: Iterable[str] | None = None, devices: float, background: float = 0.0,
-                   target_background: float | None = None) -> pl.DataFrame:
+                   target_background: float | None = None, timeslice_efficiency: float = 1.0) -> pl.DataFrame:
     """``what_if_steps`` for ranks sharing ``devices`` (with ``background`` other runnable processes while
-    the run was measured, ``target_background`` in the replay; default the same).
+    the run was measured, ``target_background`` in the replay; default the same). ``timeslice_efficiency``:
+    the part of the devices' capacity that does work when one rank more than there are devices shares them
+    (``schedule_what_if``'s parameter of that name; default 1, ideal sharing).
 
     Same columns as ``what_if_steps``: run_id, role, step, ranks, measured_ms, simulated_base_ms,
     simulated_ms, saved_ms; ``ranks``/``phases`` choose what is replaced by the cross-rank median (of work).
@@ -61,6 +77,9 @@ def what_if_shared(store: StoreLike, run: str | None = None, *, ranks: Iterable[
     con = as_store(store)
     n_ranks = frame(con, f"SELECT COUNT(DISTINCT rank) AS n FROM timings WHERE {STEP_ROW}{run_clause(run)}").item()
     target = background if target_background is None else target_background
+    ts = float(timeslice_efficiency)
+    if not 0 < ts <= 1:
+        raise ValueError(f"timeslice_efficiency must be in (0, 1], not {timeslice_efficiency}")
     if n_ranks + max(background, target) <= devices:  # nobody shares: every rate is 1
         return what_if_steps(con, run, ranks=ranks, phases=phases)
     rows = frame(con, f"""
@@ -75,7 +94,7 @@ def what_if_shared(store: StoreLike, run: str | None = None, *, ranks: Iterable[
         return pl.DataFrame(schema=_STEP_SCHEMA)
     out = []
     for _, g in rows.group_by(["run_id", "role"], maintain_order=True):
-        g = _work(g, devices, background)
+        g = _work(g, devices, background, ts)
         key = ["run_id", "role", "rank", "step"]
         rows_g = g.filter(~pl.col("is_step")).with_columns(
             seg=pl.col("sync").cast(pl.Int64).cum_sum().over(key) - pl.col("sync").cast(pl.Int64))
@@ -98,14 +117,15 @@ def what_if_shared(store: StoreLike, run: str | None = None, *, ranks: Iterable[
         if phases is not None:
             chosen = chosen & pl.col("phase").is_in(list(phases))
         parts = parts.with_columns(new=pl.when(chosen & ~pl.col("sync")).then(pl.col("med")).otherwise(pl.col("work")))
+        parts = _join_across_steps(parts, key)
         per = parts.group_by(["step", "seg", "rank"]).agg(
             pl.col("work").filter(~pl.col("sync")).sum().alias("busy"), pl.col("new").filter(~pl.col("sync")).sum(),
             pl.col("dur_us").filter(pl.col("sync")).sum().alias("wait"))
         for (s,), seg in per.group_by(["step"]):
             base = new = 0.0
             for _, one in seg.group_by("seg"):
-                base += shared_time(one["busy"].to_numpy(), devices, target) + one["wait"].min()
-                new += shared_time(one["new"].to_numpy(), devices, target) + one["wait"].min()
+                base += shared_time(one["busy"].to_numpy(), devices, target, ts) + one["wait"].min()
+                new += shared_time(one["new"].to_numpy(), devices, target, ts) + one["wait"].min()
             st = step.filter(pl.col("step") == s)
             out.append({"run_id": g["run_id"][0], "role": g["role"][0], "step": s, "ranks": st.height,
                         "measured_ms": st["step_us"].max() / 1e3, "simulated_base_ms": base / 1e3,

@@ -168,9 +168,11 @@ def _schedules(path: str, run: str) -> None:
     publish = c[0].number_input("Publish ms per version (trainer)", 0.0, value=0.0, step=1.0, key="cl_sched_pub")
     load = c[1].number_input("Load ms per version (worker; 0: the measured copy)", 0.0, value=0.0, step=1.0,
                              key="cl_sched_load")
+    timeslice = c[2].number_input("Time-slice efficiency (oversubscribed devices)", 0.05, 1.0, value=1.0, step=0.05,
+                                  key="cl_sched_ts")
     params = dict(run=run, devices=devices or None, background=background, workers=int(workers),
                   staleness=int(staleness), staleness_policy=policy, tail_pct=float(tail), publish_ms=float(publish),
-                  load_ms=float(load) or None)
+                  load_ms=float(load) or None, timeslice_efficiency=float(timeslice))
     if g_r:
         total = devices or g_r + 1
         params.update(rollout_devices=g_r, train_devices=max(total - g_r, 1.0))
