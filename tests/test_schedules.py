@@ -350,6 +350,16 @@ def test_what_if_in_duckdb_equals_the_polars_reference(tmp_path, n_ranks):
         assert row["saved_ms"] == pytest.approx(saved, abs=1e-6), row["scenario"]
 
 
+def plant_two_busy_ranks(run: Path) -> None:
+    """One step of two ranks: rank 0 computes 100 ms and waits 104 in the all-reduce, rank 1 computes 200
+    and waits 4 (the collective's own cost)."""
+    for r, (busy, wait) in enumerate(((100, 104), (200, 4))):
+        with RunWriter(run, rank=r, world_size=2) as w:
+            tr, end = timing_rows(T0, [("train", busy * MS, "phase"), ("grad_allreduce", wait * MS, "comm")])
+            w.append("timings", {**tr, "step": 0})
+            w.append("timings", {"phase": "step", "category": "step", "step": 0, "start_us": T0, "dur_us": end - T0})
+
+
 def test_what_if_shared_turns_durations_into_work(tmp_path):
     # Two ranks on one device. Rank 0 computes [0, 100] and waits for rank 1, which computes [0, 200]; the
     # all-reduce then costs 4 ms. Both were busy for the first 100 ms (half a device each), so rank 0 did 50
@@ -359,11 +369,7 @@ def test_what_if_shared_turns_durations_into_work(tmp_path):
     # (what_if_steps) would replace rank 0's 100 ms by the median duration, 150 ms, and keep 204 ms.
     from dynascope.analyses.stragglers_shared import shared_time, what_if_shared
 
-    for r, (busy, wait) in enumerate(((100, 104), (200, 4))):
-        with RunWriter(tmp_path / "shared", rank=r, world_size=2) as w:
-            tr, end = timing_rows(T0, [("train", busy * MS, "phase"), ("grad_allreduce", wait * MS, "comm")])
-            w.append("timings", {**tr, "step": 0})
-            w.append("timings", {"phase": "step", "category": "step", "step": 0, "start_us": T0, "dur_us": end - T0})
+    plant_two_busy_ranks(tmp_path / "shared")
     base = what_if_shared(tmp_path / "shared", devices=1)
     assert base["simulated_base_ms"][0] == pytest.approx(204) and base["measured_ms"][0] == pytest.approx(204)
     assert what_if_shared(tmp_path / "shared", ranks=[0], devices=1)["simulated_ms"][0] == pytest.approx(254)
@@ -401,10 +407,6 @@ def test_what_if_shared_with_time_slicing(tmp_path):
     # 75 and 125 at 0.25 each until rank 0 is done at 300, rank 1's last 50 alone: 350 + 4 = 354 ms.
     from dynascope.analyses.stragglers_shared import what_if_shared
 
-    for r, (busy, wait) in enumerate(((100, 104), (200, 4))):
-        with RunWriter(tmp_path / "shared", rank=r, world_size=2) as w:
-            tr, end = timing_rows(T0, [("train", busy * MS, "phase"), ("grad_allreduce", wait * MS, "comm")])
-            w.append("timings", {**tr, "step": 0})
-            w.append("timings", {"phase": "step", "category": "step", "step": 0, "start_us": T0, "dur_us": end - T0})
+    plant_two_busy_ranks(tmp_path / "shared")
     got = what_if_shared(tmp_path / "shared", ranks=[0], devices=1, timeslice_efficiency=0.5)
     assert got["simulated_base_ms"][0] == pytest.approx(204) and got["simulated_ms"][0] == pytest.approx(354)
