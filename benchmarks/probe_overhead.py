@@ -11,6 +11,8 @@ and each peak is the child's own:
     ds-full         memory_budget=2: θ₀ resident, every statistic for every tensor at every step
     wandb           wandb.watch(model, log="all", log_freq=1), WANDB_MODE=offline, dir in a tmpdir
     tensorboard     per-tensor weight and gradient histograms every step (torch.utils.tensorboard)
+    ds-fixed        the default set's per-step part only: time_budget=0, so no window after the first (not
+                    in the default list)
     ds-closed       watch() then close() before the first step, so no probe runs (not in the default
                     list): how far the heap layout an attached-then-detached probe leaves moves the step
 
@@ -70,7 +72,8 @@ import time
 import probe_ab
 
 CONFIGS = ("none", "ds-default", "ds-noref", "ds-full", "wandb", "tensorboard")
-DS_KWARGS = {"ds-default": {}, "ds-noref": {"reference": None}, "ds-full": {"memory_budget": 2.0}}
+DS_KWARGS = {"ds-default": {}, "ds-noref": {"reference": None}, "ds-full": {"memory_budget": 2.0},
+             "ds-fixed": {"time_budget": 0.0}}
 MiB = 2**20
 
 

@@ -381,10 +381,10 @@ def main() -> None:
     print(f"\ncores: {cores}; runs: {'--quick' if args.quick else 'default'} demo settings\n")
     print(res.select(pl.col(pl.Float64).round(2), pl.exclude(pl.Float64)).select(res.columns))
     summary = res.select([pl.col(c) for c in res.columns if c.endswith("_pct")])
-    print("\nerrors (%): mean, min, max over rounds")
+    print("\nerrors (%): median, mean, min, max over rounds")
     for c in summary.columns:
         s = summary[c].drop_nulls()
-        print(f"  {c:<28} {s.mean():7.2f} {s.min():7.2f} {s.max():7.2f}")
+        print(f"  {c:<28} {s.median():7.2f} {s.mean():7.2f} {s.min():7.2f} {s.max():7.2f}")
     (args.dir / "validation.json").write_text(res.write_json())
 
 

@@ -41,7 +41,8 @@ __all__ = ["WRITER_FLUSH_S", "Scope", "watch"]
 # The run writer that watch() makes flushes every 10 s (RunWriter's own default is 2 s). A flush has a
 # fixed cost whatever its size (a segment file per table, each fsync'ed, and the two tensor_stats
 # rollups): at 2 s it was the largest part of the probe's background CPU, ~1-2% of a step on 2 cores.
-# The price: rows reach the store, and the dashboard, up to 10 s later, and ``dynascope runs`` calls a
+# The price: rows reach the store, and the dashboard, up to 10 s later (12 s with the resolver's batches,
+# probes.resolver.RESOLVE_DELAY_S), and ``dynascope runs`` calls a
 # killed run crashed after 25 s instead of 9 s. Pass ``writer=RunWriter(..., flush_secs=2)`` for fresher rows.
 WRITER_FLUSH_S = 10.0
 
