@@ -49,6 +49,29 @@ def test_merge_keeps_every_row_once_and_deletes_after_grace(tmp_path):
     assert snapshot(run) == before
 
 
+def test_sources_go_though_every_pass_merges_the_last_merge_again(tmp_path):
+    """Passes more frequent than the grace, each finding a new segment of a live writer, merge the previous
+    merged file again every time, so the newest cover is never older than one pass. The grace counts from the
+    first merge that contained a source: the sources still go, and no row is lost or doubled."""
+    run = tmp_path / "r"
+    w = RunWriter(run, flush_secs=3600)
+    removed, merges = [], []
+    for i in range(9):
+        w.append("scalars", {"step": np.arange(i * 100, (i + 1) * 100), "key": "k", "value": 1.0})
+        w.flush()
+        if i == 0:
+            continue
+        st = compact_store(run, grace_s=0.3, settle_s=0.05)
+        merges.append(st.new_segments)
+        removed.append(st.removed_segments)
+        time.sleep(0.1)
+    w.close()
+    assert merges == [1] * 8  # every pass re-merged: the newest cover was always one pass old
+    assert sum(removed) >= 3, removed
+    rows = snapshot(run)
+    assert rows == [(rows[0][0], 0, s, "k", 1.0) for s in range(900)]
+
+
 def test_reader_polling_during_compaction_sees_constant_rows(tmp_path):
     run = tmp_path / "r"
     write_steps(run, 40, rows=250)

@@ -7,8 +7,8 @@ adds files, and deletes a file only when no query can still be reading it:
    (tmp + rename) with ``valid_from`` = now + ``settle_s``. Queries that start earlier ignore it; queries
    that start later read it instead of its sources and, having started after it was written, also listed
    it (see ``layout``). ``settle_s`` must exceed the clock skew between machines sharing the store.
-2. A source is deleted once its merged file has been in effect for ``grace_s``, so a query that started
-   before and is still reading the source can finish. By default that happens on a later call;
+2. A source is deleted once the first merged file containing it has been in effect for ``grace_s``, so a
+   query that started before and is still reading the source can finish. By default that happens on a later call;
    ``wait=True`` sleeps out settle + grace and deletes them in the same call.
 
 Before merging a run, ``repair.repair_rollups`` writes the rollup segments a dead writer never wrote.
@@ -19,7 +19,6 @@ while it runs. The ``writer=_schema`` directories (one empty typed file per tabl
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import fcntl
 import os
@@ -189,19 +188,24 @@ def _merge(table: str, group: list[tuple[int, int, Path]], settle_us: int) -> in
 
 
 def _remove_expired(wdir: Path, segs: list[tuple[int, int, Path]], grace_s: float) -> int:
-    """Delete segments whose live cover has been in effect for ``grace_s``, and stale temp files."""
+    """Delete segments no query has read for ``grace_s``, and stale temp files.
+
+    A segment stops being read when the first merged file containing it takes effect; later merges contain
+    that one in turn, so from then on every new query reads a cover instead. The grace counts from that
+    first cover, not from the newest: with passes more frequent than ``grace_s`` during a live run, each
+    pass re-merges the previous merged file with the new segments, and a cover that young never ages."""
     now_us = time.time_ns() // 1000
-    live = live_segments(segs, at_us=now_us)
-    starts = [s[0] for s in live]
-    live_set = {s[2] for s in live}
+    live_set = {s[2] for s in live_segments(segs, at_us=now_us)}
+    # Covers are merged files (a writer's own segments are disjoint), in effect now.
+    covers = [(lo, hi, p, valid_from_us(p)) for lo, hi, p in segs if 0 < valid_from_us(p) <= now_us]
     removed = 0
     for lo, hi, path in segs:
         if path in live_set:
             continue
-        i = bisect.bisect_right(starts, lo) - 1  # live segments are disjoint: at most one covers this
-        if i < 0 or live[i][1] < hi:
-            continue  # not in effect yet (its merged file is still settling), or covered by nothing live
-        if (now_us - valid_from_us(live[i][2])) / 1e6 >= grace_s:
+        key = (lo, -hi, path.name)  # live_segments' order: a cover sorts before what it covers
+        since = min((v for clo, chi, cp, v in covers if clo <= lo and hi <= chi and (clo, -chi, cp.name) < key),
+                    default=None)
+        if since is not None and (now_us - since) / 1e6 >= grace_s:
             path.unlink(missing_ok=True)
             removed += 1
     now = time.time()
