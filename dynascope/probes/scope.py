@@ -27,7 +27,7 @@ import torch
 from dynascope.core.clock import now_us
 from dynascope.probes.memory import MemoryProbe
 from dynascope.probes.params import Tracked, discover, optimizer_fingerprint
-from dynascope.probes.protocol import Listener, Probe, Rows, StepContext, make_listener
+from dynascope.probes.protocol import Listener, Probe, Rows, StepContext, make_listener, rows_of
 from dynascope.probes.reference import build_reference
 from dynascope.probes.resolver import Resolver, lower_priority
 from dynascope.probes.schedule import Schedule, as_schedule, every
@@ -250,7 +250,7 @@ class Scope:
                 rows_list = p.resolve_many(batch)
             except Exception as exc:  # report it, then resolve step by step: one bad step costs only itself
                 self._report(f"resolve:{p.name}", exc)
-                rows_list = [rows for res in batch if (rows := self._guard(f"resolve:{p.name}", _call, res))]
+                rows_list = [rows for res in batch if (rows := self._guard(f"resolve:{p.name}", rows_of, res))]
             for rows in rows_list:
                 for table, cols in rows.items():
                     if cols:
@@ -260,7 +260,7 @@ class Scope:
         summary: dict[str, float] = {}
         for p, res in out:
             try:
-                rows: Rows = _call(res)
+                rows: Rows = rows_of(res)
                 for table, cols in rows.items():
                     if cols:
                         self.writer.append(table, cols)
@@ -388,10 +388,6 @@ class Scope:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _call(res: Any) -> Rows:
-    return res() if callable(res) else res
 
 
 def _spectral_probe(spec: Any) -> Probe:

@@ -41,7 +41,7 @@ from dynascope.core.naming import normalize_name
 from dynascope.probes.bf16_visibility import Bf16History
 from dynascope.probes.grad_stats import GRAD_COUNT_COLUMNS, GRAD_NORM_COLUMNS, grad_counts, grad_norms
 from dynascope.probes.params import Tracked
-from dynascope.probes.protocol import Probe, Rows, StepContext
+from dynascope.probes.protocol import Probe, Rows, StepContext, rows_of
 from dynascope.probes.rows import Record, rows_from_records, summarize, tensor_columns
 from dynascope.probes.schedule import Schedule, every
 from dynascope.probes.update_stats import (
@@ -257,7 +257,7 @@ class TensorStats(Probe):
             if rec is not None:
                 group.append(rec)
             elif res is not None:
-                out.append(res() if callable(res) else res)
+                out.append(rows_of(res))
         return out
 
     def _tensor_columns(self, tracked: list[Tracked]) -> dict[str, Any]:
