@@ -52,14 +52,22 @@ def process_share(capacity: float, procs: float, timeslice: float = 1.0) -> floa
 
     ``timeslice``: the part of the pool's capacity that still does work when one process more than it has
     devices time-slices it (each switch costs the switch and refilled caches; 1 is ideal sharing, and
-    ``benchmarks/whatif_validation.py`` measures 0.7-0.8 for three demo processes on two cores). With a
-    fraction of a process in excess (a background load) the loss is that fraction of it, beyond one
-    process it stays as measured.
+    ``benchmarks/whatif_validation.py`` measured 0.84-0.96 for three and four demo processes on two
+    cores). With a fraction of a process in excess (a background load) the loss is that fraction of it,
+    beyond one process it stays as measured.
     """
     if procs <= capacity:
         return 1.0
     used = 1.0 - (1.0 - timeslice) * min(1.0, procs - capacity)
     return used * capacity / procs
+
+
+def timeslice_of(timeslice_efficiency: float) -> float:
+    """The analyses' ``timeslice_efficiency`` argument, checked: a part of capacity, in (0, 1]."""
+    ts = float(timeslice_efficiency)
+    if not 0 < ts <= 1:
+        raise ValueError(f"timeslice_efficiency must be in (0, 1], not {timeslice_efficiency}")
+    return ts
 
 
 @dataclass

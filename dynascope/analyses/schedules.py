@@ -39,7 +39,15 @@ import polars as pl
 from dynascope.analyses._common import StoreLike, as_store, frame, run_clause
 from dynascope.analyses._rank_steps import rank_steps
 from dynascope.analyses._schedule_frames import inputs_frame, sample_stats
-from dynascope.analyses._schedule_sim import Pieces, Pool, Result, process_share, replay, sequential
+from dynascope.analyses._schedule_sim import (
+    Pieces,
+    Pool,
+    Result,
+    process_share,
+    replay,
+    sequential,
+    timeslice_of,
+)
 from dynascope.analyses._timing_rows import Vocabulary, frame_with_vocabulary, keyed_sql, seg_sql
 from dynascope.analyses.steps import step_rows_sql
 from dynascope.analyses.stragglers import _in
@@ -200,9 +208,7 @@ def _simulate(inp: pl.DataFrame, *, devices: float | None, background: float, ta
     moved = (f" publish_ms={publish_ms:g}" if publish_ms else "") + (f" load_ms={load_ms:g}" if load_ms is not None else "")
     if staleness_policy not in ("block", "drop"):
         raise ValueError(f"staleness_policy must be 'block' or 'drop', not {staleness_policy!r}")
-    ts = float(timeslice_efficiency)
-    if not 0 < ts <= 1:
-        raise ValueError(f"timeslice_efficiency must be in (0, 1], not {timeslice_efficiency}")
+    ts = timeslice_of(timeslice_efficiency)
     rate = ranks * process_share(d, ranks + background, ts)  # devices the measured rank group ran on
     background = background if target_background is None else target_background  # during the schedules
     if background < 0:

@@ -19,7 +19,7 @@ import numpy as np
 import polars as pl
 
 from dynascope.analyses._common import StoreLike, as_store, frame, run_clause
-from dynascope.analyses._schedule_sim import process_share
+from dynascope.analyses._schedule_sim import process_share, timeslice_of
 from dynascope.analyses.steps import STEP_ROW, SYNC, TOP_LEVEL
 from dynascope.analyses.stragglers import _STEP_SCHEMA, REMAINDER, what_if_steps
 
@@ -44,7 +44,8 @@ def _work(g: pl.DataFrame, devices: float, background: float, timeslice: float =
     d = np.concatenate([sign, -sign])
     order = np.lexsort((d, t))
     t, n = t[order], np.cumsum(d[order])  # busy ranks from each event to the next
-    rate = np.array([process_share(devices, float(k) + background, timeslice) for k in n])
+    counts, which = np.unique(n, return_inverse=True)  # a few distinct busy counts: one share each
+    rate = np.array([process_share(devices, float(k) + background, timeslice) for k in counts])[which]
     cum = np.concatenate([[0.0], np.cumsum(rate[:-1] * np.diff(t))])
     at = lambda col: np.interp(g[col].to_numpy().astype(float), t, cum)  # noqa: E731
     return g.with_columns(work=pl.Series(at("end_us") - at("start_us")))
@@ -77,9 +78,7 @@ def what_if_shared(store: StoreLike, run: str | None = None, *, ranks: Iterable[
     con = as_store(store)
     n_ranks = frame(con, f"SELECT COUNT(DISTINCT rank) AS n FROM timings WHERE {STEP_ROW}{run_clause(run)}").item()
     target = background if target_background is None else target_background
-    ts = float(timeslice_efficiency)
-    if not 0 < ts <= 1:
-        raise ValueError(f"timeslice_efficiency must be in (0, 1], not {timeslice_efficiency}")
+    ts = timeslice_of(timeslice_efficiency)
     if n_ranks + max(background, target) <= devices:  # nobody shares: every rate is 1
         return what_if_steps(con, run, ranks=ranks, phases=phases)
     rows = frame(con, f"""
