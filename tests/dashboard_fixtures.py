@@ -60,7 +60,7 @@ def _param_rows(w: RunWriter, rng: np.random.Generator, nan_step: int) -> None:
             "kind": [t[2] for t in tensors], "shape": [str(list(t[3])) for t in tensors], "dtype": "bfloat16",
             "numel": numel, "sharded": False, "w_norm": w_norm, "update_norm": dw, "update_ratio": dw / w_norm,
             "changed_count": (changed * numel).astype(np.int64), "changed_frac": changed,
-            "changed_bf16_count": (changed * 0.7 * numel).astype(np.int64), "changed_bf16_frac": changed * 0.7,
+            "changed_rel_count": (changed * 0.7 * numel).astype(np.int64), "changed_rel_frac": changed * 0.7,
             "sign_flip_count": (changed * 0.01 * numel).astype(np.int64), "sign_flip_frac": changed * 0.01,
             "w_nan_count": 0, "w_inf_count": 0, "ref_covered": True, "drift_norm": drift, "drift_ratio": drift / w_norm,
             "grad_norm": dw * 50, "grad_zero_count": (gzero * numel).astype(np.int64), "grad_zero_frac": gzero,

@@ -19,9 +19,9 @@ from dynascope.importers import checkpoint_diff
 from dynascope.importers.checkpoint_diff import checkpoint_steps, diff_checkpoints
 from dynascope.store import StoreError, open_store
 
-STAT_COLS = ("w_norm", "update_norm", "update_ratio", "changed_count", "changed_frac", "changed_bf16_count",
+STAT_COLS = ("w_norm", "update_norm", "update_ratio", "changed_count", "changed_frac", "changed_rel_count",
              "sign_flip_count", "w_nan_count", "w_inf_count", "drift_norm", "drift_ratio", "drift_changed_count",
-             "drift_changed_bf16_count", "bf16_unchanged_count", "bf16_unchanged_frac", "drift_unchanged_count",
+             "drift_changed_rel_count", "bf16_unchanged_count", "bf16_unchanged_frac", "drift_unchanged_count",
              "drift_unchanged_frac", "drift_zero_count", "drift_zero_frac", "numel", "kind", "layer", "shape", "dtype")
 SPECTRA_COLS = ("drift_norm", "sigma", "rank1_energy", "topk_energy", "stable_rank", "effective_rank", "u1", "v1",
                 "angle_left_deg", "angle_right_deg", "off_principal_energy", "spectral_drift", "rows", "cols", "k")
@@ -152,19 +152,19 @@ def test_planted_mask_recovered_exactly_in_every_format(tmp_path):
         summary = diff_checkpoints(b[fmt], [c[fmt]], run, k=4)
         assert summary.steps == [7] and summary.tensors == 3
         with open_store(run) as con:
-            df = con.sql("SELECT tensor, step, changed_count, changed_bf16_count, drift_changed_count, "
+            df = con.sql("SELECT tensor, step, changed_count, changed_rel_count, drift_changed_count, "
                              "changed_frac, ref_covered FROM tensor_stats ORDER BY tensor").pl()
         for r in df.iter_rows(named=True):
             assert r["step"] == 7 and r["ref_covered"]
             assert r["changed_count"] == visible[r["tensor"]] + tiny[r["tensor"]]  # bit-exact: both masks
             assert r["drift_changed_count"] == r["changed_count"]
-            assert r["changed_bf16_count"] == visible[r["tensor"]]
+            assert r["changed_rel_count"] == visible[r["tensor"]]
         results.append(df.drop("tensor").rows())
         by_tensor = sparsity_over_training(run, by="tensor")
         for r in by_tensor.iter_rows(named=True):
             density = (visible[r["tensor"]] + tiny[r["tensor"]]) / numel[r["tensor"]]
             assert r["changed_frac"] == density  # exact: integer counts over numel
-            assert abs(r["changed_bf16_frac"] - 0.3) < 1e-3  # the planted visible density
+            assert abs(r["changed_rel_frac"] - 0.3) < 1e-3  # the planted visible density
     assert results[0] == results[1] == results[2] == results[3]
 
 

@@ -34,25 +34,25 @@ def test_sparsity_over_training_is_numel_weighted_and_combines_ranks(tmp_path):
     # step 1: q (100 params) 10 changed, mlp (300) 150 changed; rank 1 holds another shard of mlp (100, 0 changed)
     _stats_run(run, [
         {**base, "step": 1, "tensor": Q, "layer": 0, "kind": "q", "numel": 100, "changed_count": 10,
-         "changed_bf16_count": 5, "sign_flip_count": 1, "drift_changed_count": 10, "drift_changed_bf16_count": 5},
+         "changed_rel_count": 5, "sign_flip_count": 1, "drift_changed_count": 10, "drift_changed_rel_count": 5},
         {**base, "step": 1, "tensor": MLP, "layer": 1, "kind": "mlp", "numel": 300, "changed_count": 150,
-         "changed_bf16_count": 30, "sign_flip_count": 3, "drift_changed_count": 150, "drift_changed_bf16_count": 30},
+         "changed_rel_count": 30, "sign_flip_count": 3, "drift_changed_count": 150, "drift_changed_rel_count": 30},
         {**base, "step": 2, "tensor": Q, "layer": 0, "kind": "q", "numel": 100, "changed_count": 20,
-         "changed_bf16_count": 20, "sign_flip_count": 0, "drift_changed_count": 25, "drift_changed_bf16_count": 22},
+         "changed_rel_count": 20, "sign_flip_count": 0, "drift_changed_count": 25, "drift_changed_rel_count": 22},
     ])
     _stats_run(run, [{**base, "step": 1, "tensor": MLP, "layer": 1, "kind": "mlp", "numel": 100,
-                      "changed_count": 0, "changed_bf16_count": 0, "sign_flip_count": 0}], rank=1)
+                      "changed_count": 0, "changed_rel_count": 0, "sign_flip_count": 0}], rank=1)
     by_kind = sparsity_over_training(run)
     got = {(r["step"], r["kind"]): r for r in by_kind.iter_rows(named=True)}
     assert got[(1, "mlp")]["changed_frac"] == pytest.approx(150 / 400)
     assert got[(1, "mlp")]["numel"] == 400 and got[(1, "mlp")]["tensors"] == 1
-    assert got[(1, "q")]["changed_bf16_frac"] == pytest.approx(0.05)
+    assert got[(1, "q")]["changed_rel_frac"] == pytest.approx(0.05)
     assert got[(1, "q")]["unchanged_frac"] == pytest.approx(0.9)
     overall = sparsity_over_training(run, by="all")
     assert overall.filter(overall["step"] == 1)["changed_frac"][0] == pytest.approx(160 / 500)
     ref = sparsity_over_training(run, by="layer", against="reference")
     row = ref.filter((ref["step"] == 2) & (ref["layer"] == 0)).row(0, named=True)
-    assert row["drift_changed_frac"] == pytest.approx(0.25) and row["drift_changed_bf16_frac"] == pytest.approx(0.22)
+    assert row["drift_changed_frac"] == pytest.approx(0.25) and row["drift_changed_rel_frac"] == pytest.approx(0.22)
     # rank 1's mlp shard has no drift columns: it is left out of the reference view
     assert ref.filter((ref["step"] == 1) & (ref["layer"] == 1))["numel"][0] == 300
     with pytest.raises(ValueError):
@@ -63,7 +63,7 @@ def test_sparsity_comparison_between_runs_and_stages(tmp_path):
     def rows(stage, changed_q, drift_q, changed_m, drift_m):
         return [
             {"step": s, "stage": stage, "tensor": t, "kind": k, "numel": n, "changed_count": c,
-             "drift_changed_count": d * s, "drift_changed_bf16_count": d * s // 2}
+             "drift_changed_count": d * s, "drift_changed_rel_count": d * s // 2}
             for s in (1, 2) for t, k, n, c, d in ((Q, "q", 1000, changed_q, drift_q), (MLP, "mlp", 3000, changed_m, drift_m))
         ]
     _stats_run(tmp_path / "sft", rows("sft", 900, 400, 2700, 1200))
@@ -73,7 +73,7 @@ def test_sparsity_comparison_between_runs_and_stages(tmp_path):
     q = cmp.filter(cmp["kind"] == "q").row(0, named=True)
     assert q["unchanged_frac_a"] == pytest.approx(1 - 800 / 1000)  # drift at the last step (2 × 400)
     assert q["unchanged_frac_b"] == pytest.approx(1 - 100 / 1000)
-    assert q["unchanged_bf16_frac_b"] == pytest.approx(1 - 50 / 1000)
+    assert q["unchanged_rel_frac_b"] == pytest.approx(1 - 50 / 1000)
     assert q["step_unchanged_frac_a"] == pytest.approx(0.1) and q["steps_a"] == 2
     allrow = cmp.filter(cmp["kind"] == "all").row(0, named=True)
     assert allrow["unchanged_frac_b"] == pytest.approx(1 - (100 + 300) / 4000)

@@ -63,7 +63,7 @@ def test_fsdp2_shards_combine_to_global_stats(tmp_path: Path, monkeypatch: pytes
         upd, grad, drift = truth[r["step"]][r["tensor"]]
         assert r["w_norm"] == pytest.approx(upd[0], rel=1e-5)
         assert r["update_norm"] == pytest.approx(upd[1], rel=1e-5)
-        assert [r["changed_count"], r["changed_bf16_count"], r["sign_flip_count"]] == upd[2:5]
+        assert [r["changed_count"], r["changed_rel_count"], r["sign_flip_count"]] == upd[2:5]
         assert r["grad_norm"] == pytest.approx(grad[0], rel=1e-5)
         assert r["grad_max_abs"] == pytest.approx(grad[1], rel=1e-5)
         assert r["grad_zero_count"] == grad[2]

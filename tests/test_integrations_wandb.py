@@ -44,7 +44,7 @@ def _rows(run, sql):
 def _summary(step: int) -> dict:
     # the shape of Scope's listener summary: global and per-kind figures, phase times
     return {"update_ratio": 1e-3 * (step + 1), "update_ratio/attn": 2e-3 * (step + 1), "update_ratio/mlp": 5e-4,
-            "changed_bf16_frac": 0.25, "rank1_energy": 0.5 + 0.1 * step, "phase/forward_ms": 3.0 + step,
+            "changed_rel_frac": 0.25, "rank1_energy": 0.5 + 0.1 * step, "phase/forward_ms": 3.0 + step,
             "note": "strings are not mirrored", "nan_is_dropped": math.nan}
 
 

@@ -51,7 +51,7 @@ def test_drift_at_every_fourth_window_and_exact_there(tmp_path: Path) -> None:
             d = truth[r["step"]][r["tensor"]][2]
             assert r["ref_covered"] is True
             assert r["drift_norm"] == pytest.approx(d[1], rel=1e-5, abs=1e-12)
-            assert [r["drift_changed_count"], r["drift_changed_bf16_count"]] == d[2:4]
+            assert [r["drift_changed_count"], r["drift_changed_rel_count"]] == d[2:4]
         else:
             assert r["ref_covered"] is False and r["drift_changed_count"] is None
 

@@ -77,14 +77,14 @@ def test_full_coverage_matches_naive(tmp_path: Path) -> None:
         (upd, grad, drift) = truth[r["step"]][r["tensor"]]
         assert r["w_norm"] == pytest.approx(upd[0], rel=1e-5, abs=1e-12)
         assert r["update_norm"] == pytest.approx(upd[1], rel=1e-5, abs=1e-12)
-        assert [r["changed_count"], r["changed_bf16_count"], r["sign_flip_count"], r["w_nan_count"], r["w_inf_count"]] == upd[2:]
+        assert [r["changed_count"], r["changed_rel_count"], r["sign_flip_count"], r["w_nan_count"], r["w_inf_count"]] == upd[2:]
         n = r["numel"]
         if n:
             assert r["changed_frac"] == pytest.approx(upd[2] / n)
             assert r["update_ratio"] == pytest.approx(upd[1] / upd[0], rel=1e-5)
         assert r["ref_covered"] is True
         assert r["drift_norm"] == pytest.approx(drift[1], rel=1e-5, abs=1e-12)
-        assert [r["drift_changed_count"], r["drift_changed_bf16_count"]] == drift[2:4]
+        assert [r["drift_changed_count"], r["drift_changed_rel_count"]] == drift[2:4]
         if grad is None:
             assert r["grad_norm"] is None and r["grad_zero_count"] is None
         else:

@@ -152,7 +152,7 @@ def test_drift_stats_are_the_update_family_under_drift_names_plus_bf16_sparsity(
     new, old = _pairs(torch.float32)
     full = weight_update_stats(old, new)  # θ₀ as "new": w_norm is then ‖θ₀‖ (drift_ratio's denominator)
     drift = weight_drift_stats(new, old)
-    assert DRIFT_STAT_COLUMNS[:4] == ("ref_norm", "drift_norm", "drift_changed_count", "drift_changed_bf16_count")
+    assert DRIFT_STAT_COLUMNS[:4] == ("ref_norm", "drift_norm", "drift_changed_count", "drift_changed_rel_count")
     assert torch.equal(drift[:, :4], full[:, :4])
     for i, (a, b) in enumerate(zip(new, old, strict=True)):
         d = a.bfloat16() - b.bfloat16()

@@ -23,8 +23,8 @@ ROLLUPS = ("tensor_stats_by_kind", "tensor_stats_by_layer")
 # tensor_stats_by_kind summed per group, in NAIVE's column order: a step may have rows in several segments.
 POOLED_BY_KIND = """
     SELECT run_id, rank, role, step, stage, kind, max(time_us), sum(tensors), sum(numel), sum(w_sq), sum(update_sq),
-           max(update_ratio_max), sum(changed_count), sum(changed_numel), sum(changed_bf16_count),
-           sum(changed_bf16_numel), sum(sign_flip_count), sum(w_nan_count), sum(w_inf_count), sum(drift_sq), sum(drift_w_sq),
+           max(update_ratio_max), sum(changed_count), sum(changed_numel), sum(changed_rel_count),
+           sum(changed_rel_numel), sum(sign_flip_count), sum(w_nan_count), sum(w_inf_count), sum(drift_sq), sum(drift_w_sq),
            sum(drift_changed_count), sum(drift_numel), sum(grad_sq), max(grad_max_abs), sum(grad_zero_count),
            sum(grad_near_zero_count), sum(grad_numel), sum(grad_nan_count), sum(grad_inf_count)
     FROM tensor_stats_by_kind GROUP BY ALL ORDER BY ALL"""

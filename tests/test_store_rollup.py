@@ -20,7 +20,7 @@ NAIVE = """
     SELECT run_id, rank, role, step, stage, kind, max(time_us), count(*), sum(numel),
            sum(w_norm * w_norm), sum(update_norm * update_norm), max(update_ratio),
            sum(changed_count), sum(CASE WHEN changed_count IS NOT NULL THEN numel END),
-           sum(changed_bf16_count), sum(CASE WHEN changed_bf16_count IS NOT NULL THEN numel END),
+           sum(changed_rel_count), sum(CASE WHEN changed_rel_count IS NOT NULL THEN numel END),
            sum(sign_flip_count), sum(w_nan_count), sum(w_inf_count),
            sum(drift_norm * drift_norm), sum(CASE WHEN drift_norm IS NOT NULL THEN w_norm * w_norm END),
            sum(drift_changed_count), sum(CASE WHEN drift_norm IS NOT NULL THEN numel END),
@@ -30,7 +30,7 @@ NAIVE = """
 
 ROLLED = """
     SELECT run_id, rank, role, step, stage, kind, time_us, tensors, numel, w_sq, update_sq, update_ratio_max,
-           changed_count, changed_numel, changed_bf16_count, changed_bf16_numel, sign_flip_count, w_nan_count, w_inf_count,
+           changed_count, changed_numel, changed_rel_count, changed_rel_numel, sign_flip_count, w_nan_count, w_inf_count,
            drift_sq, drift_w_sq, drift_changed_count, drift_numel, grad_sq, grad_max_abs, grad_zero_count,
            grad_near_zero_count, grad_numel, grad_nan_count, grad_inf_count
     FROM tensor_stats_by_kind ORDER BY ALL"""
@@ -52,7 +52,7 @@ def _batch(rng, step: int, n: int, with_drift: bool) -> dict:
         "tensor": [f"t{i}" for i in range(n)], "layer": np.arange(n) % 3, "kind": [KINDS[i % 4] for i in range(n)],
         "numel": rng.integers(0, 5000, n), "w_norm": rng.random(n), "update_norm": maybe(rng.random(n), outside),
         "update_ratio": rng.random(n), "changed_count": rng.integers(0, 100, n),
-        "changed_bf16_count": maybe(rng.integers(0, 9, n), rng.random(n) < 0.5),
+        "changed_rel_count": maybe(rng.integers(0, 9, n), rng.random(n) < 0.5),
         "sign_flip_count": rng.integers(0, 5, n), "w_nan_count": rng.integers(0, 2, n), "w_inf_count": 0,
         "drift_norm": rng.random(n) if with_drift else None,
         "drift_changed_count": rng.integers(0, 50, n) if with_drift else None,

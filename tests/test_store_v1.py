@@ -31,7 +31,7 @@ def _raw(run: Path, table: str, column: str) -> list:
 
 
 def test_fixture_is_v1_and_uses_the_old_names(v1run: Path) -> None:
-    assert SCHEMA_VERSION == 2
+    assert SCHEMA_VERSION == 3
     assert '"schema_version": 1' in (v1run / "dynascope.json").read_text()
     assert "dw_norm" in pq.read_schema(next((v1run / "tensor_stats").glob("writer=r0-*/*.parquet"))).names
 

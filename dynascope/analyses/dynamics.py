@@ -29,17 +29,17 @@ def sparsity_over_training(store: StoreLike, run: str | None = None, by: str = "
     """Changed fraction of parameters per step and group (``by``: kind, layer, tensor or all).
 
     ``against="step"`` compares each step with the previous one (``changed_frac``,
-    ``changed_bf16_frac``, ``sign_flip_frac``); ``against="reference"`` compares with θ₀
-    (``drift_changed_frac``, ``drift_changed_bf16_frac``). Columns: run_id, step, stage, <by>, tensors,
+    ``changed_rel_frac``, ``sign_flip_frac``); ``against="reference"`` compares with θ₀
+    (``drift_changed_frac``, ``drift_changed_rel_frac``). Columns: run_id, step, stage, <by>, tensors,
     numel and the fractions (0–1); ``unchanged_frac`` is 1 − the bit-exact changed fraction.
     """
     if by not in _GROUPS:
         raise ValueError(f"by must be one of {', '.join(_GROUPS)}, not {by!r}")
     if against == "step":
-        counts = {"changed_frac": "changed_count", "changed_bf16_frac": "changed_bf16_count",
+        counts = {"changed_frac": "changed_count", "changed_rel_frac": "changed_rel_count",
                   "sign_flip_frac": "sign_flip_count"}
     elif against == "reference":
-        counts = {"drift_changed_frac": "drift_changed_count", "drift_changed_bf16_frac": "drift_changed_bf16_count"}
+        counts = {"drift_changed_frac": "drift_changed_count", "drift_changed_rel_frac": "drift_changed_rel_count"}
     else:
         raise ValueError(f"against must be 'step' or 'reference', not {against!r}")
     first = next(iter(counts.values()))
@@ -76,12 +76,12 @@ def _side_sql(where: str, group: str) -> str:
                  WHERE drift_changed_count IS NOT NULL GROUP BY run_id, tensor),
         drift AS (SELECT r.grp, SUM(r.numel) AS numel,
                          1 - SUM(r.drift_changed_count)::DOUBLE / SUM(r.numel) AS unchanged_frac,
-                         1 - SUM(r.drift_changed_bf16_count)::DOUBLE / SUM(r.numel) AS unchanged_bf16_frac
+                         1 - SUM(r.drift_changed_rel_count)::DOUBLE / SUM(r.numel) AS unchanged_rel_frac
                   FROM rows r JOIN last l USING (run_id, tensor, step) GROUP BY r.grp),
         steps AS (SELECT grp, COUNT(DISTINCT step) AS steps,
                          1 - SUM(changed_count)::DOUBLE / SUM(numel) AS step_unchanged_frac
                   FROM rows WHERE changed_count IS NOT NULL GROUP BY grp)
-        SELECT coalesce(d.grp, s.grp) AS kind, d.numel, d.unchanged_frac, d.unchanged_bf16_frac,
+        SELECT coalesce(d.grp, s.grp) AS kind, d.numel, d.unchanged_frac, d.unchanged_rel_frac,
                s.step_unchanged_frac, s.steps
         FROM drift d FULL OUTER JOIN steps s ON d.grp = s.grp"""
 

@@ -105,7 +105,7 @@ def _dynamics(con: StoreConnection, console: Console) -> None:
     t.add_row("parameters changed per step (bit-exact, fp32)", _pct(step_a), _pct(step_b))
     drift_a, drift_b = changed("unchanged_frac")
     t.add_row("changed over the stage vs its θ₀ (bit-exact)", _pct(drift_a), _pct(drift_b))
-    bf_a, bf_b = changed("unchanged_bf16_frac")
+    bf_a, bf_b = changed("unchanged_rel_frac")
     t.add_row("changed over the stage, visible in bf16", _pct(bf_a), _pct(bf_b))
     r1 = analyses.rank1_dominance(con).filter((pl.col("level") == "overall") & (pl.col("stage") == "rl"))
     if r1.height:

@@ -9,8 +9,8 @@ calls on the pre-step snapshot and the post-step weights, so both report the sam
 Changed fractions, three ways:
 * bit-exact: the element's bits differ in the parameter's own dtype (an update smaller than half an
   ulp is rounded away and does not count — the quantity low-precision training actually sees);
-* bf16-relative ("The Path Not Taken", 2025): |ŵ − w| > η·max(|w|, |ŵ|), η = 1e-3, i.e. a change a
-  bf16 copy of the weight could resolve, whatever the master dtype;
+* relative (``changed_rel``, "The Path Not Taken", 2025): |ŵ − w| > η·max(|w|, |ŵ|), η = 1e-3, a change
+  of at least 0.1% of the weight, whatever the master dtype (not a bf16 cast: that is the next one);
 * bf16-bitwise (PULSE S₁, ``bf16_visibility``): the bf16 casts are bitwise identical before and after.
 Drift against θ₀ uses the first family under drift names, plus Mukherjee et al.'s bf16 update
 sparsity (``drift_sparsity``).
@@ -161,7 +161,7 @@ def _drift_sparsity(a: Tensor, b: Tensor, eta: float) -> list[Tensor]:
 
 _NORM2_SUM2 = ("norm", "norm", "sum", "sum")
 UPDATE_STATS = (
-    ChunkStat(_norms_and_changes, ("w_norm", "update_norm", "changed_count", "changed_bf16_count"), _NORM2_SUM2),
+    ChunkStat(_norms_and_changes, ("w_norm", "update_norm", "changed_count", "changed_rel_count"), _NORM2_SUM2),
     ChunkStat(_signs_and_nonfinite, ("sign_flip_count", "w_nan_count", "w_inf_count"), ("sum",) * 3),
     ChunkStat(_bf16_unchanged, ("bf16_unchanged_count",), ("sum",)),
 )
@@ -169,7 +169,7 @@ UPDATE_STATS = (
 BF16_K_STATS = (ChunkStat(_bf16_unchanged, ("bf16_unchanged_k_count",), ("sum",)),)
 # Drift is computed with θ₀ as "new": ``ref_norm`` is then ‖θ₀‖, and every other column is symmetric.
 DRIFT_STATS = (
-    ChunkStat(_norms_and_changes, ("ref_norm", "drift_norm", "drift_changed_count", "drift_changed_bf16_count"),
+    ChunkStat(_norms_and_changes, ("ref_norm", "drift_norm", "drift_changed_count", "drift_changed_rel_count"),
               _NORM2_SUM2),
     ChunkStat(_drift_sparsity, ("drift_unchanged_count", "drift_zero_count"), ("sum", "sum")),
 )

@@ -1,4 +1,4 @@
-"""Schema v2 of the dynascope store: one Arrow schema per table, long format, typed columns.
+"""Schema v3 of the dynascope store: one Arrow schema per table, long format, typed columns.
 
 Every table carries ``run_id``; per-step tables carry ``step`` and ``rank``; rows that happen at a
 moment carry ``time_us`` (wall clock, µs since the epoch). Units live in column names.
@@ -10,17 +10,23 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 # Columns renamed since an earlier schema, per table: {new name: old name}. Readers map the old name onto
 # the new one, so runs written with schema v1 still open. v2 gave each quantity one word: "update" is the
 # per-step ΔW = W_t − W_{t−1}, "drift" is W_t − W₀, counts end in _count, and an event's type is `event`
-# (`kind` is only ever a tensor's module kind).
+# (`kind` is only ever a tensor's module kind). v3 named the η-relative change measure for what it is,
+# `changed_rel_*` (|ΔW| > η·max|W|), where `changed_bf16_*` read as the bf16-cast comparison, which is
+# PULSE's `bf16_unchanged_*`.
 _V1_POOLED = {"update_sq": "dw_sq", "w_nan_count": "w_nan", "w_inf_count": "w_inf",
-              "grad_nan_count": "grad_nan", "grad_inf_count": "grad_inf"}
+              "grad_nan_count": "grad_nan", "grad_inf_count": "grad_inf",
+              "changed_rel_count": "changed_bf16_count", "changed_rel_numel": "changed_bf16_numel"}
 RENAMED: dict[str, dict[str, str]] = {
     "tensor_stats": {"update_norm": "dw_norm", "w_nan_count": "w_nan", "w_inf_count": "w_inf",
-                     "grad_nan_count": "grad_nan", "grad_inf_count": "grad_inf"},
+                     "grad_nan_count": "grad_nan", "grad_inf_count": "grad_inf",
+                     "changed_rel_count": "changed_bf16_count", "changed_rel_frac": "changed_bf16_frac",
+                     "drift_changed_rel_count": "drift_changed_bf16_count",
+                     "drift_changed_rel_frac": "drift_changed_bf16_frac"},
     "tensor_stats_by_kind": _V1_POOLED,
     "tensor_stats_by_layer": _V1_POOLED,
     "spectra": {"drift_norm": "dw_fro"},
@@ -81,8 +87,8 @@ TENSOR_STATS_COLUMNS: tuple[Column, ...] = (
     Column("update_norm", _f64, reduce="norm", pool=(("update_sq", "sq", None),), doc="‖W_t − W_{t−1}‖"),
     Column("update_ratio", _f64, ratio=("update_norm", "w_norm"), pool=(("update_ratio_max", "max", None),)),
     _count("changed_count", "bits differ in the parameter's dtype", "changed_numel"), _frac("changed_count"),
-    _count("changed_bf16_count", "|ΔW| > η·max(|W_t|, |W_{t−1}|), η = 1e-3", "changed_bf16_numel"),
-    _frac("changed_bf16_count"),
+    _count("changed_rel_count", "|ΔW| > η·max(|W_t|, |W_{t−1}|), η = 1e-3", "changed_rel_numel"),
+    _frac("changed_rel_count"),
     _count("sign_flip_count", "sign(W_t)·sign(W_{t−1}) < 0"), _frac("sign_flip_count"),
     _count("bf16_unchanged_count", "PULSE S₁: bf16(W_t) bitwise equal to bf16(W_{t−1})", "bf16_unchanged_numel"),
     _frac("bf16_unchanged_count"),
@@ -96,7 +102,7 @@ TENSOR_STATS_COLUMNS: tuple[Column, ...] = (
            doc="‖W_t − W₀‖"),
     Column("drift_ratio", _f64, ratio=("drift_norm", "ref_norm"), doc="‖W_t − W₀‖ / ‖W₀‖"),
     _count("drift_changed_count", "bits of W_t and W₀ differ"), _frac("drift_changed_count"),
-    _count("drift_changed_bf16_count", "|W_t − W₀| > η·max(|W_t|, |W₀|)"), _frac("drift_changed_bf16_count"),
+    _count("drift_changed_rel_count", "|W_t − W₀| > η·max(|W_t|, |W₀|)"), _frac("drift_changed_rel_count"),
     _count("drift_unchanged_count", "Mukherjee et al.: isclose(bf16(W_t) − bf16(W₀), 0, atol=1e-5)"),
     _frac("drift_unchanged_count"),
     _count("drift_zero_count", "bf16(W_t) − bf16(W₀) == 0"), _frac("drift_zero_count"),

@@ -23,8 +23,8 @@ _HEAT_SUMS = """
 # The heat maps need only the sums above; the series also need the gradient and NaN/Inf ones. Leaving
 # those six columns out of the 10M-row heat scan is a third less to decode.
 _SUMS = _HEAT_SUMS + """,
-    CAST(sum(changed_bf16_count) AS DOUBLE) AS bf16,
-    CAST(sum(CASE WHEN changed_bf16_count IS NOT NULL THEN numel END) AS DOUBLE) AS bf16_numel,
+    CAST(sum(changed_rel_count) AS DOUBLE) AS rel,
+    CAST(sum(CASE WHEN changed_rel_count IS NOT NULL THEN numel END) AS DOUBLE) AS rel_numel,
     CAST(sum(grad_zero_count) AS DOUBLE) AS gzero, CAST(sum(grad_near_zero_count) AS DOUBLE) AS gnear,
     CAST(sum(CASE WHEN grad_zero_count IS NOT NULL THEN numel END) AS DOUBLE) AS grad_numel,
     CAST(sum(coalesce(w_nan_count, 0) + coalesce(grad_nan_count, 0)) AS BIGINT) AS nan,
@@ -36,7 +36,7 @@ _HEAT_ROLLUP_SUMS = """
     sum(update_sq) AS dw2, sum(CASE WHEN update_sq IS NOT NULL THEN coalesce(update_w_sq, w_sq) END) AS update_w2, CAST(sum(changed_count) AS DOUBLE) AS changed,
     CAST(sum(changed_numel) AS DOUBLE) AS changed_numel, sum(drift_sq) AS drift2, sum(drift_w_sq) AS drift_w2"""
 _ROLLUP_SUMS = _HEAT_ROLLUP_SUMS + """,
-    CAST(sum(changed_bf16_count) AS DOUBLE) AS bf16, CAST(sum(changed_bf16_numel) AS DOUBLE) AS bf16_numel,
+    CAST(sum(changed_rel_count) AS DOUBLE) AS rel, CAST(sum(changed_rel_numel) AS DOUBLE) AS rel_numel,
     CAST(sum(grad_zero_count) AS DOUBLE) AS gzero, CAST(sum(grad_near_zero_count) AS DOUBLE) AS gnear,
     CAST(sum(grad_numel) AS DOUBLE) AS grad_numel,
     CAST(coalesce(sum(w_nan_count), 0) + coalesce(sum(grad_nan_count), 0) AS BIGINT) AS nan,
@@ -125,7 +125,7 @@ def _per_step(cube: pl.DataFrame, kinds: tuple[str, ...]) -> pl.DataFrame:
     return (cube.filter(pl.col("per_step") & pl.col("kind").is_in(kinds)).group_by("step", "stage").agg(
         (pl.col("dw2").sum().sqrt() / pl.col("update_w2").sum().sqrt()).alias("ratio"),
         (pl.col("changed").sum() / pl.col("changed_numel").sum()).alias("changed"),
-        (pl.col("bf16").sum() / pl.col("bf16_numel").sum()).alias("changed_bf16"),
+        (pl.col("rel").sum() / pl.col("rel_numel").sum()).alias("changed_rel"),
         (pl.col("gzero").sum() / pl.col("grad_numel").sum()).alias("zero"),
         (pl.col("gnear").sum() / pl.col("grad_numel").sum()).alias("near_zero"),
         pl.col("nan").sum(), pl.col("inf").sum()).sort("step"))
@@ -144,13 +144,13 @@ def _bucketed(df: pl.DataFrame, x: str, values: list[str], by: list[str], max_po
 
 
 def stage_overlay(cube: pl.DataFrame, run: str, kinds: tuple[str, ...], max_points: int = MAX_POINTS) -> pl.DataFrame:
-    """Pooled update ratio, changed fraction (bit-exact in the stored dtype) and the fraction whose change
-    a bf16 copy of the weights would show, per stage against steps since the stage began (mean/min/max
+    """Pooled update ratio, changed fraction (bit-exact in the stored dtype) and the fraction changed by
+    more than 0.1% of |W| (``changed_rel``), per stage against steps since the stage began (mean/min/max
     of the per-step values in each bucket)."""
     ps = _per_step(cube, kinds).with_columns((pl.col("step") - pl.col("step").min().over("stage")).alias("step_in_stage"))
     if ps.height == 0:
         return ps
-    return _bucketed(ps, "step_in_stage", ["ratio", "changed", "changed_bf16"], ["stage"], max_points).with_columns(
+    return _bucketed(ps, "step_in_stage", ["ratio", "changed", "changed_rel"], ["stage"], max_points).with_columns(
         pl.lit(run).alias("run_id"))
 
 

@@ -82,25 +82,26 @@ def _body() -> None:
 
 
 def _changed(ov: pl.DataFrame) -> None:
-    """Step-changed fraction per stage, bit-exact (solid) and as a bf16 copy of the weights would see it
-    (dotted): with fp32 master weights Adam moves nearly every weight each step, and how many of those
-    moves survive rounding to bf16 is where RL's update sparsity shows (Mukherjee et al. 2025)."""
+    """Step-changed fraction per stage, bit-exact (solid) and changed by more than 0.1% of |W| (dotted,
+    ``changed_rel_frac``): with fp32 master weights Adam moves nearly every weight each step, and the
+    relative threshold separates moves of the weight's own size from rounding-sized ones. The bf16-cast
+    comparison (PULSE S₁) is its own chart."""
     fig = charts.banded(ov, "step_in_stage", "changed", "changed_lo", "changed_hi", ["run_id", "stage"],
-                        "step-changed fraction by stage: bit-exact and visible in bf16", "fraction of parameters",
+                        "step-changed fraction by stage: bit-exact and by > 0.1% of |W| (relative)", "fraction of parameters",
                         "steps since stage start")
-    has_bf16 = ov["changed_bf16"].drop_nulls().len() > 0
-    if has_bf16:
+    has_rel = ov["changed_rel"].drop_nulls().len() > 0
+    if has_rel:
         for i, ((run, stage), g) in enumerate(ov.group_by("run_id", "stage", maintain_order=True)):
-            xs, ys = charts.gapped(g["step_in_stage"].to_list(), g["changed_bf16"].to_list())
+            xs, ys = charts.gapped(g["step_in_stage"].to_list(), g["changed_rel"].to_list())
             name = " · ".join(str(k) for k in (run, stage) if k not in (None, ""))
-            fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", name=f"{name} (bf16)",
+            fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", name=f"{name} (relative)",
                                      line=dict(dash="dot", color=charts.PALETTE[i % len(charts.PALETTE)])))
-    charts.fraction_axis(fig, max(ov["changed_hi"].max() or 0, ov["changed_bf16"].max() or 0))
+    charts.fraction_axis(fig, max(ov["changed_hi"].max() or 0, ov["changed_rel"].max() or 0))
     charts.show(charts.place_legend(fig), "dyn_overlay_changed")
-    if has_bf16:
-        means = ov.group_by("stage", maintain_order=True).agg(pl.col("changed").mean(), pl.col("changed_bf16").mean())
-        st.caption("Dotted: share of parameters whose step change is visible after rounding to bf16. "
-                   + "; ".join(f"{s or 'all'}: {c:.1%} bit-exact, {b:.1%} in bf16"
+    if has_rel:
+        means = ov.group_by("stage", maintain_order=True).agg(pl.col("changed").mean(), pl.col("changed_rel").mean())
+        st.caption("Dotted: share of parameters changed by > 0.1% of |W| (relative, `changed_rel_frac`). "
+                   + "; ".join(f"{s or 'all'}: {c:.1%} bit-exact, {b:.1%} relative"
                                for s, c, b in means.iter_rows() if c is not None and b is not None) + ".")
 
 
