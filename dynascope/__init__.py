@@ -3,8 +3,9 @@
     scope = dynascope.watch(model, optimizer, run="runs/x")   # probes: ΔW, gradients, phase timings
     con = dynascope.open_store("runs/x")                       # DuckDB views over the run's tables
 
-Importing a part of the package runs this file first, so it imports only the bottom layers (core, store);
-``watch``, ``Scope`` and ``WatchSettings`` come from the probes (and torch) when first used.
+Importing any part of the package runs this file first, so it imports only ``core.version``: ``open_store``
+comes from the store (DuckDB, pyarrow) and ``watch``, ``Scope`` and ``WatchSettings`` from the probes
+(torch) when first used.
 """
 
 from __future__ import annotations
@@ -12,15 +13,18 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from dynascope.core.version import __version__
-from dynascope.store import open_store
 
 if TYPE_CHECKING:
     from dynascope.probes.attach import watch
     from dynascope.probes.scope import Scope
     from dynascope.probes.settings import WatchSettings
+    from dynascope.store import open_store
+
 
 def __getattr__(name: str) -> Any:
-    if name == "watch":
+    if name == "open_store":
+        from dynascope.store import open_store as value
+    elif name == "watch":
         from dynascope.probes.attach import watch as value
     elif name == "Scope":
         from dynascope.probes.scope import Scope as value

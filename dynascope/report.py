@@ -13,7 +13,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from dynascope.analyses.findings import Finding, collect_findings, fmt_ms
+from dynascope.analyses.findings import Finding, collect_findings
+from dynascope.analyses.findings_text import fmt_ms
 from dynascope.analyses.phase_shares import phase_shares
 from dynascope.analyses.steps import STEP_ROW
 from dynascope.store import StoreLike, as_store, quote_literal
