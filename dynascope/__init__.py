@@ -2,6 +2,10 @@
 
     scope = dynascope.watch(model, optimizer, run="runs/x")   # probes: ΔW, gradients, phase timings
     con = dynascope.open_store("runs/x")                       # DuckDB views over the run's tables
+
+Importing any part of the package runs this file first, so it imports only ``core.version``: ``open_store``
+comes from the store (DuckDB, pyarrow) and ``watch``, ``Scope`` and ``WatchSettings`` from the probes
+(torch) when first used.
 """
 
 from __future__ import annotations
@@ -9,30 +13,27 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from dynascope.core.version import __version__
-from dynascope.store import open_store
 
 if TYPE_CHECKING:
+    from dynascope.probes.attach import watch
     from dynascope.probes.scope import Scope
-
-
-def watch(model: Any, optimizer: Any = None, **kwargs: Any):
-    """Attach dynascope's probes to ``model``/``optimizer``; see ``dynascope.probes.scope.watch``."""
-    from dynascope.probes.scope import watch as _watch
-
-    if kwargs.get("wandb") or "wandb" in kwargs.get("listeners", ()):
-        try:
-            import dynascope.integrations.wandb  # noqa: F401  registers the "wandb" listener
-        except Exception:  # the scope reports the missing listener as a warning and an event
-            pass
-    return _watch(model, optimizer, **kwargs)
+    from dynascope.probes.settings import WatchSettings
+    from dynascope.store import open_store
 
 
 def __getattr__(name: str) -> Any:
-    if name == "Scope":
-        from dynascope.probes.scope import Scope
+    if name == "open_store":
+        from dynascope.store import open_store as value
+    elif name == "watch":
+        from dynascope.probes.attach import watch as value
+    elif name == "Scope":
+        from dynascope.probes.scope import Scope as value
+    elif name == "WatchSettings":
+        from dynascope.probes.settings import WatchSettings as value
+    else:
+        raise AttributeError(f"module 'dynascope' has no attribute {name!r}")
+    globals()[name] = value
+    return value
 
-        return Scope
-    raise AttributeError(name)
 
-
-__all__ = ["Scope", "__version__", "open_store", "watch"]
+__all__ = ["Scope", "WatchSettings", "__version__", "open_store", "watch"]

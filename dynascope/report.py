@@ -13,11 +13,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from dynascope.analyses._common import StoreLike, as_store, frame
-from dynascope.analyses.findings import Finding, collect_findings, fmt_ms
+from dynascope.analyses.findings import Finding, collect_findings
+from dynascope.analyses.findings_text import fmt_ms
 from dynascope.analyses.phase_shares import phase_shares
 from dynascope.analyses.steps import STEP_ROW
-from dynascope.store import quote_literal
+from dynascope.store import StoreLike, as_store, quote_literal
 from dynascope.store.catalog import steps_sql
 
 __all__ = ["FORMATS", "Report", "build_report", "render", "render_run"]
@@ -44,7 +44,7 @@ def build_report(store: StoreLike, run: str | None = None, *, peak_tflops: float
     """
     con = as_store(store)
     rc = "" if run is None else f" WHERE run_id = {quote_literal(run)}"
-    runs = frame(con, f"""
+    runs = con.frame(f"""
         WITH r AS (SELECT DISTINCT run_id FROM runs{rc}),
         st AS (SELECT run_id, step, MAX(dur_us) AS us FROM timings WHERE {STEP_ROW} GROUP BY run_id, step),
         rk AS (SELECT run_id, COUNT(DISTINCT (role, rank)) AS ranks FROM timings GROUP BY run_id),

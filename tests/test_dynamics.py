@@ -15,8 +15,8 @@ from dynascope.analyses import (
     sparsity_comparison,
     sparsity_over_training,
 )
+from dynascope.checkpoints import extrapolate, rank1_reconstruction
 from dynascope.importers.checkpoint_diff import diff_checkpoints
-from dynascope.rewrite import extrapolate, rank1_reconstruction
 from dynascope.store import RunWriter, StoreError, open_store
 
 Q, MLP, NORM = "model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.up_proj.weight", "model.norm.weight"

@@ -1,31 +1,49 @@
-"""Imports follow the data flow: core at the bottom, then store, probes → store → analyses → dashboard.
+"""Imports follow the data flow, for every part of the package, the root included.
 
-Every import in the package counts, wherever it sits: module level, inside a function (the lazy imports
-that keep start-up fast), under ``TYPE_CHECKING``, relative imports, and ``importlib.import_module`` /
-``__import__`` calls with a literal name. A layer is a top-level subpackage or module of ``dynascope``
-(``dynascope.store.reader`` belongs to ``store``; ``dynascope`` itself is ``<root>``).
+core → store → probes → analyses → importers → dashboard → integrations → checkpoints, report, demo, cli:
+each part imports only parts before it, and only those its contract names. Every import in the package
+counts, wherever it sits: module level, inside a function (the lazy imports that keep start-up fast), under
+``TYPE_CHECKING``, relative imports, and ``importlib.import_module`` / ``__import__`` calls with a literal
+name. A part is a top-level subpackage or module of ``dynascope`` (``dynascope.store.reader`` belongs to
+``store``; ``dynascope`` itself is ``<root>``, and ``import dynascope`` for ``dynascope.watch`` imports it).
+Every part must have a contract, so a new one cannot slip past the check.
+
+The root is special: importing any part runs ``dynascope/__init__.py`` first, so at module level it may
+import only ``core``; ``open_store`` and ``watch`` are imported when first used.
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "dynascope"
 
-ALL = frozenset({"<root>", "core", "store", "probes", "analyses", "dashboard", "importers", "integrations",
-                 "demo", "cli", "report"})
-# layer → (the layers it may import, or None for "any but the forbidden ones"), forbidden layers
-CONTRACTS: dict[str, tuple[frozenset[str] | None, frozenset[str]]] = {
-    "core": (frozenset(), frozenset()),
-    "store": (frozenset({"core"}), frozenset()),
-    "probes": (None, frozenset({"importers", "analyses", "integrations", "dashboard"})),
-    "analyses": (None, frozenset({"dashboard", "probes", "integrations", "importers"})),
-    "importers": (None, frozenset({"analyses", "dashboard", "integrations"})),
-    "dashboard": (frozenset({"core", "store", "analyses"}), frozenset()),
+# The flow, bottom first: a part may import only parts before it (its contract says which of them).
+ORDER = ("core", "store", "probes", "<root>", "analyses", "importers", "dashboard", "integrations", "checkpoints",
+         "report", "cli_output", "demo", "cli")
+# part → the parts it may import
+CONTRACTS: dict[str, frozenset[str]] = {
+    "core": frozenset(),
+    "store": frozenset({"core"}),
+    "probes": frozenset({"core", "store"}),
+    "<root>": frozenset({"core", "store", "probes"}),  # the public API: open_store, watch, Scope, WatchSettings
+    "analyses": frozenset({"core", "store"}),
+    "importers": frozenset({"core", "store", "probes"}),
+    "dashboard": frozenset({"core", "store", "analyses"}),
+    "integrations": frozenset({"<root>", "core", "store", "probes"}),
+    "checkpoints": frozenset({"core", "store", "analyses"}),
+    "report": frozenset({"core", "store", "analyses"}),
+    "cli_output": frozenset({"core", "store", "analyses", "importers"}),
+    "demo": frozenset({"<root>", "core", "store", "probes", "analyses", "importers", "integrations", "checkpoints",
+                       "report"}),
+    "cli": frozenset(ORDER[:-1]),
 }
+ROOT_AT_IMPORT = frozenset({"core"})  # what dynascope/__init__.py may import at module level
 
 
 def _module_name(path: Path, package: Path) -> str:
@@ -66,25 +84,39 @@ def _layer(name: str) -> str:
     return parts[1] if len(parts) > 1 else "<root>"
 
 
-def violations(package: Path, contracts=CONTRACTS) -> list[str]:
+def violations(package: Path, contracts: dict[str, frozenset[str]] = CONTRACTS) -> list[str]:
     """Every import in ``package`` that a contract forbids, as ``file:line: A imports B (rule)``."""
     found = []
     for path in sorted(package.rglob("*.py")):
         module = _module_name(path, package)
         src = _layer(module)
         if src not in contracts:
+            found.append(f"{path.relative_to(package.parent)}: part {src!r} has no contract in CONTRACTS")
             continue
-        allowed, forbidden = contracts[src]
+        allowed = contracts[src]
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
         for line, name in _imported(tree, module, path.name == "__init__.py", package):
             dst = _layer(name)
-            if dst == src:
-                continue
-            if dst in forbidden or (allowed is not None and dst not in allowed):
-                rule = f"{src} may import only {sorted(allowed) or 'nothing of ' + package.name}" \
-                    if allowed is not None else f"{src} never imports {sorted(forbidden)}"
+            if dst != src and dst not in allowed:
+                rule = f"{src} may import only {sorted(allowed)}" if allowed else f"{src} imports nothing of it"
                 found.append(f"{path.relative_to(package.parent)}:{line}: {src} imports {name} ({rule})")
     return found
+
+
+def _eager_imports(tree: ast.Module) -> list[ast.AST]:
+    """The import statements a module runs when it is imported: not in functions, not under TYPE_CHECKING."""
+    out: list[ast.AST] = []
+    todo: list[ast.stmt] = list(tree.body)
+    while todo:
+        node = todo.pop(0)
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            out.append(node)
+        elif isinstance(node, ast.If):
+            if getattr(node.test, "id", None) != "TYPE_CHECKING":
+                todo += node.body + node.orelse
+        elif isinstance(node, ast.Try):
+            todo += node.body + node.orelse + node.finalbody + [s for h in node.handlers for s in h.body]
+    return out
 
 
 def test_imports_follow_the_flow():
@@ -92,32 +124,77 @@ def test_imports_follow_the_flow():
     assert not found, "imports against the flow:\n" + "\n".join(found)
 
 
-def test_every_layer_named_by_a_contract_exists():
-    present = {p.name.removesuffix(".py") for p in PACKAGE.iterdir() if p.suffix == ".py" or p.is_dir()}
-    named = set(CONTRACTS) | {d for a, f in CONTRACTS.values() for d in (a or set()) | f}
-    assert named <= ALL
-    assert named - {"<root>"} <= present, "a contract names a layer that is gone: update CONTRACTS"
+def test_every_part_has_a_contract_and_the_contracts_follow_the_flow():
+    present = {p.name.removesuffix(".py") for p in PACKAGE.iterdir()
+               if (p.suffix == ".py" and p.name != "__init__.py") or (p / "__init__.py").exists()}
+    assert present | {"<root>"} == set(CONTRACTS) == set(ORDER), "a part without a contract, or a contract for a part that is gone"
+    for part, allowed in CONTRACTS.items():
+        later = [dst for dst in allowed if ORDER.index(dst) >= ORDER.index(part)]
+        assert not later, f"{part}'s contract lets it import {later}, which come after it in the flow"
 
 
-@pytest.mark.parametrize(("layer", "source", "bad"), [
-    ("core", "def f():\n    from dynascope.store import open_store\n", "dynascope.store"),  # lazy import
-    ("store", "from ..probes import scope\n", "dynascope.probes"),  # relative
-    ("store", "from dynascope import core, probes\n", "dynascope.probes"),  # subpackage by name
-    ("store", "def v():\n    from dynascope import __version__\n", "dynascope"),  # the root's __init__
-    ("probes", "import importlib\nimportlib.import_module('dynascope.integrations.wandb')\n",
-     "dynascope.integrations.wandb"),
-    ("analyses", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import dynascope.dashboard.data\n",
-     "dynascope.dashboard.data"),
-    ("dashboard", "import dynascope.probes.scope as s\n", "dynascope.probes.scope"),
-])
-def test_a_backwards_import_is_reported(tmp_path, layer, source, bad):
+def test_the_root_imports_only_core_when_imported():
+    tree = ast.parse((PACKAGE / "__init__.py").read_text(encoding="utf-8"))
+    eager = _imported(ast.Module(body=_eager_imports(tree), type_ignores=[]), "dynascope", True, PACKAGE)
+    assert eager and {_layer(name) for _, name in eager} <= ROOT_AT_IMPORT, eager
+
+
+@pytest.mark.parametrize("part", ["core", "store", "probes", "analyses"])
+def test_importing_a_part_loads_only_the_parts_it_may_import(part):
+    # at run time too: the root's and the subpackages' __init__ files run on every import of a part
+    modules = sorted(_module_name(p, PACKAGE) for p in (PACKAGE / part).rglob("*.py"))
+    code = (f"import importlib, sys\nfor m in {modules!r}:\n    importlib.import_module(m)\n"
+            "print(sorted({m.split('.')[1] for m in sys.modules if m.startswith('dynascope.')}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=PACKAGE.parent)
+    assert out.returncode == 0, out.stderr
+    loaded = set(ast.literal_eval(out.stdout.strip().splitlines()[-1]))
+    assert loaded - {part} <= CONTRACTS[part], f"importing {part} loads {sorted(loaded - {part} - CONTRACTS[part])}"
+
+
+def _fake_package(tmp_path: Path) -> Path:
+    """An empty package with every part of the real one: subpackages as directories, modules as files."""
     pkg = tmp_path / "dynascope"
-    for sub in ("core", "store", "probes", "integrations", "analyses", "dashboard"):
-        (pkg / sub).mkdir(parents=True)
-        (pkg / sub / "__init__.py").write_text("")
+    pkg.mkdir()
     (pkg / "__init__.py").write_text("")
-    (pkg / layer / "mod.py").write_text(source)
+    for p in PACKAGE.iterdir():
+        if (p / "__init__.py").exists():
+            (pkg / p.name).mkdir()
+            (pkg / p.name / "__init__.py").write_text("")
+        elif p.suffix == ".py" and p.name != "__init__.py":
+            (pkg / p.name).write_text("")
+    return pkg
+
+
+@pytest.mark.parametrize(("file", "source", "bad"), [
+    ("core/mod.py", "def f():\n    from dynascope.store import open_store\n", "core imports dynascope.store"),
+    ("store/mod.py", "from ..probes import scope\n", "store imports dynascope.probes"),  # relative
+    ("store/mod.py", "from dynascope import core, probes\n", "store imports dynascope.probes"),  # by name
+    ("store/mod.py", "def v():\n    from dynascope import __version__\n", "store imports dynascope ("),  # the root
+    ("probes/mod.py", "import importlib\nimportlib.import_module('dynascope.integrations.wandb')\n",
+     "probes imports dynascope.integrations.wandb"),
+    ("analyses/mod.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import dynascope.dashboard.data\n",
+     "analyses imports dynascope.dashboard.data"),
+    ("dashboard/mod.py", "import dynascope.probes.scope as s\n", "dashboard imports dynascope.probes.scope"),
+    # the root's public watch() reaching up to an integration, to register a listener
+    ("__init__.py", "def watch(**kw):\n    if kw.get('wandb'):\n        import dynascope.integrations.wandb\n",
+     "<root> imports dynascope.integrations.wandb"),
+    ("integrations/mod.py", "from dynascope import cli\n", "integrations imports dynascope.cli"),
+    ("report.py", "from dynascope.demo import settings\n", "report imports dynascope.demo"),
+    ("checkpoints.py", "import dynascope\n", "checkpoints imports dynascope ("),  # the root is probes-level
+    ("demo/mod.py", "from dynascope.cli_output import x\n", "demo imports dynascope.cli_output"),
+    ("cli_output.py", "from .cli import app\n", "cli_output imports dynascope.cli"),
+])
+def test_a_backwards_import_is_reported(tmp_path, file, source, bad):
+    pkg = _fake_package(tmp_path)
+    (pkg / file).write_text(source)
     found = violations(pkg)
-    assert len(found) == 1 and f"{layer} imports {bad} (" in found[0] and f"{layer}/mod.py:" in found[0]
-    (pkg / layer / "mod.py").write_text("from dynascope.core import errors\nimport os\n")  # allowed everywhere
+    assert len(found) == 1 and bad in found[0] and f"{file}:" in found[0], found
+    (pkg / file).write_text("from dynascope.core import errors\nimport os\n")  # allowed everywhere
     assert violations(pkg) == []
+
+
+def test_a_part_without_a_contract_is_reported(tmp_path):
+    pkg = _fake_package(tmp_path)
+    (pkg / "newpart.py").write_text("import os\n")
+    assert violations(pkg) == ["dynascope/newpart.py: part 'newpart' has no contract in CONTRACTS"]

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -70,6 +74,37 @@ def test_mirror_offline_round_trip(offline, tmp_path):
     assert [v for *_, v in got] == pytest.approx([v for *_, v in expected])
     assert _rows(tmp_path / "imp", "SELECT count(*) FROM scalars WHERE key = 'train/loss'") == [(3,)]
     assert _rows(tmp_path / "imp", "SELECT DISTINCT role FROM scalars") == [("wandb",)]
+
+
+def test_watch_wandb_true_mirrors_the_summaries_without_importing_an_integration(offline, tmp_path):
+    # a fresh process: dynascope.watch(wandb=True) alone, as a user's script would call it
+    script = textwrap.dedent(f"""
+        import sys, torch, wandb, dynascope
+        run = wandb.init(project="dynascope-test", dir={str(offline)!r})
+        model = torch.nn.Linear(4, 4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with dynascope.watch(model, opt, run={str(tmp_path / "probe")!r}, wandb=True, memory_budget=None,
+                             system_interval_s=None) as scope:
+            for _ in range(3):
+                model(torch.ones(2, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+            scope.flush()
+        print(run.dir.rsplit("/files", 1)[0])
+        run.finish()
+        print(sorted(m for m in sys.modules if m.startswith("dynascope.integrations")))
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    run_dir, imported = out.stdout.strip().splitlines()[-2:]
+    assert imported == "[]"  # the mirror is the probes' own listener: no integration was imported
+    _finished_log(run_dir)
+    hist = import_history(run_dir, tmp_path / "imp", step_key="dynascope/step")
+    assert hist.rows > 0
+    got = _rows(tmp_path / "imp", "SELECT step, value FROM scalars WHERE key = 'dynascope/update_ratio' "
+                                  "ORDER BY step")
+    assert [s for s, _ in got] == [0, 1, 2] and all(v > 0 for _, v in got)
 
 
 def test_mirror_caps_keys():

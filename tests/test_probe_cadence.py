@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import dynascope
+from dynascope.probes.attach import WRITER_FLUSH_S
 from dynascope.probes.resolver import BACKGROUND_NICE, lower_priority
-from dynascope.probes.scope import WRITER_FLUSH_S
 from dynascope.probes.tensors import W_NORM_EVERY
 from dynascope.store.writer import RunWriter
 from tests.test_probe_scope import rows, train

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import dynascope
-from dynascope.probes.protocol import Probe, StepContext, make_listener, register_listener
+from dynascope.probes.protocol import Probe, StepContext
 from dynascope.probes.schedule import every
 from dynascope.store import open_store
 
@@ -94,15 +94,24 @@ def test_resume_continues_the_step_numbering(tmp_path: Path) -> None:
         assert set(con.sql("SELECT step FROM timings WHERE phase = 'train'").pl()["step"]) == {500, 501}
 
 
-def test_listeners_are_registered_by_name_never_imported_by_the_probes() -> None:
-    register_listener("test-echo", lambda **kw: (lambda step, summary: None))
-    assert callable(make_listener("test-echo"))
-    with pytest.raises(LookupError, match="no listener 'nope' is registered"):
-        make_listener("nope")
-    import dynascope.integrations.wandb as wb  # registers itself on import
-    from dynascope.probes import protocol
-    assert protocol.registered_listeners()["wandb"] is wb.WandbMirror
+def test_settings_and_keywords_build_one_configuration(tmp_path: Path) -> None:
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    settings = dynascope.WatchSettings(every=2, memory_budget=None, stage="sft", system_interval_s=None)
+    # a keyword overrides the settings' field; the settings object itself is left as it was
+    with dynascope.watch(model, opt, run=tmp_path / "r", settings=settings, stage="rl") as scope:
+        assert scope.stage == "rl" and settings.stage == "sft" and scope.stats.memory_budget is None
+        assert scope.system is None
+        for _ in range(4):
+            model(torch.ones(1, 3)).sum().backward()
+            opt.step()
+    with open_store(tmp_path / "r") as con:
+        assert con.sql("SELECT DISTINCT step, stage FROM tensor_stats ORDER BY 1").fetchall() == [(0, "rl"), (2, "rl")]
+    with pytest.raises(TypeError, match="'memory_budgte'"):  # a misspelt keyword fails before attaching
+        dynascope.watch(model, opt, run=tmp_path / "t", memory_budgte=0.5)
+    assert not (tmp_path / "t").exists()
     assert not hasattr(dynascope, "Run") and dynascope.Scope is dynascope.probes.scope.Scope
+    assert dynascope.watch is dynascope.probes.watch and dynascope.WatchSettings is dynascope.probes.WatchSettings
 
 
 def test_a_step_the_optimizer_skipped_still_closes_with_its_step_row(tmp_path: Path) -> None:

@@ -129,10 +129,7 @@ def test_events_log_samples_and_stage(tmp_path: Path) -> None:
 def test_listener_and_wandb_failures_are_contained(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 
-    from dynascope.probes import protocol
-
-    monkeypatch.setitem(sys.modules, "dynascope.integrations.wandb", None)  # import fails
-    monkeypatch.setattr(protocol, "_LISTENERS", {})  # and nothing registered the "wandb" listener earlier
+    monkeypatch.setitem(sys.modules, "wandb", None)  # wandb is not installed: the mirror cannot be made
     model = nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     run = tmp_path / "l"
@@ -143,7 +140,7 @@ def test_listener_and_wandb_failures_are_contained(tmp_path: Path, monkeypatch: 
                 model(torch.ones(1, 2)).sum().backward()
                 opt.step()
     kinds = [r["message"] for r in rows(run, "select message from events where event = 'probe_error'")]
-    assert any(m.startswith("listener:wandb: LookupError: no listener 'wandb' is registered") for m in kinds)
+    assert any(m.startswith("listener:wandb: ") and "dynascope[wandb]" in m for m in kinds), kinds
     assert sum("ZeroDivisionError" in m for m in kinds) == 2
 
 

@@ -1,49 +1,84 @@
 """Analyses: pure functions over a store (a path or an open ``StoreConnection``) → polars DataFrame.
 
-Each analysis lives in a submodule named for its subject and is re-exported here lazily, so importing
-``dynascope.analyses`` stays cheap: ``from dynascope.analyses import straggler_scores`` works for any
-public function of any submodule.
+Each analysis lives in a submodule named for its subject; the names below are re-exported here and
+imported on first use, so importing ``dynascope.analyses`` stays cheap (some analyses need torch, and a
+SQL-only one should not pay for that import): ``from dynascope.analyses import straggler_scores`` works
+for every name in a public submodule's ``__all__``. A new public name goes into the three lists below
+(``tests/test_analyses_exports.py`` holds them to the submodules' ``__all__``).
 """
 
 from __future__ import annotations
 
-import ast
 import importlib
-import pkgutil
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-_index: dict[str, str] | None = None
+if TYPE_CHECKING:  # the same names, for IDEs and type checkers
+    from dynascope.analyses.delta_sync import DTYPE_BYTES, delta_sync_bytes, delta_sync_summary
+    from dynascope.analyses.dynamics import rank1_dominance, sparsity_comparison, sparsity_over_training
+    from dynascope.analyses.dynamics_rank1 import rank1_linear_fit
+    from dynascope.analyses.findings import Finding, collect_findings, ranked_findings
+    from dynascope.analyses.findings_text import INSTABILITY_LABELS, fmt_ms, fmt_pct, sentence
+    from dynascope.analyses.goodput import EVENT_KINDS, goodput_incidents, goodput_summary
+    from dynascope.analyses.gpu_timeline import comm_comp_overlap, kernel_type_breakdown, temporal_breakdown
+    from dynascope.analyses.instability import detect_instability
+    from dynascope.analyses.phase_shares import phase_shares
+    from dynascope.analyses.rollouts import (
+        async_staleness,
+        rollout_long_tail,
+        rollout_train_overlap,
+        tail_wait_share,
+        zero_variance_groups,
+    )
+    from dynascope.analyses.schedules import (
+        rl_throughput,
+        schedule_inputs,
+        schedule_staleness,
+        schedule_what_if,
+    )
+    from dynascope.analyses.steps import critical_path, idle_time, step_breakdown
+    from dynascope.analyses.stragglers import straggler_scores, what_if, what_if_steps
+    from dynascope.analyses.stragglers_shared import what_if_shared
+    from dynascope.analyses.throughput import PEAK_TFLOPS, peak_tflops_for, throughput_mfu
 
-
-def _build_index() -> dict[str, str]:
-    # Read each submodule's literal __all__ without importing it: some analyses need torch, and a
-    # lookup of a SQL-only analysis should not pay for that import.
-    index: dict[str, str] = {}
-    for mod in pkgutil.iter_modules(__path__):
-        if mod.name.startswith("_"):
-            continue
-        source = Path(__path__[0], f"{mod.name}.py").read_text(encoding="utf-8")
-        for node in ast.parse(source).body:
-            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
-                for name in ast.literal_eval(node.value):
-                    index.setdefault(name, mod.name)
-    return index
+# submodule → the public names it gives (what __getattr__ imports on first use)
+_EXPORTS: dict[str, tuple[str, ...]] = {
+    "delta_sync": ("DTYPE_BYTES", "delta_sync_bytes", "delta_sync_summary"),
+    "dynamics": ("rank1_dominance", "sparsity_comparison", "sparsity_over_training"),
+    "dynamics_rank1": ("rank1_linear_fit",),
+    "findings": ("Finding", "collect_findings", "ranked_findings"),
+    "findings_text": ("INSTABILITY_LABELS", "fmt_ms", "fmt_pct", "sentence"),
+    "goodput": ("EVENT_KINDS", "goodput_incidents", "goodput_summary"),
+    "gpu_timeline": ("comm_comp_overlap", "kernel_type_breakdown", "temporal_breakdown"),
+    "instability": ("detect_instability",),
+    "phase_shares": ("phase_shares",),
+    "rollouts": ("async_staleness", "rollout_long_tail", "rollout_train_overlap", "tail_wait_share",
+                 "zero_variance_groups"),
+    "schedules": ("rl_throughput", "schedule_inputs", "schedule_staleness", "schedule_what_if"),
+    "steps": ("critical_path", "idle_time", "step_breakdown"),
+    "stragglers": ("straggler_scores", "what_if", "what_if_steps"),
+    "stragglers_shared": ("what_if_shared",),
+    "throughput": ("PEAK_TFLOPS", "peak_tflops_for", "throughput_mfu"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = ["DTYPE_BYTES", "EVENT_KINDS", "Finding", "INSTABILITY_LABELS", "PEAK_TFLOPS", "async_staleness",
+           "collect_findings", "comm_comp_overlap", "critical_path", "delta_sync_bytes",
+           "delta_sync_summary", "detect_instability", "fmt_ms", "fmt_pct", "goodput_incidents",
+           "goodput_summary", "idle_time", "kernel_type_breakdown", "peak_tflops_for", "phase_shares",
+           "rank1_dominance", "rank1_linear_fit", "ranked_findings", "rl_throughput", "rollout_long_tail",
+           "rollout_train_overlap", "schedule_inputs", "schedule_staleness", "schedule_what_if", "sentence",
+           "sparsity_comparison", "sparsity_over_training", "step_breakdown", "straggler_scores",
+           "tail_wait_share", "temporal_breakdown", "throughput_mfu", "what_if", "what_if_shared",
+           "what_if_steps", "zero_variance_groups"]
 
 
 def __getattr__(name: str) -> Any:
-    global _index
-    if name.startswith("__"):
-        raise AttributeError(name)
-    if _index is None:
-        _index = _build_index()
-    if name not in _index:
+    module = _MODULE_OF.get(name)
+    if module is None:
         raise AttributeError(f"dynascope.analyses has no analysis {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_index[name]}"), name)
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
 
 
 def __dir__() -> list[str]:
-    global _index
-    if _index is None:
-        _index = _build_index()
-    return sorted(_index)
+    return sorted(set(globals()) | set(__all__))

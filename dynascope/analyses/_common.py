@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import os
-
 import polars as pl
 
-from dynascope.store import StoreConnection, open_store, quote_literal
+from dynascope.store import StoreConnection, StoreLike, as_store, quote_literal
 from dynascope.store.reader import Params
 
-StoreLike = StoreConnection | str | os.PathLike
-
-
-def as_store(store: StoreLike) -> StoreConnection:
-    """An open store for ``store`` (a path is opened read-only)."""
-    return store if isinstance(store, StoreConnection) else open_store(store)
+__all__ = ["StoreLike", "as_store", "frame", "run_clause"]  # StoreLike and as_store are the store's
 
 
 def run_clause(run: str | None, column: str = "run_id") -> str:

@@ -24,7 +24,7 @@ import polars as pl
 from dynascope.analyses import findings_sql as S
 from dynascope.analyses._common import StoreLike, as_store, frame
 from dynascope.analyses.dynamics import rank1_dominance, sparsity_comparison
-from dynascope.analyses.findings_text import fmt_ms, fmt_pct, sentence
+from dynascope.analyses.findings_text import sentence
 from dynascope.analyses.goodput import goodput_summary
 from dynascope.analyses.instability import detect_instability
 from dynascope.analyses.rollouts import (
@@ -39,7 +39,7 @@ from dynascope.analyses.throughput import throughput_mfu
 from dynascope.core.errors import first_line
 from dynascope.store import quote_literal
 
-__all__ = ["Finding", "collect_findings", "fmt_ms", "fmt_pct", "ranked_findings"]
+__all__ = ["Finding", "collect_findings", "ranked_findings"]  # fmt_ms, fmt_pct: findings_text
 
 _SEVERITY = {"error": 0, "warning": 1, "info": 2}
 

@@ -2,7 +2,7 @@
 
 Everything is read back from the run's store through ``dynascope.analyses`` (reward figures come from
 the ``eval/*`` and ``rl/*`` scalars the training logged); the rank-1 row evaluates a checkpoint that
-``dynascope.rewrite.rank1_reconstruction`` writes from the recorded spectra.
+``dynascope.checkpoints.rank1_reconstruction`` writes from the recorded spectra.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from rich.console import Console
 from rich.table import Table
 
 from dynascope import analyses
-from dynascope.analyses._common import frame
 from dynascope.demo.distributed import FINAL_FILE, THETA0_FILE
 from dynascope.demo.settings import DemoSettings
 from dynascope.store import StoreConnection, open_store, quote_literal
@@ -27,14 +26,14 @@ def _pct(x: float | None) -> str:
 
 
 def _last_scalar(con: StoreConnection, key: str, stage: str) -> float | None:
-    df = frame(con, f"SELECT value FROM scalars WHERE key = {quote_literal(key)} AND stage = {quote_literal(stage)} "
+    df = con.frame(f"SELECT value FROM scalars WHERE key = {quote_literal(key)} AND stage = {quote_literal(stage)} "
                     "ORDER BY step DESC, time_us DESC LIMIT 1")
     return None if df.is_empty() else float(df["value"][0])
 
 
 def _rl_reward_ends(con: StoreConnection, n: int = 10) -> tuple[float | None, float | None]:
     """Mean training reward over the first and the last ``n`` RL steps (all ranks)."""
-    df = frame(con, "SELECT step, avg(value) AS r FROM scalars WHERE key = 'rl/reward' GROUP BY step ORDER BY step")
+    df = con.frame("SELECT step, avg(value) AS r FROM scalars WHERE key = 'rl/reward' GROUP BY step ORDER BY step")
     if df.height < 2:
         return None, None
     k = min(n, df.height // 2)
@@ -45,10 +44,10 @@ def rank1_accuracy(s: DemoSettings, con: StoreConnection) -> float | None:
     """Greedy held-out accuracy of θ₀ + ‖ΔW‖_F·u₁v₁ᵀ (every 2-D weight), written by ``rank1_reconstruction``."""
     from safetensors.torch import load_file
 
+    from dynascope.checkpoints import rank1_reconstruction
     from dynascope.demo.model import TinyLM
     from dynascope.demo.sft import evaluate, heldout
     from dynascope.demo.task import CharTokenizer
-    from dynascope.rewrite import rank1_reconstruction
 
     run_dir = Path(s.run_dir)
     rank1_reconstruction(con, run_dir / THETA0_FILE, run_dir / RANK1_FILE)
@@ -85,7 +84,7 @@ def _dynamics(con: StoreConnection, console: Console) -> None:
         t.add_column(col, justify="right" if col else "left")
     row = cmp.row(0, named=True) if cmp.height else {}
     # What means something here (dense updates): how far weights move per step, and how much of it bf16 sees.
-    per_step = frame(con, """
+    per_step = con.frame("""
         SELECT stage, median(ratio) AS ratio, median(s1) AS s1 FROM (
             SELECT stage, step, sqrt(sum(update_norm * update_norm)) / sqrt(sum(w_norm * w_norm)) AS ratio,
                    sum(bf16_unchanged_count) / sum(numel) FILTER (WHERE bf16_unchanged_count IS NOT NULL) AS s1
@@ -168,7 +167,7 @@ def print_report(s: DemoSettings, console: Console, train_s: float) -> None:
     """Print the report for the finished run ``s.run_dir``."""
     run_dir = Path(s.run_dir)
     with open_store(run_dir) as con:
-        ev = frame(con, "SELECT min(step) AS s FROM events WHERE event = 'stage'")
+        ev = con.frame("SELECT min(step) AS s FROM events WHERE event = 'stage'")
         rl_start = None if ev.is_empty() or ev["s"][0] is None else int(ev["s"][0])
         console.rule(f"dynascope demo — trained in {train_s:.0f} s")
         _reward_table(s, con, console)

@@ -13,7 +13,6 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from dynascope.analyses._common import frame
 from dynascope.demo.smollm2 import FINAL_FILE, THETA0_FILE, SmolSettings
 from dynascope.store import StoreConnection, open_store, quote_literal
 
@@ -28,7 +27,7 @@ def _columns(con: StoreConnection) -> set[str]:
 
 def _per_step(con: StoreConnection, count: str, stage: str) -> list[tuple[int, float]]:
     """(step, Σ count / Σ numel) over the tensors of rank 0, for the steps where every tensor has it."""
-    df = frame(con, f"""
+    df = con.frame(f"""
         SELECT step, sum({count}) / sum(numel) AS frac FROM tensor_stats
         WHERE stage = {quote_literal(stage)} AND rank = 0 GROUP BY step
         HAVING count({count}) = count(*) ORDER BY step""")
@@ -36,7 +35,7 @@ def _per_step(con: StoreConnection, count: str, stage: str) -> list[tuple[int, f
 
 
 def _scalar(con: StoreConnection, key: str) -> float | None:
-    df = frame(con, f"SELECT value FROM scalars WHERE key = {quote_literal(key)} ORDER BY step DESC, time_us DESC LIMIT 1")
+    df = con.frame(f"SELECT value FROM scalars WHERE key = {quote_literal(key)} ORDER BY step DESC, time_us DESC LIMIT 1")
     return None if df.is_empty() else float(df["value"][0])
 
 

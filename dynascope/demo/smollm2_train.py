@@ -2,7 +2,7 @@
 
 Stage ``sft`` measures drift against the pretrained weights; at the switch to ``rl`` the probe's θ₀
 becomes the SFT result, so RL's cumulative figures are against RL's own base, as the papers define
-them. After RL, ``dynascope.rewrite.alpharl_rank1`` writes the rank-1 replacement of RL's update, and
+them. After RL, ``dynascope.checkpoints.alpharl_rank1`` writes the rank-1 replacement of RL's update, and
 the held-out reward of the base, the RL policy and the replacement are logged as ``alpharl/*`` scalars.
 """
 
@@ -80,7 +80,7 @@ def _rl_step(s: SmolSettings, model: Any, rollout: Any, tok: Any, opt: torch.opt
 
 def train(s: SmolSettings, say=print) -> dict[str, float]:
     """The whole run into ``s.run_dir``; returns the held-out accuracies it logged."""
-    from dynascope.rewrite import alpharl_rank1
+    from dynascope.checkpoints import alpharl_rank1
 
     torch.set_num_threads(s.threads)
     torch.manual_seed(s.seed)

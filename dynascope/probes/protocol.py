@@ -15,14 +15,13 @@ and a failure becomes a warning and a ``probe_error`` event naming ``probe.name`
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from dynascope.probes.params import Tracked
 
-__all__ = ["Listener", "Probe", "Rows", "StepContext", "join_rows", "make_listener", "register_listener",
-           "rows_of"]
+__all__ = ["Listener", "Probe", "Rows", "StepContext", "join_rows", "rows_of"]
 
 Rows = dict[str, dict[str, Any]]  # table -> columns of that table (equal-length lists or scalars)
 Listener = Callable[[int, dict[str, float]], None]
@@ -119,27 +118,3 @@ def _length(cols: dict[str, Any]) -> int | None:
         elif not (v is None or isinstance(v, (int, float, str, bool))):
             return None
     return 1 if n is None else n
-
-
-# Listeners that other layers provide (integrations register theirs on import), made by name from
-# ``watch(..., listeners=["wandb"])`` or ``watch(wandb=True)`` without the probes importing them.
-_LISTENERS: dict[str, Callable[..., Listener]] = {}
-
-
-def register_listener(name: str, factory: Callable[..., Listener]) -> None:
-    """Make ``factory()`` the listener ``watch`` builds for ``name``."""
-    _LISTENERS[str(name)] = factory
-
-
-def make_listener(name: str, **kwargs: Any) -> Listener:
-    """The listener registered as ``name``; a clear error when nothing registered it."""
-    factory = _LISTENERS.get(name)
-    if factory is None:
-        known = ", ".join(sorted(_LISTENERS)) or "none"
-        raise LookupError(f"no listener {name!r} is registered (registered: {known}); "
-                          f"import the integration that provides it, e.g. dynascope.integrations.{name}")
-    return factory(**kwargs)
-
-
-def registered_listeners() -> Mapping[str, Callable[..., Listener]]:
-    return dict(_LISTENERS)

@@ -1,11 +1,11 @@
-"""``watch()`` and ``Scope``: attach the probes to a model and optimizer, record into a run store.
+"""``Scope``: the live probe session that ``watch()`` (``probes.attach``) returns.
 
     scope = dynascope.watch(model, optimizer, run="runs/x")
     ...the unchanged training loop...
     scope.close()
 
-``watch()`` composes a list of probes (``probes.protocol.Probe``: a schedule, ``before``/``after`` the
-optimizer step, the rows they produce) and the scope drives them. Hooks: optimizer step pre/post hooks
+The scope drives a list of probes (``probes.protocol.Probe``: a schedule, ``before``/``after`` the
+optimizer step, the rows they produce); ``probes.delivery`` writes their rows and calls listeners. Hooks: optimizer step pre/post hooks
 (the step boundary), forward pre/post hooks on the root module (forward timing) and autograd hooks on
 its output (backward timing). Every call into a probe is guarded: an exception warns once, becomes a
 ``probe_error`` event, and training goes on.
@@ -14,57 +14,25 @@ its output (backward timing). Every call into a probe is guarded: an exception w
 from __future__ import annotations
 
 import functools
-import gc
-import os
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from dynascope.core.clock import now_us
+from dynascope.probes.delivery import Delivery
 from dynascope.probes.memory import MemoryProbe
 from dynascope.probes.params import Tracked, discover, optimizer_fingerprint
-from dynascope.probes.protocol import Listener, Probe, Rows, StepContext, make_listener, rows_of
+from dynascope.probes.protocol import Listener, Probe, StepContext
 from dynascope.probes.reference import build_reference
 from dynascope.probes.resolver import Resolver, lower_priority
-from dynascope.probes.schedule import Schedule, as_schedule, every
 from dynascope.probes.system import SystemSampler
-from dynascope.probes.tensors import DRIFT_EVERY, TIME_BUDGET, W_NORM_EVERY, TensorStats
+from dynascope.probes.tensors import TensorStats
 from dynascope.probes.timing import PROBE_PHASE, TimingProbe
 from dynascope.store.writer import RunWriter
 
-__all__ = ["WRITER_FLUSH_S", "Scope", "watch"]
-
-# The run writer that watch() makes flushes every 10 s (RunWriter's own default is 2 s). A flush has a
-# fixed cost whatever its size (a segment file per table, each fsync'ed, and the two tensor_stats
-# rollups): at 2 s it was the largest part of the probe's background CPU, ~1-2% of a step on 2 cores.
-# The price: rows reach the store, and the dashboard, up to 10 s later (12 s with the resolver's batches,
-# probes.resolver.RESOLVE_DELAY_S), and ``dynascope runs`` calls a
-# killed run crashed after 25 s instead of 9 s. Pass ``writer=RunWriter(..., flush_secs=2)`` for fresher rows.
-WRITER_FLUSH_S = 10.0
-
-
-def _identity(rank: int | None, role: str | None, world_size: int | None) -> tuple[int, int, int, str]:
-    """(rank, local_rank, world_size, role): explicit kwargs, else torch.distributed, else env vars."""
-    env = os.environ
-    dist_on = torch.distributed.is_available() and torch.distributed.is_initialized()
-    r = rank if rank is not None else (torch.distributed.get_rank() if dist_on else int(env.get("RANK", 0)))
-    ws = world_size if world_size is not None else (
-        torch.distributed.get_world_size() if dist_on else int(env.get("WORLD_SIZE", 1)))
-    lr = int(env.get("LOCAL_RANK", 0))
-    return int(r), lr, int(ws), role or "trainer"
-
-
-def _device_of(model: Any) -> torch.device | None:
-    try:
-        p = next(iter(model.parameters()))
-        return p.device if p.device.type != "meta" else None
-    except Exception:
-        return None
-
+__all__ = ["Scope"]
 
 class Scope:
     """A live probe session; see ``watch``. Also a context manager (closes on exit).
@@ -83,10 +51,10 @@ class Scope:
         self._step = 0
         self._due: list[Probe] | None = None  # probes whose before() ran for the current step (None: none ran)
         self._warned: set[str] = set()
-        self._listeners: list[Listener] = []
         self._handles: list[Any] = []
         self._closed = False
-        self.resolver = Resolver(self._resolver_error, self._resolve_batch)
+        self.delivery = Delivery(writer, self._report)
+        self.resolver = Resolver(self._resolver_error, self.delivery.deliver)
         writer_thread = getattr(writer, "_thread", None)
         if writer_thread is not None:  # background work at a lower priority (see probes.resolver)
             lower_priority(writer_thread)
@@ -234,47 +202,6 @@ class Scope:
         if res is not None:
             out.append((p, res))
 
-    def _resolve_batch(self, items: list[tuple[int, str | None, list[tuple[Probe, Any]]]]) -> None:
-        """Rows of the steps the resolver collected: each probe converts its results of all of them at once
-        (``resolve_many``). Listeners get one summary per step, so with listeners steps resolve one by one."""
-        if self._listeners or len(items) == 1:
-            for item in items:
-                self._resolve(*item)
-            return
-        results: dict[int, tuple[Probe, list[Any]]] = {}
-        for _, _, out in items:
-            for p, res in out:
-                results.setdefault(id(p), (p, []))[1].append(res)
-        for p, batch in results.values():
-            try:
-                rows_list = p.resolve_many(batch)
-            except Exception as exc:  # report it, then resolve step by step: one bad step costs only itself
-                self._report(f"resolve:{p.name}", exc)
-                rows_list = [rows for res in batch if (rows := self._guard(f"resolve:{p.name}", rows_of, res))]
-            for rows in rows_list:
-                for table, cols in rows.items():
-                    if cols:
-                        self.writer.append(table, cols)
-
-    def _resolve(self, step: int, stage: str | None, out: list[tuple[Probe, Any]]) -> None:
-        summary: dict[str, float] = {}
-        for p, res in out:
-            try:
-                rows: Rows = rows_of(res)
-                for table, cols in rows.items():
-                    if cols:
-                        self.writer.append(table, cols)
-                if self._listeners:
-                    summary.update(p.summarize(rows))
-            except Exception as exc:
-                self._report(f"resolve:{p.name}", exc)
-        if out:
-            for fn in list(self._listeners):
-                try:
-                    fn(step, summary)
-                except Exception as exc:
-                    self._report(f"listener:{getattr(fn, '__name__', type(fn).__name__)}", exc)
-
     # ---- public API ---------------------------------------------------------------------------------
     @contextmanager
     def phase(self, name: str, category: str = "phase") -> Iterator[None]:
@@ -354,7 +281,7 @@ class Scope:
     def add_listener(self, fn: Listener) -> None:
         """``fn(step, summary)`` is called on the resolver thread after each recorded step (with a listener
         attached, the resolver converts each step's rows on their own, not a few seconds' worth at once)."""
-        self._listeners.append(fn)
+        self.delivery.listeners.append(fn)
 
     def flush(self) -> None:
         """Resolve pending records and write buffered rows now."""
@@ -374,7 +301,7 @@ class Scope:
                 self.writer.append(table, cols)
         for p in self.probes:
             self._guard(p.name, p.close)
-        for fn in self._listeners:
+        for fn in self.delivery.listeners:
             close = getattr(fn, "close", None)
             if callable(close):
                 self._guard("listener", close)
@@ -388,90 +315,3 @@ class Scope:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _spectral_probe(spec: Any) -> Probe:
-    from dynascope.probes.spectral import SpectralProbe
-
-    kw = dict(spec) if isinstance(spec, dict) else {}
-    if "every" in kw:
-        kw["schedule"] = every(int(kw.pop("every")))
-    return SpectralProbe(**kw)
-
-
-def watch(model: Any, optimizer: Any = None, run: str | os.PathLike = "runs/default", *,
-          every: int | Schedule = 1, reference: Any = "init", memory_budget: float | None = 0.1,
-          spectral: bool | dict = False, stage: str | None = None, rank: int | None = None,
-          role: str | None = None, world_size: int | None = None, system_interval_s: float | None = 5.0,
-          grad_tol: float | None = None, wandb: bool = False, config: dict | None = None,
-          writer: RunWriter | None = None, time_budget: float | None = TIME_BUDGET, bf16_k: int | None = None,
-          probes: Sequence[Probe] = (), listeners: Sequence[Listener | str] = (),
-          drift_every: int = DRIFT_EVERY, w_norm_every: int = W_NORM_EVERY) -> Scope:
-    """Attach dynascope's probes to ``model`` and ``optimizer`` and record into the run at ``run``.
-
-    Args:
-        every: record tensor statistics every N optimizer steps, or a ``schedule(step) -> bool``
-            (see ``dynascope.probes.schedule``). Timings are recorded every step.
-        reference: θ₀ for drift — "init" (the weights now), None, a state dict, or a checkpoint path.
-        memory_budget: share of parameter bytes dynascope may hold on the device for ΔW snapshots and
-            θ₀; it sizes the rotating window of tensors that get the full statistics each record
-            (>= 2 or None: every tensor, every record, θ₀ resident).
-        spectral: True or dict(k=8, every=10, time_budget=0.05) for low-rank summaries of W − W₀.
-        rank, role, world_size: identity for processes outside torch.distributed (e.g. Ray actors).
-        system_interval_s: system sampler period (None/0 disables it).
-        grad_tol: near-zero gradient threshold relative to the tensor's rms (default 1e-8).
-        wandb: mirror the compact summaries to wandb (the listener ``dynascope.integrations.wandb``
-            registers; ``dynascope.watch`` imports it when asked).
-        writer: share an existing ``RunWriter`` (it is then flushed, not closed, by ``close``); by
-            default watch() makes one that flushes every ``WRITER_FLUSH_S`` (10 s).
-        time_budget: share of wall time the windowed statistics may take on average (default 1%,
-            ``probes.tensors.TIME_BUDGET``; None: no limit). ‖g‖ of every tensor is recorded regardless,
-            and ‖W‖ as ``w_norm_every`` says.
-        bf16_k: record PULSE's S_k (``bf16_unchanged_k_*``) against the weights ``bf16_k`` steps back;
-            the bf16 snapshot is resident when the budget covers it, else on disk beside θ₀.
-        probes: further ``Probe`` objects, run after the built-in ones.
-        listeners: ``fn(step, summary)`` callables, or names of registered listeners ("wandb").
-        drift_every: drift from θ₀ at every N-th window a tensor is in (default 4: drift is cumulative
-            and slow, so its refresh once per 4 rotations leaves more of the time budget to ΔW); a
-            window that holds every tensor (``memory_budget`` >= 2 or None) always computes it.
-        w_norm_every: ‖W‖ of every tensor at every N-th record (default 8, the first included; 1: every
-            record) and of the window's tensors at every record, where ``update_ratio`` needs it. ‖W‖
-            moves slowly, and its pass over every weight costs about as much as the gradients' norm pass.
-            Weights' NaN/Inf counts are known where ‖W‖ is (a finite norm proves them 0); gradients',
-            from which a non-finite weight normally comes, at every record.
-    """
-    r, local_rank, ws, role_ = _identity(rank, role, world_size)
-    own = writer is None
-    if writer is None:
-        writer = RunWriter(run, rank=r, role=role_, world_size=ws, framework="pytorch", config=config,
-                           flush_secs=WRITER_FLUSH_S)
-    schedule = as_schedule(every)
-    built: list[Probe] = [TensorStats(memory_budget, grad_tol, time_budget=time_budget, schedule=schedule,
-                                      bf16_k=bf16_k, run_dir=writer.run_dir, rank=writer.rank,
-                                      drift_every=drift_every, w_norm_every=w_norm_every)]
-    failed: list[tuple[str, Exception]] = []
-    for name, make in (("spectral", lambda: _spectral_probe(spectral) if spectral else None),
-                       ("system", lambda: SystemSampler(writer, system_interval_s, local_rank)
-                        if system_interval_s else None)):
-        try:
-            p = make()
-            if p is not None:
-                built.append(p)
-        except Exception as exc:
-            failed.append((name, exc))
-    device = _device_of(model)
-    built += [MemoryProbe(device, schedule), *probes, TimingProbe(device)]  # timing last: the step row spans them
-    scope = Scope(model, optimizer, writer, own, built, reference=reference, stage=stage)
-    for name, exc in failed:
-        scope._report(name, exc)
-    for spec in (["wandb"] if wandb else []) + list(listeners):
-        try:
-            scope.add_listener(make_listener(spec) if isinstance(spec, str) else spec)
-        except Exception as exc:
-            scope._report(f"listener:{spec}" if isinstance(spec, str) else "listener", exc)
-    # One full collection now, before the first probed step. What attaching allocated (modules imported on
-    # first use, the writer's and the probes' state) is enough to tip CPython's collector into a full pass
-    # a few dozen steps later: 0.2-0.3 s inside one training step of a process holding ~300k objects, and
-    # under data parallelism one rank's stall is every rank's wait. Here it costs the same, outside a step.
-    gc.collect()
-    return scope

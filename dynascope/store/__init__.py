@@ -4,6 +4,8 @@ from dynascope.core.errors import StoreError
 from dynascope.store.layout import SchemaVersionError
 from dynascope.store.reader import (
     StoreConnection,
+    StoreLike,
+    as_store,
     open_store,
     quote_ident,
     quote_literal,
@@ -14,6 +16,6 @@ from dynascope.store.schema import SCHEMA_VERSION, TABLES
 from dynascope.store.writer import RunWriter
 
 __all__ = [
-    "SCHEMA_VERSION", "TABLES", "RunWriter", "SchemaVersionError", "StoreConnection", "StoreError",
-    "open_store", "quote_ident", "quote_literal", "retry_vanished", "run_sql",
+    "SCHEMA_VERSION", "TABLES", "RunWriter", "SchemaVersionError", "StoreConnection", "StoreError", "StoreLike",
+    "as_store", "open_store", "quote_ident", "quote_literal", "retry_vanished", "run_sql",
 ]

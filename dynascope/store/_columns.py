@@ -2,7 +2,8 @@
 
 The writer keeps each ``append`` call's dict untouched (so ``append`` stays a few hundred ns) and pays the
 conversion once per flush. Converting Python lists element by element with ``pa.array`` costs ~0.5 µs
-per string, which made flushing the bottleneck; so each column is assembled from *parts* instead:
+per string, which made flushing the bottleneck; so each column is assembled from *pieces* instead (one per
+batch that gives the column):
 
 - a scalar broadcast over a batch (``step=7``, ``run_id``) becomes a run in a NumPy repeat, never a list;
 - string columns are dictionary-encoded: a value list passed again and again (the same list of tensor or
@@ -20,13 +21,13 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-# Part kinds: ("s", value, n) scalar broadcast, ("l", seq, n) Python sequence, ("a", ndarray, n) array,
+# Piece kinds: ("s", value, n) scalar broadcast, ("l", seq, n) Python sequence, ("a", ndarray, n) array,
 # ("p", pa.Array, n) Arrow array.
-# A column's parts carry their first row; rows no part covers are NULL (the batch did not give the column).
-Part = tuple[int, str, Any, int]
+# A column's pieces carry their first row; rows no piece covers are NULL (the batch did not give the column).
+Piece = tuple[int, str, Any, int]
 
 
-def classify(offset: int, value: Any, n: int) -> Part:
+def classify(offset: int, value: Any, n: int) -> Piece:
     """How one batch, starting at row ``offset`` of the flush, supplies one column."""
     if isinstance(value, (list, tuple)):
         return (offset, "l", value, n)
@@ -41,39 +42,39 @@ def classify(offset: int, value: Any, n: int) -> Part:
     return (offset, "s", value, n)
 
 
-def build_column(parts: Sequence[Part], typ: pa.DataType, total: int) -> pa.Array:
-    """One Arrow array of ``total`` rows of type ``typ`` from a column's parts (sorted by offset)."""
-    parts = [p for p in parts if not (p[1] == "s" and p[2] is None)]
-    if not parts:
+def build_column(pieces: Sequence[Piece], typ: pa.DataType, total: int) -> pa.Array:
+    """One Arrow array of ``total`` rows of type ``typ`` from a column's pieces (sorted by offset)."""
+    pieces = [p for p in pieces if not (p[1] == "s" and p[2] is None)]
+    if not pieces:
         return pa.nulls(total, typ)
     if pa.types.is_string(typ) or pa.types.is_large_string(typ):
-        return _strings(parts, typ, total)
-    if (pa.types.is_integer(typ) or pa.types.is_floating(typ)) and all(p[1] == "s" for p in parts):
-        return _repeat_scalars(parts, typ, total)
-    return _generic(parts, typ, total)
+        return _strings(pieces, typ, total)
+    if (pa.types.is_integer(typ) or pa.types.is_floating(typ)) and all(p[1] == "s" for p in pieces):
+        return _repeat_scalars(pieces, typ, total)
+    return _generic(pieces, typ, total)
 
 
-def _repeat_scalars(parts: Sequence[Part], typ: pa.DataType, total: int) -> pa.Array:
+def _repeat_scalars(pieces: Sequence[Piece], typ: pa.DataType, total: int) -> pa.Array:
     # Convert the per-batch values through Arrow so out-of-range or non-numeric values raise here.
-    values = pa.array([p[2] for p in parts], type=typ).to_numpy(zero_copy_only=False)
-    counts = np.fromiter((p[3] for p in parts), dtype=np.int64, count=len(parts))
+    values = pa.array([p[2] for p in pieces], type=typ).to_numpy(zero_copy_only=False)
+    counts = np.fromiter((p[3] for p in pieces), dtype=np.int64, count=len(pieces))
     if int(counts.sum()) == total:  # every batch gave the column, in order: one C-level repeat
         return pa.array(np.repeat(values, counts), type=typ)
     out = np.zeros(total, dtype=values.dtype)
     valid = np.zeros(total, dtype=bool)
-    for (off, _, _, n), v in zip(parts, values, strict=True):
+    for (off, _, _, n), v in zip(pieces, values, strict=True):
         out[off:off + n] = v
         valid[off:off + n] = True
     return pa.array(out, type=typ, mask=None if valid.all() else ~valid)
 
 
-def _strings(parts: Sequence[Part], typ: pa.DataType, total: int) -> pa.Array:
+def _strings(pieces: Sequence[Piece], typ: pa.DataType, total: int) -> pa.Array:
     """A dictionary array: Parquet stores it dictionary-encoded and readers see plain strings."""
     dictionary: list[Any] = []
     scalar_index: dict[Any, int] = {}
     seq_index: dict[int, np.ndarray] = {}  # id(list) -> its index range; the list is alive until the flush ends
     indices = np.full(total, -1, dtype=np.int32)
-    for off, kind, value, n in parts:
+    for off, kind, value, n in pieces:
         if kind == "s":
             i = scalar_index.get(value)
             if i is None:
@@ -114,7 +115,7 @@ def _strings(parts: Sequence[Part], typ: pa.DataType, total: int) -> pa.Array:
         pa.array(np.where(null, 0, indices) if has_null else indices, mask=null if has_null else None), dict_values)
 
 
-def _generic(parts: Sequence[Part], typ: pa.DataType, total: int) -> pa.Array:
+def _generic(pieces: Sequence[Piece], typ: pa.DataType, total: int) -> pa.Array:
     arrays: list[pa.Array] = []
     pending: list[Any] = []  # consecutive Python values, converted in one call
     row = 0
@@ -124,7 +125,7 @@ def _generic(parts: Sequence[Part], typ: pa.DataType, total: int) -> pa.Array:
             arrays.append(pa.array(pending, type=typ))
             pending.clear()
 
-    for off, kind, value, n in parts:
+    for off, kind, value, n in pieces:
         if off > row:  # rows whose batch did not give this column
             spill()
             arrays.append(pa.nulls(off - row, typ))

@@ -243,6 +243,14 @@ def open_store(path: str | os.PathLike, read_only: bool = True, threads: int | N
     return StoreConnection(con, loc, read_only)
 
 
+StoreLike = StoreConnection | str | os.PathLike  # what the toolkit's readers take: an open store or its path
+
+
+def as_store(store: StoreLike) -> StoreConnection:
+    """An open store for ``store`` (a path is opened read-only)."""
+    return store if isinstance(store, StoreConnection) else open_store(store)
+
+
 def run_sql(store: StoreConnection, query: str, max_rows: int | None = None) -> pa.Table:
     """Run one user query on a (locked) store and return a pyarrow Table, capped at ``max_rows``.
 

@@ -1,4 +1,4 @@
-"""AlphaRL's rank-1 replacement (dynascope.rewrite.alpharl_rank1) on planted checkpoints with exact values."""
+"""AlphaRL's rank-1 replacement (dynascope.checkpoints.alpharl_rank1) on planted checkpoints with exact values."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dynascope.rewrite import alpharl_rank1, alpharl_target, rank1_replacement
+from dynascope.checkpoints import alpharl_rank1, alpharl_target, rank1_replacement
 from dynascope.store import StoreError
 
 Q = "model.layers.0.self_attn.q_proj.weight"

@@ -27,10 +27,9 @@ import numpy as np
 import polars as pl
 import torch
 
-from dynascope.analyses._common import StoreLike, as_store
 from dynascope.analyses.dynamics_rank1 import Rank1Track, rank1_tracks
 from dynascope.core.tensor_io import open_checkpoint, write_safetensors
-from dynascope.store import StoreError, quote_literal
+from dynascope.store import StoreError, StoreLike, as_store, quote_literal
 
 __all__ = ["alpharl_rank1", "extrapolate", "rank1_reconstruction"]
 
