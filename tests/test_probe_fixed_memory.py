@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-from benchmarks.probe_memory import memory_events
 from dynascope.probes.grad_stats import grad_counts, grad_norms
+from dynascope.probes.held_memory import memory_events
 from dynascope.probes.update_stats import tensor_update_stats
 
 

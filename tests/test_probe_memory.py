@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 import dynascope
-from benchmarks.probe_memory import held_peak
+from dynascope.probes.held_memory import held_peak
 from dynascope.probes.params import Tracked
 from dynascope.probes.reference import build_reference
 from dynascope.probes.tensors import TensorStats
