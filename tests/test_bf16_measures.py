@@ -18,19 +18,8 @@ from dynascope.probes.update_stats import UPDATE_STAT_COLUMNS, weight_drift_stat
 from dynascope.store import open_store
 from dynascope.store.rollup import tensor_stats_by_kind
 
-HALF_ULP_AT_1 = 2.0 ** -8  # bf16 has 8 significand bits: its ulp on [1, 2) is 2^-7
-
-# S₁ plant: (old, new) fp32 pairs around the bf16 rounding boundary 1 + 2^-8 between 1.0 and 1.0078125.
-S1_PAIRS = [
-    (1.0, 1.0 + HALF_ULP_AT_1 - 2 ** -20),  # just under half an ulp: bf16 rounds back to 1.0 → unchanged
-    (1.0, 1.0 + HALF_ULP_AT_1 + 2 ** -20),  # just over: bf16 rounds up to 1.0078125 → changed
-    (1.0, 1.0 + HALF_ULP_AT_1),  # exactly the tie: round-half-even keeps 1.0 → unchanged
-    (1.0 + HALF_ULP_AT_1 - 2 ** -20, 1.0 + HALF_ULP_AT_1 + 2 ** -20),  # a 2e-6 step across it → changed
-    (1.0 + 2 ** -14, 1.0 + HALF_ULP_AT_1 - 2 ** -14),  # a 3.8e-3 step inside one bf16 bucket → unchanged
-    (-3.0, -3.0),  # no update → unchanged
-    (0.5, -0.5),  # sign flip → changed
-]
-S1_UNCHANGED = 4
+from helpers.bf16_plants import S1_PAIRS, S1_UNCHANGED
+from helpers.bf16_plants import pair as _pair
 
 # Mukherjee plant: (W₀, W_t) whose bf16 difference sits on either side of 1e-5.
 ULP_AT_2M10 = 2.0 ** -17  # bf16 ulp on [2^-10, 2^-9): 7.63e-6
@@ -46,10 +35,6 @@ DRIFT_PAIRS = [
     (0.0, -1.0073184967041016e-05),  # the same below zero: changed
 ]
 DRIFT_UNCHANGED, DRIFT_ZERO = 5, 2
-
-
-def _pair(pairs: list[tuple[float, float]]) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.tensor([a for a, _ in pairs]), torch.tensor([b for _, b in pairs])
 
 
 def test_s1_counts_bitwise_bf16_identity_on_either_side_of_a_rounding_boundary() -> None:

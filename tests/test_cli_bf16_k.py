@@ -7,7 +7,9 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from dynascope.store import open_store
-from tests.test_bf16_measures import S1_PAIRS, S1_UNCHANGED, _pair
+
+from helpers.bf16_plants import S1_PAIRS, S1_UNCHANGED
+from helpers.bf16_plants import pair as _pair
 
 
 def test_cli_diff_records_s_k_and_refuses_a_bad_k(tmp_path: Path) -> None:

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
 import dynascope
-from dynascope.core.net import free_port
+
+from helpers.torchrun import torchrun
 
 WORKER = textwrap.dedent("""
     import sys, torch, torch.distributed as dist, torch.nn as nn
@@ -31,16 +29,6 @@ WORKER = textwrap.dedent("""
     scope.close()
     dist.destroy_process_group()
 """)
-
-
-def torchrun(tmp_path: Path, worker: str, run: Path, nproc: int = 2) -> None:
-    script = tmp_path / "worker.py"
-    script.write_text(worker)
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script), str(run)]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
 
 
 @pytest.mark.slow

@@ -23,25 +23,8 @@ import torch
 import dynascope
 from dynascope.store import RunWriter, open_store
 
-
-def tiny_training(steps, scope=None, writer=None, on_step=None):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    if scope is not None:
-        scope = dynascope.watch(model, opt, run=writer.run_dir, writer=writer, system_interval_s=None)
-    x, y = torch.randn(64, 16), torch.randn(64, 1)
-    for step in range(steps):
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        writer.append("scalars", {"step": step, "key": [f"fault/m{i}" for i in range(50)], "value": np.full(50, loss.item())})
-        if on_step:
-            on_step(step)
-    if scope is not None:
-        scope.close()
-    return steps
+from helpers.tiny_training import tiny_training
+from helpers.waiting import wait_until
 
 
 def events(run, kind):
@@ -58,8 +41,8 @@ def test_run_dir_deleted_mid_training(tmp_path):
             w.flush()
             os.rename(run, tmp_path / "gone")  # vanishes in one step (rmtree races the writer's recreation)
             shutil.rmtree(tmp_path / "gone")
-        if step == 11:
-            time.sleep(0.1)  # let the writer thread meet the missing directory on its own
+        if step == 11:  # the writer thread meets the missing directory on its own, at its next flush
+            wait_until(lambda: (run / "dynascope.json").exists(), "the writer to recreate the run directory")
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -79,7 +62,7 @@ def test_run_dir_deleted_mid_training(tmp_path):
 DISK_FULL = textwrap.dedent("""
     import json, resource, signal, sys
     sys.path.insert(0, sys.argv[2])
-    from test_faults import tiny_training
+    from helpers.tiny_training import tiny_training
     from dynascope.store import RunWriter
     w = RunWriter(sys.argv[1], flush_secs=0.02, max_buffer_rows=2_000)
     # From here on no file may grow past 1 KiB: every segment write fails with EFBIG, like a full disk.
@@ -119,7 +102,10 @@ def test_transient_write_errors_lose_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(writer_mod.pq, "write_table", flaky)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        tiny_training(30, writer=w, on_step=lambda s: time.sleep(0.005))
+        tiny_training(30, writer=w)
+        # the writer thread retries on its own until the disk takes the rows again
+        # (rows_written also counts the run's own rows: the runs row, the write_error events)
+        wait_until(lambda: failures["left"] == 0 and w.rows_written >= 30 * 50, "the writer to get past 5 failures")
         w.close()
     assert failures["left"] == 0 and w.write_errors == 5 and w.rows_dropped == 0
     assert any("No space left" in str(c.message) for c in caught)
@@ -141,7 +127,8 @@ def test_exception_in_writer_thread_is_reported(tmp_path):
     w = Buggy(tmp_path / "run", flush_secs=0.01)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        tiny_training(20, writer=w, on_step=lambda s: time.sleep(0.01))
+        tiny_training(20, writer=w)
+        wait_until(lambda: Buggy.calls >= 3, "the writer thread's flush after the failed one")  # it lived on
         w.close()
     assert any("flush failed: RuntimeError: boom" in str(c.message) for c in caught)
     assert events(tmp_path / "run", "writer_error") == 1

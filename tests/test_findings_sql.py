@@ -17,11 +17,13 @@ from pathlib import Path
 
 import pytest
 from dashboard_fixtures import make_store
-from test_cluster_analyses import T0, _write_series, write_async_run, write_synthetic_run
 
 from dynascope.analyses.findings import collect_findings
 from dynascope.analyses.findings_text import SENTENCES
 from dynascope.store import RunWriter, open_store, run_sql
+
+from helpers.planted_cluster import T0, write_async_run, write_synthetic_run
+from helpers.planted_cluster import write_series as _write_series
 
 # The numbers each finding's SQL must return (first row, same names).
 GOODPUT = {"checkpoint_saves", "checkpoint_save_ms", "checkpoint_loads", "checkpoint_load_ms", "faults", "restarts"}

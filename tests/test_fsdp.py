@@ -11,13 +11,14 @@ import pytest
 
 import dynascope
 from dynascope.store.combine import combine_shards
-from tests.test_ddp_torchrun import torchrun
+
+from helpers.torchrun import torchrun
 
 WORKER = textwrap.dedent("""
     import json, sys, torch, torch.distributed as dist, torch.nn as nn
     from torch.distributed.fsdp import fully_shard
     import dynascope
-    from tests.test_probe_stats import naive_update, naive_grad
+    from helpers.naive_stats import naive_update, naive_grad
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))

@@ -198,3 +198,51 @@ def test_a_part_without_a_contract_is_reported(tmp_path):
     pkg = _fake_package(tmp_path)
     (pkg / "newpart.py").write_text("import os\n")
     assert violations(pkg) == ["dynascope/newpart.py: part 'newpart' has no contract in CONTRACTS"]
+
+
+# --- the tests themselves: shared pieces live in tests/helpers/, never in a test module or a benchmark ---
+TESTS = Path(__file__).resolve().parent
+BENCHMARKS = TESTS.parent / "benchmarks"
+
+
+def shared_through_tests(tests: Path = TESTS, benchmarks: Path = BENCHMARKS) -> list[str]:
+    """Imports of a test module or a benchmark script by a test file, as ``file:line: imports name``."""
+    benches = {p.stem for p in benchmarks.glob("*.py")}
+    found = []
+    for path in sorted(tests.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                parts = name.split(".")
+                top = parts[1] if parts[0] == "tests" and len(parts) > 1 else parts[0]
+                own_benchmark = path.stem == f"test_{top}"  # a benchmark's own test runs it
+                if top.startswith("test_") or parts[0] == "benchmarks" or (top in benches and not own_benchmark):
+                    found.append(f"{path.relative_to(tests.parent)}:{node.lineno}: imports {name}")
+    return found
+
+
+def test_no_test_imports_another_test_module_or_a_benchmark():
+    found = shared_through_tests()
+    assert not found, "move what is shared to tests/helpers/ (or the package):\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize(("source", "bad"), [
+    ("from test_b import x\n", "test_b"), ("from tests.test_b import x\n", "tests.test_b"),
+    ("def f():\n    import test_b\n", "test_b"), ("from benchmarks.probe import x\n", "benchmarks.probe"),
+    ("import probe\n", "probe"),  # a benchmark put on sys.path
+])
+def test_a_test_sharing_through_a_test_module_is_reported(tmp_path, source, bad):
+    (tmp_path / "tests" / "helpers").mkdir(parents=True)
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "probe.py").write_text("")
+    (tmp_path / "tests" / "test_b.py").write_text("x = 1\n")
+    (tmp_path / "tests" / "test_a.py").write_text(source)
+    assert shared_through_tests(tmp_path / "tests", tmp_path / "benchmarks") == [f"tests/test_a.py:{source.count(chr(10))}: imports {bad}"]
+    (tmp_path / "tests" / "test_a.py").write_text("from helpers.runs import x\nimport torch\n")
+    (tmp_path / "tests" / "test_probe.py").write_text("import probe\n")  # the benchmark's own test
+    assert shared_through_tests(tmp_path / "tests", tmp_path / "benchmarks") == []

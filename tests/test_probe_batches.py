@@ -9,12 +9,14 @@ import threading
 import duckdb
 import pyarrow as pa
 import torch
-from test_probe_rows import _record, _tracked
 
 import dynascope
 from dynascope.probes.resolver import Resolver
 from dynascope.probes.rows import Record, rows_from_record, rows_from_records
 from dynascope.store.schema import TENSOR_STATS_COLUMNS
+
+from helpers.records import record as _record
+from helpers.records import tracked as _tracked
 
 
 def _as_list(v: object, n: int) -> list:

@@ -24,7 +24,8 @@ from dynascope.probes.attach import WRITER_FLUSH_S
 from dynascope.probes.resolver import BACKGROUND_NICE, lower_priority
 from dynascope.probes.tensors import W_NORM_EVERY
 from dynascope.store.writer import RunWriter
-from tests.test_probe_scope import rows, train
+
+from helpers.probe_runs import rows, train
 
 STEPS = 45
 

@@ -19,18 +19,7 @@ from dynascope.probes.update_stats import (
     weight_update_stats,
 )
 
-
-def naive_update(new: torch.Tensor, old: torch.Tensor, eta: float = 1e-3) -> list[float]:
-    """Element by element in float64 / Python, the slowest and plainest way."""
-    n, o = new.reshape(-1).tolist(), old.reshape(-1).tolist()
-    nb = new.reshape(-1).view({2: torch.int16, 4: torch.int32, 8: torch.int64}[new.element_size()]).tolist()
-    ob = old.reshape(-1).view({2: torch.int16, 4: torch.int32, 8: torch.int64}[old.element_size()]).tolist()
-    w_norm = math.sqrt(sum(x * x for x in n))
-    update_norm = math.sqrt(sum((x - y) ** 2 for x, y in zip(n, o, strict=False)))
-    changed = sum(a != b for a, b in zip(nb, ob, strict=False))
-    rel = sum(abs(x - y) > eta * max(abs(x), abs(y)) for x, y in zip(n, o, strict=False))
-    flips = sum((x > 0 and y < 0) or (x < 0 and y > 0) for x, y in zip(n, o, strict=False))
-    return [w_norm, update_norm, changed, rel, flips, sum(math.isnan(x) for x in n), sum(math.isinf(x) for x in n)]
+from helpers.naive_stats import naive_grad, naive_update
 
 
 def naive_bf16_unchanged(new: torch.Tensor, old: torch.Tensor) -> int:
@@ -109,14 +98,6 @@ def test_update_stats_two_step_snapshot_is_released() -> None:
     assert torch.equal(got, weight_update_stats(p, before))
     with pytest.raises(RuntimeError):
         probe.after(p)
-
-
-def naive_grad(g: torch.Tensor, tol: float = 1e-8) -> list[float]:
-    v = g.double().reshape(-1).tolist()
-    norm = math.sqrt(sum(x * x for x in v))
-    rms = norm / math.sqrt(max(len(v), 1))
-    return [norm, max((abs(x) for x in v), default=0.0), sum(x == 0 for x in v),
-            sum(abs(x) <= tol * rms for x in v), sum(math.isnan(x) for x in v), sum(math.isinf(x) for x in v)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -8,7 +8,14 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-from test_cluster_analyses import (
+from typer.testing import CliRunner
+
+from dynascope.analyses.findings import ranked_findings
+from dynascope.analyses.throughput import throughput_mfu
+from dynascope.cli import app
+from dynascope.store import RunWriter, open_store, run_sql
+
+from helpers.planted_cluster import (
     BACKWARD,
     SLOW_FACTOR,
     SLOW_RANK,
@@ -16,12 +23,6 @@ from test_cluster_analyses import (
     write_async_run,
     write_synthetic_run,
 )
-from typer.testing import CliRunner
-
-from dynascope.analyses.findings import ranked_findings
-from dynascope.analyses.throughput import throughput_mfu
-from dynascope.cli import app
-from dynascope.store import RunWriter, open_store, run_sql
 
 
 @pytest.fixture(scope="module")

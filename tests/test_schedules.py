@@ -7,8 +7,6 @@ against the polars implementation it replaced.
 
 from __future__ import annotations
 
-import itertools
-import random
 from pathlib import Path
 
 import polars as pl
@@ -20,54 +18,8 @@ import dynascope.analyses.stragglers as stragglers
 from dynascope.analyses._schedule_sim import Pieces, Pool, replay
 from dynascope.store import RunWriter
 
-T0 = 1_700_000_000_000_000  # µs
-MS = 1000
-STEPS = 10
-
-
-def timing_rows(t: int, phases: list[tuple[str, int, str]]) -> tuple[dict, int]:
-    """Consecutive top-level rows from ``t`` for (phase, µs, category) triples; returns them and the end."""
-    rows = {"phase": [], "start_us": [], "dur_us": [], "category": []}
-    for phase, us, cat in phases:
-        for k, v in zip(rows, (phase, t, us, cat), strict=True):
-            rows[k].append(v)
-        t += us
-    return rows, t
-
-
-def plant(run: Path, *, ranks: int = 1, rollout_ms: float = 100.0, train_ms: float = 40.0, opt_ms: float = 10.0,
-          sync_ms: float = 5.0, gap_ms: float = 5.0, slow: dict[int, float] | None = None, eval_ms: float = 0.0,
-          gens_ms: list[float] | None = None, allreduce_ms: float = 4.0) -> Path:
-    """A synchronous RL run: per step weight_sync → rollout (samples' generation from its start) → train →
-    [grad_allreduce] → optimizer → an un-instrumented gap; ``slow`` multiplies a rank's train time.
-    ``eval_ms`` puts an evaluation before the first step's rollout."""
-    gens = gens_ms or [rollout_ms * 0.4] * 6 + [rollout_ms * 0.8, rollout_ms]
-    writers = [RunWriter(run, rank=r, world_size=ranks, flush_secs=60) for r in range(ranks)]
-    t0 = T0
-    for step in range(STEPS):
-        train = {r: train_ms * (slow or {}).get(r, 1.0) for r in range(ranks)}
-        ends = {}
-        for r, w in enumerate(writers):
-            order = [("eval", eval_ms if step == 0 else 0.0, "phase"), ("weight_sync", sync_ms, "phase"),
-                     ("rollout", rollout_ms, "phase"), ("train", train[r], "phase")]
-            if ranks > 1:  # fast ranks wait for the slowest one, then the collective costs allreduce_ms
-                order.append(("grad_allreduce", max(train.values()) - train[r] + allreduce_ms, "comm"))
-            order.append(("optimizer", opt_ms, "phase"))
-            planted = [(p, int(ms * MS), cat) for p, ms, cat in order if ms > 0]
-            gen0 = t0 + sum(us for _, us, _ in itertools.takewhile(lambda x: x[0] != "rollout", planted))
-            tr, t = timing_rows(t0, planted)
-            end = t + int(gap_ms * MS)
-            w.append("timings", {**tr, "step": step})
-            w.append("timings", {"phase": "step", "category": "step", "step": step, "start_us": t0, "dur_us": end - t0})
-            w.append("samples", {"step": step, "sample_id": [r * 100 + i for i in range(len(gens))],
-                                 "response_len": [int(g) for g in gens], "gen_start_us": gen0,
-                                 "gen_end_us": [gen0 + int(g * MS) for g in gens], "policy_version": step,
-                                 "trainer_version": step})
-            ends[r] = end
-        t0 = max(ends.values())
-    for w in writers:
-        w.close()
-    return run
+from helpers.planted_timings import MS, STEPS, T0, plant, timing_rows
+from helpers.planted_timings import random_run as _random_run
 
 
 def rows(df: pl.DataFrame) -> dict[str, dict]:
@@ -313,22 +265,6 @@ def _reference_what_if(path: Path, ranks=None, phases=None) -> pl.DataFrame:
     new = sim(mask if ranks is not None else pl.lit(False)).rename({"sim_us": "new_us"})
     return base.join(new, on=g).sort(g).select(*g, (pl.col("sim_us") / 1e3).alias("simulated_base_ms"),
                                               (pl.col("new_us") / 1e3).alias("simulated_ms"))
-
-
-def _random_run(path: Path, n_ranks: int, seed: int) -> Path:
-    """Ranks with two sync points, rank-dependent phase orders, repeated phases and a gap nobody timed."""
-    rng = random.Random(seed)
-    for r in range(n_ranks):
-        with RunWriter(path, rank=r) as w:
-            for step in range(8):
-                order = ["a", "b", "sync1", "c", "a", "sync2", "d"] if r % 2 else ["b", "a", "sync1", "c", "sync2", "d"]
-                rows, t = timing_rows(T0 + step * 10**7, [(p, rng.randint(1_000, 90_000), "wait" if p.startswith("sync")
-                                                           else "phase") for p in order])
-                w.append("timings", {**rows, "step": step})
-                if step != 3 or r == 0:  # one rank-step without a step row is left out
-                    w.append("timings", {"phase": "step", "category": "step", "step": step,
-                                         "start_us": T0 + step * 10**7, "dur_us": t - T0 - step * 10**7 + rng.randint(0, 20_000)})
-    return path
 
 
 @pytest.mark.parametrize("n_ranks", [1, 2, 3, 4])

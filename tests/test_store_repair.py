@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-from test_store_rollup import NAIVE, NAIVE_BY_LAYER, ROLLED_BY_LAYER, _batch, _same
 from typer.testing import CliRunner
 
 from dynascope.cli import app
@@ -18,6 +17,10 @@ from dynascope.store.compact import compact_store
 from dynascope.store.layout import list_segments
 from dynascope.store.repair import RepairResult
 from dynascope.store.rollup import ROLLUP_TABLES
+
+from helpers.rollup_reference import NAIVE, NAIVE_BY_LAYER, ROLLED_BY_LAYER
+from helpers.rollup_reference import batch as _batch
+from helpers.rollup_reference import same as _same
 
 ROLLUPS = ("tensor_stats_by_kind", "tensor_stats_by_layer")
 # tensor_stats_by_kind summed per group, in NAIVE's column order: a step may have rows in several segments.

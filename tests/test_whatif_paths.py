@@ -16,7 +16,9 @@ import dynascope.analyses.schedules as schedules
 import dynascope.analyses.stragglers as stragglers
 from dynascope.analyses.steps import REMAINDER
 from dynascope.store import RunWriter, open_store
-from tests.test_schedules import T0, _random_run, plant, timing_rows
+
+from helpers.planted_timings import T0, plant, timing_rows
+from helpers.planted_timings import random_run as _random_run
 
 
 def _sql_only(monkeypatch: pytest.MonkeyPatch) -> None:

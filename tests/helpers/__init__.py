@@ -1,0 +1,1 @@
+"""Pieces several test files share: planted runs, naive references, launchers, deadline waits."""
