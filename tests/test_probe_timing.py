@@ -13,6 +13,8 @@ import dynascope
 from dynascope.probes.schedule import as_schedule, every, log_spaced, never
 from dynascope.probes.timing import PROBE_PHASE, first_grad_tensor
 
+from helpers.waiting import wait_until
+
 
 def rows(run: Path, sql: str) -> list[dict]:
     return dynascope.open_store(run).sql(sql).pl().to_dicts()
@@ -147,9 +149,10 @@ def test_listener_and_wandb_failures_are_contained(tmp_path: Path, monkeypatch: 
 def test_system_sampler_writes_process_rows(tmp_path: Path) -> None:
     run = tmp_path / "s"
     model = nn.Linear(2, 2)
-    with dynascope.watch(model, None, run=run, system_interval_s=0.05):
-        time.sleep(0.3)
-    got = rows(run, "select * from system where device = 'cpu'")
+    q = "select * from system where device = 'cpu'"
+    with dynascope.watch(model, None, run=run, system_interval_s=0.05) as scope:
+        wait_until(lambda: scope.flush() or len(rows(run, q)) >= 2, "two samples of the system sampler")
+    got = rows(run, q)
     assert len(got) >= 2 and all(r["rss_bytes"] > 0 and r["cpu_pct"] >= 0 for r in got)
 
 
