@@ -67,7 +67,7 @@ FAMILIES = (
 # ``--malloc-fixed``: glibc's trimming and mmap of large blocks off, so freed memory stays in the heap
 # and is reused without page faults. Under glibc's defaults the reference step faults thousands of pages
 # of activations back in at every step, and how many depends on where earlier allocations happened to
-# land: the count differs 2-3x between fresh processes of one configuration (figures in README).
+# land: the count differs 2-3x between fresh processes of one configuration (figures in docs/benchmarks.md).
 FIXED_MALLOC = {"MALLOC_TRIM_THRESHOLD_": str(1 << 40), "MALLOC_MMAP_THRESHOLD_": str(1 << 40)}
 
 

@@ -53,7 +53,7 @@ CUDA, the allocator's peak over the measured steps (exact).
     python3 benchmarks/probe_overhead.py                   # CPU: reference timing + 3-size memory fit
     python3 benchmarks/probe_overhead.py --sizes '' --configs none,ds-default,ds-noref   # step time only
     python3 benchmarks/probe_overhead.py --sizes '' --configs none,ds-default --rounds 9 \
-        --ab-configs ds-default --ab-rounds 41 --block 8 --drop 3 --rotation-steps 160   # the README's row
+        --ab-configs ds-default --ab-rounds 41 --block 8 --drop 3 --rotation-steps 160   # docs/benchmarks.md's figures
     python3 benchmarks/probe_overhead.py --sizes '' --configs '' --ab-configs ds-default --stats
     python3 benchmarks/probe_overhead.py --quick           # smoke run (a few minutes on 2 cores)
     python3 benchmarks/probe_overhead.py --device cuda --d-model 1024 --sizes 1024,1536,2048 --layers 12

@@ -137,3 +137,22 @@ def test_readme_python_snippet_runs_and_gives_numbers(tmp_path, monkeypatch):
     # The low-rank summaries every 10 steps: a line fitted per 2-D tensor, with finite errors.
     assert fit.height >= 1 and fit["rel_error_last"].is_finite().all()
     assert all(math.isfinite(x) for x in fit["rank1_energy_last"])
+
+
+def test_readme_settings_snippet_builds_one_configuration(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    section = README.read_text(encoding="utf-8").split("## Python API", 1)[1].split("\n## ", 1)[0]
+    snippet = re.findall(r"```python\n(.*?)```", section, re.S)[1]  # the WatchSettings example
+    names = reader_names()
+    names["dynascope"] = dynascope
+    exec(compile(snippet, str(README), "exec"), names)
+    scope, settings = names["scope"], names["settings"]
+    assert scope.stage == "sft" and settings.stage is None  # the keyword beside the object wins, on a copy
+    assert scope.stats.memory_budget is None and scope.spectral is not None  # the object's own fields
+    for _ in range(3):
+        names["sft_loss"](names["policy"], names["prompts"]).backward()
+        names["optimizer"].step()
+        names["optimizer"].zero_grad()
+    scope.close()
+    with dynascope.open_store(scope.run_dir) as con:  # every=10: step 0 recorded, 1 and 2 not
+        assert con.rows("SELECT DISTINCT step, stage FROM tensor_stats") == [(0, "sft")]
