@@ -124,6 +124,32 @@ def test_imports_follow_the_flow():
     assert not found, "imports against the flow:\n" + "\n".join(found)
 
 
+def private_imports(package: Path) -> list[str]:
+    """Imports of a private module (``_name``) of another part, as ``file:line: A imports B``."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        module = _module_name(path, package)
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        for line, name in _imported(tree, module, path.name == "__init__.py", package):
+            private = any(p.startswith("_") and not p.startswith("__") for p in name.split(".")[1:])
+            if private and _layer(name) != _layer(module):
+                found.append(f"{path.relative_to(package.parent)}:{line}: {_layer(module)} imports {name}")
+    return found
+
+
+def test_no_part_imports_another_parts_private_module():
+    found = private_imports(PACKAGE)
+    assert not found, "make what is shared public, or move it:\n" + "\n".join(found)
+
+
+def test_a_private_import_across_parts_is_reported(tmp_path):
+    pkg = _fake_package(tmp_path)
+    (pkg / "analyses" / "_common.py").write_text("")
+    (pkg / "analyses" / "mod.py").write_text("from dynascope.analyses._common import frame\n")  # its own part
+    (pkg / "report.py").write_text("def f():\n    from dynascope.analyses._common import frame\n")
+    assert private_imports(pkg) == ["dynascope/report.py:2: report imports dynascope.analyses._common"]
+
+
 def test_every_part_has_a_contract_and_the_contracts_follow_the_flow():
     present = {p.name.removesuffix(".py") for p in PACKAGE.iterdir()
                if (p.suffix == ".py" and p.name != "__init__.py") or (p / "__init__.py").exists()}
