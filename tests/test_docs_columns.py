@@ -25,9 +25,6 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 COLUMNS = {t: set(s.names) for t, s in TABLES.items()}
 ALL_COLUMNS = set().union(*COLUMNS.values())
 OLD = {t: {old: new for new, old in renamed.items()} for t, renamed in RENAMED.items()}
-# Renames in flight: the docs use the new name before the schema has it. Remove an entry once the
-# schema carries the new name (the test then holds the docs to it like any other column).
-PENDING = {"changed_rel_": "changed_bf16_", "drift_changed_rel_": "drift_changed_bf16_"}
 
 FENCE = re.compile(r"^```.*?^```", re.S | re.M)
 CODE_SPAN = re.compile(r"`([^`\n]+)`")
@@ -38,14 +35,10 @@ FILE_SUFFIXES = {"csv", "json", "jsonl", "parquet", "duckdb", "py", "md", "safet
 SQL_START = re.compile(r"^\s*(SELECT|WITH)\b.*\bFROM\b", re.I | re.S)
 
 
-def _pending(name: str, columns: set[str]) -> bool:
-    return any(name.startswith(new) and name.replace(new, old, 1) in columns for new, old in PENDING.items())
-
-
 def _problem(name: str, table: str | None) -> str | None:
     """Why ``name`` is not a column of ``table`` (of any table when None), or None when it is one."""
     columns = COLUMNS[table] if table else ALL_COLUMNS
-    if name in columns or _pending(name, columns):
+    if name in columns:
         return None
     tables = [table] if table else list(OLD)
     renamed = [f"{t}.{OLD[t][name]}" for t in tables if name in OLD.get(t, {})]
@@ -168,6 +161,9 @@ def test_every_query_in_the_docs_binds_against_the_schema(empty_store):
      ["`frameworks` is not a column of runs"]),
     ("| table | columns |\n|---|---|\n| `samples` | `reward`, `gen_ms`, `sigma[k]` |\n",
      ["`sigma` is not a column of samples"]),
+    ("| column | formula |\n|---|---|\n| `changed_bf16_count` / `_frac` | x |\n",  # schema v3 renamed both
+     ["`changed_bf16_count` is an old name: now tensor_stats.changed_rel_count",
+      "`changed_bf16_frac` is an old name: now tensor_stats.changed_rel_frac"]),
 ])
 def test_a_wrong_column_is_reported(text, want):
     got = [_problem(name, table) for _, name, table in [*table_references(text), *inline_references(text)]]
