@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dynascope.analyses.findings import Finding, collect_findings
-from dynascope.analyses.findings_text import fmt_ms
 from dynascope.analyses.phase_shares import phase_shares
 from dynascope.analyses.steps import STEP_ROW
+from dynascope.core.fmt import fmt_ms, fmt_pct
 from dynascope.store import StoreLike, as_store, quote_literal
 from dynascope.store.catalog import steps_sql
 
@@ -79,7 +79,7 @@ def _numbers(f: Finding) -> str:
 def _stake(f: Finding) -> str:
     if not f.at_stake_ms:
         return "no direct time cost"
-    pct = f" ({f.at_stake_pct:.1f}% of step time)" if f.at_stake_pct is not None else ""
+    pct = f" ({fmt_pct(f.at_stake_pct)} of step time)" if f.at_stake_pct is not None else ""
     return f"at stake: {fmt_ms(f.at_stake_ms)}{pct}"
 
 
@@ -89,7 +89,7 @@ def _summary_lines(rep: Report) -> list[str]:
         med = f", median step {fmt_ms(r['median_step_ms'])}" if r["median_step_ms"] is not None else ""
         lines.append(f"run {r['run_id']}: {r['ranks']} rank(s), {r['steps']} step(s){med}")
         for label, shares in rep.breakdown.get(r["run_id"], []):
-            parts = ", ".join(f"{p} {pct:.0f}%" for p, pct in shares[:8])
+            parts = ", ".join(f"{p} {fmt_pct(pct)}" for p, pct in shares)  # every phase: they add up to 100%
             lines.append(f"  step time{', ' + label if label else ''}: {parts}")
     return lines or ["no runs found"]
 

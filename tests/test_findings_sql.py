@@ -37,7 +37,9 @@ RETURNED = {
     "weight_sync": {"weight_syncs", "weight_sync_ms"}, "goodput": GOODPUT,
     "grad_norm_spike": SERIES, "loss_spike": SERIES, "entropy_collapse": SERIES, "nan_inf": SERIES,
     "mfu": {"tokens"}, "rank1_dominance": {"step", "rank1_energy", "tensors"},
-    "update_sparsity": {"step_unchanged_frac_a", "step_unchanged_frac_b"},
+    "update_sparsity": {"step_unchanged_frac_a", "step_unchanged_frac_b", "dtype", "bf16_changed_pct_a",
+                        "bf16_changed_pct_b", "bf16_steps_a", "bf16_steps_b"},
+    "probe_cost": {"steps", "probe_ms", "probe_pct", "recorded_steps", "coverage_pct"},
     "delta_sync": {"stage", "steps", "changed_pct", "delta_pct", "full_bf16_bytes"},
     "schedule": {"steps", "measured_step_ms", "rollout_ms", "weight_sync_ms"},
 }
@@ -143,24 +145,9 @@ def test_demo_runs_and_report_say_the_same_steps_and_shares(runs):
     listed = subprocess.run([*CLI, "runs", str(demo)], capture_output=True, text=True, timeout=300, check=True).stdout
     report = subprocess.run([*CLI, "report", str(demo)], capture_output=True, text=True, timeout=300, check=True).stdout
     steps = int(re.search(r"(\d+) step\(s\)", report).group(1))
-    assert re.search(rf"│\s+{steps}\s+│", listed), listed  # a final eval logged at step N is no step
-    rollout = float(re.search(r"│ rollout\s+│[^│]+│\s+([\d.]+)%", printed).group(1))
+    header, row = (line.split("\t") for line in listed.splitlines()[:2])  # through a pipe: tab-separated values
+    assert int(dict(zip(header, row, strict=True))["steps"]) == steps  # a final eval logged at step N is no step
+    # Both print every phase's share with dynascope.core.fmt.fmt_pct: the same share reads the same.
+    rollout = re.search(r"│ rollout\s+│[^│]+│\s+([\d.]+%)", printed).group(1)
     rl_line = next(line for line in report.splitlines() if line.startswith("  step time, rl "))
-    shown = re.search(r"rollout (\d+)%", rl_line)
-    # The demo's table shows one decimal, the report none: the same share rounded twice (50.5 in the table
-    # can be 50.53, which the report shows as 51), so they agree to within the two roundings.
-    assert shown is not None and abs(int(shown.group(1)) - rollout) <= 0.5 + 0.05, (rollout, rl_line)
-
-
-def test_report_write_events_appends_detected_instability_once(tmp_path):
-    run = tmp_path / "series"
-    _write_series(run)
-    for _ in range(2):
-        done = subprocess.run([*CLI, "report", str(run), "--write-events"], capture_output=True, text=True,
-                              timeout=300)
-        assert done.returncode == 0, done.stderr
-    assert "wrote 0 new instability event(s)" in done.stderr
-    with open_store(run) as con:
-        got = con.sql("SELECT event, step, rank FROM events WHERE role = 'analysis' AND event <> 'run_end' "
-                      "ORDER BY step").fetchall()
-    assert got == [("nan_inf", 12, 1), ("entropy_collapse", 20, 1), ("grad_norm_spike", 25, 1), ("nan_inf", 33, 1)]
+    assert f"rollout {rollout}" in rl_line, (rollout, rl_line)

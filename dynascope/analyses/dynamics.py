@@ -6,7 +6,9 @@ Definitions:
   moved) or, against θ₀, the share that differ from the reference weights (``drift_changed_frac``).
   Fractions are numel-weighted sums (Σcount / Σnumel), so a large matrix weighs more than a bias, and
   rows of several ranks combine exactly (shards add up; replicated copies leave the ratio unchanged).
-  The ``bf16`` variants count a change only when |ŵ − w| > η·max(|w|, |ŵ|), i.e. visible in bf16.
+  The ``rel`` variants (``changed_rel_frac``, ``drift_changed_rel_frac``: "changed by > 0.1% of |W|
+  (relative)") count a change only when |ŵ − w| > η·max(|w|, |ŵ|), η = 1e-3. Neither is the bf16-cast
+  comparison: that is PULSE's ``bf16_unchanged_frac`` (changed in bf16 = 1 − it), see ``delta_sync``.
 - *Rank-1 dominance* is σ₁² / ‖ΔW‖²_F of the cumulative update ΔW = W_t − W_0 (``spectra`` rows).
   Per layer and overall it is energy-weighted: Σσ₁² / Σ‖ΔW‖²_F, so it is the rank-1 energy of the
   layer's updates taken together (blockwise); the unweighted mean is given beside it.
@@ -74,7 +76,7 @@ def _side_sql(where: str, group: str) -> str:
         WITH rows AS (SELECT *, {group} AS grp FROM tensor_stats WHERE {where} AND numel > 0 AND step IS NOT NULL),
         last AS (SELECT run_id, tensor, max(step) AS step FROM rows
                  WHERE drift_changed_count IS NOT NULL GROUP BY run_id, tensor),
-        drift AS (SELECT r.grp, SUM(r.numel) AS numel,
+        drift AS (SELECT r.grp, SUM(r.numel)::BIGINT AS numel,
                          1 - SUM(r.drift_changed_count)::DOUBLE / SUM(r.numel) AS unchanged_frac,
                          1 - SUM(r.drift_changed_rel_count)::DOUBLE / SUM(r.numel) AS unchanged_rel_frac
                   FROM rows r JOIN last l USING (run_id, tensor, step) GROUP BY r.grp),
@@ -91,7 +93,8 @@ def sparsity_comparison(store: StoreLike, a: str, b: str) -> pl.DataFrame:
 
     ``unchanged_frac_*`` is 1 − drift_changed_frac at each tensor's last record of the side (against
     the side's θ₀: compare runs diffed against their own starting checkpoint, or a run whose probe
-    reference was reset at the stage start); ``step_unchanged_frac_*`` is the numel-weighted share of
+    reference was reset at the stage start), ``unchanged_rel_frac_*`` the same for the relative measure
+    (1 − drift_changed_rel_frac); ``numel_*`` is an integer; ``step_unchanged_frac_*`` is the numel-weighted share of
     parameters a single step left unchanged, over the side's steps. A name that is both a run id and
     a stage means the run. The last row, kind ``all``, covers every kind.
     """

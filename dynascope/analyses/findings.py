@@ -13,24 +13,27 @@ findings to raise: the thresholds below, and the numbers each carries.
 from __future__ import annotations
 
 import json
-import re
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 import polars as pl
 
 from dynascope.analyses import findings_sql as S
 from dynascope.analyses._common import StoreLike, as_store, frame
-from dynascope.analyses.dynamics import rank1_dominance, sparsity_comparison
-from dynascope.analyses.findings_text import sentence
+from dynascope.analyses._findings import Finding
+from dynascope.analyses._findings import first_row as _first_row
+from dynascope.analyses._findings import found as _found
+from dynascope.analyses._findings import rnd as _r
+from dynascope.analyses.findings_dynamics import delta_sync, dynamics
 from dynascope.analyses.goodput import goodput_summary
 from dynascope.analyses.instability import detect_instability
+from dynascope.analyses.probe_time import DEFAULT_PROBE_COST, PROBE_PHASE, probe_cost
 from dynascope.analyses.rollouts import (
     async_staleness,
     rollout_train_overlap,
-    tail_wait_share,
+    tail_wait_summary,
     zero_variance_groups,
 )
 from dynascope.analyses.steps import REMAINDER, idle_time, step_breakdown
@@ -39,7 +42,7 @@ from dynascope.analyses.throughput import throughput_mfu
 from dynascope.core.errors import first_line
 from dynascope.store import quote_literal
 
-__all__ = ["Finding", "collect_findings", "ranked_findings"]  # fmt_ms, fmt_pct: findings_text
+__all__ = ["Finding", "collect_findings", "probe_cost_numbers", "ranked_findings", "tail_wait_numbers"]
 
 _SEVERITY = {"error": 0, "warning": 1, "info": 2}
 
@@ -56,36 +59,8 @@ WARN_ZERO_VARIANCE_PCT = 20.0  # a fifth of the groups teaching nothing is worth
 MIN_IDLE_PCT = 2.0
 WARN_IDLE_PCT = 10.0
 MIN_UNINSTRUMENTED_PCT = 10.0  # the probe's own boundaries leave a few percent outside any phase
+MIN_PROBE_PCT = 3.0  # watch()'s defaults cost ~1.5-2% of a step: above 3% the run asked for more coverage
 SQL_STEPS_SHOWN = 50  # instability queries list at most this many steps
-
-
-@dataclass
-class Finding:
-    """One finding: a sentence, the time at stake, the numbers behind it and a query that shows them."""
-
-    run_id: str
-    finding: str
-    severity: str
-    sentence: str
-    at_stake_ms: float = 0.0
-    at_stake_pct: float | None = None
-    numbers: dict[str, Any] = field(default_factory=dict)
-    sql: str = ""
-
-
-def _found(run: str, finding: str, severity: str, numbers: dict[str, Any], sql: str, at_stake_ms: float = 0.0,
-           at_stake_pct: float | None = None) -> Finding:
-    sql = re.sub(r"\s*\n\s*", " ", sql).strip()  # one line: the analyses' SQL blocks are indented for reading
-    return Finding(run, finding, severity, sentence(finding, numbers), at_stake_ms, at_stake_pct, numbers, sql)
-
-
-def _r(x: Any, nd: int = 3) -> Any:
-    return x if x is None or isinstance(x, (bool, str, int)) else round(float(x), nd)
-
-
-def _first_row(con, sql: str) -> dict[str, Any]:
-    rows = frame(con, sql)
-    return rows.row(0, named=True) if rows.height else {}
 
 
 def _stragglers(con, run: str) -> list[Finding]:
@@ -146,18 +121,24 @@ def _stragglers(con, run: str) -> list[Finding]:
     return out
 
 
+def tail_wait_numbers(row: dict[str, Any]) -> dict[str, Any]:
+    """The numbers of the tail-wait sentence from a ``tail_wait_summary`` row (the report's finding, the
+    demo's line and the dashboard's caption say the same thing from it)."""
+    return {"steps": row["steps"], "tail_wait_ms": _r(row["tail_wait_ms"]), "step_ms": _r(row["step_ms"]),
+            "tail_wait_pct": _r(row["tail_wait_pct"], 2), "median_tail_wait_ms": _r(row["median_tail_wait_ms"]),
+            "step_source": row["step_source"]}
+
+
 def _tail(con, run: str) -> list[Finding]:
-    tw = tail_wait_share(con, run)
-    if tw.is_empty() or not tw["step_ms"].sum():
+    tw = tail_wait_summary(con, run)
+    if tw.is_empty() or not tw["step_ms"][0]:
         return []
-    tail, total = tw["tail_wait_ms"].sum(), tw["step_ms"].sum()
-    pct = 100 * tail / total
-    if pct < MIN_TAIL_PCT:
+    r = tw.row(0, named=True)
+    if r["tail_wait_pct"] < MIN_TAIL_PCT:
         return []
-    n = {"steps": tw.height, "tail_wait_ms": _r(tail), "step_ms": _r(total), "tail_wait_pct": _r(pct, 2),
-         "median_tail_wait_ms": _r(tw["tail_wait_ms"].median()),
-         "step_source": "step_rows" if (tw["step_source"] == "step_rows").all() else "rollout_span"}
-    return [_found(run, "rollout_tail", "warning" if pct >= WARN_TAIL_PCT else "info", n, S.tail_sql(run), tail, pct)]
+    n = tail_wait_numbers(r)
+    return [_found(run, "rollout_tail", "warning" if r["tail_wait_pct"] >= WARN_TAIL_PCT else "info", n,
+                   S.tail_sql(run), r["tail_wait_ms"], r["tail_wait_pct"])]
 
 
 def _zero_variance(con, run: str) -> list[Finding]:
@@ -201,6 +182,23 @@ def _remainder(con, run: str) -> list[Finding]:
     return [_found(run, "uninstrumented", "info", {"uninstrumented_pct": _r(pct, 2), "uninstrumented_ms": _r(
                        rem["dur_ms"].sum())},
                    S.uninstrumented_sql(run), stake, pct)]
+
+
+def probe_cost_numbers(row: dict[str, Any]) -> dict[str, Any]:
+    """The numbers of the probe-cost sentence from a ``probe_cost`` row (report finding, dashboard caption)."""
+    return {"probe_pct": _r(row["probe_pct"], 2), "probe_ms": _r(row["probe_ms"]), "steps": row["steps"],
+            "recorded_steps": row["recorded_steps"], "coverage_pct": _r(row["coverage_pct"], 2),
+            "default_cost": DEFAULT_PROBE_COST}
+
+
+def _probe_cost(con, run: str) -> list[Finding]:
+    """The probe's own share of step time, when it is above what watch()'s defaults cost."""
+    df = probe_cost(con, run)
+    if df.is_empty() or df["probe_pct"][0] < MIN_PROBE_PCT:
+        return []
+    r = df.row(0, named=True)
+    n = probe_cost_numbers(r)
+    return [_found(run, "probe_cost", "info", n, S.probe_cost_sql(run, PROBE_PHASE), r["probe_ms"], r["probe_pct"])]
 
 
 def _async(con, run: str) -> list[Finding]:
@@ -266,42 +264,6 @@ def _mfu(con, run: str, peak_tflops: float | None = None) -> list[Finding]:
                    S.mfu_sql(run))]
 
 
-def _dynamics(con, run: str) -> list[Finding]:
-    out = []
-    df = rank1_dominance(con, run).filter(pl.col("level") == "overall")
-    if not df.is_empty():
-        last = df.sort("step").row(-1, named=True)
-        out.append(_found(run, "rank1_dominance", "info",
-                          {"step": last["step"], "rank1_energy": _r(last["rank1_energy"], 4), "tensors": last["tensors"]},
-                          S.rank1_sql(run)))
-    stages = frame(con, f"SELECT stage FROM tensor_stats WHERE run_id = {quote_literal(run)} AND stage IS NOT NULL "
-                        f"GROUP BY stage ORDER BY MIN(step)")["stage"].to_list()
-    if len(stages) >= 2:
-        a, b = stages[0], stages[1]
-        df = sparsity_comparison(con, a, b).filter(pl.col("kind") == "all")
-        if not df.is_empty() and df["step_unchanged_frac_a"][0] is not None:
-            r = df.row(0, named=True)
-            n = {"stage_a": a, "stage_b": b, **{k: _r(v, 4) for k, v in r.items() if isinstance(v, float)}}
-            out.append(_found(run, "update_sparsity", "info", n, S.update_sparsity_sql(run, a, b)))
-    return out
-
-
-
-def _delta_sync(con, run: str) -> list[Finding]:
-    """What shipping only the bf16 elements that changed would send, per RL step (``delta_sync_summary``)."""
-    from dynascope.analyses.delta_sync import delta_sync_summary
-
-    df = delta_sync_summary(con, run)
-    if df.is_empty():
-        return []
-    r = df.sort(pl.col("stage") == "rl", descending=True).row(0, named=True)
-    n = {"stage": r["stage"], "steps": r["steps"], "changed_pct": _r(r["changed_pct"], 4),
-         "delta_pct": _r(r["delta_pct"], 4), "encoding": r["encoding"], "full_bf16_bytes": r["full_bf16_bytes"],
-         "delta_sync_ms": _r(r["delta_sync_ms"]), "full_bf16_sync_ms": _r(r["full_bf16_sync_ms"])}
-    saved = (r["full_bf16_sync_ms"] or 0.0) - (r["delta_sync_ms"] or 0.0)
-    return [_found(run, "delta_sync", "info", n,
-                   S.delta_sync_sql(run, r["stage"]), saved * r["steps"])]
-
 MIN_SCHEDULE_GAIN_X = 1.05  # a schedule predicted to gain under 5% is within the replay's own error
 
 
@@ -331,8 +293,8 @@ def _schedule(con, run: str) -> list[Finding]:
 
 
 GENERATORS: list[Callable[[Any, str], list[Finding]]] = [
-    _stragglers, _tail, _zero_variance, _idle, _remainder, _async, _goodput, _instability, _mfu, _dynamics,
-    _delta_sync, _schedule]
+    _stragglers, _tail, _zero_variance, _idle, _remainder, _probe_cost, _async, _goodput, _instability, _mfu, dynamics,
+    delta_sync, _schedule]
 
 
 def collect_findings(store: StoreLike, run: str | None = None, *,

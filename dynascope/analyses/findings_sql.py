@@ -83,6 +83,18 @@ def uninstrumented_sql(run: str) -> str:
         100 * SUM(rem_us) / SUM(step_us) AS uninstrumented_pct FROM rem"""
 
 
+def probe_cost_sql(run: str, phase: str) -> str:
+    """The probe's phase over the step time of the timed steps (every rank's, summed), and its coverage: the
+    tensor_stats rows carrying ``update_norm`` over all rows of the recorded steps."""
+    return f"""WITH st AS ({step_rows_sql(run)}), pr AS (SELECT run_id, role, rank, step, SUM(dur_us) AS us
+        FROM ({top_level_sql(run)}) WHERE phase = {q(phase)} GROUP BY ALL)
+        SELECT COUNT(DISTINCT st.step) AS steps, SUM(pr.us) / 1000.0 AS probe_ms,
+        100.0 * SUM(pr.us) / SUM(st.step_us) AS probe_pct,
+        (SELECT COUNT(DISTINCT step) FROM tensor_stats WHERE run_id = {q(run)} AND step IS NOT NULL) AS recorded_steps,
+        (SELECT 100.0 * COUNT(update_norm) / COUNT(*) FROM tensor_stats WHERE run_id = {q(run)}
+        AND step IS NOT NULL) AS coverage_pct FROM st LEFT JOIN pr USING (run_id, role, rank, step)"""
+
+
 def staleness_sql(run: str) -> str:
     return f"""SELECT avg(trainer_version - policy_version) AS mean_staleness,
         max(trainer_version - policy_version) AS max_staleness FROM samples WHERE run_id = {q(run)}
@@ -136,26 +148,44 @@ def rank1_sql(run: str) -> str:
         GROUP BY step ORDER BY step DESC"""
 
 
-def update_sparsity_sql(run: str, a: str, b: str) -> str:
-    """Numel-weighted share of parameters one step left bit-identical, per stage, as columns _a and _b."""
-    def side(stage: str, col: str) -> str:
-        cond = f"stage = {q(stage)} AND changed_count IS NOT NULL"
-        return f"1 - SUM(changed_count) FILTER ({cond})::DOUBLE / SUM(numel) FILTER ({cond}) AS step_unchanged_frac_{col}"
-
-    return f"SELECT {side(a, 'a')}, {side(b, 'b')} FROM tensor_stats WHERE run_id = {q(run)}"
-
-
-def delta_sync_sql(run: str, stage: str) -> str:
-    """The stage's median share of elements whose bf16 cast changed and of delta-sync bytes, over its
-    steps where every tensor has S₁, leaving out the stage's first step (as ``delta_sync_summary``)."""
-    return f"""WITH r AS (SELECT step, stage, tensor, rank, sharded, numel, bf16_unchanged_count,
+def _bf16_steps(run: str) -> str:
+    """CTEs ending in ``c``: per step whose every tensor has S₁, its stage, numel, elements whose bf16 cast
+    changed and the bitmap bytes, a tensor counted once (summed when sharded, else its lowest rank), with
+    ``first`` the stage's first such step (as ``delta_sync_bytes`` and ``delta_sync_summary``)."""
+    return f"""r AS (SELECT step, stage, tensor, rank, sharded, numel, bf16_unchanged_count,
         min(rank) OVER (PARTITION BY step, tensor) AS first_rank FROM tensor_stats
         WHERE run_id = {q(run)} AND step IS NOT NULL),
         s AS (SELECT step, any_value(stage) AS stage, sum(numel) AS numel,
         sum(numel - bf16_unchanged_count) AS changed, sum(ceil(numel / 8.0)) AS bitmap,
         count(bf16_unchanged_count) = count(*) AS complete FROM r
         WHERE coalesce(sharded, false) OR rank = first_rank GROUP BY step),
-        c AS (SELECT *, min(step) OVER (PARTITION BY stage) AS first FROM s WHERE complete)
+        c AS (SELECT *, min(step) OVER (PARTITION BY stage) AS first FROM s WHERE complete)"""
+
+
+def update_sparsity_sql(run: str, a: str, b: str, bf16: bool) -> str:
+    """Per stage, as columns _a and _b: the numel-weighted share of parameters one step left bit-identical,
+    the stored dtype, and (``bf16``: the run records S₁) the median share of elements whose bf16 cast changed
+    in a step (1 − PULSE S₁) over the stage's steps after its first, with the number of those steps."""
+    def side(stage: str, col: str) -> str:
+        cond = f"stage = {q(stage)} AND changed_count IS NOT NULL"
+        return f"1 - SUM(changed_count) FILTER ({cond})::DOUBLE / SUM(numel) FILTER ({cond}) AS step_unchanged_frac_{col}"
+
+    def visible(stage: str, col: str) -> str:
+        if not bf16:
+            return f"NULL::DOUBLE AS bf16_changed_pct_{col}, NULL::BIGINT AS bf16_steps_{col}"
+        later = f"FROM c WHERE step > first AND stage = {q(stage)}"
+        return (f"(SELECT median(100.0 * changed / numel) {later}) AS bf16_changed_pct_{col}, "
+                f"(SELECT COUNT(*) {later}) AS bf16_steps_{col}")
+
+    with_ = f"WITH {_bf16_steps(run)} " if bf16 else ""
+    return f"""{with_}SELECT {side(a, 'a')}, {side(b, 'b')}, mode(dtype) AS dtype, {visible(a, 'a')}, {visible(b, 'b')}
+        FROM tensor_stats WHERE run_id = {q(run)}"""
+
+
+def delta_sync_sql(run: str, stage: str) -> str:
+    """The stage's median share of elements whose bf16 cast changed and of delta-sync bytes, over its
+    steps where every tensor has S₁, leaving out the stage's first step (as ``delta_sync_summary``)."""
+    return f"""WITH {_bf16_steps(run)}
         SELECT stage, COUNT(*) AS steps, median(100.0 * changed / numel) AS changed_pct,
         median(100.0 * least(6 * changed, bitmap + 2 * changed, 2 * numel) / (2 * numel)) AS delta_pct,
         median(2 * numel)::BIGINT AS full_bf16_bytes FROM c WHERE step > first AND stage = {q(stage)}

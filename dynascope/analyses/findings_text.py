@@ -10,21 +10,11 @@ import string
 from collections.abc import Callable
 from typing import Any
 
+from dynascope.core.fmt import fmt_ms, fmt_pct
+
 __all__ = ["INSTABILITY_LABELS", "fmt_ms", "fmt_pct", "sentence"]
 
 N = dict[str, Any]
-
-
-def fmt_ms(ms: float) -> str:
-    """A duration for a sentence: '850 ms', '12.3 s', '4.2 min'."""
-    if abs(ms) < 1000:
-        return f"{ms:.0f} ms"
-    return f"{ms / 1000:.1f} s" if abs(ms) < 120_000 else f"{ms / 60_000:.1f} min"
-
-
-def fmt_pct(pct: float) -> str:
-    """A share for a sentence: one decimal below 10%, none above."""
-    return f"{pct:.1f}%" if abs(pct) < 10 else f"{pct:.0f}%"
 
 
 def _steps(steps: list[int]) -> str:
@@ -103,6 +93,18 @@ def _template(text: str) -> Callable[[N], str]:
     return lambda n: _fmt(text, **n)
 
 
+# What one step changes, by the run's regime (``findings_dynamics``): with fp32 master weights the bf16
+# measure leads and the bit-exact share follows; otherwise the bit-exact share in the stored dtype.
+_UPDATE_SPARSITY = {
+    "bf16": _template("changed in bf16 (1 − PULSE S₁): a {stage_b} step changed {bf16_changed_pct_b:.2f}% of "
+                      "parameters vs {bf16_changed_pct_a:.2f}% in {stage_a} (medians of {bf16_steps_b} and "
+                      "{bf16_steps_a} steps, each stage's first left out); bit-exact in the stored {dtype} "
+                      "weights a {stage_b} step left {step_unchanged_frac_b:.1%} unchanged vs "
+                      "{step_unchanged_frac_a:.1%} in {stage_a}"),
+    "bit_exact": _template("a {stage_b} step left {step_unchanged_frac_b:.1%} of parameters bit-identical in the "
+                           "stored {dtype} weights vs {step_unchanged_frac_a:.1%} in {stage_a}"),
+}
+
 SENTENCES: dict[str, Callable[[N], str]] = {
     "straggler": _straggler, "rank_cost": _rank_cost, "rollout_tail": _rollout_tail,
     "zero_variance_groups": _zero_variance, "async_overlap": _async_overlap, "goodput": _goodput,
@@ -113,6 +115,10 @@ SENTENCES: dict[str, Callable[[N], str]] = {
                       "rank {worst_rank}, {worst_rank_idle_pct!p})"),
     "uninstrumented": _template("{uninstrumented_pct:.0f}% of step time is outside every instrumented phase (data "
                                 "loading, host work, logging?)"),
+    "probe_cost": _template("the probe's own work on the training thread took {probe_pct!p} of step time "
+                            "({probe_ms!t} over {steps} steps): this run computed the update statistics for "
+                            "{coverage_pct!p} of the tensors at each of {recorded_steps} recorded steps; watch()'s "
+                            "defaults (a rotating window under a 1% time budget) cost {default_cost}"),
     "staleness": _template("samples were on average {mean_staleness:.2f} policy versions stale when trained on "
                            "(max {max_staleness})"),
     "weight_sync": _template("weight sync took {weight_sync_ms!t} over {weight_syncs} syncs"),
@@ -121,17 +127,16 @@ SENTENCES: dict[str, Callable[[N], str]] = {
     "rank1_dominance": _template("at step {step} the cumulative update ΔW is {rank1_energy:.0%} rank-1 (σ₁² share "
                                  "of ‖ΔW‖², {tensors} tensors)"),
     "delta_sync": lambda n: _fmt("a bf16 delta weight sync would send {delta_pct:.2f}% of the full bf16 bytes per "
-                                 "{stage} step ({encoding}; {changed_pct:.2f}% of elements change in bf16, median of "
-                                 "{steps} steps)", **n) + (_fmt(": {delta_sync_ms!t} instead of {full_bf16_sync_ms!t} at "
-                                                                "the measured sync bandwidth", **n)
-                                                           if n.get("delta_sync_ms") is not None else ""),
+                                 "{stage} step ({encoding}; changed in bf16 (1 − PULSE S₁): {changed_pct:.2f}% of "
+                                 "elements; medians of {steps} steps, the stage's first left out)", **n)
+    + (_fmt(": {delta_sync_ms!t} instead of {full_bf16_sync_ms!t} at the measured sync bandwidth", **n)
+       if n.get("delta_sync_ms") is not None else ""),
     "schedule": _template("replaying this run's measured steps under other schedules, {schedule} ({params}) would "
                           "give {speedup_x:.2f}× the samples/s: {step_ms!t} per step instead of {replayed_step_ms!t} "
                           "synchronous (measured {measured_step_ms!t}, replay off by {calibration_error_pct!p}), "
                           "staleness {staleness_mean:.2f} on average, {truncated_pct!p} of responses cut short; rollout is {rollout_ms!t} and weight sync "
                           "{weight_sync_ms!t} of each step. The model assumes {devices}; {limits}"),
-    "update_sparsity": _template("a {stage_b} step left {step_unchanged_frac_b:.1%} of parameters bit-identical vs "
-                                 "{step_unchanged_frac_a:.1%} in {stage_a}"),
+    "update_sparsity": lambda n: _UPDATE_SPARSITY[n.get("measure", "bit_exact")](n),
 }
 
 

@@ -17,7 +17,7 @@ from dynascope.analyses.steps import STEP_ROW
 from dynascope.store import quote_literal
 
 __all__ = ["async_staleness", "rollout_long_tail", "rollout_train_overlap", "tail_wait_share",
-           "zero_variance_groups"]
+           "tail_wait_summary", "zero_variance_groups"]
 
 ROLLOUT_PHASES = ("rollout", "generate", "generation")
 TRAIN_PHASES = ("train", "forward", "backward", "optimizer", "update_actor", "actor_update")
@@ -69,6 +69,23 @@ def tail_wait_share(store: StoreLike, run: str | None = None) -> pl.DataFrame:
                CASE WHEN st.step_ms IS NULL THEN 'rollout_span' ELSE 'step_rows' END AS step_source,
                100.0 * s.tail_wait_ms / nullif(coalesce(st.step_ms, s.rollout_span_ms), 0) AS tail_wait_pct
         FROM s LEFT JOIN st USING (run_id, step) ORDER BY s.run_id, s.step""")
+
+
+def tail_wait_summary(store: StoreLike, run: str | None = None) -> pl.DataFrame:
+    """Per run: the share of step time spent waiting for the tail, over all its steps with samples.
+
+    ``tail_wait_pct`` is Σ tail_wait_ms / Σ step_ms over the steps of ``tail_wait_share`` (a long step
+    weighs more than a short one: it is the share of the run's time), the one figure the report, the demo
+    and the dashboard show. Columns: run_id, steps, tail_wait_ms, step_ms, tail_wait_pct,
+    median_tail_wait_ms, step_source (``step_rows`` when every step had a step row, else ``rollout_span``).
+    """
+    per = tail_wait_share(store, run)
+    return per.group_by("run_id", maintain_order=True).agg(
+        pl.len().alias("steps"), pl.col("tail_wait_ms").sum(), pl.col("step_ms").sum(),
+        (100 * pl.col("tail_wait_ms").sum() / pl.col("step_ms").sum()).alias("tail_wait_pct"),
+        pl.col("tail_wait_ms").median().alias("median_tail_wait_ms"),
+        pl.when((pl.col("step_source") == "step_rows").all()).then(pl.lit("step_rows"))
+        .otherwise(pl.lit("rollout_span")).alias("step_source"))
 
 
 def zero_variance_groups(store: StoreLike, run: str | None = None, *, eps: float = 1e-9) -> pl.DataFrame:
