@@ -14,9 +14,14 @@ from rich.console import Console
 from rich.table import Table
 
 from dynascope import analyses
+from dynascope.analyses.findings import tail_wait_numbers
+from dynascope.analyses.findings_text import sentence
+from dynascope.analyses.phase_shares import phase_shares
+from dynascope.core.fmt import fmt_ms, fmt_pct
 from dynascope.demo.distributed import FINAL_FILE, THETA0_FILE
 from dynascope.demo.settings import DemoSettings
-from dynascope.store import StoreConnection, open_store, quote_literal
+from dynascope.probes.timing import PROBE_PHASE
+from dynascope.store import StoreConnection, StoreError, open_store, quote_literal
 
 RANK1_FILE = "policy_rank1.safetensors"
 
@@ -77,7 +82,17 @@ def _reward_table(s: DemoSettings, con: StoreConnection, console: Console) -> No
     console.print(t)
 
 
-def _dynamics(con: StoreConnection, console: Console) -> None:
+def _bf16_changed(con: StoreConnection) -> dict[str, float]:
+    """Per stage: the share of elements whose bf16 cast changed in a step (1 − PULSE S₁), median over the
+    stage's steps after its first: ``delta_sync_summary``'s ``changed_pct``, as the report says it."""
+    try:
+        df = analyses.delta_sync_summary(con)
+    except StoreError:  # a run recorded without S₁
+        return {}
+    return {r["stage"]: r["changed_pct"] for r in df.iter_rows(named=True)}
+
+
+def _dynamics(s: DemoSettings, con: StoreConnection, console: Console) -> None:
     cmp = analyses.sparsity_comparison(con, "sft", "rl").filter(pl.col("kind") == "all")
     t = Table(title="Weight updates: SFT vs RL (all tensors, numel-weighted)", title_justify="left")
     for col in ("", "SFT", "RL"):
@@ -85,53 +100,64 @@ def _dynamics(con: StoreConnection, console: Console) -> None:
     row = cmp.row(0, named=True) if cmp.height else {}
     # What means something here (dense updates): how far weights move per step, and how much of it bf16 sees.
     per_step = con.frame("""
-        SELECT stage, median(ratio) AS ratio, median(s1) AS s1 FROM (
-            SELECT stage, step, sqrt(sum(update_norm * update_norm)) / sqrt(sum(w_norm * w_norm)) AS ratio,
-                   sum(bf16_unchanged_count) / sum(numel) FILTER (WHERE bf16_unchanged_count IS NOT NULL) AS s1
+        SELECT stage, median(ratio) AS ratio FROM (
+            SELECT stage, step, sqrt(sum(update_norm * update_norm)) / sqrt(sum(w_norm * w_norm)) AS ratio
             FROM tensor_stats WHERE rank = 0 AND stage IN ('sft', 'rl') GROUP BY stage, step)
         GROUP BY stage""")
-    med = {r["stage"]: r for r in per_step.iter_rows(named=True)}
-    ratio = [med.get(st, {}).get("ratio") for st in ("sft", "rl")]
-    t.add_row("update ratio ‖ΔW‖/‖W‖ per step (median)", *("—" if x is None else f"{x:.2e}" for x in ratio))
-    s1 = [med.get(st, {}).get("s1") for st in ("sft", "rl")]
-    t.add_row("changed per step in bf16 (1 − PULSE S₁, median)", *(_pct(None if x is None else 1 - x) for x in s1))
+    med = {r["stage"]: r["ratio"] for r in per_step.iter_rows(named=True)}
+    t.add_row("update ratio ‖ΔW‖/‖W‖ per step (median)", *("—" if med.get(st) is None else f"{med[st]:.2e}"
+                                                            for st in ("sft", "rl")))
+    bf16 = _bf16_changed(con)
+    t.add_row("changed in bf16 per step (1 − PULSE S₁), median*",
+              *("—" if bf16.get(st) is None else f"{bf16[st]:.2f}%" for st in ("sft", "rl")))
 
     def changed(key: str) -> tuple[float | None, float | None]:
         a, b = row.get(f"{key}_a"), row.get(f"{key}_b")
         return (None if a is None else 1 - a), (None if b is None else 1 - b)
 
-    step_a, step_b = changed("step_unchanged_frac")
-    t.add_row("parameters changed per step (bit-exact, fp32)", _pct(step_a), _pct(step_b))
-    drift_a, drift_b = changed("unchanged_frac")
-    t.add_row("changed over the stage vs its θ₀ (bit-exact)", _pct(drift_a), _pct(drift_b))
-    bf_a, bf_b = changed("unchanged_rel_frac")
-    t.add_row("changed over the stage, visible in bf16", _pct(bf_a), _pct(bf_b))
+    t.add_row("changed per step, bit-exact in the fp32 weights", *map(_pct, changed("step_unchanged_frac")))
+    t.add_row("changed over the stage vs its θ₀, bit-exact", *map(_pct, changed("unchanged_frac")))
+    t.add_row("changed over the stage by > 0.1% of |W| (relative)", *map(_pct, changed("unchanged_rel_frac")))
     r1 = analyses.rank1_dominance(con).filter((pl.col("level") == "overall") & (pl.col("stage") == "rl"))
     if r1.height:
         last = r1.sort("step").row(-1, named=True)
         t.add_row(f"rank-1 energy σ₁²/‖ΔW‖²_F of RL's ΔW (step {last['step']})", "", _pct(last["rank1_energy"]))
         t.add_row("top-k energy of RL's ΔW", "", _pct(last["topk_energy"]))
     console.print(t)
-    console.print("[dim]These updates are dense because this small model is trained from scratch at lr 1e-3 in "
-                  "fp32: Adam moves nearly every weight at every step (the bit-exact row), and most of those moves "
-                  "still show after rounding to bf16 (the PULSE row). For the papers' regime (a pretrained model, "
-                  "lr ≈ 1e-6, bf16) run [bold]dynascope demo --model smollm2[/].[/]")
+    console.print("[dim]* each stage's first step left out: Adam's first update moves every weight by about lr.[/]")
+    console.print(f"[dim]These updates are dense because this small model is trained from scratch in fp32 at lr "
+                  f"{s.sft.lr:g} (SFT) and {s.rl.lr:g} (RL): Adam moves nearly every weight at every step (the "
+                  "bit-exact row), and most of those moves still show after rounding to bf16 (the PULSE row). For "
+                  "the papers' regime (a pretrained model, lr ≈ 1e-6, bf16) run [bold]dynascope demo --model "
+                  "smollm2[/].[/]", highlight=False)
 
 
-def _time(con: StoreConnection, console: Console, rl_start: int | None) -> None:
+# What the tiny demo's probe share means (shown under its step breakdown): figures in README's
+# "What each statistic costs" table and docs (by the probe's own clock at the reference workload).
+PROBE_NOTE = ("dynascope = the probe's own work on the training thread. The demo records every statistic of "
+              "every tensor at every step (memory_budget=None, time_budget=None), so it costs far more than "
+              "watch()'s defaults, a rotating window under a 1% time budget: ~1.5–2% of a step at the "
+              "reference workload.")
+
+
+def _time(con: StoreConnection, console: Console) -> None:
     # The report's definition (analyses.phase_shares): RL-stage steps; rollout actors (async) label no
-    # stage and only ever do RL.
-    per = analyses.phase_shares(con).filter((pl.col("stage") == "rl") | pl.col("stage").is_null())
-    per = per.rename({"share_pct": "share"}).sort(["role", "share"], descending=[False, True])
+    # stage and only ever do RL. Every phase is listed, so the shares add up to the step time.
+    per = phase_shares(con).filter((pl.col("stage") == "rl") | pl.col("stage").is_null())
+    per = per.sort(["role", "share_pct"], descending=[False, True])
     if per.is_empty():
         return
     t = Table(title="Where RL step time went (all ranks, summed)", title_justify="left")
     for col in ("role", "phase", "time", "share"):
         t.add_column(col, justify="right" if col in ("time", "share") else "left")
-    for r in per.iter_rows(named=True):
-        if r["share"] >= 0.5:
-            t.add_row(r["role"], r["phase"], f"{r['dur_ms'] / 1000:.1f} s", f"{r['share']:.1f}%")
+    for (role,), g in per.group_by("role", maintain_order=True):
+        for r in g.iter_rows(named=True):
+            t.add_row(r["role"], r["phase"], fmt_ms(r["dur_ms"]), fmt_pct(r["share_pct"]))
+        t.add_row(role, f"all ({g['steps'][0]} steps)", fmt_ms(g["step_ms"][0]), fmt_pct(g["share_pct"].sum()),
+                  style="bold", end_section=True)
     console.print(t)
+    if per.filter(pl.col("phase") == PROBE_PHASE).height:
+        console.print(f"[dim]{PROBE_NOTE}[/]", highlight=False)
 
 
 def _bottlenecks(con: StoreConnection, console: Console) -> None:
@@ -143,36 +169,34 @@ def _bottlenecks(con: StoreConnection, console: Console) -> None:
         w = (scores.with_columns(((pl.col("median_ms") - pl.col("cross_rank_median_ms")) * pl.col("steps"))
                                  .alias("excess_ms")).sort("excess_ms", descending=True).row(0, named=True))
         console.print(f"Slowest rank: [bold]rank {w['rank']}[/] ({w['role']}) in phase [bold]{w['phase']}[/]: "
-                      f"{w['median_ms']:.0f} ms median vs {w['cross_rank_median_ms']:.0f} ms across ranks "
+                      f"{fmt_ms(w['median_ms'])} median vs {fmt_ms(w['cross_rank_median_ms'])} across ranks "
                       f"({w['slowdown_x']:.1f}× slower, score {w['score']:.2f}, {w['status']}).", highlight=False)
     tail = analyses.rollout_long_tail(con)
     if tail.height:
         console.print(f"Rollout long tail: median step's slowest sample took {tail['gen_tail_x'].median():.1f}× "
                       f"the median sample; responses p50 {tail['response_len_p50_tokens'].median():.0f} tokens, "
                       f"max {tail['response_len_max_tokens'].max():.0f}.", highlight=False)
-    share = analyses.tail_wait_share(con)
-    if share.height and share["tail_wait_pct"].drop_nulls().len():
-        console.print(f"Waiting for the tail (median sample done → last sample done): "
-                      f"{share['tail_wait_pct'].mean():.1f}% of step time on average.", highlight=False)
+    tail = analyses.tail_wait_summary(con)
+    if tail.height and tail["step_ms"][0]:
+        numbers = tail_wait_numbers(tail.row(0, named=True))
+        console.print(f"Rollout tail: {sentence('rollout_tail', numbers)}.", highlight=False)
     stale = analyses.async_staleness(con)
     if stale.height and stale["staleness_steps"].max() > 0:
         mean = float((stale["staleness_steps"] * stale["samples"]).sum() / stale["samples"].sum())
         ov = analyses.rollout_train_overlap(con).row(0, named=True)
         console.print(f"Async: mean staleness {mean:.2f} versions (max {stale['staleness_steps'].max()}); rollout and "
                       f"training overlapped {ov['overlap_pct']:.0f}% of wall time; {ov['weight_syncs']} weight syncs "
-                      f"took {ov['weight_sync_ms'] / 1000:.2f} s.", highlight=False)
+                      f"took {fmt_ms(ov['weight_sync_ms'])}.", highlight=False)
 
 
 def print_report(s: DemoSettings, console: Console, train_s: float) -> None:
     """Print the report for the finished run ``s.run_dir``."""
     run_dir = Path(s.run_dir)
     with open_store(run_dir) as con:
-        ev = con.frame("SELECT min(step) AS s FROM events WHERE event = 'stage'")
-        rl_start = None if ev.is_empty() or ev["s"][0] is None else int(ev["s"][0])
-        console.rule(f"dynascope demo — trained in {train_s:.0f} s")
+        console.rule(f"dynascope demo — trained in {fmt_ms(1000 * train_s)}")
         _reward_table(s, con, console)
-        _dynamics(con, console)
-        _time(con, console, rl_start)
+        _dynamics(s, con, console)
+        _time(con, console)
         _bottlenecks(con, console)
     console.print(f"\nθ₀ (SFT) and the RL policy: {run_dir / THETA0_FILE}, {run_dir / FINAL_FILE}")
     console.print("Explore it:  [bold]dynascope dashboard " + str(run_dir) + "[/]", highlight=False)

@@ -43,22 +43,24 @@ def heldout(task: TaskConfig, n: int, seed: int) -> list[str]:
 
 
 def log_eval(scope: Any, model: TinyLM, tok: CharTokenizer, task: TaskConfig, strings: list[str], seed: int,
-             rank: int = 0, world: int = 1, sampled: bool = True) -> dict:
-    """Greedy accuracy (and, if ``sampled``, the T=1 reward) on the held-out set, logged as ``eval/*`` scalars.
+             rank: int = 0, world: int = 1, sampled: bool = True, greedy: bool = True) -> dict:
+    """Greedy accuracy and/or the T=1 reward on the held-out set, logged as ``eval/*`` scalars at the step
+    whose weights they score: the last optimizer step's (step 0 before any).
 
     Under torchrun each rank scores its share of the set and one all_reduce adds them up.
     """
     mine = strings[rank::world]
     with scope.phase("eval"):
-        sums = torch.tensor([evaluate(model, tok, task, mine) * len(mine),
+        sums = torch.tensor([evaluate(model, tok, task, mine) * len(mine) if greedy else 0.0,
                              evaluate(model, tok, task, mine, 1.0, seed + rank) * len(mine) if sampled else 0.0],
                             dtype=torch.float64)
         if world > 1:
             torch.distributed.all_reduce(sums)
-    out = {"eval/accuracy": float(sums[0]) / len(strings)}
+    out = {"eval/accuracy": float(sums[0]) / len(strings)} if greedy else {}
     if sampled:
         out["eval/sampled_reward"] = float(sums[1]) / len(strings)
-    scope.log(**out)
+    # The scope is at the step after the last optimizer step: the weights scored are that step's result.
+    scope.log(step=max(scope.step_index - 1, 0), **out)
     return out
 
 
@@ -85,4 +87,7 @@ def run_sft(model: TinyLM, opt: torch.optim.Optimizer, scope: Any, tok: CharToke
             last = log_eval(scope, model, tok, task, evals, seed, rank, world, sampled=False)
             if last["eval/accuracy"] >= cfg.target_acc:
                 break
-    return {"steps": step, **log_eval(scope, model, tok, task, evals, seed, rank, world)}
+    # The sampled reward is measured once, where RL starts; greedy accuracy again only if the loop's last
+    # step had no evaluation (each scalar once per step).
+    evaluated = step % cfg.eval_every == 0
+    return {"steps": step, **last, **log_eval(scope, model, tok, task, evals, seed, rank, world, greedy=not evaluated)}
