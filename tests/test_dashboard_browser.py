@@ -345,6 +345,7 @@ def test_server_warms_its_imports_without_noise(tmp_path):
     text = log.read_text()
     assert "You can now view your Streamlit app" in text and "dynascope: dashboard pages loaded in" in text, text
     assert "No runtime found" not in text and "Traceback" not in text, text[-2000:]
+    assert "found in sys.modules" not in text, text[-2000:]  # runpy's warning: the package imported serve itself
 
 
 def test_launch_checks_path_and_warns_off_loopback(tmp_path, monkeypatch, capsys):

@@ -7,7 +7,12 @@ import polars as pl
 import streamlit as st
 
 from dynascope import analyses
+from dynascope.analyses.findings import MIN_PROBE_PCT, probe_cost_numbers
+from dynascope.analyses.findings_text import sentence
+from dynascope.analyses.phase_shares import phase_shares
+from dynascope.analyses.probe_time import probe_cost
 from dynascope.core.errors import first_line
+from dynascope.core.fmt import fmt_ms, fmt_pct, significant
 from dynascope.dashboard import charts, data
 from dynascope.dashboard.queries import cluster as Q
 
@@ -53,6 +58,7 @@ def _body() -> None:
     left, right = st.columns(2)
     with left, data.guard("Breakdown per rank"):
         _breakdown(path, run, colors)
+        _shares(path, run)
     with right, data.guard("Throughput"):
         tp = data.query(Q.throughput, path, run)
         if not data.empty(tp, "samples with step timings"):
@@ -67,15 +73,44 @@ def _body() -> None:
 
 
 def _breakdown(path: str, run: str, colors: dict[str, str]) -> None:
-    """Mean ms per step of each top-level phase per rank, including the un-instrumented remainder."""
+    """Mean ms per step of each recurring top-level phase per rank, including the un-instrumented remainder;
+    one-off phases and time outside any timed step are listed under it, not averaged into it."""
     bd = data.query(Q.phase_breakdown, path, run)
     if data.empty(bd, "top-level phases with step rows"):
         return
     rank = pl.col("rank").cast(pl.String)
     label = pl.col("role") + ":" + rank if bd["role"].n_unique() > 1 else rank
     bd = bd.with_columns(label.alias("rank"))
-    fig = charts.bars(bd, "rank", "ms_per_step", "phase", "mean time per step by phase", "ms / step", colors=colors)
-    charts.show(fig.update_layout(height=max(330, 150 + 22 * bd["phase"].n_unique())), "cl_breakdown")  # legend room
+    per_step = bd.filter(pl.col("ms_per_step").is_not_null())
+    fig = charts.bars(per_step, "rank", "ms_per_step", "phase", "mean time per step by phase (recurring phases)",
+                      "ms / step", colors=colors)
+    charts.show(fig.update_layout(height=max(330, 150 + 22 * per_step["phase"].n_unique())), "cl_breakdown")
+    apart = [f"{r['phase']} {fmt_ms(r['timed_ms'] + r['outside_ms'])} (rank {r['rank']}, once, step {r['first_step']})"
+             for r in bd.filter(pl.col("one_off")).iter_rows(named=True)]
+    apart += [f"{r['phase']} {fmt_ms(r['outside_ms'])} (rank {r['rank']})"
+              for r in bd.filter(~pl.col("one_off") & (pl.col("outside_ms") > 0)).iter_rows(named=True)]
+    if apart:
+        st.caption("Not in the per-step means: one-off phases, and time outside any timed step (before the first "
+                   "or after the last optimizer step): " + "; ".join(apart) + ".")
+
+
+def _shares(path: str, run: str) -> None:
+    """Share of step time per phase, per role and stage: ``analyses.phase_shares``, the figures of the
+    report's summary and the demo's table, every phase listed so a column adds up to the step time."""
+    sh = data.analysis(phase_shares, path, run=run)  # by name: `analyses.phase_shares` can be the module
+    if sh.is_empty():
+        return
+    labels = [" · ".join(x for x in (role if sh["role"].n_unique() > 1 else None, stage) if x) + f" ({n} steps)"
+              for role, stage, n in sh.select("role", "stage", "steps").iter_rows()]
+    wide = (sh.with_columns(pl.Series("steps_of", labels), pl.Series("share", [fmt_pct(x) for x in sh["share_pct"]]))
+            .pivot(on="steps_of", index="phase", values="share", aggregate_function="first").fill_null("—"))
+    st.caption("Where step time went, per role and stage (dynascope.analyses.phase_shares, as the report's "
+               "summary): every phase's time summed over ranks, over their step time.")
+    st.dataframe(wide, hide_index=True, width="content", key="cl_shares")
+    cost = data.analysis(probe_cost, path, run=run)
+    if cost.height and cost["probe_pct"][0] >= MIN_PROBE_PCT:
+        st.caption(f"Probe cost (the phase dynascope), as the report says it: "
+                   f"{sentence('probe_cost', probe_cost_numbers(cost.row(0, named=True)))}.")
 
 
 def _mfu(path: str, run: str) -> None:
@@ -156,20 +191,23 @@ def _schedules(path: str, run: str) -> None:
     c = st.columns(4)
     name = c[0].selectbox("Schedule", _SCHEDULES, key="cl_sched")
     devices = c[1].number_input("Devices the ranks ran on (0: one per rank)", 0.0, value=0.0, step=1.0,
-                                key="cl_sched_dev")
-    background = c[2].number_input("Other runnable processes", 0.0, value=0.0, step=1.0, key="cl_sched_bg")
+                                format="%g", key="cl_sched_dev")
+    background = c[2].number_input("Other runnable processes", 0.0, value=0.0, step=1.0, format="%g",
+                                   key="cl_sched_bg")
     tail = c[3].slider("Tail cut percentile", 50, 100, 90, key="cl_sched_tail")
     c = st.columns(4)
     workers = c[0].number_input("Rollout workers", 1, value=2, key="cl_sched_workers")
     staleness = c[1].number_input("Staleness bound", 0, value=1, key="cl_sched_stale")
     policy = c[2].selectbox("Stale batches", ["block", "drop"], key="cl_sched_policy")
-    g_r = c[3].number_input("Rollout devices (split; 0: proportional)", 0.0, value=0.0, step=1.0, key="cl_sched_gr")
+    g_r = c[3].number_input("Rollout devices (split; 0: proportional)", 0.0, value=0.0, step=1.0, format="%g",
+                            key="cl_sched_gr")
     c = st.columns(4)
-    publish = c[0].number_input("Publish ms per version (trainer)", 0.0, value=0.0, step=1.0, key="cl_sched_pub")
+    publish = c[0].number_input("Publish ms per version (trainer)", 0.0, value=0.0, step=1.0, format="%g",
+                                key="cl_sched_pub")
     load = c[1].number_input("Load ms per version (worker; 0: the measured copy)", 0.0, value=0.0, step=1.0,
-                             key="cl_sched_load")
+                             format="%g", key="cl_sched_load")
     timeslice = c[2].number_input("Time-slice efficiency (oversubscribed devices)", 0.05, 1.0, value=1.0, step=0.05,
-                                  key="cl_sched_ts")
+                                  format="%g", key="cl_sched_ts")
     params = dict(run=run, devices=devices or None, background=background, workers=int(workers),
                   staleness=int(staleness), staleness_policy=policy, tail_pct=float(tail), publish_ms=float(publish),
                   load_ms=float(load) or None, timeslice_efficiency=float(timeslice))
@@ -187,7 +225,7 @@ def _schedules(path: str, run: str) -> None:
 
     r = row.row(0, named=True)
     m = st.columns(5)
-    m[0].metric("step time", f"{r['step_ms']:.0f} ms", f"{r['speedup_x']:.2f}× samples/s", delta_color="off")
+    m[0].metric("step time", fmt_ms(r["step_ms"]), f"{r['speedup_x']:.2f}× samples/s", delta_color="off")
     m[1].metric("samples / s", f"{r['samples_per_s']:.1f}")
     m[2].metric("idle: trainer / rollout", f"{r['trainer_idle_pct']:.0f}% / {r['rollout_idle_pct']:.0f}%")
     m[3].metric("staleness (mean / max)", f"{r['staleness_mean']:.2f} / {r['staleness_max']}")
@@ -195,8 +233,19 @@ def _schedules(path: str, run: str) -> None:
     st.caption(f"{r['params']}. Replay of the measured synchronous steps (sync row: "
                f"{df['calibration_error_pct'][0]:.1f}% off the measured step time). Not modelled: "
                f"{LIMITS.removesuffix(' are not modelled')} (docs/schedules.md).")
-    st.dataframe(df.drop("run_id"), hide_index=True, width="stretch", key="cl_sched_table")
+    # One column per schedule, one row per figure: a row per schedule put most of the figures off the right edge.
+    figures = [c for c in df.columns if c not in ("run_id", "schedule")]
+    wide = pl.DataFrame({"figure": figures, **{str(row["schedule"]): [_cell(row[c]) for c in figures]
+                                                for row in df.iter_rows(named=True)}})
+    st.dataframe(wide, hide_index=True, width="stretch", key="cl_sched_table", height=35 * (wide.height + 1) + 3)
     stale = data.analysis(analyses.schedule_staleness, path, **params).filter(pl.col("schedule") == name)
     if stale.height > 1:
         charts.show(charts.bars(stale.with_columns(pl.col("staleness").cast(pl.String)), "staleness", "share_pct",
                                 None, f"staleness of trained samples: {name}", "% of samples"), "cl_sched_stale_chart")
+
+
+def _cell(v: object) -> str:
+    """A what-if figure as text (the transposed table mixes numbers and words): four significant digits."""
+    if v is None:
+        return "—"
+    return significant(float(v), 4) if isinstance(v, float) else str(v)

@@ -7,6 +7,8 @@ import polars as pl
 import streamlit as st
 
 from dynascope import analyses
+from dynascope.analyses.findings_dynamics import delta_sync_numbers
+from dynascope.analyses.findings_text import sentence
 from dynascope.core.naming import KINDS
 from dynascope.dashboard import charts, data
 from dynascope.dashboard.queries import params as P
@@ -30,9 +32,10 @@ def _body() -> None:
     present = set(sk["kind"].drop_nulls().to_list())
     kinds_all = [k for k in KINDS if k in present] + sorted(present - set(KINDS))
     stages_all = list(dict.fromkeys(sk["stage"].to_list()))
-    c1, c2, c3 = st.columns([3, 2, 2])
-    kinds = tuple(c1.multiselect("Module kinds", kinds_all, key="dyn_kinds",
-                                  default=data.remembered("dyn_kinds", kinds_all, kinds_all)))
+    # The kinds get the page's width: in a third of it, a model's seven kinds ran past the box's right edge.
+    kinds = tuple(st.multiselect("Module kinds", kinds_all, key="dyn_kinds",
+                                 default=data.remembered("dyn_kinds", kinds_all, kinds_all)))
+    c2, c3 = st.columns(2)
     stages = tuple(c2.multiselect("Stages (heat maps)", stages_all, key="dyn_stages",
                                    default=data.remembered("dyn_stages", stages_all, stages_all)))
     run = c3.selectbox("Run (heat maps, fit)", runs, key="dyn_run") if len(runs) > 1 else runs[0]
@@ -85,9 +88,9 @@ def _changed(ov: pl.DataFrame) -> None:
     """Step-changed fraction per stage, bit-exact (solid) and changed by more than 0.1% of |W| (dotted,
     ``changed_rel_frac``): with fp32 master weights Adam moves nearly every weight each step, and the
     relative threshold separates moves of the weight's own size from rounding-sized ones. The bf16-cast
-    comparison (PULSE S₁) is its own chart."""
+    comparison (PULSE S₁) is drawn with the delta weight sync it prices (``_delta_sync``)."""
     fig = charts.banded(ov, "step_in_stage", "changed", "changed_lo", "changed_hi", ["run_id", "stage"],
-                        "step-changed fraction by stage: bit-exact and by > 0.1% of |W| (relative)", "fraction of parameters",
+                        "step-changed fraction by stage: bit-exact and > 0.1% of |W|", "fraction of parameters",
                         "steps since stage start")
     has_rel = ov["changed_rel"].drop_nulls().len() > 0
     if has_rel:
@@ -107,25 +110,29 @@ def _changed(ov: pl.DataFrame) -> None:
 
 
 def _delta_sync(path: str, runs: tuple[str, ...]) -> None:
-    """What the bf16 sparsity is worth on the wire: bytes a delta sync of the changed bf16 elements sends."""
-    st.subheader("Delta weight sync")
+    """PULSE's bf16 visibility per step (1 − S₁: the share of elements whose bf16 cast changed) and what it
+    is worth on the wire: the bytes a delta sync of those elements sends. The caption is the report's own
+    sentence from ``delta_sync_summary``, so both give one figure."""
+    st.subheader("Changed in bf16 and delta weight sync")
     ds = data.query(P.delta_sync_series, path, runs)
     if data.empty(ds, "per-step bf16 visibility (bf16_unchanged_count)"):
         return
     fig = go.Figure()
     for i, ((run, stage), g) in enumerate(ds.group_by("run_id", "stage", maintain_order=True)):
         name = " · ".join(str(k) for k in (run, stage) if k not in (None, ""))
-        fig.add_trace(go.Scatter(x=g["step"].to_list(), y=g["delta_pct"].to_list(), mode="lines", name=name,
-                                 line=dict(color=charts.PALETTE[i % len(charts.PALETTE)])))
-    charts.show(charts.layout(fig, "bf16 delta sync: bytes per step, % of the full bf16 weights", "step",
-                              "% of full bf16 bytes"), "dyn_delta_sync")
-    med = ds.group_by("stage", maintain_order=True).agg(pl.col("delta_pct").median(), pl.col("encoding").mode().first(),
-                                                       pl.col("delta_sync_ms").median(), pl.col("full_bf16_sync_ms").median())
-    st.caption("Elements whose bf16 cast changed in the step, sent as value+index (6 B each) or a bitmap "
-               "(numel/8 B + 2 B each), whichever is smaller. Median per stage: "
-               + "; ".join(f"{s or 'all'}: {d:.2f}% ({e})" + (f", {m:.1f} ms vs {f:.1f} ms full bf16 at the measured "
-                                                              "sync bandwidth" if m is not None else "")
-                           for s, d, e, m, f in med.iter_rows()) + ".")
+        color = charts.PALETTE[i % len(charts.PALETTE)]
+        fig.add_trace(go.Scatter(x=g["step"].to_list(), y=g["delta_pct"].to_list(), mode="lines",
+                                 name=f"{name} delta sync bytes", line=dict(color=color)))
+        fig.add_trace(go.Scatter(x=g["step"].to_list(), y=g["changed_pct"].to_list(), mode="lines",
+                                 name=f"{name} changed in bf16", line=dict(color=color, dash="dot")))
+    charts.show(charts.layout(fig, "changed in bf16 (1 − PULSE S₁, dotted) and delta-sync bytes per step", "step",
+                              "% of elements / of full bf16 bytes"), "dyn_delta_sync")
+    summary = data.per_run(analyses.delta_sync_summary, path, runs)
+    st.caption("Elements whose bf16 cast changed in the step (1 − PULSE S₁), sent as value+index (6 B each) or a "
+               "bitmap (numel/8 B + 2 B each), whichever is smaller. Per run and stage, as the report says it: "
+               + "; ".join(("" if len(runs) == 1 else f"{r['run_id']}: ") + sentence("delta_sync", delta_sync_numbers(r))
+                           for r in summary.iter_rows(named=True)) + ".")
+
 
 def _first_steps(nonfinite: pl.DataFrame) -> tuple[int, ...]:
     """The steps whose tensors the page names (the first 50 with NaN/Inf)."""

@@ -99,7 +99,10 @@ def _timeline(path: str, runs: tuple[str, ...], ev: pl.DataFrame, detected: pl.D
             xs, ys = charts.gapped(g["step"].to_list(), g["mean"].to_list())  # no line across unlogged steps
             fig.add_trace(go.Scatter(x=xs, y=ys, yaxis="y2", mode="lines", name=f"{key} · {run}",
                                      line=dict(width=1), opacity=0.6, connectgaps=False))
-        fig.update_layout(yaxis2=dict(overlaying="y", side="right", title=key, showgrid=False))
+        # Plotly syncs an overlaying axis's ticks to the left axis's grid by default: on a category axis of
+        # events the right axis then labelled each event row with a value, as if it were the event's.
+        fig.update_layout(yaxis2=dict(overlaying="y", side="right", title=f"{key} (line)", showgrid=False,
+                                      tickmode="auto", nticks=5, color="#888"))
     stepped = ev.filter(pl.col("step").is_not_null())
     for (sev,), g in stepped.group_by("severity", maintain_order=True):
         fig.add_trace(go.Scatter(

@@ -11,6 +11,8 @@ import polars as pl
 import streamlit as st
 
 from dynascope import analyses
+from dynascope.analyses.findings import tail_wait_numbers
+from dynascope.analyses.findings_text import sentence
 from dynascope.dashboard import charts, data
 from dynascope.dashboard.queries import rollouts as Q
 
@@ -47,6 +49,7 @@ def _body() -> None:
             charts.show(charts.banded(tw, "step", "tail_wait_pct", "tail_wait_pct_lo", "tail_wait_pct_hi",
                                       ["run_id"], "tail wait: median sample done → last done", "% of step time"),
                         "ro_tail")
+            _tail_caption(path, runs)
     left, right = st.columns(2)
     with left, data.guard("Rewards"):
         rw = data.query(Q.rewards, path, runs)
@@ -62,6 +65,16 @@ def _body() -> None:
                                       "% of groups"), "ro_zero_var")
     with data.guard("Staleness"):
         _staleness(path, runs)
+
+
+def _tail_caption(path: str, runs: tuple[str, ...]) -> None:
+    """The run's whole tail-wait share under the per-step chart: Σ tail wait / Σ step time
+    (``tail_wait_summary``), in the report's own sentence."""
+    summary = data.per_run(analyses.tail_wait_summary, path, runs).filter(pl.col("step_ms") > 0)
+    said = [("" if len(runs) == 1 else f"{r['run_id']}: ") + sentence("rollout_tail", tail_wait_numbers(r))
+            for r in summary.iter_rows(named=True)]
+    if said:
+        st.caption("Over the whole run, as the report says it: " + "; ".join(said) + ".")
 
 
 def _staleness(path: str, runs: tuple[str, ...]) -> None:
