@@ -24,6 +24,9 @@ app.add_typer(import_app, name="import")
 
 console = Console()
 err_console = Console(stderr=True)
+# Tables never cut a value: on a terminal one that is too wide for it becomes one block per row; through a
+# pipe, auto writes tab-separated values (docs/cli.md).
+FORMAT_HELP = "auto (a table on a terminal, tab-separated values through a pipe) | table | tsv"
 _state = {"debug": False}
 
 
@@ -70,16 +73,17 @@ def main(debug: Annotated[bool, typer.Option("--debug", help="Show full tracebac
 def sql(
     path: Annotated[Path, typer.Argument(help="Run directory or store root.")],
     query: Annotated[str, typer.Argument(help="A read-only SQL query over the store's tables.")],
-    format: Annotated[str, typer.Option("--format", "-f", help="table | csv | json | parquet")] = "table",
+    format: Annotated[str, typer.Option("--format", "-f", help=FORMAT_HELP + " | csv | json | parquet")] = "auto",
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the result to this file.")] = None,
     max_rows: Annotated[int, typer.Option("--max-rows", help="Row cap for the result.")] = 100_000,
 ) -> None:
-    """Run read-only SQL over a run (tables: runs, tensor_stats, spectra, timings, samples, scalars, events, system)."""
+    """Run read-only SQL over a run (tables: runs, tensor_stats, tensor_stats_by_kind, tensor_stats_by_layer,
+    spectra, timings, samples, scalars, events, system)."""
     from dynascope.cli_output import write_result
     from dynascope.store import open_store, run_sql
 
-    if format not in ("table", "csv", "json", "parquet"):
-        raise UserError(f"unknown --format {format!r} (table, csv, json or parquet)")
+    if format not in ("auto", "table", "tsv", "csv", "json", "parquet"):
+        raise UserError(f"unknown --format {format!r} (auto, table, tsv, csv, json or parquet)")
     if format == "parquet" and out is None:
         raise UserError("--format parquet needs --out FILE")
     if max_rows < 1:
@@ -94,12 +98,17 @@ def sql(
 
 @app.command()
 @guarded
-def runs(root: Annotated[Path, typer.Argument(help="Store root or run directory.")]) -> None:
+def runs(
+    root: Annotated[Path, typer.Argument(help="Store root or run directory.")],
+    format: Annotated[str, typer.Option("--format", "-f", help=FORMAT_HELP)] = "auto",
+) -> None:
     """List runs with status, steps, ranks, size and last write."""
     from dynascope.cli_output import print_runs
     from dynascope.store.catalog import list_runs
 
-    print_runs(list_runs(root), console)
+    if format not in ("auto", "table", "tsv"):
+        raise UserError(f"unknown --format {format!r} (auto, table or tsv)")
+    print_runs(list_runs(root), console, format)
 
 
 @app.command()

@@ -16,25 +16,72 @@ import pyarrow as pa
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 TABLE_ROWS = 1000  # a terminal table beyond this is unreadable: the rest goes to a file format
 _STATUS_COLOUR = {"live": "green", "finished": "blue", "crashed": "red"}
 
 
-def print_runs(runs: pl.DataFrame, console: Console) -> None:
-    """The catalog (``catalog.list_runs``) as a table, then one warning per run that could not be read."""
-    table = Table(show_lines=False)
-    for col in ("run_id", "name", "status", "steps", "ranks", "size", "last write", "started"):
-        table.add_column(col, justify="right" if col in ("steps", "ranks", "size") else "left")
-    for r in runs.iter_rows(named=True):
-        table.add_row(
-            escape(r["run_id"]), escape(r["name"]), f"[{_STATUS_COLOUR[r['status']]}]{r['status']}[/]",
-            "" if r["steps"] is None else str(r["steps"]), str(r["ranks"]), _size(r["size_bytes"]),
-            _ago(r["last_write_us"]), _when(r["start_us"]),
-        )
-    console.print(table)
+def print_runs(runs: pl.DataFrame, console: Console, fmt: str = "auto") -> None:
+    """The catalog (``catalog.list_runs``): a table on a terminal (``fmt`` auto or table), then one warning
+    per run that could not be read; tab-separated values of every catalog column through a pipe (auto or
+    tsv), the times as µs since the epoch and the problem in its own column."""
+    if _tsv(console, fmt):
+        write_tsv(console, runs.columns, runs.rows())
+        return
+    columns = ("run_id", "name", "status", "steps", "ranks", "size", "last write", "started")
+    rows = [(escape(r["run_id"]), escape(r["name"]), f"[{_STATUS_COLOUR[r['status']]}]{r['status']}[/]",
+             "" if r["steps"] is None else str(r["steps"]), str(r["ranks"]), _size(r["size_bytes"]),
+             _ago(r["last_write_us"]), _when(r["start_us"])) for r in runs.iter_rows(named=True)]
+    print_table(console, columns, rows, right=("steps", "ranks", "size"))
     for r in runs.filter(pl.col("problem").is_not_null()).iter_rows(named=True):
         console.print(f"[yellow]warning:[/] {escape(r['run_id'])}: {escape(r['problem'])}", highlight=False)
+
+
+def _tsv(console: Console, fmt: str) -> bool:
+    """Whether ``fmt`` (auto, table or tsv) means tab-separated values: asked for, or auto off a terminal."""
+    return fmt == "tsv" or (fmt == "auto" and not console.is_terminal)
+
+
+def _tsv_cell(v: Any) -> str:
+    """One TSV field: NULL is empty; backslash, tab, newline and carriage return are escaped (\\, \t, \n, \r),
+    as PostgreSQL's text COPY format writes them, so every row stays one line of tab-separated fields."""
+    if v is None:
+        return ""
+    return str(v).replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n").replace("\r", "\\r")
+
+
+def write_tsv(console: Console, columns: list[str], rows: Any) -> None:
+    """A header line of column names, then one line per row of tab-separated fields (``_tsv_cell``)."""
+    out = console.file
+    out.write("\t".join(_tsv_cell(c) for c in columns) + "\n")
+    for row in rows:
+        out.write("\t".join(_tsv_cell(v) for v in row) + "\n")
+
+
+def print_table(console: Console, columns: Any, rows: list[Any], right: tuple[str, ...] = ()) -> None:
+    """A table that never cuts a value: as one table when it fits the console's width, else one block per
+    row (column name, value), values folded onto as many lines as they need. Off a terminal (an explicit
+    table format through a pipe) the table is printed at its full width."""
+    table = Table(show_lines=False)
+    for col in columns:
+        table.add_column(col, justify="right" if col in right else "left", overflow="fold")
+    for row in rows:
+        table.add_row(*row)
+    need = console.measure(table, options=console.options.update_width(100_000)).maximum  # its natural width
+    if need <= console.width:
+        console.print(table)
+    elif not console.is_terminal:  # print caps a width at the console's own: a console as wide as the table
+        Console(file=console.file, width=need, color_system=None).print(table)
+    else:
+        for i, row in enumerate(rows, 1):
+            console.rule(f"row {i}", align="left", style="dim")
+            block = Table.grid(padding=(0, 2))
+            block.add_column(style="bold", no_wrap=True)
+            block.add_column(overflow="fold")
+            for col, value in zip(columns, row, strict=True):
+                block.add_row(col, value)
+            console.print(block)
 
 
 def _size(n: float) -> str:
@@ -57,7 +104,8 @@ def _when(us: int | None) -> str:
 
 
 def write_result(result: pa.Table, fmt: str, out: Path | None, console: Console) -> None:
-    """Print or save a query result as a rich table, CSV, JSON lines or Parquet."""
+    """Print or save a query result as a table (on a terminal), tab-separated values (through a pipe), CSV,
+    JSON lines or Parquet; ``fmt`` auto picks table or TSV by whether stdout is a terminal."""
     if fmt == "parquet":
         import pyarrow.parquet as pq
 
@@ -80,18 +128,25 @@ def write_result(result: pa.Table, fmt: str, out: Path | None, console: Console)
         else:
             console.file.write(text)
         return
-    table = Table(show_lines=False)
-    for name in result.column_names:
-        table.add_column(name)
-    for row in result.slice(0, TABLE_ROWS).to_pylist():
-        table.add_row(*["" if v is None else str(v) for v in row.values()])
-    if out is not None:
+    if out is not None:  # a file: TSV when asked, else the whole table at its full width
         with open(out, "w") as fh:
-            Console(file=fh, width=200).print(table)
+            file_console = Console(file=fh, width=10_000)
+            if fmt == "tsv":
+                write_tsv(file_console, result.column_names, (r.values() for r in result.to_pylist()))
+            else:
+                print_table(file_console, result.column_names, _cells(result.to_pylist()))
         return
-    console.print(table)
+    if _tsv(console, fmt):
+        write_tsv(console, result.column_names, (r.values() for r in result.to_pylist()))
+        return
+    print_table(console, result.column_names, _cells(result.slice(0, TABLE_ROWS).to_pylist()))
     if result.num_rows > TABLE_ROWS:
-        console.print(f"… {result.num_rows - TABLE_ROWS} more rows (use --format csv/json/parquet --out FILE)")
+        console.print(f"… {result.num_rows - TABLE_ROWS} more rows (use --format tsv/csv/json/parquet --out FILE)")
+
+
+def _cells(rows: list[dict[str, Any]]) -> list[list[str]]:
+    """Query rows as table cells: NULL empty, the rest as text without markup."""
+    return [[Text("" if v is None else str(v)) for v in row.values()] for row in rows]
 
 
 def plain(console: Console, text: str) -> None:
