@@ -13,6 +13,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from dynascope.core.fmt import fmt_ms
 from dynascope.demo.smollm2 import FINAL_FILE, THETA0_FILE, SmolSettings
 from dynascope.store import StoreConnection, open_store, quote_literal
 
@@ -89,7 +90,7 @@ def _delta_sync(con: StoreConnection) -> tuple[str, str]:
     if df.is_empty():
         return "no RL step recorded", ""
     r = df.row(0, named=True)
-    t = (f"; implied sync {r['delta_sync_ms']:.1f} ms vs {r['full_bf16_sync_ms']:.1f} ms full bf16"
+    t = (f"; implied sync {fmt_ms(r['delta_sync_ms'])} vs {fmt_ms(r['full_bf16_sync_ms'])} full bf16"
          if r["delta_sync_ms"] is not None else "")
     return f"{r['delta_pct']:.2f}% of bf16 bytes ({r['encoding']})", f"median over {r['steps']} RL steps{t}"
 
@@ -102,7 +103,7 @@ def print_reproduction(s: SmolSettings, console: Console, train_s: float) -> Non
               f"{s.rl_lr:g}, no KL term; {s.device}")
     with open_store(run_dir) as con:
         cols = _columns(con)
-        console.rule(f"dynascope demo --model smollm2 — trained in {train_s:.0f} s")
+        console.rule(f"dynascope demo --model smollm2 — trained in {fmt_ms(1000 * train_s)}")
         console.print(f"Regime: {regime}", highlight=False)
         t = Table(title="Reproduction: each paper's headline beside this run, same definition", title_justify="left")
         for c in ("measure (definition)", "paper", "this run", "note"):
