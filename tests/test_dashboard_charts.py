@@ -73,6 +73,30 @@ def test_timeline_window_ends_on_a_typical_step(tmp_path):
     assert span["last_step"] == 70 and span["typical_step"] == 69
 
 
+def test_breakdown_averages_only_recurring_phases_inside_steps(tmp_path):
+    """A 150 s evaluation after training (no step row) and a checkpoint in one step are no per-step time:
+    they are listed apart, and every recurring phase's mean is over the timed steps."""
+    t = now_us()
+    with RunWriter(tmp_path / "run", flush_secs=60) as w:
+        for step in range(10):
+            phases = ["train", "eval"] + (["checkpoint"] if step == 5 else [])
+            durs = [100_000, 20_000 if step % 2 == 0 else 0] + ([3_000_000] if step == 5 else [])
+            w.append("timings", {"step": step, "phase": phases, "category": "phase", "start_us": t, "dur_us": durs})
+            w.append("timings", {"step": step, "phase": "step", "category": "step", "start_us": t,
+                                 "dur_us": sum(durs) + 5000})
+            t += sum(durs) + 5000
+        w.append("timings", {"step": 10, "phase": "alpharl", "category": "phase", "start_us": t, "dur_us": 150_000_000})
+    with open_store(tmp_path / "run") as store:
+        bd = {r["phase"]: r for r in cluster.phase_breakdown(store, "run").iter_rows(named=True)}
+    assert bd["train"]["ms_per_step"] == pytest.approx(100.0) and not bd["train"]["one_off"]
+    assert bd["eval"]["ms_per_step"] == pytest.approx(10.0)  # in every other step: amortised over all ten
+    assert bd["(uninstrumented)"]["ms_per_step"] == pytest.approx(5.0)
+    for phase, ms, step in (("alpharl", 150_000.0, 10), ("checkpoint", 3000.0, 5)):
+        row = bd[phase]
+        assert row["one_off"] and row["ms_per_step"] is None and row["first_step"] == step
+        assert row["timed_ms"] + row["outside_ms"] == pytest.approx(ms)
+
+
 def test_views_pass_callables_not_names():
     """data.query/analysis/per_run/prefetch take the function itself, so a typo fails at import, not as an
     'analysis not available' line on the page."""

@@ -79,7 +79,7 @@ def test_quick_demo_single_process(tmp_path: Path) -> None:
 
         cmp = analyses.sparsity_comparison(con, "sft", "rl").filter(pl.col("kind") == "all").row(0, named=True)
     sft_changed, rl_changed = 1 - cmp["step_unchanged_frac_a"], 1 - cmp["step_unchanged_frac_b"]
-    assert "parameters changed per step" in out
+    assert "changed per step, bit-exact" in out and "changed in bf16 per step (1 − PULSE S₁)" in out
     if sft_changed <= rl_changed:
         # fp32 Adam moves every weight with gradient history: the report must say why, and where to look instead.
         text = out.replace("\n", " ")

@@ -13,7 +13,8 @@ __all__ = ["fmt_ms", "fmt_pct", "significant"]
 
 
 def significant(x: float, digits: int = 3) -> str:
-    """``x`` to ``digits`` significant digits in fixed-point notation, trailing zeros dropped."""
+    """``x`` to ``digits`` significant digits in fixed-point notation, trailing zeros dropped; a number with
+    more digits before the point keeps them all (98765, never 9.88e+04)."""
     if x == 0 or not math.isfinite(x):
         return "0" if x == 0 else str(x)
     decimals = max(0, digits - 1 - math.floor(math.log10(abs(x))))

@@ -102,11 +102,14 @@ def _shares(path: str, run: str) -> None:
         return
     labels = [" · ".join(x for x in (role if sh["role"].n_unique() > 1 else None, stage) if x) + f" ({n} steps)"
               for role, stage, n in sh.select("role", "stage", "steps").iter_rows()]
-    wide = (sh.with_columns(pl.Series("steps_of", labels), pl.Series("share", [fmt_pct(x) for x in sh["share_pct"]]))
+    sh = sh.with_columns(pl.Series("steps_of", labels))
+    wide = (sh.with_columns(pl.Series("share", [fmt_pct(x) for x in sh["share_pct"]]))
             .pivot(on="steps_of", index="phase", values="share", aggregate_function="first").fill_null("—"))
+    total = sh.group_by("steps_of", maintain_order=True).agg(pl.col("share_pct").sum())
+    wide = pl.concat([wide, pl.DataFrame({"phase": ["all"], **{k: [fmt_pct(v)] for k, v in total.iter_rows()}})])
     st.caption("Where step time went, per role and stage (dynascope.analyses.phase_shares, as the report's "
                "summary): every phase's time summed over ranks, over their step time.")
-    st.dataframe(wide, hide_index=True, width="content", key="cl_shares")
+    st.dataframe(wide, hide_index=True, width="content", key="cl_shares", height=35 * (wide.height + 1) + 3)
     cost = data.analysis(probe_cost, path, run=run)
     if cost.height and cost["probe_pct"][0] >= MIN_PROBE_PCT:
         st.caption(f"Probe cost (the phase dynascope), as the report says it: "
