@@ -17,10 +17,10 @@ from dynascope import analyses
 from dynascope.analyses.findings import tail_wait_numbers
 from dynascope.analyses.findings_text import sentence
 from dynascope.analyses.phase_shares import phase_shares
+from dynascope.analyses.probe_time import DEFAULT_PROBE_COST, PROBE_PHASE
 from dynascope.core.fmt import fmt_ms, fmt_pct
 from dynascope.demo.distributed import FINAL_FILE, THETA0_FILE
 from dynascope.demo.settings import DemoSettings
-from dynascope.probes.timing import PROBE_PHASE
 from dynascope.store import StoreConnection, StoreError, open_store, quote_literal
 
 RANK1_FILE = "policy_rank1.safetensors"
@@ -132,12 +132,10 @@ def _dynamics(s: DemoSettings, con: StoreConnection, console: Console) -> None:
                   "smollm2[/].[/]", highlight=False)
 
 
-# What the tiny demo's probe share means (shown under its step breakdown): figures in README's
-# "What each statistic costs" table and docs (by the probe's own clock at the reference workload).
+# What the tiny demo's probe share means (shown under its step breakdown).
 PROBE_NOTE = ("dynascope = the probe's own work on the training thread. The demo records every statistic of "
-              "every tensor at every step (memory_budget=None, time_budget=None), so it costs far more than "
-              "watch()'s defaults, a rotating window under a 1% time budget: ~1.5–2% of a step at the "
-              "reference workload.")
+              "every tensor at every step (watch(memory_budget=None): the window holds every tensor), so it costs "
+              f"far more than watch()'s defaults, a rotating window under a 1% time budget: {DEFAULT_PROBE_COST}.")
 
 
 def _time(con: StoreConnection, console: Console) -> None:
