@@ -85,13 +85,24 @@ def _breakdown(path: str, run: str, colors: dict[str, str]) -> None:
     fig = charts.bars(per_step, "rank", "ms_per_step", "phase", "mean time per step by phase (recurring phases)",
                       "ms / step", colors=colors)
     charts.show(fig.update_layout(height=max(330, 150 + 22 * per_step["phase"].n_unique())), "cl_breakdown")
-    apart = [f"{r['phase']} {fmt_ms(r['timed_ms'] + r['outside_ms'])} (rank {r['rank']}, once, step {r['first_step']})"
-             for r in bd.filter(pl.col("one_off")).iter_rows(named=True)]
-    apart += [f"{r['phase']} {fmt_ms(r['outside_ms'])} (rank {r['rank']})"
-              for r in bd.filter(~pl.col("one_off") & (pl.col("outside_ms") > 0)).iter_rows(named=True)]
+    once = bd.filter(pl.col("one_off")).with_columns((pl.col("timed_ms") + pl.col("outside_ms")).alias("ms"),
+                                                     pl.lit("once").alias("how"))
+    outside = bd.filter(~pl.col("one_off") & (pl.col("outside_ms") > 0)).with_columns(
+        pl.col("outside_ms").alias("ms"), pl.lit("outside timed steps").alias("how"))
+    apart = [_apart(phase, how, g) for (phase, how), g in pl.concat([once, outside]).group_by(
+        "phase", "how", maintain_order=True)]
     if apart:
-        st.caption("Not in the per-step means: one-off phases, and time outside any timed step (before the first "
-                   "or after the last optimizer step): " + "; ".join(apart) + ".")
+        st.caption("Not in the per-step means: phases that ran once, and time outside any timed step (before "
+                   "the first or after the last optimizer step): " + "; ".join(apart) + ".")
+
+
+def _apart(phase: str, how: str, g: pl.DataFrame) -> str:
+    """One phase kept out of the per-step means, over the ranks that had it: '{phase} 150 s once (step 16,
+    rank 0)' or 'eval 582 ms–625 ms per rank outside timed steps (4 ranks)'."""
+    step = f"step {g['first_step'].min()}, " if how == "once" else ""
+    if g.height == 1:
+        return f"{phase} {fmt_ms(g['ms'][0])} {how} ({step}rank {g['rank'][0]})"
+    return f"{phase} {fmt_ms(g['ms'].min())}–{fmt_ms(g['ms'].max())} per rank {how} ({step}{g.height} ranks)"
 
 
 def _shares(path: str, run: str) -> None:
@@ -237,10 +248,12 @@ def _schedules(path: str, run: str) -> None:
                f"{df['calibration_error_pct'][0]:.1f}% off the measured step time). Not modelled: "
                f"{LIMITS.removesuffix(' are not modelled')} (docs/schedules.md).")
     # One column per schedule, one row per figure: a row per schedule put most of the figures off the right edge.
-    figures = [c for c in df.columns if c not in ("run_id", "schedule")]
+    # The parameters, too long for a cell, are said under the table.
+    figures = [c for c in df.columns if c not in ("run_id", "schedule", "params")]
     wide = pl.DataFrame({"figure": figures, **{str(row["schedule"]): [_cell(row[c]) for c in figures]
                                                 for row in df.iter_rows(named=True)}})
     st.dataframe(wide, hide_index=True, width="stretch", key="cl_sched_table", height=35 * (wide.height + 1) + 3)
+    st.caption("Parameters: " + "; ".join(f"{a}: {b}" for a, b in df.select("schedule", "params").iter_rows()) + ".")
     stale = data.analysis(analyses.schedule_staleness, path, **params).filter(pl.col("schedule") == name)
     if stale.height > 1:
         charts.show(charts.bars(stale.with_columns(pl.col("staleness").cast(pl.String)), "staleness", "share_pct",
