@@ -1,6 +1,7 @@
 """Where things live on disk.
 
-    <root>/<run>/dynascope.json                          marker: schema version, run id (created once, O_EXCL)
+    <root>/<run>/dynascope.json                          marker: schema version, run id (the run appears
+                                                         with it, whole: see ``create_run``)
     <root>/<run>/<table>/writer=<writer_id>/<lo>-<hi>.parquet   immutable segments
     <root>/<run>/_writers/<writer_id>.json                writer heartbeat (mtime = last sign of life)
 
@@ -19,10 +20,14 @@ reader may still open it (see ``compact``).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import shutil
 import time
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,7 +92,7 @@ def read_marker(run_dir: Path) -> dict:
 def create_marker(run_dir: Path, meta: dict) -> bool:
     """Create the run marker atomically; returns False when another process created it first."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / f".{MARKER}.{os.getpid()}.tmp"
+    tmp = run_dir / f".{MARKER}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
     tmp.write_text(json.dumps(meta, indent=1), encoding="utf-8")
     try:
         os.link(tmp, run_dir / MARKER)  # atomic and fails if it exists: exactly one creator wins
@@ -96,6 +101,41 @@ def create_marker(run_dir: Path, meta: dict) -> bool:
         return False
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def create_run(run_dir: Path, meta: dict, populate: Callable[[Path], None]) -> bool:
+    """Create ``run_dir`` with its marker and what ``populate(dir)`` writes; False if another process won.
+
+    A reader sees nothing or a run, never table directories without a marker: where ``run_dir`` does not
+    exist yet, the run is built in a private directory beside it and renamed into place whole (``rename``
+    fails on a non-empty target, so of many processes starting at once exactly one wins). The staging
+    directory sits one level deeper than a run, so a store root's globs (``root/*/<table>/...``) never
+    reach it. Where ``run_dir`` already exists (made by a launcher, or holding other files), the marker is
+    created first and the tables after it: a reader in between sees a run whose tables are still empty.
+    """
+    parent = run_dir.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    if not os.path.lexists(run_dir):
+        stage = parent / f".dynascope-new-{uuid.uuid4().hex[:12]}"
+        staged = stage / run_dir.name
+        try:
+            staged.mkdir(parents=True)
+            populate(staged)
+            (staged / MARKER).write_text(json.dumps(meta, indent=1), encoding="utf-8")
+            try:
+                os.rename(staged, run_dir)
+                return True
+            except OSError as exc:
+                if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
+    if (run_dir / MARKER).exists():
+        return False
+    if not create_marker(run_dir, meta):
+        return False
+    populate(run_dir)
+    return True
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from dynascope.core.version import __version__
 from dynascope.store._columns import build_column, classify, parquet_options
 from dynascope.store.layout import (
     MARKER,
-    create_marker,
+    create_run,
     heartbeat_path,
     read_marker,
     safe_id,
@@ -125,11 +125,7 @@ class RunWriter:
     def _init_run(self, name: str | None, world_size: int, framework: str, config: dict) -> str:
         run_id = safe_id(self.run_dir.name)
         meta = {"schema_version": SCHEMA_VERSION, "run_id": run_id, "created_us": now_us()}
-        if not (self.run_dir / MARKER).exists():
-            # The typed empty segments go first and the marker last: a process killed in between leaves a
-            # directory readers ignore (no marker), never a run with a table they cannot read.
-            self._write_empty_segments()
-        if create_marker(self.run_dir, meta):
+        if create_run(self.run_dir, meta, _write_empty_segments):
             self.append("runs", {
                 "name": name or self.run_dir.name, "start_us": meta["created_us"], "host": socket.gethostname(),
                 "world_size": world_size, "framework": framework,
@@ -138,14 +134,6 @@ class RunWriter:
             })
             return run_id
         return str(read_marker(self.run_dir).get("run_id", run_id))
-
-    def _write_empty_segments(self) -> None:
-        # One zero-row segment per table, so every view has a typed file to read before any data lands.
-        for table, schema in TABLES.items():
-            d = writer_dir(self.run_dir, table, "_schema")
-            d.mkdir(parents=True, exist_ok=True)
-            # not schema.empty_table(): that imports pandas (0.4 s, 30 MB) in every process that makes a run
-            self._atomic_write(pa.Table.from_batches([], schema=schema), d / segment_name(0, 0))
 
     # ---- the hot path -------------------------------------------------------------------------------
     def append(self, table: str, columns: dict[str, Any]) -> None:
@@ -339,22 +327,12 @@ class RunWriter:
         return True
 
     def _atomic_write(self, arrow: pa.Table, final: Path) -> None:
-        tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex[:8]}.tmp")
-        try:
-            with open(tmp, "wb") as fh:
-                # store_schema=False: string columns are dictionary arrays in memory; readers should see strings.
-                pq.write_table(arrow, fh, **parquet_options(arrow.schema, self.compression))
-                fh.flush()
-                os.fsync(fh.fileno())  # after a machine crash the renamed segment is whole, not empty
-            os.replace(tmp, final)  # readers see the whole segment or nothing
-        finally:
-            tmp.unlink(missing_ok=True)
+        _atomic_write(arrow, final, self.compression)
 
     def _recreate_run_dir(self) -> None:
         self._problem("run_dir_missing", f"{self.run_dir} vanished; recreating it", emit_event=False)
         meta = {"schema_version": SCHEMA_VERSION, "run_id": self.run_id, "created_us": now_us(), "recreated": True}
-        self._write_empty_segments()
-        create_marker(self.run_dir, meta)
+        create_run(self.run_dir, meta, _write_empty_segments)
         self._heartbeat()
         with self._lock:
             self._pending_events.append({"event": "run_dir_recreated", "severity": "warning",
@@ -435,6 +413,28 @@ class RunWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _atomic_write(arrow: pa.Table, final: Path, compression: str = "auto") -> None:
+    tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            # store_schema=False: string columns are dictionary arrays in memory; readers should see strings.
+            pq.write_table(arrow, fh, **parquet_options(arrow.schema, compression))
+            fh.flush()
+            os.fsync(fh.fileno())  # after a machine crash the renamed segment is whole, not empty
+        os.replace(tmp, final)  # readers see the whole segment or nothing
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _write_empty_segments(run_dir: Path) -> None:
+    """One zero-row segment per table, so every view has a typed file to read before any data lands."""
+    for table, schema in TABLES.items():
+        d = writer_dir(run_dir, table, "_schema")
+        d.mkdir(parents=True, exist_ok=True)
+        # not schema.empty_table(): that imports pandas (0.4 s, 30 MB) in every process that makes a run
+        _atomic_write(pa.Table.from_batches([], schema=schema), d / segment_name(0, 0))
 
 
 def release_arrow_memory() -> bool:
