@@ -34,11 +34,12 @@ class SlowWriter(RunWriter):
         self.factor, self.step_s, self.rows_per_step = factor, step_s, rows_per_step
         super().__init__(*args, **kwargs)
 
-    def _write_segment(self, table, arrow):
-        if table == "tensor_stats":
+    def _commit(self, groups):
+        rows = sum(g.parts[0][1].num_rows for g in groups if g.table == "tensor_stats")
+        if rows:
             per_step = statistics.median(self.step_s[-50:]) if self.step_s else 0.01
-            time.sleep(self.factor * per_step * arrow.num_rows / self.rows_per_step)
-        return super()._write_segment(table, arrow)
+            time.sleep(self.factor * per_step * rows / self.rows_per_step)
+        return super()._commit(groups)
 
 
 def train(steps: int, writer: RunWriter | None, rows: int, out: list[float]) -> None:

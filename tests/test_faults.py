@@ -88,9 +88,9 @@ def test_disk_full_training_finishes_and_counts_drops(tmp_path):
 
 
 def test_transient_write_errors_lose_nothing(tmp_path, monkeypatch):
-    import dynascope.store.writer as writer_mod
+    import dynascope.store.flush as flush_mod
 
-    real, failures = writer_mod.pq.write_table, {"left": 5}
+    real, failures = flush_mod.pq.write_table, {"left": 5}
 
     def flaky(*args, **kwargs):
         if failures["left"] > 0:
@@ -99,7 +99,7 @@ def test_transient_write_errors_lose_nothing(tmp_path, monkeypatch):
         return real(*args, **kwargs)
 
     w = RunWriter(tmp_path / "run", flush_secs=0.01)
-    monkeypatch.setattr(writer_mod.pq, "write_table", flaky)
+    monkeypatch.setattr(flush_mod.pq, "write_table", flaky)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         tiny_training(30, writer=w)
@@ -138,9 +138,9 @@ def test_exception_in_writer_thread_is_reported(tmp_path):
 
 def test_writer_slower_than_training_drops_oldest(tmp_path):
     class Slow(RunWriter):
-        def _write_segment(self, table, arrow):
+        def _commit(self, groups):
             time.sleep(0.25)  # far slower than a training step
-            return super()._write_segment(table, arrow)
+            return super()._commit(groups)
 
     w = Slow(tmp_path / "run", flush_secs=0.01, max_buffer_rows=200)
     assert tiny_training(60, scope=True, writer=w) == 60  # training finished: the writer never blocked it

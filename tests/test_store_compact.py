@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -11,7 +12,8 @@ import pyarrow.parquet as pq
 
 from dynascope.store import RunWriter, open_store
 from dynascope.store.compact import compact_store
-from dynascope.store.layout import list_segments, live_segments, segment_name, valid_from_us
+from dynascope.store.layout import list_segments, segment_name, valid_from_us
+from dynascope.store.live import live_files
 
 from helpers.waiting import wait_until
 
@@ -116,20 +118,23 @@ def test_reader_polling_during_compaction_sees_constant_rows(tmp_path):
 
 def test_old_segments_missing_new_columns_merge_as_null(tmp_path):
     run = tmp_path / "r"
-    w = write_steps(run, 2)
-    # A segment written before `stage` existed: the column is absent from the file, not null in it.
+    write_steps(run, 2)
+    # Segments written before `stage` existed (by a writer of that time, which kept no commit records):
+    # the column is absent from the files, not null in them.
     old = pa.table({"run_id": ["r"], "rank": pa.array([0], pa.int32()), "role": ["trainer"],
                     "step": [99], "key": ["old"], "value": [5.0]})
-    pq.write_table(old, list_segments(run, "scalars")[run / "scalars" / f"writer={w.writer_id}"][0][2].parent
-                   / segment_name(50, 50))
+    (run / "scalars" / "writer=r0-old").mkdir()
+    for seq in (50, 51):
+        pq.write_table(old, run / "scalars" / "writer=r0-old" / segment_name(seq, seq))
     before = snapshot(run)
     compact_store(run, grace_s=0.0, settle_s=0.05, wait=True)
     assert snapshot(run) == before
     with open_store(run) as s:
-        assert s.rows("SELECT stage FROM scalars WHERE key = 'old'") == [(None,)]
+        assert s.rows("SELECT stage FROM scalars WHERE key = 'old'") == [(None,), (None,)]
+    assert [".v" in f for f in segments(run)["writer=r0-old"]] == [True]  # merged
 
 
-def test_live_rule_in_python_matches_the_view(tmp_path):
+def test_live_files_match_the_view(tmp_path):
     run = tmp_path / "r"
     write_steps(run, 6)
     wdir = next(w for w in list_segments(run, "scalars") if "_schema" not in w.name)
@@ -139,7 +144,7 @@ def test_live_rule_in_python_matches_the_view(tmp_path):
         t = pa.concat_tables([pq.read_table(s[2]) for s in list_segments(run, "scalars")[wdir] if lo <= s[0] <= hi
                               and ".v" not in s[2].name])
         pq.write_table(t, wdir / segment_name(lo, hi, valid))
-    live = {s[2].name for s in live_segments(list_segments(run, "scalars")[wdir])}
+    live = {Path(f).name for f in live_files(run, "scalars") if Path(f).parent == wdir}
     assert live == {segment_name(1, 5, 2), segment_name(6, 6)}
     with open_store(run) as s:
         got = s.sql("SELECT count(*), count(DISTINCT step) FROM scalars").fetchall()

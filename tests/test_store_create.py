@@ -63,7 +63,7 @@ def test_runs_created_by_eight_processes_at_once_appear_whole(tmp_path: Path) ->
         time.sleep(0.05)
         go.touch()
         deadline = time.monotonic() + 120
-        opened, seen, errors = _poll(run, deadline, lambda: all(p.poll() is not None for p in procs))
+        opened, seen, errors = _poll(run, deadline, lambda procs=procs: all(p.poll() is not None for p in procs))
         root_opened, _, root_errors = _poll(root, time.monotonic() + 0.5, lambda: False)
         assert [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs] == [0] * WRITERS
         go.unlink()

@@ -79,9 +79,9 @@ def test_slow_writer_drops_oldest_without_blocking_append(tmp_path):
     gate = threading.Event()
 
     class Stuck(RunWriter):
-        def _write_segment(self, table, arrow):
+        def _commit(self, groups):
             gate.wait()  # the disk hangs until the test has appended everything
-            return super()._write_segment(table, arrow)
+            return super()._commit(groups)
 
     w = Stuck(tmp_path / "r", flush_secs=0.01, max_buffer_rows=1000)
     for step in range(300):  # 30k rows while the writer thread is stuck: append must still return

@@ -11,7 +11,11 @@ adds files, and deletes a file only when no query can still be reading it:
    query that started before and is still reading the source can finish. By default that happens on a later call;
    ``wait=True`` sleeps out settle + grace and deletes them in the same call.
 
-Before merging a run, ``repair.repair_rollups`` writes the rollup segments a dead writer never wrote.
+Only committed segments are merged (a flush in progress is not data yet, see ``flush``); a merged file
+needs no commit record, and a commit record is deleted once none of its segments is left. A segment that
+was live at the ``snapshot_us`` of a lease still held (``snapshot``) is not deleted, however old its cover.
+Before merging a run, ``repair.repair_rollups`` rebuilds the rollups of a writer that wrote no commit
+records (runs written before them) if they do not account for its source rows.
 
 A live writer keeps numbering its segments above any merged range, so its older segments are safe to merge
 while it runs. The ``writer=_schema`` directories (one empty typed file per table) are left alone.
@@ -32,18 +36,13 @@ import pyarrow.parquet as pq
 
 from dynascope.core.errors import first_line
 from dynascope.store._columns import parquet_options
-from dynascope.store.layout import (
-    list_segments,
-    live_segments,
-    locate,
-    segment_name,
-    valid_from_us,
-)
+from dynascope.store.layout import locate, segment_name, valid_from_us
 from dynascope.store.repair import REPAIR_AFTER_S, conform, repair_rollups
+from dynascope.store.runfiles import FOREVER_US, RunFiles, Seg
 from dynascope.store.schema import TABLES
+from dynascope.store.snapshot import held_leases
 
 LOCK = ".compact.lock"
-_FOREVER = 2**62
 # Temp files of a writer or compactor that died are removed only when older than this (a live one may be
 # writing a large segment right now).
 _STALE_TMP_S = 3600.0
@@ -56,6 +55,7 @@ class CompactStats:
     merged_segments: int = 0  # source segments merged into new ones
     new_segments: int = 0  # merged segments written
     removed_segments: int = 0  # merged-away segments and stale temp files deleted
+    removed_commits: int = 0  # commit records deleted once none of their segments was left
     rows_merged: int = 0
     repaired_segments: int = 0  # rollup segments written for sources whose writer never wrote them (``repair``)
     skipped: list[str] = field(default_factory=list)  # one line per writer directory left alone, and why
@@ -82,20 +82,20 @@ def compact_store(path: str | os.PathLike, grace_s: float = 60.0, *, settle_s: f
             if not locked:  # two compactors could write partly overlapping merges: one run, one compactor
                 stats.skipped.append(f"{run_dir}: another compaction is running")
                 continue
-            # Before any merge: a merge must never join a writer's rollup segments across a missing one, whose
-            # rows could then no longer be told apart. Directories still waiting for a repair are not merged.
-            repair = repair_rollups(run_dir, repair_after_s)
+            files = RunFiles.of(run_dir)
+            repair = repair_rollups(files, repair_after_s, settle_us)
+            last_valid = max(last_valid, repair.last_valid_us)
             stats.repaired_segments += repair.repaired
             stats.skipped += repair.skipped
-            for wdir, table, segs in _writer_dirs(run_dir):
-                stats.removed_segments += _remove_expired(wdir, segs, grace_s)
-                segs = [s for s in segs if s[2].exists()]
-                if wdir in repair.held:
-                    continue
+            if repair.repaired:
+                files = RunFiles.of(run_dir)
+            stats.removed_segments += _remove(files, grace_s, stats)
+            # Build on every earlier merge, in effect yet or not (an earlier call may have used a longer
+            # settle): a new merge then contains or avoids each old one, never half-overlaps it.
+            merge_live = files.live(FOREVER_US)
+            for wdir, table, segs in files.writer_dirs():
                 try:
-                    # Build on every earlier merge, in effect yet or not (an earlier call may have used a longer
-                    # settle): a new merge then contains or avoids each old one, never half-overlaps it.
-                    live = live_segments(segs, at_us=_FOREVER)
+                    live = [s for s in segs if str(s[2]) in merge_live and s[2].exists()]
                     last_valid = max(last_valid, _merge_dir(table, live, settle_us, target_rows, stats))
                 except (OSError, pa.ArrowException) as exc:
                     stats.skipped.append(f"{wdir}: {type(exc).__name__}: {first_line(exc)}")
@@ -103,9 +103,22 @@ def compact_store(path: str | os.PathLike, grace_s: float = 60.0, *, settle_s: f
         time.sleep(max(0.0, last_valid / 1e6 + grace_s - time.time()) + 0.01)
         for run_dir in loc.run_dirs:
             with _run_lock(run_dir) as locked:
-                for wdir, _, segs in _writer_dirs(run_dir) if locked else ():
-                    stats.removed_segments += _remove_expired(wdir, segs, grace_s)
+                if locked:
+                    stats.removed_segments += _remove(RunFiles.of(run_dir), grace_s, stats)
     return stats
+
+
+def _remove(files: RunFiles, grace_s: float, stats: CompactStats) -> int:
+    """Delete what no query reads any more (``_remove_expired`` per writer directory), then the commit
+    records none of whose segments is left."""
+    leases, problems = held_leases(files.run_dir)
+    stats.skipped += [p for p in problems if p not in stats.skipped]
+    pinned = frozenset().union(*(files.live(lease.snapshot_us) for lease in leases))
+    removed = sum(_remove_expired(files, wdir, segs, grace_s, pinned) for wdir, _, segs in files.writer_dirs())
+    for path in files.spent_commits():
+        path.unlink(missing_ok=True)
+        stats.removed_commits += 1
+    return removed
 
 
 @contextlib.contextmanager
@@ -125,13 +138,6 @@ def _run_lock(run_dir: Path):
         yield True
     finally:
         fh.close()
-
-
-def _writer_dirs(run_dir: Path):
-    for table in TABLES:
-        for wdir, segs in list_segments(run_dir, table).items():
-            if wdir.name != "writer=_schema":
-                yield wdir, table, segs
 
 
 def _merge_dir(table: str, live: list[tuple[int, int, Path]], settle_us: int, target_rows: int,
@@ -187,25 +193,28 @@ def _merge(table: str, group: list[tuple[int, int, Path]], settle_us: int) -> in
     return valid_from
 
 
-def _remove_expired(wdir: Path, segs: list[tuple[int, int, Path]], grace_s: float) -> int:
-    """Delete segments no query has read for ``grace_s``, and stale temp files.
+def _remove_expired(files: RunFiles, wdir: Path, segs: list[Seg], grace_s: float, pinned: frozenset[str]) -> int:
+    """Delete segments no query has read for ``grace_s`` (unless a lease pins them), segments of flushes
+    that were never committed, and stale temp files.
 
     A segment stops being read when the first merged file containing it takes effect; later merges contain
     that one in turn, so from then on every new query reads a cover instead. The grace counts from that
     first cover, not from the newest: with passes more frequent than ``grace_s`` during a live run, each
     pass re-merges the previous merged file with the new segments, and a cover that young never ages."""
     now_us = time.time_ns() // 1000
-    live_set = {s[2] for s in live_segments(segs, at_us=now_us)}
+    live_set = files.live(now_us)
     # Covers are merged files (a writer's own segments are disjoint), in effect now.
     covers = [(lo, hi, p, valid_from_us(p)) for lo, hi, p in segs if 0 < valid_from_us(p) <= now_us]
     removed = 0
     for lo, hi, path in segs:
-        if path in live_set:
+        if str(path) in live_set or str(path) in pinned:
             continue
-        key = (lo, -hi, path.name)  # live_segments' order: a cover sorts before what it covers
+        key = (lo, -hi, path.name)  # the rule's order: a cover sorts before what it covers
         since = min((v for clo, chi, cp, v in covers if clo <= lo and hi <= chi and (clo, -chi, cp.name) < key),
                     default=None)
-        if since is not None and (now_us - since) / 1e6 >= grace_s:
+        stale = files.uncommitted(wdir, (lo, hi, path)) and _age_s(path) >= _STALE_TMP_S
+        if (since is not None and (now_us - since) / 1e6 >= grace_s) or stale \
+                or files.never_committed(wdir, (lo, hi, path)):
             path.unlink(missing_ok=True)
             removed += 1
     now = time.time()
@@ -217,3 +226,10 @@ def _remove_expired(wdir: Path, segs: list[tuple[int, int, Path]], grace_s: floa
         except FileNotFoundError:
             pass
     return removed
+
+
+def _age_s(path: Path) -> float:
+    try:
+        return time.time() - path.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0

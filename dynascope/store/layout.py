@@ -25,7 +25,6 @@ import json
 import os
 import re
 import shutil
-import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from dynascope.store.schema import SCHEMA_VERSION
 
 MARKER = "dynascope.json"
 HEARTBEATS = "_writers"  # <run>/_writers/<writer_id>.json; not a table, so no view globs it
+COMMITS = "_commits"  # <run>/_commits/writer=<writer_id>/<lo>-<hi>.v<t>.json: one record per flush (``live``)
 SEGMENT_RE = re.compile(r"^(\d{12})-(\d{12})(?:\.v(\d{1,20}))?\.parquet$")
 _SAFE_ID = re.compile(r"[^A-Za-z0-9_.-]+")
 
@@ -147,9 +147,14 @@ class StoreLocation:
     run_dirs: tuple[Path, ...]
 
     def table_glob(self, table: str) -> str:
-        runs = "*" if self.is_root else ""
-        base = self.path / runs if runs else self.path
-        return str(base / table / "*" / "*.parquet")
+        return str(self._runs() / table / "*" / "*.parquet")
+
+    def commit_glob(self) -> str:
+        """Every commit record (and begin record) of the runs here."""
+        return str(self._runs() / COMMITS / "*" / "*.json")
+
+    def _runs(self) -> Path:
+        return self.path / "*" if self.is_root else self.path
 
 
 def locate(path: str | os.PathLike) -> StoreLocation:
@@ -201,19 +206,3 @@ def list_segments(run_dir: Path, table: str) -> dict[Path, list[tuple[int, int, 
                 segs.append((int(m.group(1)), int(m.group(2)), f))
         out[wdir] = sorted(segs)
     return out
-
-
-def live_segments(segs: list[tuple[int, int, Path]], at_us: int | None = None) -> list[tuple[int, int, Path]]:
-    """Segments a query starting at ``at_us`` (default now) reads: those in effect and not covered by another.
-
-    In (lo, hi descending, name) order a segment is covered exactly when an earlier one reaches at least as
-    far; the name breaks ties between two merges of the same range, so exactly one of them counts.
-    """
-    at = time.time_ns() // 1000 if at_us is None else at_us
-    live, reach = [], -1
-    for s in sorted((s for s in segs if valid_from_us(s[2]) <= at), key=lambda s: (s[0], -s[1], s[2].name)):
-        if s[1] > reach:
-            live.append(s)
-            reach = s[1]
-    return live
-

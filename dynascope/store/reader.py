@@ -25,8 +25,11 @@ import duckdb
 import pyarrow as pa
 
 from dynascope.core.errors import StoreError, first_line
+from dynascope.store import projection
 from dynascope.store.layout import StoreLocation, locate
-from dynascope.store.schema import RENAMED, TABLES, sql_type
+from dynascope.store.live import live_sql
+from dynascope.store.projection import select_list
+from dynascope.store.schema import TABLES, sql_type
 
 if TYPE_CHECKING:  # polars is imported by DuckDB when a frame is asked for
     import polars as pl
@@ -49,34 +52,17 @@ def quote_ident(name: str) -> str:
     return '"' + str(name).replace('"', '""') + '"'
 
 
-def _view_sql(loc: StoreLocation, table: str) -> str:
+def _view_sql(loc: StoreLocation, table: str, at: str) -> str:
     pattern = quote_literal(loc.table_glob(table))
-    cols = ", ".join(_column_sql(table, c) for c in TABLES[table].names)
-    typed = _typed_nulls(table, with_old_names=True)
-    # The rule in ``layout``: a segment counts when it is in effect (merged ones carry a valid-from time,
-    # compared with the query's start) and no earlier segment in (lo, hi desc, name) order of the same
-    # writer dir reaches as far. A window, not a self-join: writer dirs can hold thousands of segments.
+    listing = f"(SELECT file FROM glob({pattern}) UNION ALL SELECT file FROM glob({quote_literal(loc.commit_glob())}))"
+    # The live-segment rule (``live``), over the query's own listing, at the query's start (or ``at_us``).
     return f"""
     CREATE OR REPLACE VIEW {quote_ident(table)} AS
-    WITH seg AS (
-        SELECT file, regexp_extract(file, '^(.*)/(\\d{{12}})-(\\d{{12}})(?:\\.v(\\d{{1,20}}))?\\.parquet$',
-                                    ['dir', 'lo', 'hi', 'valid']) AS s
-        FROM glob({pattern})
-    ), fin AS (
-        SELECT file, s.dir AS dir, CAST(s.lo AS BIGINT) AS lo, CAST(s.hi AS BIGINT) AS hi FROM seg
-        WHERE s.dir <> '' AND (s.valid = '' OR CAST(s.valid AS HUGEINT) <= epoch_us(get_current_timestamp()))
-    ), live AS (
-        SELECT file FROM (
-            SELECT file, hi, max(hi) OVER (PARTITION BY dir ORDER BY lo, hi DESC, file
-                                           ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS reach
-            FROM fin)
-        WHERE reach IS NULL OR reach < hi
-    )
-    SELECT {cols} FROM (
+    SELECT {select_list(table, quote_ident)} FROM (
         SELECT * FROM read_parquet({pattern}, union_by_name = true, filename = '_segment_file')
-        WHERE _segment_file IN (SELECT file FROM live)
+        WHERE _segment_file IN ({live_sql(listing, at)})
         UNION ALL BY NAME  -- columns added to the schema after a run's segments were written read as NULL
-        SELECT {typed} WHERE false)
+        SELECT {typed_nulls(table, with_old_names=True)} WHERE false)
     """
 
 
@@ -97,17 +83,10 @@ def retry_vanished(fetch: Callable[[], T], attempts: int = 8) -> T:
     raise AssertionError("unreachable")
 
 
-def _column_sql(table: str, name: str) -> str:
-    """A view column: a column renamed since an older schema reads its old name in that schema's segments."""
-    old = RENAMED.get(table, {}).get(name)
-    return f"coalesce({quote_ident(name)}, {quote_ident(old)}) AS {quote_ident(name)}" if old else quote_ident(name)
-
-
-def _typed_nulls(table: str, with_old_names: bool = False) -> str:
-    fields = [(f.name, f.type) for f in TABLES[table]]
-    if with_old_names:  # so the view binds whether or not any segment of an older schema is present
-        types = dict(fields)
-        fields += [(old, types[new]) for new, old in RENAMED.get(table, {}).items()]
+def typed_nulls(table: str, with_old_names: bool = False) -> str:
+    """A select list of typed NULLs for every column (and, ``with_old_names``, every former name): unioned
+    by name with the segments, it makes every name exist with its type whatever the segments carry."""
+    fields = projection.read_columns(table) if with_old_names else [(f.name, f.type) for f in TABLES[table]]
     return ", ".join(f"CAST(NULL AS {sql_type(t)}) AS {quote_ident(n)}" for n, t in fields)
 
 
@@ -209,13 +188,18 @@ class StoreConnection:
         self.close()
 
 
-def open_store(path: str | os.PathLike, read_only: bool = True, threads: int | None = None) -> StoreConnection:
+def open_store(path: str | os.PathLike, read_only: bool = True, threads: int | None = None,
+               at_us: int | None = None) -> StoreConnection:
     """Open a run directory or a store root as a DuckDB connection with one view per table.
+
+    Each query reads the segments live when it starts; with ``at_us`` (µs since the epoch), the segments
+    that were live then (a ``snapshot``'s ``at_us``: its lease keeps them on disk).
 
     Raises ``StoreError`` (one-line message) for a missing path, a directory that is not a store, or a run
     written with a newer schema.
     """
     loc = locate(path)
+    at = "epoch_us(get_current_timestamp())" if at_us is None else str(int(at_us))
     con = duckdb.connect(":memory:")
     try:
         con.execute("SET enable_progress_bar = false")  # it would interleave with CSV/JSON on stdout
@@ -223,9 +207,9 @@ def open_store(path: str | os.PathLike, read_only: bool = True, threads: int | N
             con.execute(f"SET threads = {int(threads)}")
         for table in TABLES:
             if glob.glob(loc.table_glob(table)):
-                con.execute(_view_sql(loc, table))
+                con.execute(_view_sql(loc, table, at))
             else:  # runs written before this table existed: read_parquet would fail on an empty glob
-                con.execute(f"CREATE VIEW {quote_ident(table)} AS SELECT {_typed_nulls(table)} WHERE false")
+                con.execute(f"CREATE VIEW {quote_ident(table)} AS SELECT {typed_nulls(table)} WHERE false")
         if read_only:
             # DuckDB also allows its spill directory, by default ./.tmp under the caller's working directory;
             # point it at a private empty directory so queries cannot read whatever sits there.

@@ -1,11 +1,11 @@
 """The store writer: buffer rows in memory, flush immutable Parquet segments from a background thread.
 
-One ``RunWriter`` per process. ``append`` only queues the caller's batch (a dict of lists, arrays or
-scalars) under a lock and never touches the disk, so it cannot block training (unless ``max_block_s`` asks
-it to wait for room). A daemon thread converts the queued batches to Arrow (``_columns``: NumPy repeats,
-dictionary-encoded strings) and writes them every ``flush_rows`` rows or ``flush_secs`` seconds, and at
-``close``/atexit; it also touches the writer's heartbeat file so ``dynascope runs`` can tell live from
-crashed. ``close`` records a ``run_end`` event.
+One ``RunWriter`` per process. ``append`` only queues the caller's batch (``buffer``) under a lock and never
+touches the disk, so it cannot block training (unless ``max_block_s`` asks it to wait for room). A daemon
+thread converts the queued batches to Arrow and writes them every ``flush_rows`` rows or ``flush_secs``
+seconds, and at ``close``/atexit, as one commit (``flush``: a table's segment with its rollups, and one
+commit record naming them); it also touches the writer's heartbeat file so ``dynascope runs`` can tell
+live from crashed. ``close`` records a ``run_end`` event.
 
 Failures never propagate into the caller: a failed write keeps its rows (bounded by ``max_buffer_rows``,
 oldest dropped first and counted), warns once per kind, and is retried; the run directory is recreated if
@@ -23,39 +23,29 @@ import threading
 import uuid
 import warnings
 import weakref
-from collections import deque
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from dynascope.core.clock import now_us
 from dynascope.core.version import __version__
-from dynascope.store._columns import build_column, classify, parquet_options
-from dynascope.store.layout import (
-    MARKER,
-    create_run,
-    heartbeat_path,
-    read_marker,
-    safe_id,
-    segment_name,
-    writer_dir,
+from dynascope.store.buffer import TableBuffer, batch_len, drop_oldest, salvage, to_arrow
+from dynascope.store.flush import (
+    Flushed,
+    Group,
+    release_arrow_memory,
+    write_begin,
+    write_empty_segments,
+    write_flush,
 )
+from dynascope.store.layout import MARKER, create_run, heartbeat_path, read_marker, safe_id
 from dynascope.store.rollup import ROLLUP_TABLES, ROLLUPS
 from dynascope.store.schema import SCHEMA_VERSION, TABLES
 
+__all__ = ["RunWriter", "release_arrow_memory"]
+
 _LIVE_WRITERS: weakref.WeakSet[RunWriter] = weakref.WeakSet()
-
-
-class _TableBuffer:
-    """Column lists for one table; batches are kept whole so the oldest can be dropped under pressure."""
-
-    __slots__ = ("batches", "rows")
-
-    def __init__(self) -> None:
-        self.batches: deque[tuple[int, dict[str, Any]]] = deque()
-        self.rows = 0
 
 
 class RunWriter:
@@ -95,11 +85,11 @@ class RunWriter:
         self.compression = compression
         self.writer_id = safe_id(f"r{self.rank}-{self.role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
         self.rows_written = 0
-        self._unwritten_rollups: list[tuple[str, pa.Table]] = []
         self.rows_dropped = 0
         self.write_errors = 0
         self._seq = 0
-        self._buffers: dict[str, _TableBuffer] = {t: _TableBuffer() for t in TABLES}
+        self._begun = False  # this writer's begin record is on disk (see ``flush.write_begin``)
+        self._buffers: dict[str, TableBuffer] = {t: TableBuffer() for t in TABLES}
         self._buffered = 0
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)  # the thread waits here for rows
@@ -121,11 +111,10 @@ class RunWriter:
         self._thread.start()
         _LIVE_WRITERS.add(self)
 
-    # ---- run creation -------------------------------------------------------------------------------
     def _init_run(self, name: str | None, world_size: int, framework: str, config: dict) -> str:
         run_id = safe_id(self.run_dir.name)
         meta = {"schema_version": SCHEMA_VERSION, "run_id": run_id, "created_us": now_us()}
-        if create_run(self.run_dir, meta, _write_empty_segments):
+        if create_run(self.run_dir, meta, write_empty_segments):
             self.append("runs", {
                 "name": name or self.run_dir.name, "start_us": meta["created_us"], "host": socket.gethostname(),
                 "world_size": world_size, "framework": framework,
@@ -143,7 +132,7 @@ class RunWriter:
         reported as an ``events`` row and a warning.
         """
         try:
-            n = _batch_len(columns)
+            n = batch_len(columns)
         except ValueError as exc:
             self._problem("bad_batch", f"{table}: {exc}")
             return
@@ -159,9 +148,7 @@ class RunWriter:
                 self._wake.notify()
                 self._room.wait_for(lambda: self._closed or self._buffered + n <= self.max_buffer_rows,
                                     timeout=self.max_block_s)
-            buf = self._buffers[table]
-            buf.batches.append((n, columns))
-            buf.rows += n
+            self._buffers[table].add(n, columns)
             self._buffered += n
             if self._buffered > self.max_buffer_rows:
                 self._drop_oldest_locked()
@@ -177,15 +164,9 @@ class RunWriter:
         })
 
     def _drop_oldest_locked(self) -> None:
-        # Oldest batches (by arrival, not by step: a probe's rows come from its own thread, after the
-        # step they describe) of the largest table go first; the count becomes one events row per table at the
-        # next flush (not one per drop: a writer far behind drops on every append).
-        while self._buffered > self.max_buffer_rows:
-            table, victim = max(self._buffers.items(), key=lambda kv: kv[1].rows)
-            if not victim.batches:
-                break
-            n, _ = victim.batches.popleft()
-            victim.rows -= n
+        # The count becomes one events row per table at the next flush (not one per drop: a writer far
+        # behind drops on every append).
+        for table, n in drop_oldest(self._buffers, self._buffered - self.max_buffer_rows).items():
             self._buffered -= n
             self.rows_dropped += n
             self._unreported_drops[table] = self._unreported_drops.get(table, 0) + n
@@ -208,137 +189,98 @@ class RunWriter:
                 release_arrow_memory()
 
     def flush(self) -> None:
-        """Write everything buffered now (called by the thread; safe to call from anywhere)."""
+        """Write everything buffered now as one commit (called by the thread; safe to call from anywhere)."""
         with self._flush_lock:
-            with self._lock:
-                taken = {t: b for t, b in self._buffers.items() if b.rows}
-                for t in taken:
-                    self._buffers[t] = _TableBuffer()
-                self._buffered -= sum(b.rows for b in taken.values())
-                self._room.notify_all()
-                pending, self._pending_events = self._pending_events, []
-                drops, self._unreported_drops = self._unreported_drops, {}
-            for table, n in drops.items():
-                msg = f"writer buffer full ({self.max_buffer_rows} rows): dropped the oldest {n} {table} rows"
-                self._problem("rows_dropped", msg, emit_event=False)
-                pending.append({"event": "rows_dropped", "severity": "warning", "message": msg, "table": table,
-                                "dropped": n})
-            for ev in pending:
-                taken.setdefault("events", _TableBuffer())
-                b = taken["events"]
-                b.batches.append((1, {"time_us": now_us(), "event": ev.pop("event"), "severity": ev.pop("severity"),
-                                      "message": ev.pop("message"), "fields_json": json.dumps(ev)}))
-                b.rows += 1
-            for table, buf in taken.items():
-                try:
-                    arrow = self._to_arrow(table, buf)
-                except Exception:
-                    arrow, buf = self._salvage(table, buf)
-                    if arrow is None:
-                        continue
-                if not self._write_segment(table, arrow):
-                    self._requeue(table, buf)
-                elif table in ROLLUPS:
-                    self._write_rollup(table, arrow)
-            # Rollups whose write failed earlier: their source segment is on disk, so retry them as they are.
-            retry, self._unwritten_rollups = self._unwritten_rollups, []
-            for table, arrow in retry:
-                if not self._write_segment(table, arrow):
-                    self._unwritten_rollups.append((table, arrow))
-
-    def _write_rollup(self, table: str, arrow: pa.Table) -> None:
-        numbers: dict = {}  # source columns as NumPy, converted once for every rollup of this segment
-        for name, roll in ROLLUPS[table]:
+            groups = [g for table, buf in self._take().items() if (g := self._group(table, buf)) is not None]
+            if not groups:
+                return
             try:
-                rolled = roll(arrow, numbers)
-            except Exception as exc:  # a rollup bug must not cost the source rows, which are already written
-                self._problem("rollup_error", f"{name}: rollup failed ({type(exc).__name__}: {exc})")
-                continue
-            if not self._write_segment(name, rolled):
-                self._unwritten_rollups.append((name, rolled))
-
-    def _to_arrow(self, table: str, buf: _TableBuffer) -> pa.Table:
-        schema = TABLES[table]
-        parts: dict[str, list] = {name: [] for name in schema.names}
-        off = 0
-        for n, cols in buf.batches:
-            for name, v in cols.items():
-                if name in parts and name != "run_id":
-                    t = type(v)  # inline the common cases: this loop runs once per batch per column
-                    if t is list or t is tuple:
-                        parts[name].append((off, "l", v, n))
-                    elif v is None or t is int or t is float or t is str or t is bool:
-                        parts[name].append((off, "s", v, n))
-                    else:
-                        parts[name].append(classify(off, v, n))
-            off += n
-        # The writer's own columns: run_id always, rank/role wherever the batch did not give them.
-        parts["run_id"] = [(0, "s", self.run_id, off)]
-        for name, default in (("rank", self.rank), ("role", self.role)):
-            given = parts[name]
-            if not given:
-                parts[name] = [(0, "s", default, off)]
-            elif len(given) < len(buf.batches) or any(p[1] == "s" and p[2] is None for p in given):
-                parts[name] = _fill_default(given, default, buf.batches)
-        return pa.Table.from_arrays([build_column(parts[f.name], f.type, off) for f in schema],
-                                    names=schema.names)
-
-    def _salvage(self, table: str, buf: _TableBuffer) -> tuple[pa.Table | None, _TableBuffer]:
-        """Type batch by batch and drop (and count) only the batches that fail."""
-        good = _TableBuffer()
-        for n, cols in buf.batches:
-            one = _TableBuffer()
-            one.batches.append((n, cols))
-            one.rows = n
-            try:
-                self._to_arrow(table, one)
+                if not (self.run_dir / MARKER).exists():
+                    self._recreate_run_dir()
+                if not self._begun:
+                    write_begin(self.run_dir, self.writer_id)
+                    self._begun = True
+                done = self._commit(groups)
             except Exception as exc:
-                self.rows_dropped += n
-                self._problem("bad_batch", f"{table}: a batch of {n} rows could not be typed and was dropped "
-                                           f"({type(exc).__name__}: {exc})")
-                continue
-            good.batches.append((n, cols))
-            good.rows += n
-        return (self._to_arrow(table, good) if good.rows else None), good
+                done = Flushed(failed=[(g, exc) for g in groups], next_seq=self._seq)
+            self._seq = done.next_seq
+            # rows_written counts what was appended, not derived rows
+            self.rows_written += sum(a.num_rows for g in done.committed for t, a in g.parts if t not in ROLLUP_TABLES)
+            for g, err in done.failed:
+                self.write_errors += 1
+                # One events row per streak of failures (it lands once writing works again), not one per retry.
+                self._problem("write_error", f"{g.table}: segment write failed ({type(err).__name__}: {err}); "
+                                             "rows kept in memory and retried", emit_event=not self._failing)
+                self._failing = True
+                self._requeue(g.table, g.buffered)
+            if done.committed and not done.failed and self._failing:
+                self._failing = False
+                with self._lock:
+                    self._pending_events.append({"event": "write_recovered", "severity": "info",
+                                                 "message": "segment writes succeed again",
+                                                 "write_errors": self.write_errors})
 
-    def _write_segment(self, table: str, arrow: pa.Table) -> bool:
-        d = writer_dir(self.run_dir, table, self.writer_id)
+    def _commit(self, groups: list[Group]) -> Flushed:
+        """Write the groups' segments and their commit record (the seam tests use to slow or fail the disk)."""
+        return write_flush(self.run_dir, self.writer_id, self._seq, groups, self.compression)
+
+    def _take(self) -> dict[str, TableBuffer]:
+        """Everything buffered, with the pending events (drops, write errors) as ``events`` rows."""
+        with self._lock:
+            taken = {t: b for t, b in self._buffers.items() if b.rows}
+            for t in taken:
+                self._buffers[t] = TableBuffer()
+            self._buffered -= sum(b.rows for b in taken.values())
+            self._room.notify_all()
+            pending, self._pending_events = self._pending_events, []
+            drops, self._unreported_drops = self._unreported_drops, {}
+        for table, n in drops.items():
+            msg = f"writer buffer full ({self.max_buffer_rows} rows): dropped the oldest {n} {table} rows"
+            self._problem("rows_dropped", msg, emit_event=False)
+            pending.append({"event": "rows_dropped", "severity": "warning", "message": msg, "table": table,
+                            "dropped": n})
+        for ev in pending:
+            taken.setdefault("events", TableBuffer()).add(1, {
+                "time_us": now_us(), "event": ev.pop("event"), "severity": ev.pop("severity"),
+                "message": ev.pop("message"), "fields_json": json.dumps(ev)})
+        return taken
+
+    def _group(self, table: str, buf: TableBuffer) -> Group | None:
+        """A table's buffered rows as Arrow, with their rollups: one group of the commit."""
         try:
-            if not (self.run_dir / MARKER).exists():
-                self._recreate_run_dir()
-            d.mkdir(parents=True, exist_ok=True)
-            self._atomic_write(arrow, d / segment_name(self._seq, self._seq))
-        except Exception as exc:
-            self.write_errors += 1
-            # One events row per streak of failures (it lands once writing works again), not one per retry.
-            self._problem("write_error", f"{table}: segment write failed ({type(exc).__name__}: {exc}); "
-                                         "rows kept in memory and retried", emit_event=not self._failing)
-            self._failing = True
-            return False
-        if self._failing:
-            self._failing = False
-            with self._lock:
-                self._pending_events.append({"event": "write_recovered", "severity": "info",
-                                             "message": "segment writes succeed again",
-                                             "write_errors": self.write_errors})
-        self._seq += 1
-        if table not in ROLLUP_TABLES:  # rows_written counts what was appended, not derived rows
-            self.rows_written += arrow.num_rows
-        return True
+            arrow = self._to_arrow(table, buf)
+        except Exception:
+            arrow, buf = salvage(table, buf, self._to_arrow, lambda n, exc: self._bad_batch(table, n, exc))
+            if arrow is None:
+                return None
+        parts = [(table, arrow)]
+        numbers: dict = {}  # source columns as NumPy, converted once for every rollup of this segment
+        for name, roll in ROLLUPS.get(table, ()):
+            try:
+                parts.append((name, roll(arrow, numbers)))
+            except Exception as exc:  # a rollup bug must not cost the source rows
+                self._problem("rollup_error", f"{name}: rollup failed ({type(exc).__name__}: {exc})")
+        return Group(table, parts, buf)
 
-    def _atomic_write(self, arrow: pa.Table, final: Path) -> None:
-        _atomic_write(arrow, final, self.compression)
+    def _to_arrow(self, table: str, buf: TableBuffer) -> pa.Table:
+        return to_arrow(table, buf, self.run_id, self.rank, self.role)
+
+    def _bad_batch(self, table: str, n: int, exc: Exception) -> None:
+        self.rows_dropped += n
+        self._problem("bad_batch", f"{table}: a batch of {n} rows could not be typed and was dropped "
+                                   f"({type(exc).__name__}: {exc})")
 
     def _recreate_run_dir(self) -> None:
         self._problem("run_dir_missing", f"{self.run_dir} vanished; recreating it", emit_event=False)
         meta = {"schema_version": SCHEMA_VERSION, "run_id": self.run_id, "created_us": now_us(), "recreated": True}
-        create_run(self.run_dir, meta, _write_empty_segments)
+        create_run(self.run_dir, meta, write_empty_segments)
+        self._begun = False
         self._heartbeat()
         with self._lock:
             self._pending_events.append({"event": "run_dir_recreated", "severity": "warning",
                                          "message": f"{self.run_dir} was deleted during the run and recreated"})
 
-    def _requeue(self, table: str, buf: _TableBuffer) -> None:
+    def _requeue(self, table: str, buf: TableBuffer) -> None:
         with self._lock:
             cur = self._buffers[table]
             buf.batches.extend(cur.batches)
@@ -397,7 +339,7 @@ class RunWriter:
                 break
         with self._lock:
             lost = sum(b.rows for b in self._buffers.values())
-            self._buffers = {t: _TableBuffer() for t in TABLES}
+            self._buffers = {t: TableBuffer() for t in TABLES}
             self._buffered = 0
             self._pending_events = []
         if lost:
@@ -413,68 +355,6 @@ class RunWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _atomic_write(arrow: pa.Table, final: Path, compression: str = "auto") -> None:
-    tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        with open(tmp, "wb") as fh:
-            # store_schema=False: string columns are dictionary arrays in memory; readers should see strings.
-            pq.write_table(arrow, fh, **parquet_options(arrow.schema, compression))
-            fh.flush()
-            os.fsync(fh.fileno())  # after a machine crash the renamed segment is whole, not empty
-        os.replace(tmp, final)  # readers see the whole segment or nothing
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def _write_empty_segments(run_dir: Path) -> None:
-    """One zero-row segment per table, so every view has a typed file to read before any data lands."""
-    for table, schema in TABLES.items():
-        d = writer_dir(run_dir, table, "_schema")
-        d.mkdir(parents=True, exist_ok=True)
-        # not schema.empty_table(): that imports pandas (0.4 s, 30 MB) in every process that makes a run
-        _atomic_write(pa.Table.from_batches([], schema=schema), d / segment_name(0, 0))
-
-
-def release_arrow_memory() -> bool:
-    """Return the pages Arrow's allocator keeps after a flush to the OS; True where it did (mimalloc).
-
-    mimalloc (pyarrow's default pool) keeps the freed pages of each thread's heap for reuse, so the
-    writer thread held what its largest flush used, for good: 2-3.5 MiB after the small flushes of a
-    6-layer model, 70 MiB after a 200k-row one. ``release_unused`` collects the calling thread's heap
-    and purges freed arena ranges; it frees nothing still in use. Called on the writer thread after
-    each flush that wrote (0.1-0.2 ms a call on the reference workload of benchmarks/probe_overhead.py;
-    the next flush faults its few MiB back in). Only for mimalloc: with jemalloc it purges every arena
-    of the process (the user's own Arrow work too), and with the system pool it is ``malloc_trim(0)``,
-    which walks every glibc arena under its lock, so the training thread's malloc could wait on it.
-    """
-    pool = pa.default_memory_pool()
-    if pool.backend_name != "mimalloc":
-        return False
-    pool.release_unused()
-    return True
-
-
-def _fill_default(given: list, default: Any, batches: Any) -> list:
-    """Parts for rank/role where some batches gave the column and others leave it to the writer."""
-    by_off = {p[0]: p for p in given if not (p[1] == "s" and p[2] is None)}
-    out, off = [], 0
-    for n, _ in batches:
-        out.append(by_off.get(off, (off, "s", default, n)))
-        off += n
-    return out
-
-
-def _batch_len(columns: dict[str, Any]) -> int:
-    n = None
-    for name, v in columns.items():
-        if isinstance(v, (list, tuple)) or (hasattr(v, "__len__") and getattr(v, "ndim", 1) > 0 and not isinstance(v, (str, bytes))):
-            if n is None:
-                n = len(v)
-            elif len(v) != n:
-                raise ValueError(f"column {name!r} has {len(v)} values, expected {n}")
-    return 1 if n is None else n
 
 
 @atexit.register

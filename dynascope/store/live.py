@@ -1,0 +1,164 @@
+"""The live-segment rule, written once in SQL: which segment files a query reads, from a listing of names.
+
+A listing is the files under a run or a store root: segments (``<run>/<table>/<writer dir>/<lo>-<hi>[.v<t>]
+.parquet``) and commit records (``<run>/_commits/<writer dir>/<lo>-<hi>.v<t>.json``, and ``begin.json``).
+At a query's start time ``at`` (µs since the epoch) a segment is read when
+
+1. it is in effect: a merged segment (``.v<t>``) once ``t <= at``; a writer's own segment at once if its
+   writer keeps no commit records (runs written before they existed, imports), else once a commit record
+   in effect (its ``t <= at``) covers its number: a flush's segments count together or not at all;
+2. and it is not covered: no other segment in effect in the same directory has ``lo' <= lo`` and
+   ``hi' >= hi`` (ties between two merges of one range go to the smaller file name).
+
+DuckDB's views evaluate ``live_sql`` over ``glob()``; ``live_files`` evaluates the same SQL over a listing
+made here or given by the caller (an object store's list call), so every engine reads the same files.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import duckdb
+import pyarrow as pa
+
+from dynascope.store.layout import COMMITS, SEGMENT_RE, locate
+from dynascope.store.schema import TABLES
+
+# Regular expressions of the SQL below (RE2 in DuckDB): a segment, and a commit record or a writer's begin record.
+SEGMENT_SQL_RE = r"^(.*)/([^/]+)/([^/]+)/(\d{12})-(\d{12})(?:\.v(\d{1,20}))?\.parquet$"
+COMMIT_SQL_RE = r"^(.*)/" + COMMITS + r"/([^/]+)/(?:(\d{12})-(\d{12})\.v(\d{1,20})|begin)\.json$"
+FOREVER_US = 2**62
+
+
+class Entry(NamedTuple):
+    """One listed file: its path (or URL), size in bytes and modification time in µs (0 where unknown)."""
+
+    path: str
+    size: int = 0
+    mtime_us: int = 0
+
+
+def _literal(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def live_sql(listing: str, at: str) -> str:
+    """A query of the live segment files (column ``file``) among ``listing`` (a relation with a ``file``
+    column holding segments and commit records) at ``at``, a SQL expression in µs since the epoch.
+
+    Two windows, no self-join (a writer directory can hold thousands of segments): per writer, the highest
+    commit reached so far in (number, commits first) order says whether a writer's own segment is
+    committed; per directory, the furthest segment so far in (lo, hi descending, name) order says whether a
+    segment is covered.
+    """
+    seg, com = _literal(SEGMENT_SQL_RE), _literal(COMMIT_SQL_RE)
+    return f"""
+    WITH listed AS (SELECT file FROM {listing}),
+    seg AS (
+        SELECT file, regexp_extract(file, {seg}, ['run', 'tbl', 'w', 'lo', 'hi', 'valid']) AS s FROM listed
+    ), com AS (
+        SELECT regexp_extract(file, {com}, ['run', 'w', 'lo', 'hi', 'valid']) AS c FROM listed
+    ), keeps AS (  -- writers that keep commit records (each writes a begin record before its first segment)
+        SELECT DISTINCT c.run AS run, c.w AS w FROM com WHERE c.w <> ''
+    ), fin AS (
+        SELECT file, s.run AS run, s.w AS w, s.run || '/' || s.tbl || '/' || s.w AS dir,
+               CAST(s.lo AS BIGINT) AS lo, CAST(s.hi AS BIGINT) AS hi, s.valid <> '' AS merged
+        FROM seg WHERE s.w <> '' AND (s.valid = '' OR CAST(s.valid AS HUGEINT) <= {at})
+    ), marks AS (
+        SELECT file, dir, run, w, lo, hi, merged, NULL::BIGINT AS committed FROM fin
+        UNION ALL
+        SELECT NULL, NULL, c.run, c.w, CAST(c.lo AS BIGINT), CAST(c.hi AS BIGINT), NULL, CAST(c.hi AS BIGINT)
+        FROM com WHERE c.lo <> '' AND CAST(c.valid AS HUGEINT) <= {at}
+    ), reached AS (
+        SELECT *, max(committed) OVER (PARTITION BY run, w ORDER BY lo, committed IS NULL
+                                       ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS committed_to
+        FROM marks
+    ), counted AS (
+        SELECT r.file, r.dir, r.lo, r.hi FROM reached r LEFT JOIN keeps k ON r.run = k.run AND r.w = k.w
+        WHERE r.file IS NOT NULL AND (r.merged OR k.w IS NULL OR r.committed_to >= r.hi)
+    )
+    SELECT file FROM (
+        SELECT file, hi, max(hi) OVER (PARTITION BY dir ORDER BY lo, hi DESC, file
+                                       ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS reach
+        FROM counted)
+    WHERE reach IS NULL OR reach < hi"""
+
+
+_con: duckdb.DuckDBPyConnection | None = None
+_con_lock = threading.Lock()
+
+
+def live_files_in(listing: Iterable[str | Sequence], table: str | None = None, at_us: int | None = None) -> list:
+    """The live segments among ``listing`` at ``at_us`` (default: now): the rule of DuckDB's views, pure.
+
+    ``listing`` holds paths or URLs, or (path, size, mtime) tuples as an object store's list call returns
+    them; it must include the commit records under ``<run>/_commits/`` (list the run's whole prefix).
+    The result keeps each entry's form, in path order; ``table`` keeps only that table's segments.
+    """
+    entries = list(listing)
+    paths = [e if isinstance(e, str) else str(e[0]) for e in entries]
+    at = time.time_ns() // 1000 if at_us is None else int(at_us)
+    global _con
+    with _con_lock:  # one private connection; the listing is registered under one name
+        if _con is None:
+            _con = duckdb.connect(":memory:")
+            _con.execute("SET enable_progress_bar = false")
+        cur = _con.cursor()
+        try:
+            cur.register("listing", pa.table({"file": pa.array(paths, pa.string())}))
+            live = {f for (f,) in cur.sql(live_sql("listing", str(at))).fetchall()}
+        finally:
+            cur.close()
+    out = [(p, e) for p, e in zip(paths, entries, strict=True) if p in live
+           and (table is None or p.rsplit("/", 3)[-3] == table)]
+    return [e for _, e in sorted(out, key=lambda pe: pe[0])]
+
+
+def list_run(run_dir: Path, tables: Iterable[str] = TABLES) -> list[Entry]:
+    """Segments of ``tables`` and the commit records of one run directory (commit records first)."""
+    out = _list_two_levels(run_dir / COMMITS, lambda n: n.endswith(".json") and not n.startswith("."))
+    for table in tables:
+        out += _list_two_levels(run_dir / table, lambda n: SEGMENT_RE.match(n) is not None)
+    return out
+
+
+def _list_two_levels(top: Path, keep: Callable[[str], bool]) -> list[Entry]:
+    out: list[Entry] = []
+    try:
+        subdirs = [d.path for d in os.scandir(top) if d.is_dir(follow_symlinks=False)]
+    except (FileNotFoundError, NotADirectoryError):
+        return out
+    for sub in sorted(subdirs):
+        try:
+            with os.scandir(sub) as it:
+                for f in it:
+                    if keep(f.name):
+                        try:
+                            st = f.stat(follow_symlinks=False)
+                        except FileNotFoundError:  # merged away since the directory was read
+                            continue
+                        out.append(Entry(f.path, st.st_size, st.st_mtime_ns // 1000))
+        except FileNotFoundError:
+            continue
+    return out
+
+
+def live_files(path: str | os.PathLike, table: str, at_us: int | None = None) -> list[str]:
+    """The segment files a query of ``table`` reads now (or at ``at_us``), for a run directory or a root.
+
+    Exactly the files DuckDB's views read: give them to Spark, Trino or any Parquet reader, and each row is
+    read once, even while writers append and compaction merges. Files that compaction deletes after its
+    grace period may vanish before a long job opens them: take a ``snapshot`` (a lease) for those.
+    """
+    if table not in TABLES:
+        raise ValueError(f"unknown table {table!r} (tables: {', '.join(TABLES)})")
+    at = time.time_ns() // 1000 if at_us is None else int(at_us)  # before listing: see the module docstring
+    listing: list[Entry] = []
+    for run_dir in locate(path).run_dirs:
+        listing += list_run(run_dir, (table,))
+    return [e.path for e in live_files_in(listing, table, at)]

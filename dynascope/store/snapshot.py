@@ -1,0 +1,160 @@
+"""Snapshots: a set of segment files pinned against compaction for as long as a reader holds a lease.
+
+A query that lists its files and reads them later (Spark plans a job, then runs it) may outlive
+compaction's grace period, after which merged-away segments are deleted. A *lease* is a small JSON file
+that any engine's driver can write::
+
+    <root or run>/_leases/<name>.json    {"snapshot_us": 1767225600000000, "expires_us": 1767229200000000}
+
+(µs since the epoch; written to a temporary name and renamed, like every file of the store). Until
+``expires_us``, compaction deletes no segment that was live at ``snapshot_us`` in the runs the lease covers:
+a lease in a run directory covers that run, one in a store root every run directly under it. An expired or
+deleted lease frees them. ``snapshot()`` takes a lease, lists the store once and answers ``files(table)``
+from that listing at ``snapshot_us``, so every table of one job sees one moment of the store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dynascope.store.layout import StoreLocation, locate, safe_id
+from dynascope.store.live import Entry, list_run, live_files_in
+from dynascope.store.schema import TABLES
+
+LEASES = "_leases"
+DEFAULT_TTL_S = 3600.0
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A held lease: its file, the moment it pins and when it expires (µs since the epoch)."""
+
+    path: Path
+    snapshot_us: int
+    expires_us: int
+
+
+def take_lease(directory: Path, snapshot_us: int, ttl_s: float, holder: str = "dynascope") -> Path:
+    """Write a lease in ``directory/_leases``; returns its path."""
+    d = Path(directory) / LEASES
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f"{safe_id(holder)}-{uuid.uuid4().hex[:12]}.json"
+    _write_lease(path, snapshot_us, ttl_s, holder)
+    return path
+
+
+def _write_lease(path: Path, snapshot_us: int, ttl_s: float, holder: str) -> None:
+    body = {"snapshot_us": int(snapshot_us), "expires_us": time.time_ns() // 1000 + int(ttl_s * 1e6),
+            "holder": holder, "host": socket.gethostname(), "pid": os.getpid()}
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        tmp.write_text(json.dumps(body), encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def held_leases(run_dir: Path, now_us: int | None = None) -> tuple[list[Lease], list[str]]:
+    """Unexpired leases covering ``run_dir`` (its own and its store root's), and one line per lease file
+    that cannot be read (left alone, not honoured: a lease is written whole by a rename)."""
+    now = time.time_ns() // 1000 if now_us is None else now_us
+    held, problems = [], []
+    for d in (run_dir / LEASES, run_dir.parent / LEASES):
+        try:
+            names = sorted(p for p in d.iterdir() if p.suffix == ".json" and not p.name.startswith("."))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for p in names:
+            try:
+                body = json.loads(p.read_text(encoding="utf-8"))
+                lease = Lease(p, int(body["snapshot_us"]), int(body["expires_us"]))
+            except FileNotFoundError:
+                continue  # released meanwhile
+            except (OSError, ValueError, TypeError, KeyError, UnicodeDecodeError) as exc:
+                problems.append(f"{p}: unreadable lease ({type(exc).__name__}); not honoured")
+                continue
+            if lease.expires_us > now:
+                held.append(lease)
+    return held, problems
+
+
+def list_location(loc: StoreLocation, tables: tuple[str, ...] = tuple(TABLES),
+                  progress: Callable[[int, int], None] | None = None) -> list[Entry]:
+    """Every segment of ``tables`` and every commit record of the runs at ``loc``; ``progress(done, total)``
+    is called after each run."""
+    out: list[Entry] = []
+    for i, run_dir in enumerate(loc.run_dirs):
+        out += list_run(run_dir, tables)
+        if progress is not None:
+            progress(i + 1, len(loc.run_dirs))
+    return out
+
+
+@dataclass
+class Snapshot:
+    """The store at one moment: ``files(table)`` are the segments live at ``at_us``."""
+
+    location: StoreLocation
+    at_us: int
+    listing: list[Entry]
+    lease: Path | None = None
+    _files: dict[str, list[str]] = field(default_factory=dict, repr=False)
+
+    @property
+    def path(self) -> Path:
+        return self.location.path
+
+    def files(self, table: str) -> list[str]:
+        """The segment files of ``table`` live at ``at_us`` (from the snapshot's own listing)."""
+        if table not in TABLES:
+            raise ValueError(f"unknown table {table!r} (tables: {', '.join(TABLES)})")
+        if table not in self._files:
+            self._files[table] = [e.path for e in live_files_in(self.listing, table, self.at_us)]
+        return self._files[table]
+
+    def renew(self, ttl_s: float = DEFAULT_TTL_S) -> None:
+        """Extend the lease to ``ttl_s`` from now (a job that runs longer than it expected)."""
+        if self.lease is not None:
+            _write_lease(self.lease, self.at_us, ttl_s, "dynascope")
+
+    def release(self) -> None:
+        """Delete the lease: compaction may delete the pinned files again."""
+        if self.lease is not None:
+            self.lease.unlink(missing_ok=True)
+            self.lease = None
+
+
+def open_snapshot(path: str | os.PathLike, *, lease_ttl_s: float | None = DEFAULT_TTL_S, holder: str = "dynascope",
+                  progress: Callable[[int, int], None] | None = None) -> Snapshot:
+    """A snapshot of the store at ``path`` now, with a lease of ``lease_ttl_s`` (None: no lease; only safe
+    for reads that finish within compaction's grace period). Call ``release()`` when done."""
+    loc = locate(path)
+    at = time.time_ns() // 1000
+    # The lease goes first, then the listing: a segment live at ``at`` that compaction deletes before the
+    # lease exists was covered by a merge in effect for grace_s already, so it was not live at ``at``.
+    lease = take_lease(loc.path, at, lease_ttl_s, holder) if lease_ttl_s is not None else None
+    try:
+        return Snapshot(loc, at, list_location(loc, progress=progress), lease)
+    except BaseException:
+        if lease is not None:
+            lease.unlink(missing_ok=True)
+        raise
+
+
+@contextlib.contextmanager
+def snapshot(path: str | os.PathLike, *, lease_ttl_s: float | None = DEFAULT_TTL_S, holder: str = "dynascope",
+             progress: Callable[[int, int], None] | None = None) -> Iterator[Snapshot]:
+    """``with snapshot(root) as snap:`` the store at one moment, its files pinned until the block ends."""
+    snap = open_snapshot(path, lease_ttl_s=lease_ttl_s, holder=holder, progress=progress)
+    try:
+        yield snap
+    finally:
+        snap.release()
