@@ -1,4 +1,4 @@
-"""The ``dynascope`` command line: demo, runs, sql, report, diff, dashboard, import, export, compact.
+"""The ``dynascope`` command line: demo, runs, sql, report, diff, dashboard, import, export, compact, files, fleet.
 
 Every command turns a user error into one line on stderr and a non-zero exit; ``--debug`` shows the
 traceback instead. Heavy modules are imported inside each command so ``dynascope --help`` stays fast.
@@ -150,6 +150,17 @@ def compact(
                   f"repaired {stats.repaired_segments} missing rollup segments", highlight=False)
     for line in stats.skipped:
         err_console.print(f"warning: skipped {line}", highlight=False, markup=False, soft_wrap=True)
+
+
+def _register_fleet_commands() -> None:
+    """`files` and `fleet` (dynascope/cli_fleet.py): the store for other engines."""
+    from dynascope import cli_fleet
+
+    app.command("files")(guarded(cli_fleet.files))
+    app.command("fleet")(guarded(cli_fleet.fleet))
+
+
+_register_fleet_commands()
 
 
 @app.command()

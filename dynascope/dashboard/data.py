@@ -36,12 +36,14 @@ def store(path: str) -> StoreConnection:
 
 @st.cache_data(ttl=TTL_S, show_spinner=False)
 def version(path: str) -> tuple[int, int, int]:
-    """(segment files, bytes, newest mtime in ns) under ``path``: changes when a writer flushes or a
-    compaction swaps files, which is exactly when cached results may be stale."""
+    """(segment and commit files, bytes, newest mtime in ns) under ``path``: changes when a writer flushes
+    or a compaction swaps files, which is exactly when cached results may be stale. A flush's segments
+    count for queries only once its commit record lands, a moment after them, so commit records count too."""
     n = size = newest = 0
     for dirpath, _, files in os.walk(path):
+        commits = os.path.basename(os.path.dirname(dirpath)) == "_commits"
         for f in files:
-            if f.endswith(".parquet"):
+            if f.endswith(".parquet") or (commits and f.endswith(".json")):
                 try:
                     info = os.stat(os.path.join(dirpath, f))
                 except OSError:  # renamed away by a compaction mid-walk

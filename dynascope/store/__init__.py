@@ -2,6 +2,7 @@
 
 from dynascope.core.errors import StoreError
 from dynascope.store.layout import SchemaVersionError
+from dynascope.store.live import live_files, live_files_in
 from dynascope.store.reader import (
     StoreConnection,
     StoreLike,
@@ -13,9 +14,11 @@ from dynascope.store.reader import (
     run_sql,
 )
 from dynascope.store.schema import SCHEMA_VERSION, TABLES
+from dynascope.store.snapshot import Snapshot, snapshot
 from dynascope.store.writer import RunWriter
 
 __all__ = [
-    "SCHEMA_VERSION", "TABLES", "RunWriter", "SchemaVersionError", "StoreConnection", "StoreError", "StoreLike",
-    "as_store", "open_store", "quote_ident", "quote_literal", "retry_vanished", "run_sql",
+    "SCHEMA_VERSION", "TABLES", "RunWriter", "SchemaVersionError", "Snapshot", "StoreConnection", "StoreError",
+    "StoreLike", "as_store", "live_files", "live_files_in", "open_store", "quote_ident", "quote_literal",
+    "retry_vanished", "run_sql", "snapshot",
 ]

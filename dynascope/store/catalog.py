@@ -14,6 +14,7 @@ import json
 import os
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import duckdb
@@ -29,21 +30,22 @@ _RANK = re.compile(r"^r(\d+)-")
 _STEP_TABLES = ("tensor_stats", "spectra", "timings", "samples", "scalars")
 
 
-def steps_sql() -> str:
+def steps_sql(quote: Callable[[str], str] = quote_ident) -> str:
     """Steps per run (columns run_id, steps): the one count ``dynascope runs`` and ``dynascope report`` show.
 
     The training steps the run recorded: the timing probe writes one step row per rank and optimizer step,
     so those count when present. Rows logged after the last step (a final eval at step N) carry a step
     number but are no step. Runs without step rows (checkpoint diffs, imported histories) count the
-    distinct steps of their per-step tables.
+    distinct steps of their per-step tables. Plain SQL that Spark runs too, with ``quote`` for its identifiers.
     """
-    union = " UNION ALL ".join(f"SELECT run_id, step FROM {quote_ident(t)}" for t in _STEP_TABLES)
+    union = " UNION ALL ".join(f"SELECT run_id, step FROM {quote(t)}" for t in _STEP_TABLES)
     return f"""
-        WITH st AS (SELECT run_id, COUNT(DISTINCT step) AS n FROM timings
+        WITH st AS (SELECT run_id, COUNT(DISTINCT step) AS n FROM {quote('timings')}
                     WHERE step IS NOT NULL AND stream IS NULL
                       AND (category = 'step' OR (category IS NULL AND phase = 'step')) GROUP BY run_id),
-        any_step AS (SELECT run_id, COUNT(DISTINCT step) AS n FROM ({union}) WHERE step IS NOT NULL GROUP BY run_id)
-        SELECT any_step.run_id, coalesce(st.n, any_step.n) AS steps FROM any_step LEFT JOIN st USING (run_id)"""
+        any_step AS (SELECT run_id, COUNT(DISTINCT step) AS n FROM ({union}) u WHERE step IS NOT NULL GROUP BY run_id)
+        SELECT any_step.run_id, coalesce(st.n, any_step.n) AS steps FROM any_step LEFT JOIN st
+        ON any_step.run_id = st.run_id"""
 
 SCHEMA = {
     "run_id": pl.Utf8, "name": pl.Utf8, "status": pl.Utf8, "steps": pl.Int64, "ranks": pl.Int64,
@@ -84,7 +86,7 @@ def _describe(run_dir: Path) -> tuple:
     size = sum(st.st_size for _, st in files)
     seg_times = [st.st_mtime_ns // 1000 for p, st in files if SEGMENT_RE.match(p.name)]
     writers = {m.group(1) for p, _ in files if (m := _WRITER_DIR.match(p.parent.name)) and m.group(1) != "_schema"}
-    ranks = {int(m.group(1)) for w in writers if (m := _RANK.match(w))}
+    ranks = ranks_of(writers)
     name, steps, problem = run_dir.name, None, None
     ended: set[str] = set()
     try:
@@ -93,7 +95,7 @@ def _describe(run_dir: Path) -> tuple:
         problem = first_line(exc)
     except duckdb.Error as exc:  # a segment that reads badly past its footer
         problem = explain_error(exc, f"{run_dir}: could not read")
-    status = _status(run_dir, writers, ended)
+    status = run_status(run_dir, writers, ended)
     start = meta.get("created_us") if isinstance(meta.get("created_us"), int) else None
     return (run_id, name, status, steps, len(ranks), size, max(seg_times, default=None), start, str(run_dir), problem)
 
@@ -125,7 +127,14 @@ def _query(run_dir: Path) -> tuple[str, int | None, set[str]]:
     return (names[0][0] if names else run_dir.name), (None if counted is None else int(counted)), ended
 
 
-def _status(run_dir: Path, writers: set[str], ended: set[str]) -> str:
+def ranks_of(writers: set[str]) -> set[int]:
+    """The ranks of a run's writers (their ids start ``r<rank>-``)."""
+    return {int(m.group(1)) for w in writers if (m := _RANK.match(w))}
+
+
+def run_status(run_dir: Path, writers: set[str], ended: set[str]) -> str:
+    """live | finished | crashed (see the module docstring) from the writer ids of the run's segment
+    directories, those that wrote ``run_end``, and the heartbeat files."""
     hb_dir = run_dir / HEARTBEATS
     beats = {}
     if hb_dir.is_dir():
