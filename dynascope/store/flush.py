@@ -18,6 +18,7 @@ import json
 import os
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ import pyarrow.parquet as pq
 
 from dynascope.store._columns import parquet_options
 from dynascope.store.layout import COMMITS, segment_name, writer_dir
+from dynascope.store.rollup import ROLLUPS
 from dynascope.store.schema import TABLES
 
 BEGIN = "begin.json"
@@ -49,6 +51,20 @@ class Flushed:
     failed: list[tuple[Group, BaseException]] = field(default_factory=list)
     next_seq: int = 0
     commit: Path | None = None
+
+
+def with_rollups(table: str, arrow: pa.Table, buffered: Any,
+                 failed: Callable[[str, Exception], None]) -> Group:
+    """A table's segment and its rollups (``rollup.ROLLUPS``) as one group; a rollup that raises is left
+    out and reported to ``failed(rollup, error)``: a rollup bug must not cost the source rows."""
+    parts = [(table, arrow)]
+    numbers: dict = {}  # source columns as NumPy, converted once for every rollup of this segment
+    for name, roll in ROLLUPS.get(table, ()):
+        try:
+            parts.append((name, roll(arrow, numbers)))
+        except Exception as exc:
+            failed(name, exc)
+    return Group(table, parts, buffered)
 
 
 def commit_dir(run_dir: Path, writer_id: str) -> Path:

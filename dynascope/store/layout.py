@@ -70,6 +70,21 @@ def heartbeat_path(run_dir: Path, writer_id: str) -> Path:
     return run_dir / HEARTBEATS / f"{writer_id}.json"
 
 
+def touch_heartbeat(path: Path, describe: dict) -> None:
+    """Touch a writer's heartbeat file (created with ``describe`` if missing); never raises: the run dir may
+    be gone or read-only, which the writer's next segment write reports."""
+    try:
+        os.utime(path)
+    except FileNotFoundError:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(describe), encoding="utf-8")
+        except OSError:
+            pass
+    except OSError:
+        pass
+
+
 def read_marker(run_dir: Path) -> dict:
     """The run's marker, checked for a schema this version can read."""
     path = Path(run_dir) / MARKER

@@ -35,12 +35,13 @@ from dynascope.store.flush import (
     Flushed,
     Group,
     release_arrow_memory,
+    with_rollups,
     write_begin,
     write_empty_segments,
     write_flush,
 )
-from dynascope.store.layout import MARKER, create_run, heartbeat_path, read_marker, safe_id
-from dynascope.store.rollup import ROLLUP_TABLES, ROLLUPS
+from dynascope.store.layout import MARKER, create_run, heartbeat_path, read_marker, safe_id, touch_heartbeat
+from dynascope.store.rollup import ROLLUP_TABLES
 from dynascope.store.schema import SCHEMA_VERSION, TABLES
 
 __all__ = ["RunWriter", "release_arrow_memory"]
@@ -253,14 +254,8 @@ class RunWriter:
             arrow, buf = salvage(table, buf, self._to_arrow, lambda n, exc: self._bad_batch(table, n, exc))
             if arrow is None:
                 return None
-        parts = [(table, arrow)]
-        numbers: dict = {}  # source columns as NumPy, converted once for every rollup of this segment
-        for name, roll in ROLLUPS.get(table, ()):
-            try:
-                parts.append((name, roll(arrow, numbers)))
-            except Exception as exc:  # a rollup bug must not cost the source rows
-                self._problem("rollup_error", f"{name}: rollup failed ({type(exc).__name__}: {exc})")
-        return Group(table, parts, buf)
+        return with_rollups(table, arrow, buf, lambda name, exc: self._problem(
+            "rollup_error", f"{name}: rollup failed ({type(exc).__name__}: {exc})"))
 
     def _to_arrow(self, table: str, buf: TableBuffer) -> pa.Table:
         return to_arrow(table, buf, self.run_id, self.rank, self.role)
@@ -292,18 +287,9 @@ class RunWriter:
 
     def _heartbeat(self) -> None:
         """Touch this writer's heartbeat file so ``dynascope runs`` can tell a live run from a crashed one."""
-        try:
-            os.utime(self._heartbeat_path)
-        except FileNotFoundError:
-            try:
-                self._heartbeat_path.parent.mkdir(parents=True, exist_ok=True)
-                self._heartbeat_path.write_text(json.dumps({
-                    "writer_id": self.writer_id, "rank": self.rank, "role": self.role, "pid": os.getpid(),
-                    "host": socket.gethostname(), "flush_secs": self.flush_secs}), encoding="utf-8")
-            except OSError:
-                pass  # the run dir is gone or read-only; the next segment write reports it
-        except OSError:
-            pass
+        touch_heartbeat(self._heartbeat_path, {"writer_id": self.writer_id, "rank": self.rank, "role": self.role,
+                                               "pid": os.getpid(), "host": socket.gethostname(),
+                                               "flush_secs": self.flush_secs})
 
     def _problem(self, kind: str, message: str, emit_event: bool = True) -> None:
         if kind not in self._warned:
