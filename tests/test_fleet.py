@@ -40,7 +40,10 @@ def fleet(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def summary(fleet: Path) -> pl.DataFrame:
-    return fleet_summary(fleet)
+    seen: list[tuple[int, int]] = []
+    out = fleet_summary(fleet, progress=lambda done, total: seen.append((done, total)))
+    assert seen == [(1, 3), (2, 3), (3, 3)]  # the listing reports run by run (the CLI draws a bar from it)
+    return out
 
 
 def _close(a: float | None, b: float | None, rel: float = 1e-12) -> bool:
