@@ -1,6 +1,6 @@
 """Fleet summary time on DuckDB and on Spark for 10, 100 and 1,000 runs, and how each grows.
 
-Synthetic small runs (2 ranks, 12 steps, written by the real RunWriter: tests/fleet_fixtures.py) under
+Synthetic small runs (2 ranks, 12 steps, written by the real RunWriter: tests/helpers/fleet_runs.py) under
 one root; the 10- and 100-run roots are the first runs of the 1,000-run one (symlinks). Each round is one
 ``fleet_summary(root, engine)`` call: listing the store, registering the tables on the engine, running the
 summary's three queries. Spark runs in one local session (``local[2]``, 1 GB heap) started before the
@@ -22,11 +22,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the synthetic runs the tests use
 
-from fleet_fixtures import write_synthetic_run  # noqa: E402
 from polars.testing import assert_frame_equal  # noqa: E402
 
 from dynascope.analyses.fleet import fleet_summary  # noqa: E402
 from dynascope.store.engines import local_spark  # noqa: E402
+
+from helpers.fleet_runs import write_synthetic_run  # noqa: E402
 
 
 def build(base: Path, sizes: list[int]) -> dict[int, Path]:

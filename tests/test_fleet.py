@@ -13,7 +13,6 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-from fleet_fixtures import write_synthetic_run
 from typer.testing import CliRunner
 
 from dynascope.analyses.delta_sync import delta_sync_bytes
@@ -25,6 +24,8 @@ from dynascope.analyses.stragglers import straggler_scores
 from dynascope.cli import app
 from dynascope.store import open_store
 from dynascope.store.catalog import list_runs
+
+from helpers.fleet_runs import write_synthetic_run
 
 V1 = Path(__file__).parent / "fixtures" / "v1run"
 

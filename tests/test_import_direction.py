@@ -25,7 +25,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "dynascope"
 
 # The flow, bottom first: a part may import only parts before it (its contract says which of them).
 ORDER = ("core", "store", "probes", "<root>", "analyses", "importers", "dashboard", "integrations", "checkpoints",
-         "report", "cli_output", "demo", "cli")
+         "report", "cli_output", "demo", "cli_fleet", "cli")
 # part → the parts it may import
 CONTRACTS: dict[str, frozenset[str]] = {
     "core": frozenset(),
@@ -41,6 +41,7 @@ CONTRACTS: dict[str, frozenset[str]] = {
     "cli_output": frozenset({"core", "store", "analyses", "importers"}),
     "demo": frozenset({"<root>", "core", "store", "probes", "analyses", "importers", "integrations", "checkpoints",
                        "report"}),
+    "cli_fleet": frozenset({"core", "store", "analyses", "cli_output"}),  # `dynascope files` and `fleet`
     "cli": frozenset(ORDER[:-1]),
 }
 ROOT_AT_IMPORT = frozenset({"core"})  # what dynascope/__init__.py may import at module level

@@ -22,7 +22,6 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from fleet_fixtures import write_synthetic_run
 from polars.testing import assert_frame_equal
 
 from dynascope.analyses.fleet import fleet_summary
@@ -33,6 +32,8 @@ from dynascope.store.layout import segment_name, valid_from_us
 from dynascope.store.projection import spark_ddl
 from dynascope.store.schema import RENAMED
 from dynascope.store.snapshot import open_snapshot
+
+from helpers.fleet_runs import write_synthetic_run
 
 pytest.importorskip("pyspark", reason="pyspark is in the dev extra: pip install -e '.[dev]'")
 if shutil.which("java") is None:

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import duckdb
 import pytest
-from fleet_fixtures import write_synthetic_run
 from typer.testing import CliRunner
 
 from dynascope.cli import app
@@ -20,6 +19,8 @@ from dynascope.store.compact import compact_store
 from dynascope.store.layout import COMMITS
 from dynascope.store.live import list_run
 from dynascope.store.snapshot import LEASES, held_leases, open_snapshot, take_lease
+
+from helpers.fleet_runs import write_synthetic_run
 
 V1 = Path(__file__).parent / "fixtures" / "v1run"
 

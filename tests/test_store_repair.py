@@ -133,7 +133,7 @@ KILLED = textwrap.dedent("""
     import os, sys
     import numpy as np
     sys.path.insert(0, sys.argv[3])
-    from test_store_rollup import _batch
+    from helpers.rollup_reference import batch as _batch
     from dynascope.store import RunWriter, flush
     run, where = sys.argv[1], sys.argv[2]
     rng = np.random.default_rng(0)
