@@ -51,36 +51,34 @@ def live_sql(listing: str, at: str) -> str:
     """A query of the live segment files (column ``file``) among ``listing`` (a relation with a ``file``
     column holding segments and commit records) at ``at``, a SQL expression in µs since the epoch.
 
-    Two windows, no self-join (a writer directory can hold thousands of segments): per writer, the highest
-    commit reached so far in (number, commits first) order says whether a writer's own segment is
-    committed; per directory, the furthest segment so far in (lo, hi descending, name) order says whether a
+    Equality joins and one window, no range join (a writer directory can hold thousands of segments): a
+    commit record's range is expanded to the numbers it covers (a writer's own segment has ``lo = hi``),
+    and per directory the furthest segment so far in (lo, hi descending, name) order says whether a
     segment is covered.
     """
     seg, com = _literal(SEGMENT_SQL_RE), _literal(COMMIT_SQL_RE)
     return f"""
-    WITH listed AS (SELECT file FROM {listing}),
+    WITH listed AS MATERIALIZED (SELECT file FROM {listing}),  -- one listing, read by both parses below
     seg AS (
         SELECT file, regexp_extract(file, {seg}, ['run', 'tbl', 'w', 'lo', 'hi', 'valid']) AS s FROM listed
-    ), com AS (
+        WHERE file LIKE '%.parquet'
+    ), com AS MATERIALIZED (
         SELECT regexp_extract(file, {com}, ['run', 'w', 'lo', 'hi', 'valid']) AS c FROM listed
+        WHERE file LIKE '%.json'
     ), keeps AS (  -- writers that keep commit records (each writes a begin record before its first segment)
         SELECT DISTINCT c.run AS run, c.w AS w FROM com WHERE c.w <> ''
     ), fin AS (
         SELECT file, s.run AS run, s.w AS w, s.run || '/' || s.tbl || '/' || s.w AS dir,
                CAST(s.lo AS BIGINT) AS lo, CAST(s.hi AS BIGINT) AS hi, s.valid <> '' AS merged
         FROM seg WHERE s.w <> '' AND (s.valid = '' OR CAST(s.valid AS HUGEINT) <= {at})
-    ), marks AS (
-        SELECT file, dir, run, w, lo, hi, merged, NULL::BIGINT AS committed FROM fin
-        UNION ALL
-        SELECT NULL, NULL, c.run, c.w, CAST(c.lo AS BIGINT), CAST(c.hi AS BIGINT), NULL, CAST(c.hi AS BIGINT)
+    ), committed AS (  -- every number a commit record in effect covers, one row each
+        SELECT DISTINCT c.run AS run, c.w AS w, unnest(range(CAST(c.lo AS BIGINT), CAST(c.hi AS BIGINT) + 1)) AS seq
         FROM com WHERE c.lo <> '' AND CAST(c.valid AS HUGEINT) <= {at}
-    ), reached AS (
-        SELECT *, max(committed) OVER (PARTITION BY run, w ORDER BY lo, committed IS NULL
-                                       ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS committed_to
-        FROM marks
     ), counted AS (
-        SELECT r.file, r.dir, r.lo, r.hi FROM reached r LEFT JOIN keeps k ON r.run = k.run AND r.w = k.w
-        WHERE r.file IS NOT NULL AND (r.merged OR k.w IS NULL OR r.committed_to >= r.hi)
+        SELECT f.file, f.dir, f.lo, f.hi FROM fin f
+        LEFT JOIN keeps k ON f.run = k.run AND f.w = k.w
+        LEFT JOIN committed c ON f.run = c.run AND f.w = c.w AND f.lo = c.seq AND f.hi = f.lo
+        WHERE f.merged OR k.w IS NULL OR c.seq IS NOT NULL
     )
     SELECT file FROM (
         SELECT file, hi, max(hi) OVER (PARTITION BY dir ORDER BY lo, hi DESC, file
