@@ -116,8 +116,10 @@ class Snapshot:
         """The segment files of ``table`` live at ``at_us`` (from the snapshot's own listing)."""
         if table not in TABLES:
             raise ValueError(f"unknown table {table!r} (tables: {', '.join(TABLES)})")
-        if table not in self._files:
-            self._files[table] = [e.path for e in live_files_in(self.listing, table, self.at_us)]
+        if not self._files:  # the rule over the whole listing once, then split by table
+            self._files = {t: [] for t in TABLES}
+            for e in live_files_in(self.listing, None, self.at_us):
+                self._files.setdefault(e.path.rsplit("/", 3)[-3], []).append(e.path)
         return self._files[table]
 
     def renew(self, ttl_s: float = DEFAULT_TTL_S) -> None:
