@@ -106,6 +106,7 @@ class Snapshot:
     at_us: int
     listing: list[Entry]
     lease: Path | None = None
+    holder: str = "dynascope"
     _files: dict[str, list[str]] = field(default_factory=dict, repr=False)
 
     @property
@@ -125,7 +126,7 @@ class Snapshot:
     def renew(self, ttl_s: float = DEFAULT_TTL_S) -> None:
         """Extend the lease to ``ttl_s`` from now (a job that runs longer than it expected)."""
         if self.lease is not None:
-            _write_lease(self.lease, self.at_us, ttl_s, "dynascope")
+            _write_lease(self.lease, self.at_us, ttl_s, self.holder)
 
     def release(self) -> None:
         """Delete the lease: compaction may delete the pinned files again."""
@@ -144,7 +145,7 @@ def open_snapshot(path: str | os.PathLike, *, lease_ttl_s: float | None = DEFAUL
     # lease exists was covered by a merge in effect for grace_s already, so it was not live at ``at``.
     lease = take_lease(loc.path, at, lease_ttl_s, holder) if lease_ttl_s is not None else None
     try:
-        return Snapshot(loc, at, list_location(loc, progress=progress), lease)
+        return Snapshot(loc, at, list_location(loc, progress=progress), lease, holder)
     except BaseException:
         if lease is not None:
             lease.unlink(missing_ok=True)
