@@ -243,11 +243,13 @@ def test_a_spark_job_that_outlives_the_grace_period_reads_its_snapshot(spark, tm
             assert all(Path(p).exists() for p in pinned)  # past their grace, kept by the lease
             assert job.count() == want
         _wait_until(lambda: not all(Path(p).exists() for p in pinned), passes)  # released: deleted
-        # The same job without a lease: it fails, loudly, and ignoreMissingFiles would hide the loss.
-        bare = open_snapshot(root, lease_ttl_s=None)
+        # The same job without a lease (held only while DuckDB counts the snapshot, then released): it fails,
+        # loudly, and ignoreMissingFiles would hide the loss.
+        bare = open_snapshot(root)
         job = spark.read.schema(ddl).parquet(*bare.files("scalars"))
         with open_store(root, at_us=bare.at_us) as con:
             want = con.rows("SELECT count(*) FROM scalars")[0][0]
+        bare.release()
         _wait_until(lambda: not all(Path(p).exists() for p in bare.files("scalars")), passes)
         with pytest.raises(Exception, match="FILE_NOT_EXIST|does not exist|FileNotFound"):
             job.count()
