@@ -100,6 +100,7 @@ def test_demo_pipeline_end_to_end_on_a_small_llama(tmp_path, monkeypatch):
     import dynascope.demo.smollm2_train as tr
     from dynascope.demo.reproduction import print_reproduction
     from dynascope.demo.smollm2 import SmolSettings, model_files
+    from dynascope.demo.smollm2_eval import load_heldout
     from dynascope.store import open_store
 
     pkg, gguf = model_files()
@@ -118,20 +119,45 @@ def test_demo_pipeline_end_to_end_on_a_small_llama(tmp_path, monkeypatch):
     s = SmolSettings(run_dir=str(tmp_path / "run"), sft_steps=2, sft_batch=4, rl_steps=3, prompts=2, group=4,
                      eval_n=8, bf16_k=2, rl_lr=1e-3)
     out = tr.train(s, say=lambda *a, **k: None)
-    assert set(out) == {"pretrained", "sft", "rl", "rank1", "rank1_rest_rl"}
-    console = Console(record=True, width=200)
+    assert set(out) == {"pretrained", "sft", "rl", "rank1", "rank1_rest_rl", "relex15", "relex25"}
+    console = Console(record=True, width=400)
     print_reproduction(s, console, train_s=1.0)
     text = console.export_text()
-    for row in ("PULSE S₁", "Mukherjee update sparsity, RL", "Mukherjee update sparsity, SFT", "AlphaRL", "delta weight sync"):
-        assert row in text
+    for row in ("PULSE S₁", "Mukherjee update sparsity, RL", "Mukherjee update sparsity, SFT", "AlphaRL", "RELEX",
+                "delta weight sync", "KL to the base", "log-prob gap", "Where RL's update lives", "Held-out accuracy"):
+        assert row in text, row
     with open_store(tmp_path / "run") as con:
         n_tensors = len(list(small()[0].parameters()))
         per_step = con.sql("""SELECT stage, step, count(*), count(bf16_unchanged_count), count(drift_unchanged_count),
                                           count(bf16_unchanged_k_count) FROM tensor_stats GROUP BY ALL ORDER BY step""").fetchall()
         phases = {p for (p,) in con.sql("SELECT DISTINCT phase FROM timings").fetchall()}
+        samples = con.sql("""SELECT step, count(*), sum(logprob_gap_tokens_count), sum(response_len),
+                                    max(logprob_gap_max_nats), count(DISTINCT group_id), min(policy_version = step::BIGINT)
+                             FROM samples GROUP BY step ORDER BY step""").fetchall()
+        spectra_steps = [r[0] for r in con.sql("SELECT DISTINCT step FROM spectra ORDER BY 1").fetchall()]
+        checks = con.sql("""SELECT key, count(*), max(value) FROM scalars WHERE key LIKE 'weight_sync/%'
+                            GROUP BY key ORDER BY key""").fetchall()
+        mismatch_events = con.sql("SELECT count(*) FROM events WHERE event = 'weight_sync_mismatch'").fetchall()[0][0]
     assert [(st, n) for st, _, n, *_ in per_step] == [("sft", n_tensors)] * 2 + [("rl", n_tensors)] * 3
     assert all(a == n and b == n for _, _, n, a, b, _ in per_step)  # S₁ and drift on every tensor, every step
-    assert {"weight_sync", "rollout", "reward", "train", "alpharl"} <= phases
+    assert {"weight_sync", "weight_check", "rollout", "reward", "train", "eval", "relex_save", "relex",
+            "alpharl"} <= phases
+    # one row per sample of each RL step (2 prompts × 4), the gap over exactly the response tokens, and a real
+    # gap: the rollout copy is bf16, the trainer fp32
+    assert [r[0] for r in samples] == [2, 3, 4] and all(r[1] == 8 and r[5] == 2 for r in samples)
+    assert all(r[2] == r[3] > 0 and r[4] > 0 and r[6] for r in samples)
+    assert spectra_steps == [0, 4]  # every spectral_every = 4 steps
+    assert checks == [("weight_sync/mismatched_tensors", 3, 0.0), ("weight_sync/tensors_checked", 3, n_tensors)]
+    assert mismatch_events == 0
+    held = load_heldout(tmp_path / "run")
+    points = {p["label"]: p for p in held["points"]}
+    assert set(points) == {"pretrained", "sft", "rl", "alpharl_rank1", "alpharl_rank1_rest_rl", "relex15", "relex25"}
+    assert all(len(p["correct"]) == 8 for p in points.values())
+    # KL of a model to itself is 0; after SFT at lr 1e-5 on a random model the policy moved away from it
+    assert points["pretrained"]["forward_kl_nats"] == {"pretrained": [0.0] * 8}
+    assert points["sft"]["forward_kl_nats"]["sft"] == [0.0] * 8
+    assert min(points["rl"]["forward_kl_nats"]["pretrained"]) > 0
+    assert not (tmp_path / "run" / "relex_deltas").exists()  # the trajectory's deltas are removed once used
     r1 = tmp_path / "run" / tr.RANK1_FILE
     from safetensors.torch import load_file
 
