@@ -168,7 +168,7 @@ def verify_weight_sync(scope: Any, trainer: Any, rollout: Any, *, max_named: int
     except Exception as exc:  # the check must not stop training
         warnings.warn(f"dynascope: weight-sync check failed: {type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=2)
         scope.event("probe_error", f"weight_sync_check: {type(exc).__name__}: {exc}", severity="warning",
-                    probe="weight_sync_check")
+                    check="weight_sync")
         return []
     scope.log(**{"weight_sync/tensors_checked": len(want), "weight_sync/mismatched_tensors": len(bad)})
     if bad:
