@@ -152,6 +152,32 @@ def _scalar_rows(w: RunWriter, rng: np.random.Generator, t0: int) -> None:
                              "key": list(vals), "value": [float(v) for v in vals.values()]})
 
 
+def _consistency_rows(w: RunWriter, rng: np.random.Generator, t0: int) -> None:
+    """What a bf16 rollout copy beside fp32 training records: log-prob gaps per sample, a weight-sync check per
+    RL step (one of them finding a stale tensor), and the held-out forward KL to the bases at two evaluations."""
+    stale = f"model.layers.{LAYERS - 1}.mlp.down_proj.weight"
+    n = GROUPS * GROUP_SIZE
+    for step in range(SFT_STEPS + 1, SFT_STEPS + RL_STEPS + 1):
+        tokens = rng.integers(1, 5, n)
+        gaps = rng.exponential(2e-3, (n, 4))
+        w.append("samples", {
+            "step": step, "time_us": t0 + step * 1_000_000, "sample_id": np.arange(n) + 10_000 * step,
+            "logprob_gap_tokens_count": tokens, "logprob_gap_sum_nats": gaps.sum(1) * tokens / 4,
+            "logprob_gap_max_nats": gaps.max(1), "logprob_gap_over_count": (gaps > 0.005).sum(1).clip(0, tokens),
+            "logprob_gap_threshold_nats": 0.005})
+        bad = 1.0 if step == SFT_STEPS + 5 else 0.0
+        w.append("scalars", {"step": step, "time_us": t0 + step * 1_000_000, "stage": "rl",
+                             "key": ["weight_sync/tensors_checked", "weight_sync/mismatched_tensors"],
+                             "value": [float(len(_tensors())), bad]})
+        if bad:
+            w.event("weight_sync_mismatch", f"1 of {len(_tensors())} tensors differ from the trainer's weights cast to "
+                    f"the rollout dtype: {stale} (values)", step=step, severity="error", tensors=[stale])
+    for step, kl_pre, kl_sft in ((SFT_STEPS, 0.05, 0.0), (SFT_STEPS + RL_STEPS, 0.06, 0.012)):
+        w.append("scalars", {"step": step, "time_us": t0 + step * 1_000_000 + 1, "stage": "rl",
+                             "key": ["eval/forward_kl_pretrained_nats", "eval/forward_kl_sft_nats"],
+                             "value": [kl_pre, kl_sft]})
+
+
 def make_store(root: Path, seed: int = 0) -> Path:
     """Write the two-run store under ``root`` and return ``root``."""
     rng = np.random.default_rng(seed)
@@ -164,6 +190,7 @@ def make_store(root: Path, seed: int = 0) -> Path:
     for w in writers:
         _rollout_rows(w, rng, t0, async_lag=False)
     _scalar_rows(writers[0], rng, t0)
+    _consistency_rows(writers[0], rng, t0)
     w0 = writers[0]
     w0.event("checkpoint_save", "saved checkpoint after SFT", step=SFT_STEPS, dur_us=1_500_000, path="ckpt/sft")
     w0.event("instability", "NaN in gradients", step=nan_step, severity="warning", tensor="lm_head.weight")

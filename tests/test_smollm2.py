@@ -167,3 +167,21 @@ def test_demo_pipeline_end_to_end_on_a_small_llama(tmp_path, monkeypatch):
     sv = torch.linalg.svdvals((rank1[q] - base[q]).double())  # rank 1 up to fp32 rounding of the sum
     assert sv[1] < 1e-5 * sv[0]
     assert torch.equal(rank1["model.embed_tokens.weight"], base["model.embed_tokens.weight"])
+
+
+def test_default_run_directory_is_its_own_so_it_runs_after_the_tiny_demo(monkeypatch, tmp_path):
+    """README order: ``dynascope demo`` fills runs/demo, then ``dynascope demo --model smollm2`` must not find
+    it taken."""
+    from typer.testing import CliRunner
+
+    import dynascope.demo.smollm2_train as tr
+    from dynascope.cli import app
+
+    seen = []
+    monkeypatch.setattr(tr, "run_smollm2", lambda run_dir, **kw: seen.append(run_dir))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "demo").mkdir(parents=True)
+    (tmp_path / "runs" / "demo" / "dynascope.json").write_text("{}")
+    out = CliRunner().invoke(app, ["demo", "--model", "smollm2", "--steps", "2"])
+    assert out.exit_code == 0, out.output
+    assert seen == ["runs/demo-smollm2"]

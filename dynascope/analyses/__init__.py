@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # the same names, for IDEs and type checkers
         rollout_train_overlap,
         tail_wait_share,
         tail_wait_summary,
+        weight_sync_checks,
         zero_variance_groups,
     )
     from dynascope.analyses.schedules import (
@@ -66,7 +67,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "phase_shares": ("phase_shares",),
     "probe_time": ("DEFAULT_PROBE_COST", "PROBE_PHASE", "probe_cost"),
     "rollouts": ("async_staleness", "logprob_gap_by_step", "rollout_long_tail", "rollout_train_overlap",
-                 "tail_wait_share", "tail_wait_summary", "zero_variance_groups"),
+                 "tail_wait_share", "tail_wait_summary", "weight_sync_checks", "zero_variance_groups"),
     "schedules": ("rl_throughput", "schedule_inputs", "schedule_staleness", "schedule_what_if"),
     "steps": ("critical_path", "idle_time", "step_breakdown"),
     "stragglers": ("straggler_scores", "what_if", "what_if_steps"),
@@ -83,7 +84,8 @@ __all__ = ["DEFAULT_PROBE_COST", "DTYPE_BYTES", "EVENT_KINDS", "Finding", "INSTA
            "rollout_train_overlap", "schedule_inputs", "schedule_staleness", "schedule_what_if", "sentence",
            "sparsity_comparison", "sparsity_over_training", "step_breakdown", "straggler_scores",
            "tail_wait_numbers", "tail_wait_share", "tail_wait_summary", "temporal_breakdown", "throughput_mfu",
-           "update_share_by_layer", "what_if", "what_if_shared", "what_if_steps", "zero_variance_groups"]
+           "update_share_by_layer", "weight_sync_checks", "what_if", "what_if_shared", "what_if_steps",
+           "zero_variance_groups"]
 
 
 def __getattr__(name: str) -> Any:

@@ -17,7 +17,7 @@ from dynascope.analyses.steps import STEP_ROW
 from dynascope.store import quote_literal
 
 __all__ = ["async_staleness", "logprob_gap_by_step", "rollout_long_tail", "rollout_train_overlap",
-           "tail_wait_share", "tail_wait_summary", "zero_variance_groups"]
+           "tail_wait_share", "tail_wait_summary", "weight_sync_checks", "zero_variance_groups"]
 
 ROLLOUT_PHASES = ("rollout", "generate", "generation")
 TRAIN_PHASES = ("train", "forward", "backward", "optimizer", "update_actor", "actor_update")
@@ -133,6 +133,27 @@ def logprob_gap_by_step(store: StoreLike, run: str | None = None) -> pl.DataFram
         FROM samples WHERE step IS NOT NULL AND logprob_gap_sum_nats IS NOT NULL{run_clause(run)}
         GROUP BY run_id, step ORDER BY run_id, step""")
     return df.select([pl.col(c).cast(t) for c, t in schema.items()])
+
+
+def weight_sync_checks(store: StoreLike, run: str | None = None) -> pl.DataFrame:
+    """Per step: what ``verify_weight_sync`` found after that step's weight sync (its scalars and events).
+
+    Columns: run_id, step, tensors_checked_count, mismatched_tensors_count (the worst check of the step),
+    message (the ``weight_sync_mismatch`` events' text naming the tensors, NULL when none).
+    """
+    return frame(as_store(store), f"""
+        WITH s AS (
+            SELECT run_id, step,
+                   max(value) FILTER (WHERE key = 'weight_sync/tensors_checked')::BIGINT AS tensors_checked_count,
+                   max(value) FILTER (WHERE key = 'weight_sync/mismatched_tensors')::BIGINT AS mismatched_tensors_count
+            FROM scalars WHERE key IN ('weight_sync/tensors_checked', 'weight_sync/mismatched_tensors')
+                 AND step IS NOT NULL{run_clause(run)}
+            GROUP BY run_id, step),
+        e AS (
+            SELECT run_id, step, string_agg(message, ' | ' ORDER BY time_us) AS message FROM events
+            WHERE event = 'weight_sync_mismatch'{run_clause(run)} GROUP BY run_id, step)
+        SELECT s.run_id, s.step, s.tensors_checked_count, s.mismatched_tensors_count, e.message
+        FROM s LEFT JOIN e USING (run_id, step) ORDER BY s.run_id, s.step""")
 
 
 def async_staleness(store: StoreLike, run: str | None = None) -> pl.DataFrame:
