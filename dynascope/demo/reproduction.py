@@ -149,6 +149,10 @@ def markdown_table(doc: dict[str, Any]) -> str:
             f"steps × {r.get('prompts')}×{r.get('group')} samples at lr {r.get('rl_lr')}, T={r.get('temperature')}; "
             f"seed {r.get('seed')}; {doc.get('held_out_n')} held-out problems; {r.get('device')}. "
             "Brackets: 95% bootstrap intervals.")
+    if doc.get("command"):
+        step = doc.get("rl_step_s", {}).get("step")
+        head += (f"\n\nCommand: `{doc['command']}` ({doc.get('wall_s', 0) / 3600:.1f} h"
+                 + (f", {step:.0f} s per RL step" if step else "") + ").")
     lines = [head, "", "| measure (definition) | paper | this run | note |", "|---|---|---|---|"]
     lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in reproduction_rows(doc)]
     return "\n".join(lines) + "\n"

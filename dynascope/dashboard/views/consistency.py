@@ -23,6 +23,7 @@ def section(path: str, runs: tuple[str, ...]) -> None:
         st.info("No log-prob gaps recorded: pass the rollout engine's and the trainer's log-probs of the sampled "
                 "tokens to `scope.samples(..., **logprob_gap_columns(rollout_lp, trainer_lp, mask))`.")
     else:
+        threshold = gap["threshold_nats"].drop_nulls()
         gap = data.downsample(gap, "step", ["logprob_gap_mean_nats", "logprob_gap_max_nats", "logprob_gap_over_pct"],
                               ["run_id"])
         left, right = st.columns(2)
@@ -41,7 +42,6 @@ def section(path: str, runs: tuple[str, ...]) -> None:
             charts.show(charts.place_legend(charts.layout(
                 fig, "log-prob gap |log π_rollout − log π_trainer| per token", "step", "nats")), "ro_gap")
         with right:
-            threshold = gap["threshold_nats"].drop_nulls()
             what = f"tokens with |Δ| > {threshold[0]:g} nats" if threshold.len() else "tokens over the threshold"
             charts.show(charts.banded(gap, "step", "logprob_gap_over_pct", None, None, ["run_id"], what,
                                       "% of the step's tokens"), "ro_gap_over")

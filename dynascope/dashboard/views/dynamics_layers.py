@@ -25,7 +25,8 @@ def section(path: str, run: str, stages: tuple[str, ...]) -> None:
         df = df.filter(pl.col("stage").is_in(list(stages)))
     if data.empty(df, "per-layer update statistics"):
         return
-    present = list(dict.fromkeys(df["stage"].to_list()))
+    # stages in training order (by their last record), so the default is the latest: RL after SFT
+    present = df.group_by("stage").agg(pl.col("last_step").max()).sort("last_step", nulls_last=False)["stage"].to_list()
     stage = st.radio("Stage", present, index=len(present) - 1, horizontal=True, key="dyn_layers_stage") \
         if len(present) > 1 else present[0]
     g = df.filter(pl.col("stage") == stage).with_columns(
