@@ -31,7 +31,12 @@ from dynascope.demo.smollm2 import (
     save_weights,
     token_logprobs,
 )
-from dynascope.demo.smollm2_checkpoints import RANK1_FILE, RANK1_REST_RL_FILE, rewritten_checkpoints, save_delta
+from dynascope.demo.smollm2_checkpoints import (
+    RANK1_FILE,
+    RANK1_REST_RL_FILE,
+    rewritten_checkpoints,
+    save_delta,
+)
 from dynascope.demo.smollm2_eval import HeldOut
 from dynascope.probes.rollout_consistency import logprob_gap_columns, verify_weight_sync
 
