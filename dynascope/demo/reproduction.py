@@ -42,9 +42,9 @@ def fmt(f: dict[str, Any] | None, digits: int = 1, pct: bool = True, unit: str =
 
 def _accuracy_row(doc: dict[str, Any]) -> Row:
     acc = doc.get("accuracy", {})
-    steps = [f"RL {s}" for s in doc.get("rl_steps_evaluated", []) if f"rl@{s}" in acc]
-    points = [("pretrained", "pretrained"), ("sft", "after SFT")] + [(s.replace("RL ", "rl@"), f"{s} steps")
-                                                                      for s in steps] + [("rl", "final")]
+    points = [("pretrained", "pretrained"), ("sft", "after SFT")] + [
+        (f"rl@{s}", f"after {s} RL steps") for s in doc.get("rl_steps_evaluated", []) if f"rl@{s}" in acc] + [
+        ("rl", "final")]
     shown = "; ".join(f"{name} {fmt(acc.get(k))}" for k, name in points if k in acc)
     return ("Held-out accuracy (greedy exact match) at each evaluation point", "—", shown,
             f"{doc.get('held_out_n', 0)} problems; intervals resample problems")
