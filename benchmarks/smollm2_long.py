@@ -43,8 +43,7 @@ def recorded(s) -> dict[str, str]:
         "held_out": f"{s.eval_n} problems at pretrained, after SFT, every {s.eval_every} RL steps and final: greedy "
                     "accuracy and the forward KL to the pretrained and SFT bases, per problem",
         "relex_deltas": (f"θ_t − θ₀ in float16 every {s.relex_every} RL step(s) up to step "
-                         f"{max(s.relex_window(f) for f in s.relex_fracs)} (deleted after the extrapolation)"
-                         if s.relex_fracs else "off"),
+                         f"{max(s.relex_steps())} (deleted after the extrapolation)" if s.relex_steps() else "off"),
     }
 
 

@@ -116,10 +116,10 @@ def test_demo_pipeline_end_to_end_on_a_small_llama(tmp_path, monkeypatch):
     # A random model never writes digits: reward half the samples by their text so groups are mixed.
     monkeypatch.setattr(tr, "load_model", small)
     monkeypatch.setattr(tr.arith, "reward", lambda p, text: float(hash(text) % 2))
-    s = SmolSettings(run_dir=str(tmp_path / "run"), sft_steps=2, sft_batch=4, rl_steps=3, prompts=2, group=4,
-                     eval_n=8, bf16_k=2, rl_lr=1e-3)
+    s = SmolSettings(run_dir=str(tmp_path / "run"), sft_steps=2, sft_batch=4, rl_steps=6, prompts=2, group=4,
+                     eval_n=8, bf16_k=2, rl_lr=1e-3, eval_every=3, relex_fracs=(0.5, 0.15))  # RELEX over 3 steps
     out = tr.train(s, say=lambda *a, **k: None)
-    assert set(out) == {"pretrained", "sft", "rl", "rank1", "rank1_rest_rl", "relex15", "relex25"}
+    assert set(out) == {"pretrained", "sft", "rl@3", "rl", "rank1", "rank1_rest_rl", "relex50"}  # 15%: 1 step, no fit
     console = Console(record=True, width=400)
     print_reproduction(s, console, train_s=1.0)
     text = console.export_text()
@@ -138,20 +138,26 @@ def test_demo_pipeline_end_to_end_on_a_small_llama(tmp_path, monkeypatch):
         checks = con.sql("""SELECT key, count(*), max(value) FROM scalars WHERE key LIKE 'weight_sync/%'
                             GROUP BY key ORDER BY key""").fetchall()
         mismatch_events = con.sql("SELECT count(*) FROM events WHERE event = 'weight_sync_mismatch'").fetchall()[0][0]
-    assert [(st, n) for st, _, n, *_ in per_step] == [("sft", n_tensors)] * 2 + [("rl", n_tensors)] * 3
+        saves = con.sql("SELECT count(*) FROM timings WHERE phase = 'relex_save'").fetchall()[0][0]
+        relex = dict(con.sql("SELECT key, value FROM scalars WHERE key LIKE 'relex/%'").fetchall())
+    assert [(st, n) for st, _, n, *_ in per_step] == [("sft", n_tensors)] * 2 + [("rl", n_tensors)] * 6
     assert all(a == n and b == n for _, _, n, a, b, _ in per_step)  # S₁ and drift on every tensor, every step
     assert {"weight_sync", "weight_check", "rollout", "reward", "train", "eval", "relex_save", "relex",
             "alpharl"} <= phases
     # one row per sample of each RL step (2 prompts × 4), the gap over exactly the response tokens, and a real
     # gap: the rollout copy is bf16, the trainer fp32
-    assert [r[0] for r in samples] == [2, 3, 4] and all(r[1] == 8 and r[5] == 2 for r in samples)
+    assert [r[0] for r in samples] == [2, 3, 4, 5, 6, 7] and all(r[1] == 8 and r[5] == 2 for r in samples)
     assert all(r[2] == r[3] > 0 and r[4] > 0 and r[6] for r in samples)
     assert spectra_steps == [0, 4]  # every spectral_every = 4 steps
-    assert checks == [("weight_sync/mismatched_tensors", 3, 0.0), ("weight_sync/tensors_checked", 3, n_tensors)]
+    assert checks == [("weight_sync/mismatched_tensors", 6, 0.0), ("weight_sync/tensors_checked", 6, n_tensors)]
     assert mismatch_events == 0
+    # RELEX over the first half: deltas of RL steps 1-3 saved, fitted and extrapolated to step 6
+    assert saves == 3 and relex["relex/relex50_fit_steps"] == 3 and relex["relex/relex50_observed"] == 3
+    assert 0 < relex["relex/relex50_explained_var_median"] <= 1
     held = load_heldout(tmp_path / "run")
     points = {p["label"]: p for p in held["points"]}
-    assert set(points) == {"pretrained", "sft", "rl", "alpharl_rank1", "alpharl_rank1_rest_rl", "relex15", "relex25"}
+    assert set(points) == {"pretrained", "sft", "rl@3", "rl", "alpharl_rank1", "alpharl_rank1_rest_rl", "relex50"}
+    assert points["rl@3"]["rl_step"] == 3 and points["rl"]["rl_step"] == 6
     assert all(len(p["correct"]) == 8 for p in points.values())
     # KL of a model to itself is 0; after SFT at lr 1e-5 on a random model the policy moved away from it
     assert points["pretrained"]["forward_kl_nats"] == {"pretrained": [0.0] * 8}

@@ -51,5 +51,5 @@ def kl_to_base(con: Any, run: str) -> list[Finding]:
     kl = first_row(con, S.kl_to_base_sql(run))
     if not kl or kl.get("kl_rl_base_nats") is None:
         return []
-    n = {k: rnd(v, 6) for k, v in kl.items()}
+    n = {k: (None if v is None else float(v)) if k != "steps" else v for k, v in kl.items()}  # small: no rounding
     return [found(run, "kl_to_base", "info", n, S.kl_to_base_sql(run))]

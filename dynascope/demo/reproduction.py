@@ -72,7 +72,9 @@ def _relex_rows(doc: dict[str, Any]) -> list[Row]:
                 "(medians over tensors)") if steps is not None else ""
         rows.append((f"RELEX rank-1 extrapolation from the first {label.removeprefix('relex')}% of RL steps",
                      "matches full RLVR from ~15% of the steps, 10–20× beyond the window (arXiv 2605.21468)", this, note))
-    return rows
+    return rows or [("RELEX rank-1 extrapolation", "matches full RLVR from ~15% of the steps (arXiv 2605.21468)",
+                     "not fitted", "a fit needs 3 or more saved steps in its window: 14 or more RL steps "
+                     "(benchmarks/smollm2_long.py runs 200)")]
 
 
 def _kl_row(doc: dict[str, Any]) -> Row:

@@ -65,14 +65,18 @@ class SmolSettings:
         return json.dumps(dataclasses.asdict(self))
 
     def relex_window(self, frac: float) -> int:
-        """RL steps observed for a RELEX fit over the first ``frac`` of training (at least 2)."""
-        return min(self.rl_steps, max(2, math.ceil(frac * self.rl_steps)))
+        """RL steps observed for a RELEX fit over the first ``frac`` of training."""
+        return min(self.rl_steps, math.ceil(frac * self.rl_steps))
+
+    def relex_fits(self) -> list[float]:
+        """The windows with at least three saved deltas: a line through two points always fits, so it tests
+        nothing (the default 12-step demo has none; the 200-step run fits 15 and 25 deltas)."""
+        return [f for f in self.relex_fracs if self.relex_window(f) // self.relex_every >= 3]
 
     def relex_steps(self) -> list[int]:
         """The RL steps (1-based) whose deltas θ_t − θ₀ are saved: every ``relex_every`` in the widest window."""
-        if not self.relex_fracs or self.rl_steps < 3:
-            return []
-        last = max(self.relex_window(f) for f in self.relex_fracs)
+        fits = self.relex_fits()
+        last = max((self.relex_window(f) for f in fits), default=0)
         return [t for t in range(1, last + 1) if t % self.relex_every == 0]
 
 

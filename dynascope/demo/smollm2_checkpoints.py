@@ -83,10 +83,8 @@ def rewritten_checkpoints(s: SmolSettings, model: Any, held: Any, scope: Any, sa
         f"{out['rank1_rest_rl']:.1%} (rest with RL's update)", flush=True)
 
     saved = sorted((int(p.stem.removeprefix("delta-rl")), p) for p in (run_dir / DELTA_DIR).glob("delta-rl*.safetensors"))
-    for frac in s.relex_fracs if len(saved) >= 2 else ():
+    for frac in s.relex_fits():
         window = [(t, p) for t, p in saved if t <= s.relex_window(frac)]
-        if len(window) < 2:
-            continue
         label = relex_label(frac)
         with scope.phase("relex"):
             report = relex_extrapolate(run_dir / THETA0_FILE, window, s.rl_steps, run_dir / relex_file(frac))
