@@ -196,17 +196,6 @@ def token_logprobs(model: Any, r: Rollout) -> torch.Tensor:
     return torch.log_softmax(logits.float(), -1).gather(-1, r.response.unsqueeze(-1)).squeeze(-1)
 
 
-def accuracy(model: Any, tok: Any, held_out: list, max_new: int) -> float:
-    """Greedy exact-match accuracy (the held-out reward) on ``held_out``."""
-    from dynascope.demo.arith import prompt, reward
-
-    was = model.training
-    model.eval()
-    r = generate(model, tok, [prompt(p, tok) for p in held_out], max_new, 0.0)
-    model.train(was)
-    return sum(reward(p, t) for p, t in zip(held_out, r.texts, strict=True)) / len(held_out)
-
-
 def clone_frozen(model: Any) -> Any:
     """A grad-free copy for rollouts and evaluation; made before the probe attaches, so no hooks come along."""
     return copy.deepcopy(model).requires_grad_(False).eval()
