@@ -10,6 +10,8 @@
   ``analyses.dynamics_rank1``) carried to a step that was never trained.
 - ``rank1_reconstruction``: W_0 + ‖ΔW‖_F·u₁v₁ᵀ at a recorded step, from the ``spectra`` the probe
   or ``dynascope diff`` recorded (only the 2-D weights those cover change).
+- ``relex_extrapolate``: RELEX (arXiv 2605.21468), the rank-1 direction of each tensor's *trajectory*
+  (the deltas θ_t − θ₀ of several steps stacked), its coefficient carried along a line to a later step.
 
 Tensors without a replacement are copied unchanged, so the output is a complete state dict with the
 base's names, shapes and dtypes. Sums are formed in float32 (float64 for float64 weights) and cast
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +34,7 @@ from dynascope.analyses.dynamics_rank1 import Rank1Track, rank1_tracks
 from dynascope.core.tensor_io import open_checkpoint, write_safetensors
 from dynascope.store import StoreError, StoreLike, as_store, quote_literal
 
-__all__ = ["alpharl_rank1", "extrapolate", "rank1_reconstruction"]
+__all__ = ["alpharl_rank1", "extrapolate", "rank1_reconstruction", "relex_extrapolate"]
 
 _SCHEMA = {"tensor": pl.String, "action": pl.String, "records": pl.Int64, "step": pl.Float64, "delta_fro": pl.Float64}
 
@@ -225,3 +228,88 @@ def alpharl_rank1(base_checkpoint: str | os.PathLike, rl_checkpoint: str | os.Pa
                                   (done.get(n) if n in rank1 else src.get(n).to(dt) for n, _, dt in specs),
                                   metadata={**meta, "rest": other})
     return pl.DataFrame([{k: r.get(k) for k in _ALPHARL_SCHEMA} for r in report], schema=_ALPHARL_SCHEMA)
+
+
+# ---- RELEX: rank-1 extrapolation of a run's trajectory, from saved deltas --------------------------------
+
+_RELEX_SCHEMA = {"tensor": pl.String, "numel": pl.Int64, "records": pl.Int64, "explained_var": pl.Float64,
+                 "r2": pl.Float64, "coef_last": pl.Float64, "coef_target": pl.Float64, "delta_fro": pl.Float64}
+
+
+def _rows_per_chunk(shape: tuple[int, ...], records: int, chunk_bytes: int) -> int:
+    row = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+    return max(1, chunk_bytes // (4 * row * max(records, 1)))
+
+
+def relex_extrapolate(base_checkpoint: str | os.PathLike, deltas: list[tuple[int, str | os.PathLike]],
+                      target_step: int, out_path: str | os.PathLike, *, chunk_bytes: int = 64 << 20) -> pl.DataFrame:
+    """RELEX (Wei et al., arXiv 2605.21468): write θ₀ + ĉ(target_step)·v₁ per tensor to ``out_path``.
+
+    ``deltas`` are (step, file) pairs of δ_t = θ_t − θ₀ (safetensors, the base's names; any float dtype)
+    over the observation window. Per tensor, as the authors' ``scripts/svd_extrapolation.py`` (``--rank 1
+    --fit_method linear --mode extrapolate``): the flattened deltas are the rows of M [T, d]; its rank-1
+    SVD M ≈ σ₁u₁v₁ᵀ (from the T×T Gram matrix MMᵀ) gives the direction v₁ and the coefficients
+    c_t = σ₁u₁[t] = δ_t·v₁; a least-squares line c(t) = a·t + b over the observed steps predicts
+    ĉ = c(target_step), and the tensor becomes θ₀ + ĉ·v₁. Tensors whose deltas are all zero are copied.
+    M is read in row chunks of about ``chunk_bytes`` (float32), twice: once for MMᵀ, once for v₁.
+
+    Returns per tensor: tensor, numel, records, explained_var (σ₁²/Σσ², the share of the trajectory's
+    energy on v₁), r2 (of the line against c_t), coef_last (c at the last observed step), coef_target (ĉ)
+    and delta_fro (‖ĉ·v₁‖ = |ĉ|).
+    """
+    from safetensors import safe_open
+
+    if len(deltas) < 2:
+        raise ValueError("RELEX fits a line: give at least two observed steps")
+    steps = np.array([float(s) for s, _ in deltas])
+    report: list[dict] = []
+    with ExitStack() as stack, open_checkpoint(base_checkpoint) as base:
+        files = [stack.enter_context(safe_open(str(p), framework="pt", device="cpu")) for _, p in deltas]
+        for (_, p), f in zip(deltas, files, strict=True):
+            if set(f.keys()) != set(base.specs):
+                odd = sorted(set(f.keys()) ^ set(base.specs))
+                raise StoreError(f"{p}: tensor names differ from {base_checkpoint} (e.g. {odd[0]!r})")
+        specs = [(n, shape, dtype) for n, (shape, dtype) in base.specs.items()]
+
+        def rows(name: str, shape: tuple[int, ...], lo: int, hi: int) -> torch.Tensor:
+            """M's columns for rows lo..hi of the tensor: [T, (hi − lo)·row] float32."""
+            if len(shape) == 0:
+                return torch.stack([f.get_tensor(name).reshape(1).float() for f in files])
+            return torch.stack([f.get_slice(name)[lo:hi].reshape(-1).float() for f in files])
+
+        def tensors() -> Iterator[torch.Tensor]:
+            for name, shape, dtype in specs:
+                w0 = base.get(name)
+                n_rows = shape[0] if len(shape) else 1
+                step_rows = _rows_per_chunk(shape, len(files), chunk_bytes)
+                gram = torch.zeros(len(files), len(files), dtype=torch.float64)
+                for lo in range(0, n_rows, step_rows):
+                    m = rows(name, shape, lo, lo + step_rows)
+                    gram += (m @ m.T).double()
+                lam, vec = torch.linalg.eigh(gram)  # ascending
+                total, top = float(lam.clamp(min=0).sum()), float(lam[-1].clamp(min=0))
+                row = {"tensor": name, "numel": w0.numel(), "records": len(files)}
+                if not w0.is_floating_point() or top <= 0.0:
+                    report.append({**row, "delta_fro": 0.0})
+                    yield w0
+                    continue
+                u1, s1 = vec[:, -1], top ** 0.5
+                coef = (u1 * s1).numpy()
+                slope, icpt = np.polyfit(steps, coef, 1)
+                fit = slope * steps + icpt
+                ss_tot = float(((coef - coef.mean()) ** 2).sum())
+                c_hat = float(slope * target_step + icpt)
+                out = w0.to(torch.float32).reshape(n_rows, -1).clone()
+                u1f = u1.float()
+                for lo in range(0, n_rows, step_rows):  # v₁ = Mᵀu₁/σ₁, chunk by chunk
+                    m = rows(name, shape, lo, lo + step_rows)
+                    out[lo:lo + step_rows] += (c_hat / s1) * (u1f @ m).reshape(-1, out.shape[1])
+                report.append({**row, "explained_var": top / total if total > 0 else None,
+                               "r2": 1.0 - float(((coef - fit) ** 2).sum()) / ss_tot if ss_tot > 0 else None,
+                               "coef_last": float(coef[-1]), "coef_target": c_hat, "delta_fro": abs(c_hat)})
+                yield out.reshape(shape).to(dtype)
+
+        meta = {"dynascope": "relex_extrapolate", "target_step": str(target_step),
+                "steps": ",".join(str(s) for s, _ in deltas), "base": str(Path(base_checkpoint))}
+        write_safetensors(out_path, specs, tensors(), metadata=meta)
+    return pl.DataFrame([{k: r.get(k) for k in _RELEX_SCHEMA} for r in report], schema=_RELEX_SCHEMA)

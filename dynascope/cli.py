@@ -277,7 +277,7 @@ def import_wandb(
 @guarded
 def demo(
     quick: Annotated[bool, typer.Option("--quick", help="A < 60 s version for tests.")] = False,
-    run: Annotated[Path, typer.Option("--run", help="Run directory to write.")] = Path("runs/demo"),
+    run: Annotated[Path | None, typer.Option("--run", help="Run directory to write (default: runs/demo, or runs/demo-smollm2 with --model smollm2).")] = None,
     ranks: Annotated[int, typer.Option("--ranks", help="Train (SFT and RL) under torchrun with this many gloo data-parallel ranks.")] = 1,
     slow_rank: Annotated[int | None, typer.Option("--slow-rank", help="Make this rank slower by real extra compute.")] = None,
     slow_factor: Annotated[float, typer.Option("--slow-factor", help="How much slower the slow rank is.")] = 2.0,

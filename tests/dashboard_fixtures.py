@@ -122,7 +122,7 @@ def _timing_rows(writers: list[RunWriter], rng: np.random.Generator, t0: int, sl
         t = max(ends)
 
 
-def _rollout_rows(w: RunWriter, rng: np.random.Generator, t0: int, async_lag: bool) -> None:
+def _rollout_rows(w: RunWriter, rng: np.random.Generator, t0: int, async_lag: bool, gaps: bool = False) -> None:
     sid = 0
     for step in range(SFT_STEPS + 1, SFT_STEPS + RL_STEPS + 1):
         n = GROUPS * GROUP_SIZE
@@ -137,6 +137,7 @@ def _rollout_rows(w: RunWriter, rng: np.random.Generator, t0: int, async_lag: bo
             "step": step, "time_us": end, "sample_id": np.arange(sid, sid + n), "group_id": np.arange(n) // GROUP_SIZE,
             "prompt_len": 32, "response_len": lens, "reward": reward, "gen_start_us": start, "gen_end_us": end,
             "gen_ms": (end - start) / 1000.0, "policy_version": step - lag, "trainer_version": step,
+            **(_gap_columns(rng, lens) if gaps else {}),
         })
         sid += n
 
@@ -152,6 +153,32 @@ def _scalar_rows(w: RunWriter, rng: np.random.Generator, t0: int) -> None:
                              "key": list(vals), "value": [float(v) for v in vals.values()]})
 
 
+def _gap_columns(rng: np.random.Generator, lens: np.ndarray) -> dict[str, np.ndarray | float]:
+    """Log-prob gaps of a bf16 rollout copy against fp32 training: |Δ| ~ Exp(mean 2e-3 nats) per token."""
+    gaps = [rng.exponential(2e-3, n) for n in lens]
+    return {"logprob_gap_tokens_count": lens, "logprob_gap_sum_nats": np.array([g.sum() for g in gaps]),
+            "logprob_gap_max_nats": np.array([g.max() for g in gaps]),
+            "logprob_gap_over_count": np.array([(g > 0.005).sum() for g in gaps]), "logprob_gap_threshold_nats": 0.005}
+
+
+def _consistency_rows(w: RunWriter, t0: int) -> None:
+    """A weight-sync check per RL step (one of them finding a stale tensor) and the held-out forward KL to the
+    bases at two evaluations, as the real-model demo records them."""
+    stale = f"model.layers.{LAYERS - 1}.mlp.down_proj.weight"
+    for step in range(SFT_STEPS + 1, SFT_STEPS + RL_STEPS + 1):
+        bad = 1.0 if step == SFT_STEPS + 5 else 0.0
+        w.append("scalars", {"step": step, "time_us": t0 + step * 1_000_000, "stage": "rl",
+                             "key": ["weight_sync/tensors_checked", "weight_sync/mismatched_tensors"],
+                             "value": [float(len(_tensors())), bad]})
+        if bad:
+            w.event("weight_sync_mismatch", f"1 of {len(_tensors())} tensors differ from the trainer's weights cast to "
+                    f"the rollout dtype: {stale} (values)", step=step, severity="error", tensors=[stale])
+    for step, kl_pre, kl_sft in ((SFT_STEPS, 0.05, 0.0), (SFT_STEPS + RL_STEPS, 0.06, 0.012)):
+        w.append("scalars", {"step": step, "time_us": t0 + step * 1_000_000 + 1, "stage": "rl",
+                             "key": ["eval/forward_kl_pretrained_nats", "eval/forward_kl_sft_nats"],
+                             "value": [kl_pre, kl_sft]})
+
+
 def make_store(root: Path, seed: int = 0) -> Path:
     """Write the two-run store under ``root`` and return ``root``."""
     rng = np.random.default_rng(seed)
@@ -162,8 +189,9 @@ def make_store(root: Path, seed: int = 0) -> Path:
     _param_rows(writers[0], rng, nan_step)
     _timing_rows(writers, rng, t0, slow=[1.0, 1.6])
     for w in writers:
-        _rollout_rows(w, rng, t0, async_lag=False)
+        _rollout_rows(w, rng, t0, async_lag=False, gaps=True)
     _scalar_rows(writers[0], rng, t0)
+    _consistency_rows(writers[0], t0)
     w0 = writers[0]
     w0.event("checkpoint_save", "saved checkpoint after SFT", step=SFT_STEPS, dur_us=1_500_000, path="ckpt/sft")
     w0.event("instability", "NaN in gradients", step=nan_step, severity="warning", tensor="lm_head.weight")

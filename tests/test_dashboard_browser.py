@@ -24,7 +24,7 @@ from dynascope.core.net import free_port
 CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 # page → (url path, least number of plotly charts the fixture store must fill on it); Runs is the default page
-PAGES = {"runs": ("", 2), "dynamics": ("dynamics", 8), "cluster": ("cluster", 3), "rollouts": ("rollouts", 5),
+PAGES = {"runs": ("", 2), "dynamics": ("dynamics", 9), "cluster": ("cluster", 3), "rollouts": ("rollouts", 7),
          "events": ("events", 1), "sql": ("sql", 0)}
 
 needs_browser = pytest.mark.browser

@@ -42,6 +42,10 @@ RETURNED = {
     "probe_cost": {"steps", "probe_ms", "probe_pct", "recorded_steps", "coverage_pct"},
     "delta_sync": {"stage", "steps", "changed_pct", "delta_pct", "full_bf16_bytes"},
     "schedule": {"steps", "measured_step_ms", "rollout_ms", "weight_sync_ms"},
+    "weight_sync_mismatch": {"syncs_checked", "mismatched_syncs", "first_step", "mismatched_tensors",
+                             "tensors_checked", "message"},
+    "logprob_gap": {"steps", "median_gap_nats", "max_gap_nats", "median_over_pct", "threshold_nats"},
+    "kl_to_base": {"kl_sft_nats", "kl_final_nats", "kl_rl_base_nats", "steps", "drift_ratio", "bf16_changed_pct"},
 }
 CLI = [sys.executable, "-c", "from dynascope.cli import app; app()"]  # the console script, without PATH
 RANKS, STEPS = 4, 24

@@ -100,6 +100,7 @@ def test_demo_pipeline_end_to_end_on_a_small_llama(tmp_path, monkeypatch):
     import dynascope.demo.smollm2_train as tr
     from dynascope.demo.reproduction import print_reproduction
     from dynascope.demo.smollm2 import SmolSettings, model_files
+    from dynascope.demo.smollm2_eval import load_heldout
     from dynascope.store import open_store
 
     pkg, gguf = model_files()
@@ -115,23 +116,54 @@ def test_demo_pipeline_end_to_end_on_a_small_llama(tmp_path, monkeypatch):
     # A random model never writes digits: reward half the samples by their text so groups are mixed.
     monkeypatch.setattr(tr, "load_model", small)
     monkeypatch.setattr(tr.arith, "reward", lambda p, text: float(hash(text) % 2))
-    s = SmolSettings(run_dir=str(tmp_path / "run"), sft_steps=2, sft_batch=4, rl_steps=3, prompts=2, group=4,
-                     eval_n=8, bf16_k=2, rl_lr=1e-3)
+    s = SmolSettings(run_dir=str(tmp_path / "run"), sft_steps=2, sft_batch=4, rl_steps=6, prompts=2, group=4,
+                     eval_n=8, bf16_k=2, rl_lr=1e-3, eval_every=3, relex_fracs=(0.5, 0.15))  # RELEX over 3 steps
     out = tr.train(s, say=lambda *a, **k: None)
-    assert set(out) == {"pretrained", "sft", "rl", "rank1", "rank1_rest_rl"}
-    console = Console(record=True, width=200)
+    assert set(out) == {"pretrained", "sft", "rl@3", "rl", "rank1", "rank1_rest_rl", "relex50"}  # 15%: 1 step, no fit
+    console = Console(record=True, width=400)
     print_reproduction(s, console, train_s=1.0)
     text = console.export_text()
-    for row in ("PULSE S₁", "Mukherjee update sparsity, RL", "Mukherjee update sparsity, SFT", "AlphaRL", "delta weight sync"):
-        assert row in text
+    for row in ("PULSE S₁", "Mukherjee update sparsity, RL", "Mukherjee update sparsity, SFT", "AlphaRL", "RELEX",
+                "delta weight sync", "KL to the base", "log-prob gap", "Where RL's update lives", "Held-out accuracy"):
+        assert row in text, row
     with open_store(tmp_path / "run") as con:
         n_tensors = len(list(small()[0].parameters()))
         per_step = con.sql("""SELECT stage, step, count(*), count(bf16_unchanged_count), count(drift_unchanged_count),
                                           count(bf16_unchanged_k_count) FROM tensor_stats GROUP BY ALL ORDER BY step""").fetchall()
         phases = {p for (p,) in con.sql("SELECT DISTINCT phase FROM timings").fetchall()}
-    assert [(st, n) for st, _, n, *_ in per_step] == [("sft", n_tensors)] * 2 + [("rl", n_tensors)] * 3
+        samples = con.sql("""SELECT step, count(*), sum(logprob_gap_tokens_count), sum(response_len),
+                                    max(logprob_gap_max_nats), count(DISTINCT group_id), min(policy_version = step::BIGINT)
+                             FROM samples GROUP BY step ORDER BY step""").fetchall()
+        spectra_steps = [r[0] for r in con.sql("SELECT DISTINCT step FROM spectra ORDER BY 1").fetchall()]
+        checks = con.sql("""SELECT key, count(*), max(value) FROM scalars WHERE key LIKE 'weight_sync/%'
+                            GROUP BY key ORDER BY key""").fetchall()
+        mismatch_events = con.sql("SELECT count(*) FROM events WHERE event = 'weight_sync_mismatch'").fetchall()[0][0]
+        saves = con.sql("SELECT count(*) FROM timings WHERE phase = 'relex_save'").fetchall()[0][0]
+        relex = dict(con.sql("SELECT key, value FROM scalars WHERE key LIKE 'relex/%'").fetchall())
+    assert [(st, n) for st, _, n, *_ in per_step] == [("sft", n_tensors)] * 2 + [("rl", n_tensors)] * 6
     assert all(a == n and b == n for _, _, n, a, b, _ in per_step)  # S₁ and drift on every tensor, every step
-    assert {"weight_sync", "rollout", "reward", "train", "alpharl"} <= phases
+    assert {"weight_sync", "weight_check", "rollout", "reward", "train", "eval", "relex_save", "relex",
+            "alpharl"} <= phases
+    # one row per sample of each RL step (2 prompts × 4), the gap over exactly the response tokens, and a real
+    # gap: the rollout copy is bf16, the trainer fp32
+    assert [r[0] for r in samples] == [2, 3, 4, 5, 6, 7] and all(r[1] == 8 and r[5] == 2 for r in samples)
+    assert all(r[2] == r[3] > 0 and r[4] > 0 and r[6] for r in samples)
+    assert spectra_steps == [0, 4]  # every spectral_every = 4 steps
+    assert checks == [("weight_sync/mismatched_tensors", 6, 0.0), ("weight_sync/tensors_checked", 6, n_tensors)]
+    assert mismatch_events == 0
+    # RELEX over the first half: deltas of RL steps 1-3 saved, fitted and extrapolated to step 6
+    assert saves == 3 and relex["relex/relex50_fit_steps"] == 3 and relex["relex/relex50_observed"] == 3
+    assert 0 < relex["relex/relex50_explained_var_median"] <= 1
+    held = load_heldout(tmp_path / "run")
+    points = {p["label"]: p for p in held["points"]}
+    assert set(points) == {"pretrained", "sft", "rl@3", "rl", "alpharl_rank1", "alpharl_rank1_rest_rl", "relex50"}
+    assert points["rl@3"]["rl_step"] == 3 and points["rl"]["rl_step"] == 6
+    assert all(len(p["correct"]) == 8 for p in points.values())
+    # KL of a model to itself is 0; after SFT at lr 1e-5 on a random model the policy moved away from it
+    assert points["pretrained"]["forward_kl_nats"] == {"pretrained": [0.0] * 8}
+    assert points["sft"]["forward_kl_nats"]["sft"] == [0.0] * 8
+    assert min(points["rl"]["forward_kl_nats"]["pretrained"]) > 0
+    assert not (tmp_path / "run" / "relex_deltas").exists()  # the trajectory's deltas are removed once used
     r1 = tmp_path / "run" / tr.RANK1_FILE
     from safetensors.torch import load_file
 
@@ -141,3 +173,21 @@ def test_demo_pipeline_end_to_end_on_a_small_llama(tmp_path, monkeypatch):
     sv = torch.linalg.svdvals((rank1[q] - base[q]).double())  # rank 1 up to fp32 rounding of the sum
     assert sv[1] < 1e-5 * sv[0]
     assert torch.equal(rank1["model.embed_tokens.weight"], base["model.embed_tokens.weight"])
+
+
+def test_default_run_directory_is_its_own_so_it_runs_after_the_tiny_demo(monkeypatch, tmp_path):
+    """README order: ``dynascope demo`` fills runs/demo, then ``dynascope demo --model smollm2`` must not find
+    it taken."""
+    from typer.testing import CliRunner
+
+    import dynascope.demo.smollm2_train as tr
+    from dynascope.cli import app
+
+    seen = []
+    monkeypatch.setattr(tr, "run_smollm2", lambda run_dir, **kw: seen.append(run_dir))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "demo").mkdir(parents=True)
+    (tmp_path / "runs" / "demo" / "dynascope.json").write_text("{}")
+    out = CliRunner().invoke(app, ["demo", "--model", "smollm2", "--steps", "2"])
+    assert out.exit_code == 0, out.output
+    assert seen == ["runs/demo-smollm2"]

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # the same names, for IDEs and type checkers
     from dynascope.analyses.delta_sync import DTYPE_BYTES, delta_sync_bytes, delta_sync_summary
     from dynascope.analyses.dynamics import rank1_dominance, sparsity_comparison, sparsity_over_training
+    from dynascope.analyses.dynamics_layers import update_share_by_layer
     from dynascope.analyses.dynamics_rank1 import rank1_linear_fit
     from dynascope.analyses.findings import (
         Finding,
@@ -32,10 +33,12 @@ if TYPE_CHECKING:  # the same names, for IDEs and type checkers
     from dynascope.analyses.probe_time import DEFAULT_PROBE_COST, PROBE_PHASE, probe_cost
     from dynascope.analyses.rollouts import (
         async_staleness,
+        logprob_gap_by_step,
         rollout_long_tail,
         rollout_train_overlap,
         tail_wait_share,
         tail_wait_summary,
+        weight_sync_checks,
         zero_variance_groups,
     )
     from dynascope.analyses.schedules import (
@@ -53,6 +56,7 @@ if TYPE_CHECKING:  # the same names, for IDEs and type checkers
 _EXPORTS: dict[str, tuple[str, ...]] = {
     "delta_sync": ("DTYPE_BYTES", "delta_sync_bytes", "delta_sync_summary"),
     "dynamics": ("rank1_dominance", "sparsity_comparison", "sparsity_over_training"),
+    "dynamics_layers": ("update_share_by_layer",),
     "dynamics_rank1": ("rank1_linear_fit",),
     "findings": ("Finding", "collect_findings", "probe_cost_numbers", "ranked_findings", "tail_wait_numbers"),
     "findings_dynamics": ("delta_sync_numbers",),
@@ -62,8 +66,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "instability": ("detect_instability",),
     "phase_shares": ("phase_shares",),
     "probe_time": ("DEFAULT_PROBE_COST", "PROBE_PHASE", "probe_cost"),
-    "rollouts": ("async_staleness", "rollout_long_tail", "rollout_train_overlap", "tail_wait_share",
-                 "tail_wait_summary", "zero_variance_groups"),
+    "rollouts": ("async_staleness", "logprob_gap_by_step", "rollout_long_tail", "rollout_train_overlap",
+                 "tail_wait_share", "tail_wait_summary", "weight_sync_checks", "zero_variance_groups"),
     "schedules": ("rl_throughput", "schedule_inputs", "schedule_staleness", "schedule_what_if"),
     "steps": ("critical_path", "idle_time", "step_breakdown"),
     "stragglers": ("straggler_scores", "what_if", "what_if_steps"),
@@ -75,12 +79,13 @@ __all__ = ["DEFAULT_PROBE_COST", "DTYPE_BYTES", "EVENT_KINDS", "Finding", "INSTA
            "PROBE_PHASE", "async_staleness", "collect_findings", "comm_comp_overlap", "critical_path",
            "delta_sync_bytes", "delta_sync_numbers", "delta_sync_summary", "detect_instability", "fmt_ms",
            "fmt_pct", "goodput_incidents", "goodput_summary", "idle_time", "kernel_type_breakdown",
-           "peak_tflops_for", "phase_shares", "probe_cost", "probe_cost_numbers", "rank1_dominance",
-           "rank1_linear_fit", "ranked_findings", "rl_throughput", "rollout_long_tail",
+           "logprob_gap_by_step", "peak_tflops_for", "phase_shares", "probe_cost", "probe_cost_numbers",
+           "rank1_dominance", "rank1_linear_fit", "ranked_findings", "rl_throughput", "rollout_long_tail",
            "rollout_train_overlap", "schedule_inputs", "schedule_staleness", "schedule_what_if", "sentence",
            "sparsity_comparison", "sparsity_over_training", "step_breakdown", "straggler_scores",
-           "tail_wait_numbers", "tail_wait_share", "tail_wait_summary", "temporal_breakdown",
-           "throughput_mfu", "what_if", "what_if_shared", "what_if_steps", "zero_variance_groups"]
+           "tail_wait_numbers", "tail_wait_share", "tail_wait_summary", "temporal_breakdown", "throughput_mfu",
+           "update_share_by_layer", "weight_sync_checks", "what_if", "what_if_shared", "what_if_steps",
+           "zero_variance_groups"]
 
 
 def __getattr__(name: str) -> Any:

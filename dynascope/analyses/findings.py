@@ -20,6 +20,7 @@ from typing import Any
 
 import polars as pl
 
+from dynascope.analyses import findings_consistency as C
 from dynascope.analyses import findings_sql as S
 from dynascope.analyses._common import StoreLike, as_store, frame
 from dynascope.analyses._findings import Finding
@@ -294,7 +295,7 @@ def _schedule(con, run: str) -> list[Finding]:
 
 GENERATORS: list[Callable[[Any, str], list[Finding]]] = [
     _stragglers, _tail, _zero_variance, _idle, _remainder, _probe_cost, _async, _goodput, _instability, _mfu, dynamics,
-    delta_sync, _schedule]
+    delta_sync, _schedule, C.weight_sync_mismatch, C.logprob_gap, C.kl_to_base]
 
 
 def collect_findings(store: StoreLike, run: str | None = None, *,

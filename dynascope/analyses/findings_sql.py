@@ -206,3 +206,45 @@ def schedule_sql(run: str, rollout_phases: tuple[str, ...], sync_phases: tuple[s
         SELECT (SELECT COUNT(*) FROM s) AS steps,
                (SELECT (MAX(start_us + step_us) - MIN(start_us)) / 1000.0 / COUNT(DISTINCT step) FROM k) AS measured_step_ms,
                (SELECT AVG(ro) / 1000.0 FROM s) AS rollout_ms, (SELECT AVG(ws) / 1000.0 FROM s) AS weight_sync_ms"""
+
+
+def weight_sync_check_sql(run: str) -> str:
+    """Checks and mismatched checks over the run; the first mismatched step with its counts and message."""
+    return f"""WITH s AS (SELECT step, max(value) FILTER (WHERE key = 'weight_sync/tensors_checked') AS checked,
+        max(value) FILTER (WHERE key = 'weight_sync/mismatched_tensors') AS bad FROM scalars
+        WHERE run_id = {q(run)} AND key IN ('weight_sync/tensors_checked', 'weight_sync/mismatched_tensors')
+        AND step IS NOT NULL GROUP BY step),
+        e AS (SELECT step, string_agg(message, ' | ' ORDER BY time_us) AS message FROM events
+        WHERE run_id = {q(run)} AND event = 'weight_sync_mismatch' GROUP BY step)
+        SELECT (SELECT count(*) FROM s) AS syncs_checked, (SELECT count(*) FROM s WHERE bad > 0) AS mismatched_syncs,
+        s.step AS first_step, s.bad AS mismatched_tensors, s.checked AS tensors_checked, e.message
+        FROM s LEFT JOIN e USING (step) WHERE s.bad > 0 ORDER BY s.step LIMIT 1"""
+
+
+def logprob_gap_sql(run: str) -> str:
+    """Per-step log-prob gaps (Σ|Δ|/Σtokens, max, share over the threshold), then their medians over steps."""
+    return f"""WITH g AS (SELECT step, sum(logprob_gap_sum_nats) / sum(logprob_gap_tokens_count) AS gap,
+        max(logprob_gap_max_nats) AS mx, 100.0 * sum(logprob_gap_over_count) / sum(logprob_gap_tokens_count) AS over,
+        max(logprob_gap_threshold_nats) AS threshold FROM samples
+        WHERE run_id = {q(run)} AND step IS NOT NULL AND logprob_gap_sum_nats IS NOT NULL GROUP BY step)
+        SELECT count(*) AS steps, median(gap) AS median_gap_nats, max(mx) AS max_gap_nats,
+        median(over) AS median_over_pct, max(threshold) AS threshold_nats FROM g"""
+
+
+def kl_to_base_sql(run: str) -> str:
+    """The forward KL to the pretrained and SFT bases at the first and the last RL-stage evaluation (the
+    ``eval/forward_kl_*_nats`` scalars), and how far the weights moved by the last RL step with drift."""
+    kl = "'eval/forward_kl_pretrained_nats', 'eval/forward_kl_sft_nats'"
+    return f"""WITH e AS (SELECT step, key, arg_max(value, time_us) AS v FROM scalars WHERE run_id = {q(run)}
+        AND key IN ({kl}) GROUP BY step, key),
+        rl AS (SELECT min(step) AS first, max(step) AS last FROM e WHERE key = 'eval/forward_kl_sft_nats'),
+        w AS (SELECT max(step) AS step FROM tensor_stats WHERE run_id = {q(run)} AND stage = 'rl'
+              AND drift_norm IS NOT NULL AND w_norm IS NOT NULL),
+        d AS (SELECT sqrt(sum(drift_norm * drift_norm)) / sqrt(sum(w_norm * w_norm)) AS drift_ratio,
+              100.0 * sum(numel - drift_zero_count) / sum(numel) AS bf16_changed_pct FROM tensor_stats
+              WHERE run_id = {q(run)} AND stage = 'rl' AND step = (SELECT step FROM w)
+              AND (rank = 0 OR coalesce(sharded, false)))
+        SELECT (SELECT v FROM e WHERE key = 'eval/forward_kl_pretrained_nats' AND step = rl.first) AS kl_sft_nats,
+        (SELECT v FROM e WHERE key = 'eval/forward_kl_pretrained_nats' AND step = rl.last) AS kl_final_nats,
+        (SELECT v FROM e WHERE key = 'eval/forward_kl_sft_nats' AND step = rl.last) AS kl_rl_base_nats,
+        rl.last - rl.first AS steps, d.drift_ratio, d.bf16_changed_pct FROM rl, d"""

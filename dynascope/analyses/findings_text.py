@@ -89,6 +89,17 @@ def _instability(label: str) -> Callable[[N], str]:
     return lambda n: f"{label} at step {_steps(n['steps'])}: {n['message']}"
 
 
+def _kl_to_base(n: N) -> str:
+    pre = (_fmt(" (KL to the pretrained model {kl_sft_nats:.3g} → {kl_final_nats:.3g})", **n)
+           if n["kl_sft_nats"] is not None and n["kl_final_nats"] is not None else "")
+    moved = [_fmt("‖ΔW‖/‖W‖ = {drift_ratio:.2e}", **n)] if n["drift_ratio"] is not None else []
+    if n["bf16_changed_pct"] is not None:
+        moved.insert(0, _fmt("its bf16 weights changed on {bf16_changed_pct:.2f}% of elements", **n))
+    weights = f" while {', '.join(moved)}" if moved else ""
+    return (_fmt("over {steps} RL steps the policy moved KL(π_SFT‖π) = {kl_rl_base_nats:.3g} nats per held-out "
+                 "prompt", **n) + pre + weights + "; RL's Razor ties forgetting to this KL, not to the weight change")
+
+
 def _template(text: str) -> Callable[[N], str]:
     return lambda n: _fmt(text, **n)
 
@@ -136,6 +147,14 @@ SENTENCES: dict[str, Callable[[N], str]] = {
                           "synchronous (measured {measured_step_ms!t}, replay off by {calibration_error_pct!p}), "
                           "staleness {staleness_mean:.2f} on average, {truncated_pct!p} of responses cut short; rollout is {rollout_ms!t} and weight sync "
                           "{weight_sync_ms!t} of each step. The model assumes {devices}; {limits}"),
+    "weight_sync_mismatch": _template("{mismatched_syncs} of {syncs_checked} weight syncs left the rollout copy "
+                                      "different from the trainer's weights cast to its dtype; first at step "
+                                      "{first_step}: {message}"),
+    "logprob_gap": _template("the rollout engine's log-probs of the sampled tokens differ from the trainer's by "
+                             "{median_gap_nats:.2g} nats per token (median of {steps} steps; largest "
+                             "{max_gap_nats:.2g}); {median_over_pct:.2f}% of tokens differ by more than "
+                             "{threshold_nats:g} nats"),
+    "kl_to_base": _kl_to_base,
     "update_sparsity": lambda n: _UPDATE_SPARSITY[n.get("measure", "bit_exact")](n),
 }
 

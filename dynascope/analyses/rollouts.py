@@ -16,8 +16,8 @@ from dynascope.analyses._common import StoreLike, as_store, frame, run_clause
 from dynascope.analyses.steps import STEP_ROW
 from dynascope.store import quote_literal
 
-__all__ = ["async_staleness", "rollout_long_tail", "rollout_train_overlap", "tail_wait_share",
-           "tail_wait_summary", "zero_variance_groups"]
+__all__ = ["async_staleness", "logprob_gap_by_step", "rollout_long_tail", "rollout_train_overlap",
+           "tail_wait_share", "tail_wait_summary", "weight_sync_checks", "zero_variance_groups"]
 
 ROLLOUT_PHASES = ("rollout", "generate", "generation")
 TRAIN_PHASES = ("train", "forward", "backward", "optimizer", "update_actor", "actor_update")
@@ -106,6 +106,54 @@ def zero_variance_groups(store: StoreLike, run: str | None = None, *, eps: float
                100.0 * SUM(zero::INT) / COUNT(*) AS zero_variance_pct, SUM(n)::BIGINT AS samples,
                coalesce(SUM(CASE WHEN zero THEN n END), 0)::BIGINT AS wasted_samples
         FROM g GROUP BY run_id, step ORDER BY run_id, step""")
+
+
+def logprob_gap_by_step(store: StoreLike, run: str | None = None) -> pl.DataFrame:
+    """Per step: how far the rollout engine's log-probs of the sampled tokens were from the trainer's.
+
+    From the ``logprob_gap_*`` columns of ``samples`` (``probes.rollout_consistency.logprob_gap_columns``):
+    mean |Δ| = Σ gap / Σ tokens over the step's samples, the largest |Δ| of any token, and the share of
+    tokens whose |Δ| exceeded the threshold they were counted against. Steps without those columns are
+    left out. Columns: run_id, step, samples, tokens_count, logprob_gap_mean_nats, logprob_gap_max_nats,
+    logprob_gap_over_pct, threshold_nats.
+    """
+    con = as_store(store)
+    cols = {r[0] for r in con.rows("SELECT column_name FROM (DESCRIBE samples)")}
+    schema = {"run_id": pl.String, "step": pl.Int64, "samples": pl.Int64, "tokens_count": pl.Int64,
+              "logprob_gap_mean_nats": pl.Float64, "logprob_gap_max_nats": pl.Float64,
+              "logprob_gap_over_pct": pl.Float64, "threshold_nats": pl.Float64}
+    if "logprob_gap_sum_nats" not in cols:
+        return pl.DataFrame(schema=schema)
+    df = frame(con, f"""
+        SELECT run_id, step, COUNT(*) AS samples, SUM(logprob_gap_tokens_count)::BIGINT AS tokens_count,
+               SUM(logprob_gap_sum_nats) / nullif(SUM(logprob_gap_tokens_count), 0) AS logprob_gap_mean_nats,
+               MAX(logprob_gap_max_nats) AS logprob_gap_max_nats,
+               100.0 * SUM(logprob_gap_over_count) / nullif(SUM(logprob_gap_tokens_count), 0) AS logprob_gap_over_pct,
+               MAX(logprob_gap_threshold_nats) AS threshold_nats
+        FROM samples WHERE step IS NOT NULL AND logprob_gap_sum_nats IS NOT NULL{run_clause(run)}
+        GROUP BY run_id, step ORDER BY run_id, step""")
+    return df.select([pl.col(c).cast(t) for c, t in schema.items()])
+
+
+def weight_sync_checks(store: StoreLike, run: str | None = None) -> pl.DataFrame:
+    """Per step: what ``verify_weight_sync`` found after that step's weight sync (its scalars and events).
+
+    Columns: run_id, step, tensors_checked_count, mismatched_tensors_count (the worst check of the step),
+    message (the ``weight_sync_mismatch`` events' text naming the tensors, NULL when none).
+    """
+    return frame(as_store(store), f"""
+        WITH s AS (
+            SELECT run_id, step,
+                   max(value) FILTER (WHERE key = 'weight_sync/tensors_checked')::BIGINT AS tensors_checked_count,
+                   max(value) FILTER (WHERE key = 'weight_sync/mismatched_tensors')::BIGINT AS mismatched_tensors_count
+            FROM scalars WHERE key IN ('weight_sync/tensors_checked', 'weight_sync/mismatched_tensors')
+                 AND step IS NOT NULL{run_clause(run)}
+            GROUP BY run_id, step),
+        e AS (
+            SELECT run_id, step, string_agg(message, ' | ' ORDER BY time_us) AS message FROM events
+            WHERE event = 'weight_sync_mismatch'{run_clause(run)} GROUP BY run_id, step)
+        SELECT s.run_id, s.step, s.tensors_checked_count, s.mismatched_tensors_count, e.message
+        FROM s LEFT JOIN e USING (run_id, step) ORDER BY s.run_id, s.step""")
 
 
 def async_staleness(store: StoreLike, run: str | None = None) -> pl.DataFrame:

@@ -18,7 +18,7 @@ from rich.console import Console
 
 from dynascope.core.net import free_port
 
-__all__ = ["run_demo"]
+__all__ = ["DEFAULT_RUN", "run_demo"]
 
 
 def _check(run_dir: Path, ranks: int, slow_rank: int | None, slow_factor: float, use_async: bool) -> None:
@@ -46,11 +46,16 @@ def _torchrun(settings_path: Path, ranks: int, console: Console) -> None:
         raise RuntimeError(f"torchrun exited with status {done.returncode} (see the rank output above)")
 
 
-def run_demo(run_dir: str | os.PathLike, quick: bool = False, ranks: int = 1, slow_rank: int | None = None,
+DEFAULT_RUN = {"tiny": "runs/demo", "smollm2": "runs/demo-smollm2"}  # each its own: both run in one checkout
+
+
+def run_demo(run_dir: str | os.PathLike | None = None, quick: bool = False, ranks: int = 1, slow_rank: int | None = None,
              slow_factor: float = 2.0, long_tail: bool = False, use_async: bool = False, seed: int = 0,
              console: Console | None = None, model: str = "tiny", steps: int | None = None,
              device: str = "cpu") -> Path:
     """Train (SFT then GRPO) with dynascope's probes into ``run_dir``, then print the report; returns the run dir.
+
+    Without ``run_dir`` each model has its own (``DEFAULT_RUN``), so the real-model demo runs after the tiny one.
 
     ``model="smollm2"`` runs the real pretrained model instead (``dynascope.demo.smollm2_train``), with
     ``steps`` RL steps on ``device``.
@@ -58,6 +63,8 @@ def run_demo(run_dir: str | os.PathLike, quick: bool = False, ranks: int = 1, sl
     from dynascope.demo.settings import DemoSettings
 
     console = console or Console()
+    if run_dir is None:
+        run_dir = DEFAULT_RUN.get(model, DEFAULT_RUN["tiny"])
     if model == "smollm2":
         from dynascope.demo.smollm2_train import run_smollm2
 

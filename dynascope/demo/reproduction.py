@@ -1,127 +1,185 @@
 """The real-model demo's report: each paper's headline beside this run's figure under the same definition.
 
-Every figure is read back from the run's store: the probe's ``tensor_stats`` columns for PULSE's S₁
-and Mukherjee et al.'s update sparsity, ``alpharl/*`` scalars for AlphaRL's held-out rewards, and
-``delta_sync_summary`` for what the sparsity is worth on the wire. docs/sparsity.md gives each formula.
+The figures and their 95% bootstrap intervals come from ``reproduction_figures`` (docs/sparsity.md and
+docs/dynamics.md give each formula); ``reproduction_rows`` turns them into (measure, paper, this run, note)
+rows, which ``print_reproduction`` prints and ``markdown_table`` writes for the long-run benchmark.
 """
 
 from __future__ import annotations
 
-import math
-from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
 from dynascope.core.fmt import fmt_ms
 from dynascope.demo.smollm2 import FINAL_FILE, THETA0_FILE, SmolSettings
-from dynascope.store import StoreConnection, open_store, quote_literal
+
+__all__ = ["markdown_table", "print_reproduction", "reproduction_rows"]
+
+Row = tuple[str, str, str, str]
 
 
 def _pct(x: float | None, digits: int = 1) -> str:
-    return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.{digits}f}%"
+    return "—" if x is None else f"{100 * x + 0.0:.{digits}f}%"  # + 0.0: no "-0%"
 
 
-def _columns(con: StoreConnection) -> set[str]:
-    return {r[0] for r in con._con.sql("DESCRIBE tensor_stats").fetchall()}
+def fmt(f: dict[str, Any] | None, digits: int = 1, pct: bool = True, unit: str = "", pts: bool = False) -> str:
+    """'value [low, high]' for an interval dict (``Interval.as_dict``); '—' when there is no value. ``pts``: a
+    difference of two shares, in signed percentage points."""
+    if not f or f.get("value") is None:
+        return "—"
+    if pts:
+        show = lambda x: f"{100 * x + 0.0:+.{digits}f} pts"  # noqa: E731
+    elif pct:
+        show = lambda x: _pct(x, digits)  # noqa: E731
+    else:
+        show = lambda x: f"{x:.{digits}f}{unit}"  # noqa: E731
+    if f.get("ci_low") is None:
+        return show(f["value"])
+    return f"{show(f['value'])} [{show(f['ci_low'])}, {show(f['ci_high'])}]"
 
 
-def _per_step(con: StoreConnection, count: str, stage: str) -> list[tuple[int, float]]:
-    """(step, Σ count / Σ numel) over the tensors of rank 0, for the steps where every tensor has it."""
-    df = con.frame(f"""
-        SELECT step, sum({count}) / sum(numel) AS frac FROM tensor_stats
-        WHERE stage = {quote_literal(stage)} AND rank = 0 GROUP BY step
-        HAVING count({count}) = count(*) ORDER BY step""")
-    return [(int(a), float(b)) for a, b in df.iter_rows()]
+def _accuracy_row(doc: dict[str, Any]) -> Row:
+    acc = doc.get("accuracy", {})
+    points = [("pretrained", "pretrained"), ("sft", "after SFT")] + [
+        (f"rl@{s}", f"after {s} RL steps") for s in doc.get("rl_steps_evaluated", []) if f"rl@{s}" in acc] + [
+        ("rl", "final")]
+    shown = "; ".join(f"{name} {fmt(acc.get(k))}" for k, name in points if k in acc)
+    return ("Held-out accuracy (greedy exact match) at each evaluation point", "—", shown,
+            f"{doc.get('held_out_n', 0)} problems; intervals resample problems")
 
 
-def _scalar(con: StoreConnection, key: str) -> float | None:
-    df = con.frame(f"SELECT value FROM scalars WHERE key = {quote_literal(key)} ORDER BY step DESC, time_us DESC LIMIT 1")
-    return None if df.is_empty() else float(df["value"][0])
+def _alpharl_row(doc: dict[str, Any]) -> Row:
+    acc, rec = doc.get("accuracy", {}), doc.get("recovery", {})
+    if "alpharl_rank1" not in acc:
+        return ("AlphaRL rank-1 replacement", "rank-1 recovers >99% of RL's gain (arXiv 2510.00553)", "not evaluated", "")
+    this = (f"base {fmt(acc.get('sft'))} → RL {fmt(acc.get('rl'))}; rank-1 {fmt(acc['alpharl_rank1'])}, "
+            f"recovers {fmt(rec.get('alpharl_rank1'), 0)} of RL's gain")
+    return ("AlphaRL rank-1 replacement: held-out reward of base, RL and W_base + ‖ΔW‖_F·u₁v₁ᵀ",
+            "rank-1 recovers >99% of RL's gain (arXiv 2510.00553)", this,
+            f"RL's gain {fmt(doc.get('rl_gain'), pts=True)}; rest with RL's update {fmt(acc.get('alpharl_rank1_rest_rl'))}")
 
 
-def _median(xs: list[float]) -> float | None:
-    xs = sorted(xs)
-    return None if not xs else (xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2)
+def _relex_rows(doc: dict[str, Any]) -> list[Row]:
+    acc, fit, rows = doc.get("accuracy", {}), doc.get("relex_fit", {}), []
+    for label in sorted(k for k in acc if k.startswith("relex")):
+        steps, n = fit.get(f"{label}_fit_steps"), fit.get(f"{label}_observed")
+        this = (f"{fmt(acc[label])} vs final {fmt(acc.get('rl'))}: {fmt(doc.get('minus_final', {}).get(label), pts=True)} "
+                f"(recovers {fmt(doc.get('recovery', {}).get(label), 0)} of RL's gain)")
+        note = (f"fit on RL steps 1–{steps:.0f} ({n:.0f} deltas) → step {doc.get('rl_steps')}; trajectory rank-1 share "
+                f"{_pct(fit.get(f'{label}_explained_var_median'))}, line R² {fit.get(f'{label}_r2_median', float('nan')):.2f} "
+                "(medians over tensors)") if steps is not None else ""
+        rows.append((f"RELEX rank-1 extrapolation from the first {label.removeprefix('relex')}% of RL steps",
+                     "matches full RLVR from ~15% of the steps, 10–20× beyond the window (arXiv 2605.21468)", this, note))
+    return rows or [("RELEX rank-1 extrapolation", "matches full RLVR from ~15% of the steps (arXiv 2605.21468)",
+                     "not fitted", "a fit needs 3 or more saved steps in its window: 14 or more RL steps "
+                     "(benchmarks/smollm2_long.py runs 200)")]
 
 
-def _pulse(con: StoreConnection, cols: set[str]) -> tuple[str, str]:
-    if "bf16_unchanged_count" not in cols:
-        return "not recorded (probe without bf16_unchanged_*)", ""
-    rl = _per_step(con, "bf16_unchanged_count", "rl")
-    if not rl:
-        return "no RL step recorded", ""
-    later = [f for _, f in rl[1:]] or [rl[0][1]]
-    return (f"{_pct(_median(later), 2)} median of {len(later)} steps (range {_pct(min(later), 2)}–{_pct(max(later), 2)})",
-            f"first RL step {_pct(rl[0][1], 2)} (Adam's first update moves every weight by ≈η)")
+def _kl_row(doc: dict[str, Any]) -> Row:
+    kl, moved = doc.get("forward_kl_nats", {}), doc.get("weights_moved", {})
+
+    def at(label: str, base: str) -> str:
+        return fmt(kl.get(label, {}).get(base), 3, pct=False)
+
+    this = (f"KL(π_pretrained‖π): after SFT {at('sft', 'pretrained')}, final {at('rl', 'pretrained')}; "
+            f"KL(π_SFT‖π_RL) {at('rl', 'sft')} nats")
+    note = (f"over RL the weights moved ‖W−θ₀‖/‖W‖ = {moved['drift_ratio']:.2e}, bf16-visible on "
+            f"{_pct(moved['drift_bf16_changed_share'], 2)} of weights" if moved.get("drift_ratio") is not None else "")
+    return ("KL to the base on held-out prompts (RL's Razor): E_x KL(π₀‖π), responses sampled from π₀",
+            "forgetting follows this KL, not weight change (arXiv 2509.04259)", this, note)
 
 
-def _mukherjee(con: StoreConnection, cols: set[str], stage: str) -> tuple[str, str]:
-    if "drift_unchanged_count" not in cols:
-        return "not recorded (probe without drift_unchanged_*)", ""
-    rows = _per_step(con, "drift_unchanged_count", stage)
-    zeros = _per_step(con, "drift_zero_count", stage) if "drift_zero_count" in cols else []
-    if not rows:
-        return f"no {stage} step recorded", ""
-    step, frac = rows[-1]
-    zero = dict(zeros).get(step)
-    return _pct(frac), f"after {len(rows)} steps; exact-zero share {_pct(zero)}"
+def _gap_row(doc: dict[str, Any]) -> Row:
+    g = doc.get("logprob_gap", {})
+    if g.get("mean_nats") is None:
+        return ("Trainer↔rollout log-prob gap", "—", "not recorded", "")
+    this = (f"mean |Δ| {fmt(g['mean_nats'], 4, pct=False)} nats (median of {g['steps']} steps), max "
+            f"{g['max_nats']:.3f}; over {g['threshold_nats']:g} nats: {fmt(g['over_share'], 2)} of tokens")
+    return ("Trainer↔rollout log-prob gap |log π_rollout − log π_trainer| per sampled token",
+            "no paper figure (verl rollout_corr/*, AReaL diagnostics)", this,
+            f"{doc.get('regime', {}).get('rollout_dtype', '?')} rollout copy vs fp32 trainer, {g['tokens']} tokens")
 
 
-def _alpharl(con: StoreConnection) -> tuple[str, str]:
-    base, rl = _scalar(con, "alpharl/sft_accuracy"), _scalar(con, "alpharl/rl_accuracy")
-    r1, r1_rl = _scalar(con, "alpharl/rank1_accuracy"), _scalar(con, "alpharl/rank1_rest_rl_accuracy")
-    if None in (base, rl, r1):
-        return "not evaluated", ""
-    gain = rl - base
-    recovered = f"{100 * (r1 - base) / gain:.0f}% of RL's gain" if gain != 0 else "RL's gain is 0: no share to recover"
-    rest = f"; rest with RL's update {_pct(r1_rl)}" if r1_rl is not None else ""
-    return (f"base {_pct(base)} → RL {_pct(rl)}; rank-1 {_pct(r1)} ({recovered})",
-            f"greedy exact match, held-out problems{rest}")
+def _layers_row(doc: dict[str, Any]) -> Row:
+    layers = [r for r in doc.get("layers", []) if r.get("drift_energy_pct") is not None]
+    if not layers:
+        return ("Where RL's update lives, per layer", "", "not recorded", "")
+    top = sorted(layers, key=lambda r: -r["drift_energy_pct"])[:3]
+    name = lambda r: "outside blocks" if r["layer"] is None else f"L{r['layer']}"  # noqa: E731
+    this = "; ".join(f"{name(r)} {r['drift_energy_pct']:.1f}% of ‖ΔW‖² ({r['numel_pct']:.1f}% of weights, "
+                     f"{r['drift_bf16_changed_pct']:.1f}% of bf16-visible changes)" for r in top)
+    return ("Where RL's update lives: per-layer share of ‖ΔW‖² and of bf16-visible changes (top 3)",
+            "RL's gain concentrates in one or a few middle layers (arXiv 2607.01232, by training layers alone)",
+            this, f"{len(layers)} layer groups; weight-space shares, not the paper's layer contribution")
 
 
-def _delta_sync(con: StoreConnection) -> tuple[str, str]:
-    from dynascope.analyses.delta_sync import delta_sync_summary
+def reproduction_rows(doc: dict[str, Any]) -> list[Row]:
+    """(measure, paper, this run, note) for every figure of ``reproduction_figures``' dict."""
+    p, mr, ms, ds = doc["pulse_s1"], doc["mukherjee_rl"], doc["mukherjee_sft"], doc["delta_sync"]
+    pulse = (f"{fmt(p, 2)} median of {p['steps']} steps (range {_pct(p['min'], 2)}–{_pct(p['max'], 2)})"
+             if p.get("value") is not None else p.get("note", "—"))
+    delta = (f"{fmt(ds, 2)} of bf16 bytes ({ds['encoding']})" if ds.get("value") is not None else ds.get("note", "—"))
+    sync = (f"; implied sync {fmt_ms(ds['delta_sync_ms'])} vs {fmt_ms(ds['full_bf16_sync_ms'])} full bf16"
+            if ds.get("delta_sync_ms") is not None else "")
+    rows: list[Row] = [
+        ("PULSE S₁ per RL step: share of elements whose bf16 cast is bit-identical across the step",
+         "≈99% invisible in bf16 (arXiv 2602.03839)", pulse,
+         f"first RL step {_pct(p.get('first_step'), 2)} (Adam's first update moves every weight by ≈η); "
+         "interval resamples steps"),
+        ("Mukherjee update sparsity, RL vs its base: bf16(W_t) − bf16(W₀), |Δ| ≤ 1e-5",
+         "70–95% (RL updates 5–30%; arXiv 2505.11711)", fmt(mr),
+         f"after {mr.get('steps')} steps; exact-zero share {_pct(mr.get('zero_share'))}; one count over every weight, "
+         "no interval"),
+        ("Mukherjee update sparsity, SFT vs pretrained (same definition)",
+         "much lower than RL (SFT updates are dense)", fmt(ms),
+         f"after {ms.get('steps')} steps; exact-zero share {_pct(ms.get('zero_share'))}"),
+        _alpharl_row(doc), *_relex_rows(doc),
+        ("bf16 delta weight sync: bytes of changed elements (cheapest of value+index, bitmap, full)",
+         "verl: ~1–3% of parameter bytes per step", delta, f"median over {ds.get('steps')} RL steps{sync}"),
+        _kl_row(doc), _gap_row(doc), _layers_row(doc), _accuracy_row(doc),
+    ]
+    return rows
 
-    try:
-        df = delta_sync_summary(con).filter(stage="rl")
-    except Exception as exc:  # e.g. no S₁ columns: a row that says so, not a crash
-        return f"unavailable ({exc})", ""
-    if df.is_empty():
-        return "no RL step recorded", ""
-    r = df.row(0, named=True)
-    t = (f"; implied sync {fmt_ms(r['delta_sync_ms'])} vs {fmt_ms(r['full_bf16_sync_ms'])} full bf16"
-         if r["delta_sync_ms"] is not None else "")
-    return f"{r['delta_pct']:.2f}% of bf16 bytes ({r['encoding']})", f"median over {r['steps']} RL steps{t}"
+
+def markdown_table(doc: dict[str, Any]) -> str:
+    """The reproduction table in Markdown (README), with the run's regime and size above it."""
+    r = doc.get("regime", {})
+    head = (f"SmolLM2-135M-Instruct, {r.get('dtype')} master weights, {r.get('rollout_dtype')} rollout copy, AdamW; "
+            f"SFT {r.get('sft_steps')} steps × {r.get('sft_batch')} at lr {r.get('sft_lr')}; GRPO {doc['rl_steps']} "
+            f"steps × {r.get('prompts')}×{r.get('group')} samples at lr {r.get('rl_lr')}, T={r.get('temperature')}; "
+            f"seed {r.get('seed')}; {doc.get('held_out_n')} held-out problems; {r.get('device')}. "
+            "Brackets: 95% bootstrap intervals.")
+    if doc.get("command"):
+        step = doc.get("rl_step_s", {}).get("step")
+        head += (f"\n\nCommand: `{doc['command']}` ({doc.get('wall_s', 0) / 3600:.1f} h"
+                 + (f", {step:.0f} s per RL step" if step else "") + ").")
+    lines = [head, "", "| measure (definition) | paper | this run | note |", "|---|---|---|---|"]
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in reproduction_rows(doc)]
+    return "\n".join(lines) + "\n"
 
 
 def print_reproduction(s: SmolSettings, console: Console, train_s: float) -> None:
     """Print the reproduction table (and where the checkpoints are) for the finished run ``s.run_dir``."""
+    from pathlib import Path
+
+    from dynascope.demo.reproduction_figures import reproduction_figures
+
     run_dir = Path(s.run_dir)
-    regime = (f"SmolLM2-135M-Instruct, fp32 master weights (bf16 by cast), AdamW; SFT {s.sft_steps} steps × "
-              f"{s.sft_batch} at lr {s.sft_lr:g}; GRPO {s.rl_steps} steps × {s.prompts}×{s.group} samples at lr "
-              f"{s.rl_lr:g}, no KL term; {s.device}")
-    with open_store(run_dir) as con:
-        cols = _columns(con)
-        console.rule(f"dynascope demo --model smollm2 — trained in {fmt_ms(1000 * train_s)}")
-        console.print(f"Regime: {regime}", highlight=False)
-        t = Table(title="Reproduction: each paper's headline beside this run, same definition", title_justify="left")
-        for c in ("measure (definition)", "paper", "this run", "note"):
-            t.add_column(c, overflow="fold")
-        t.add_row("PULSE S₁ per RL step: share of elements whose bf16 cast is bit-identical across the step",
-                  "≈99% invisible in bf16 (arXiv 2602.03839)", *_pulse(con, cols))
-        t.add_row("Mukherjee update sparsity, RL vs its base: bf16(W_t) − bf16(W₀), |Δ| ≤ 1e-5",
-                  "70–95% (RL updates 5–30%; arXiv 2505.11711)", *_mukherjee(con, cols, "rl"))
-        t.add_row("Mukherjee update sparsity, SFT vs pretrained (same definition)",
-                  "much lower than RL (SFT updates are dense)", *_mukherjee(con, cols, "sft"))
-        t.add_row("AlphaRL rank-1 replacement: held-out reward of base, RL and W_base + ‖ΔW‖_F·u₁v₁ᵀ",
-                  "rank-1 recovers >99% of RL's gain (arXiv 2510.00553)", *_alpharl(con))
-        t.add_row("bf16 delta weight sync: bytes of changed elements (cheapest of value+index, bitmap, full)",
-                  "verl: ~1–3% of parameter bytes per step", *_delta_sync(con))
-        console.print(t)
-        pre = _scalar(con, "alpharl/pretrained_accuracy")
-        console.print(f"Held-out accuracy: pretrained {_pct(pre)}, after SFT {_pct(_scalar(con, 'alpharl/sft_accuracy'))}, "
-                      f"after RL {_pct(_scalar(con, 'alpharl/rl_accuracy'))}.", highlight=False)
+    doc = reproduction_figures(run_dir)
+    regime = (f"SmolLM2-135M-Instruct, fp32 master weights (bf16 by cast), {s.rollout_dtype} rollout copy, AdamW; "
+              f"SFT {s.sft_steps} steps × {s.sft_batch} at lr {s.sft_lr:g}; GRPO {s.rl_steps} steps × "
+              f"{s.prompts}×{s.group} samples at lr {s.rl_lr:g}, no KL term; {s.eval_n} held-out problems; {s.device}")
+    console.rule(f"dynascope demo --model smollm2 — trained in {fmt_ms(1000 * train_s)}")
+    console.print(f"Regime: {regime}", highlight=False)
+    t = Table(title="Reproduction: each paper's headline beside this run, same definition "
+                    "(brackets: 95% bootstrap intervals)", title_justify="left")
+    for c in ("measure (definition)", "paper", "this run", "note"):
+        t.add_column(c, overflow="fold")
+    for row in reproduction_rows(doc):
+        t.add_row(*row)
+    console.print(t)
     console.print(f"\nRL's base and policy: {run_dir / THETA0_FILE}, {run_dir / FINAL_FILE}", highlight=False)
     console.print("Explore it:  [bold]dynascope dashboard " + str(run_dir) + "[/]", highlight=False)
     console.print("Findings:    dynascope report " + str(run_dir), highlight=False)

@@ -13,11 +13,15 @@ the default run predictable (one rollout, one forward/backward, one AdamW step p
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import functools
 import importlib.util
 import json
+import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,11 +52,32 @@ class SmolSettings:
     rl_lr: float = 1e-6
     temperature: float = 1.0
     eval_n: int = 48            # held-out problems, greedy
+    eval_every: int = 50        # RL steps between held-out evaluations (besides pretrained, SFT and final)
     bf16_k: int = 4             # PULSE S_k: bf16 weights compared against k steps back
     dtype: str = "float32"      # master weights
+    rollout_dtype: str = "bfloat16"  # the rollout copy, as inference engines hold it
+    stats_every: int = 1        # tensor statistics every N steps (every tensor each time)
+    spectral_every: int = 4     # spectra of W_t − W₀ every N steps (0: none)
+    relex_fracs: tuple[float, ...] = (0.15, 0.25)  # RELEX observation windows, shares of the RL steps
+    relex_every: int = 1        # save θ_t − θ₀ every N RL steps inside the largest window
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
+
+    def relex_window(self, frac: float) -> int:
+        """RL steps observed for a RELEX fit over the first ``frac`` of training."""
+        return min(self.rl_steps, math.ceil(frac * self.rl_steps))
+
+    def relex_fits(self) -> list[float]:
+        """The windows with at least three saved deltas: a line through two points always fits, so it tests
+        nothing (the default 12-step demo has none; the 200-step run fits 15 and 25 deltas)."""
+        return [f for f in self.relex_fracs if self.relex_window(f) // self.relex_every >= 3]
+
+    def relex_steps(self) -> list[int]:
+        """The RL steps (1-based) whose deltas θ_t − θ₀ are saved: every ``relex_every`` in the widest window."""
+        fits = self.relex_fits()
+        last = max((self.relex_window(f) for f in fits), default=0)
+        return [t for t in range(1, last + 1) if t % self.relex_every == 0]
 
 
 def model_files() -> tuple[Path, str]:
@@ -77,10 +102,31 @@ def load_model(device: str = "cpu") -> tuple[Any, Any]:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    tok = AutoTokenizer.from_pretrained(pkg, gguf_file=gguf)
-    tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(pkg, gguf_file=gguf, dtype=torch.float32).to(device)
+    with _quiet_gguf():
+        tok = AutoTokenizer.from_pretrained(pkg, gguf_file=gguf)
+        tok.padding_side = "left"
+        model = AutoModelForCausalLM.from_pretrained(pkg, gguf_file=gguf, dtype=torch.float32).to(device)
     return model, tok
+
+
+@contextlib.contextmanager
+def _quiet_gguf() -> Iterator[None]:
+    """transformers' GGUF loader draws its "Converting and de-quantizing GGUF tensors" bar with plain tqdm,
+    which ``disable_progress_bar`` does not reach: switch that one bar off while loading."""
+    try:
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:
+        yield
+        return
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is None:
+        yield
+        return
+    gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
 
 
 def save_weights(model: torch.nn.Module, path: Path) -> None:
@@ -107,20 +153,37 @@ class Rollout:
     response: torch.Tensor       # [B, R]
     response_mask: torch.Tensor  # [B, R] bool: tokens up to and including the first end-of-turn
     texts: list[str]
+    logprobs: torch.Tensor | None = None  # [B, R] float32: log π(token) as the generating copy computed it
+    start_us: int = 0            # wall clock around the generate() call (one batch: every sample in it)
+    end_us: int = 0
 
 
 @torch.no_grad()
-def generate(model: Any, tok: Any, prompts: list[str], max_new: int, temperature: float) -> Rollout:
-    """Sample (``temperature > 0``) or decode greedily; plain softmax sampling, no top-k/top-p."""
+def generate(model: Any, tok: Any, prompts: list[str], max_new: int, temperature: float,
+             logprobs: bool = False) -> Rollout:
+    """Sample (``temperature > 0``) or decode greedily; plain softmax sampling, no top-k/top-p.
+
+    ``logprobs``: also return the generating model's log-probabilities of the tokens it produced, from its
+    raw logits (``output_logits``, before temperature), the way an inference engine reports them.
+    """
+    from dynascope.core.clock import now_us
+
     dev = next(model.parameters()).device
     enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(dev)
     kw = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(do_sample=False)
-    out = model.generate(**enc, max_new_tokens=max_new, pad_token_id=tok.pad_token_id, **kw)
-    resp = out[:, enc["input_ids"].shape[1]:]
-    end = (resp == tok.eos_token_id).int()
-    mask = (end.cumsum(1) - end) == 0   # before the first end-of-turn, and that token itself
+    start = now_us()
+    out = model.generate(**enc, max_new_tokens=max_new, pad_token_id=tok.pad_token_id, output_logits=logprobs,
+                         return_dict_in_generate=True, **kw)
+    end = now_us()
+    resp = out.sequences[:, enc["input_ids"].shape[1]:]
+    lp = None
+    if logprobs:
+        logits = torch.stack(out.logits, 1)[:, :resp.shape[1]]  # [B, R, V] in the model's dtype
+        lp = torch.log_softmax(logits.float(), -1).gather(-1, resp.unsqueeze(-1)).squeeze(-1)
+    end_turn = (resp == tok.eos_token_id).int()
+    mask = (end_turn.cumsum(1) - end_turn) == 0   # before the first end-of-turn, and that token itself
     texts = tok.batch_decode(resp, skip_special_tokens=True)
-    return Rollout(enc["input_ids"], enc["attention_mask"], resp, mask, texts)
+    return Rollout(enc["input_ids"], enc["attention_mask"], resp, mask, texts, lp, start, end)
 
 
 def token_logprobs(model: Any, r: Rollout) -> torch.Tensor:
@@ -131,17 +194,6 @@ def token_logprobs(model: Any, r: Rollout) -> torch.Tensor:
     width = r.response.shape[1]
     logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=width + 1).logits[:, :-1]
     return torch.log_softmax(logits.float(), -1).gather(-1, r.response.unsqueeze(-1)).squeeze(-1)
-
-
-def accuracy(model: Any, tok: Any, held_out: list, max_new: int) -> float:
-    """Greedy exact-match accuracy (the held-out reward) on ``held_out``."""
-    from dynascope.demo.arith import prompt, reward
-
-    was = model.training
-    model.eval()
-    r = generate(model, tok, [prompt(p, tok) for p in held_out], max_new, 0.0)
-    model.train(was)
-    return sum(reward(p, t) for p, t in zip(held_out, r.texts, strict=True)) / len(held_out)
 
 
 def clone_frozen(model: Any) -> Any:

@@ -1,9 +1,13 @@
-"""The real-model run: SFT (AdamW 1e-5) → GRPO (AdamW 1e-6) on arithmetic, probed, then AlphaRL's rank-1 test.
+"""The real-model run: SFT (AdamW 1e-5) → GRPO (AdamW 1e-6) on arithmetic, probed, then the rewritten checkpoints.
 
 Stage ``sft`` measures drift against the pretrained weights; at the switch to ``rl`` the probe's θ₀
 becomes the SFT result, so RL's cumulative figures are against RL's own base, as the papers define
-them. After RL, ``dynascope.checkpoints.alpharl_rank1`` writes the rank-1 replacement of RL's update, and
-the held-out reward of the base, the RL policy and the replacement are logged as ``alpharl/*`` scalars.
+them. The rollout copy is bf16, as inference engines hold weights: each RL step's ``weight_sync`` casts
+the fp32 master weights into it, ``weight_check`` verifies that cast (``verify_weight_sync``), and the
+trainer's recomputed log-probs of the sampled tokens are held against the copy's (the log-prob gap,
+recorded with each sample). Held-out evaluations (``smollm2_eval``) score accuracy and the forward KL
+to the bases at the pretrained model, after SFT, every ``eval_every`` RL steps and at the end; then
+AlphaRL's rank-1 replacement and RELEX's extrapolation are written and scored (``smollm2_checkpoints``).
 """
 
 from __future__ import annotations
@@ -21,20 +25,26 @@ from dynascope.demo.smollm2 import (
     FINAL_FILE,
     THETA0_FILE,
     SmolSettings,
-    accuracy,
     clone_frozen,
     generate,
     load_model,
-    load_weights,
     save_weights,
     token_logprobs,
 )
+from dynascope.demo.smollm2_checkpoints import (
+    RANK1_FILE,
+    RANK1_REST_RL_FILE,
+    rewritten_checkpoints,
+    save_delta,
+)
+from dynascope.demo.smollm2_eval import HeldOut
+from dynascope.probes.rollout_consistency import logprob_gap_columns, verify_weight_sync
 
-RANK1_FILE = "policy_rank1.safetensors"            # AlphaRL as the authors' upd_rank.py: the rest at base
-RANK1_REST_RL_FILE = "policy_rank1_rest_rl.safetensors"  # the rest (embeddings, norms) with RL's full update
+__all__ = ["RANK1_FILE", "RANK1_REST_RL_FILE", "run_smollm2", "train"]
 
 
 def _sync(src: torch.nn.Module, dst: torch.nn.Module) -> None:
+    """Push the trainer's weights into the rollout copy (``copy_`` casts to the copy's dtype)."""
     with torch.no_grad():
         for d, s in zip(dst.parameters(), src.parameters(), strict=True):
             d.copy_(s)
@@ -55,13 +65,20 @@ def _sft(s: SmolSettings, model: Any, tok: Any, opt: torch.optim.Optimizer, scop
 
 
 def _rl_step(s: SmolSettings, model: Any, rollout: Any, tok: Any, opt: torch.optim.Optimizer, scope: Any,
-             batch: list[arith.Problem], cfg: arith.ArithConfig) -> float:
-    """weight_sync → rollout → reward → train → optimizer step (on-policy, one update per batch, no KL term)."""
+             batch: list[arith.Problem], cfg: arith.ArithConfig, first: int) -> float:
+    """weight_sync → weight_check → rollout → reward → train → optimizer step (on-policy, no KL term).
+
+    ``first``: the index of this step's first prompt in the RL stage (sample and group ids count from it).
+    """
+    version = scope.step_index  # the trainer's weights that the rollout copy receives and is trained on
     with scope.phase("weight_sync"):
         _sync(model, rollout)
+    with scope.phase("weight_check"):
+        verify_weight_sync(scope, model, rollout)
     expanded = [p for p in batch for _ in range(s.group)]
     with scope.phase("rollout"):
-        r = generate(rollout, tok, [arith.prompt(p, tok) for p in expanded], cfg.max_new_tokens, s.temperature)
+        r = generate(rollout, tok, [arith.prompt(p, tok) for p in expanded], cfg.max_new_tokens, s.temperature,
+                     logprobs=True)
     with scope.phase("reward"):
         rewards = torch.tensor([arith.reward(p, t) for p, t in zip(expanded, r.texts, strict=True)])
     with scope.phase("train"):
@@ -72,40 +89,52 @@ def _rl_step(s: SmolSettings, model: Any, rollout: Any, tok: Any, opt: torch.opt
         loss = -(ratio * adv[:, None] * m).sum() / m.sum().clamp(min=1)
         opt.zero_grad(set_to_none=True)
         loss.backward()
+    n = len(expanded)
+    scope.samples(sample_id=[first * s.group + j for j in range(n)], group_id=[first + j // s.group for j in range(n)],
+                  prompt_len=r.prompt_mask.sum(1).tolist(), response_len=r.response_mask.sum(1).tolist(),
+                  reward=rewards.tolist(), gen_start_us=[r.start_us] * n, gen_end_us=[r.end_us] * n,
+                  policy_version=[version] * n, trainer_version=[version] * n,
+                  **logprob_gap_columns(r.logprobs, new, r.response_mask))
     scope.log(**{"rl/reward": float(rewards.mean()), "rl/loss": float(loss.detach()),
                  "rl/mixed_groups": float((rewards.view(-1, s.group).std(1) > 0).float().mean())})
     opt.step()
     return float(rewards.mean())
 
 
-def train(s: SmolSettings, say=print) -> dict[str, float]:
-    """The whole run into ``s.run_dir``; returns the held-out accuracies it logged."""
-    from dynascope.checkpoints import alpharl_rank1
+def _evaluate(held: HeldOut, model: Any, scope: Any, label: str, stage: str, rl_step: int | None) -> float:
+    with scope.phase("eval"):
+        point = held.evaluate(model, label, stage=stage, rl_step=rl_step)
+    return sum(point["correct"]) / len(point["correct"])
 
+
+def train(s: SmolSettings, say=print) -> dict[str, float]:
+    """The whole run into ``s.run_dir``; returns the held-out accuracies it logged, by evaluation point."""
     torch.set_num_threads(s.threads)
     torch.manual_seed(s.seed)
     run_dir = Path(s.run_dir)
     t0 = time.perf_counter()
     model, tok = load_model(s.device)
-    rollout = clone_frozen(model)  # the "inference engine"; also evaluates the rank-1 checkpoints
-    say(f"SmolLM2-135M-Instruct loaded (fp32, {s.device}) in {time.perf_counter() - t0:.0f} s", flush=True)
+    rollout = clone_frozen(model).to(getattr(torch, s.rollout_dtype))  # the "inference engine"
+    say(f"SmolLM2-135M-Instruct loaded (fp32, {s.device}) in {time.perf_counter() - t0:.0f} s; rollout copy in "
+        f"{s.rollout_dtype}", flush=True)
     cfg = arith.ArithConfig()
-    held_out = arith.problems(s.eval_n, cfg, seed=10_000 + s.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=s.sft_lr, weight_decay=0.0)
-    # Every tensor every step (no rotating window, no time budget): S₁ is a per-step, whole-model figure.
-    scope = dynascope.watch(model, opt, run=s.run_dir, stage="sft", every=1, memory_budget=None, time_budget=None,
-                            bf16_k=s.bf16_k, system_interval_s=5.0,
+    # Every tensor at every recorded step (no rotating window, no time budget): S₁ is a whole-model figure.
+    spectral = dict(k=8, every=s.spectral_every, time_budget=None) if s.spectral_every else False
+    scope = dynascope.watch(model, opt, run=s.run_dir, stage="sft", every=s.stats_every, memory_budget=None,
+                            time_budget=None, bf16_k=s.bf16_k, spectral=spectral, system_interval_s=5.0,
                             config={"demo": "smollm2", "settings": s.to_json()})
+    held = HeldOut(arith.problems(s.eval_n, cfg, seed=10_000 + s.seed), tok, cfg, run_dir, s.seed, scope)
     out: dict[str, float] = {}
     with scope.phase("eval"):
-        out["pretrained"] = accuracy(model, tok, held_out, cfg.max_new_tokens)
-    scope.log(**{"eval/accuracy": out["pretrained"]})
-    say(f"pretrained: held-out accuracy {out['pretrained']:.1%}; SFT for {s.sft_steps} steps at lr {s.sft_lr:g}",
-        flush=True)
+        held.add_base("pretrained", model)
+    out["pretrained"] = _evaluate(held, model, scope, "pretrained", "sft", None)
+    say(f"pretrained: held-out accuracy {out['pretrained']:.1%} on {s.eval_n} problems; SFT for {s.sft_steps} "
+        f"steps at lr {s.sft_lr:g}", flush=True)
     _sft(s, model, tok, opt, scope, cfg)
     with scope.phase("eval"):
-        out["sft"] = accuracy(model, tok, held_out, cfg.max_new_tokens)
-    scope.log(**{"eval/accuracy": out["sft"]})
+        held.add_base("sft", model)
+    out["sft"] = _evaluate(held, model, scope, "sft", "sft", 0)
     say(f"SFT: held-out accuracy {out['sft']:.1%}; GRPO for {s.rl_steps} steps at lr {s.rl_lr:g}", flush=True)
 
     save_weights(model, run_dir / THETA0_FILE)
@@ -116,36 +145,37 @@ def train(s: SmolSettings, say=print) -> dict[str, float]:
         group["lr"] = s.rl_lr
     opt.state.clear()
     train_set = arith.problems(s.rl_steps * s.prompts, cfg, seed=1 + s.seed)
+    deltas = set(s.relex_steps())
     recent: list[float] = []
     for i in range(s.rl_steps):
-        recent.append(_rl_step(s, model, rollout, tok, opt, scope, train_set[i * s.prompts:(i + 1) * s.prompts], cfg))
-        if (i + 1) % max(1, s.rl_steps // 4) == 0:
-            say(f"  RL step {i + 1}/{s.rl_steps}: training reward {sum(recent) / len(recent):.1%} "
+        batch = train_set[i * s.prompts:(i + 1) * s.prompts]
+        recent.append(_rl_step(s, model, rollout, tok, opt, scope, batch, cfg, i * s.prompts))
+        done = i + 1
+        if done in deltas:
+            with scope.phase("relex_save"):
+                save_delta(model, run_dir, done)
+        if done % max(1, s.rl_steps // 4) == 0:
+            say(f"  RL step {done}/{s.rl_steps}: training reward {sum(recent) / len(recent):.1%} "
                 f"(last {len(recent)} steps)", flush=True)
             recent.clear()
-    with scope.phase("eval"):
-        out["rl"] = accuracy(model, tok, held_out, cfg.max_new_tokens)
-    scope.log(**{"eval/accuracy": out["rl"]})
+        if done % s.eval_every == 0 and done < s.rl_steps:
+            out[f"rl@{done}"] = _evaluate(held, model, scope, f"rl@{done}", "rl", done)
+            say(f"  held-out accuracy after {done} RL steps: {out[f'rl@{done}']:.1%}", flush=True)
+    out["rl"] = _evaluate(held, model, scope, "rl", "rl", s.rl_steps)
     save_weights(model, run_dir / FINAL_FILE)
+    scope.log(**{f"alpharl/{k}_accuracy": out[k] for k in ("pretrained", "sft", "rl")})
     say(f"RL done: held-out accuracy {out['rl']:.1%}", flush=True)
-
-    # AlphaRL: rank-1 replacement of RL's update, evaluated on the rollout copy (not the probed model).
-    with scope.phase("alpharl"):
-        alpharl_rank1(run_dir / THETA0_FILE, run_dir / FINAL_FILE, run_dir / RANK1_FILE, rest="base",
-                      other_rest_path=run_dir / RANK1_REST_RL_FILE)  # one SVD per weight for both variants
-        for key, name in (("rank1", RANK1_FILE), ("rank1_rest_rl", RANK1_REST_RL_FILE)):
-            load_weights(rollout, run_dir / name)
-            out[key] = accuracy(rollout, tok, held_out, cfg.max_new_tokens)
-    scope.log(**{f"alpharl/{k}_accuracy": v for k, v in out.items()})
-    say(f"AlphaRL rank-1 replacement: held-out accuracy {out['rank1']:.1%} (rest at base), "
-        f"{out['rank1_rest_rl']:.1%} (rest with RL's update)", flush=True)
+    out.update(rewritten_checkpoints(s, model, held, scope, say))
     scope.close()
     return out
 
 
 def run_smollm2(run_dir: str | Path, steps: int | None = None, device: str = "cpu", seed: int = 0,
-                console: Any = None) -> Path:
-    """``dynascope demo --model smollm2``: check the install, train into ``run_dir``, print the report."""
+                console: Any = None, **overrides: Any) -> Path:
+    """``dynascope demo --model smollm2``: check the install, train into ``run_dir``, print the report.
+
+    ``overrides`` set other ``SmolSettings`` fields (the long-run benchmark's held-out size, cadences).
+    """
     from rich.console import Console
 
     from dynascope.demo.reproduction import print_reproduction
@@ -161,7 +191,7 @@ def run_smollm2(run_dir: str | Path, steps: int | None = None, device: str = "cp
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {device}: no CUDA device is available")
     s = SmolSettings(run_dir=str(run_dir), seed=seed, device=device,
-                     **({} if steps is None else {"rl_steps": steps}))
+                     **({} if steps is None else {"rl_steps": steps}), **overrides)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "demo_settings.json").write_text(s.to_json())
     console.print(f"[bold]dynascope demo --model smollm2[/] → {run_dir}", highlight=False)

@@ -178,6 +178,10 @@ TABLES: dict[str, pa.Schema] = {
         ("sample_id", _i64), ("group_id", _i64), ("prompt_len", _i32), ("response_len", _i32),
         ("reward", _f64), ("gen_start_us", _i64), ("gen_end_us", _i64), ("gen_ms", _f64),
         ("policy_version", _i64), ("trainer_version", _i64),
+        # Trainer↔rollout log-prob gap |log π_rollout − log π_trainer| over the sample's tokens
+        # (probes.rollout_consistency.logprob_gap_columns): tokens compared, Σ|Δ|, max |Δ|, tokens over the threshold.
+        ("logprob_gap_tokens_count", _i64), ("logprob_gap_sum_nats", _f64), ("logprob_gap_max_nats", _f64),
+        ("logprob_gap_over_count", _i64), ("logprob_gap_threshold_nats", _f64),
     ]),
     "scalars": pa.schema([
         ("run_id", _str), ("rank", _i32), ("role", _str),

@@ -13,6 +13,7 @@ from dynascope.core.naming import KINDS
 from dynascope.dashboard import charts, data
 from dynascope.dashboard.queries import params as P
 from dynascope.dashboard.queries.params import HEAT_METRICS
+from dynascope.dashboard.views import dynamics_layers
 
 
 def page() -> None:
@@ -79,6 +80,9 @@ def _body() -> None:
 
     with data.guard("Gradient sparsity"):
         _gradients(path, cubes, nonfinite, kinds)
+
+    with data.guard("Where the update lives"):
+        dynamics_layers.section(path, run, stages)
 
     with data.guard("Delta weight sync"):
         _delta_sync(path, runs)

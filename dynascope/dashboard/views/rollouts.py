@@ -1,4 +1,5 @@
-"""Rollouts page: response-length distribution and tail wait, rewards and zero-variance groups, staleness.
+"""Rollouts page: response-length distribution and tail wait, rewards and zero-variance groups, staleness,
+and trainer↔rollout consistency (``views.consistency``).
 
 Charts come from ``dynascope.analyses.rollouts`` (per step, downsampled here) and, for the mean reward,
 from ``dynascope.dashboard.queries.rollouts``.
@@ -15,6 +16,7 @@ from dynascope.analyses.findings import tail_wait_numbers
 from dynascope.analyses.findings_text import sentence
 from dynascope.dashboard import charts, data
 from dynascope.dashboard.queries import rollouts as Q
+from dynascope.dashboard.views import consistency
 
 
 def page() -> None:
@@ -65,6 +67,8 @@ def _body() -> None:
                                       "% of groups"), "ro_zero_var")
     with data.guard("Staleness"):
         _staleness(path, runs)
+    with data.guard("Trainer ↔ rollout consistency"):
+        consistency.section(path, runs)
 
 
 def _tail_caption(path: str, runs: tuple[str, ...]) -> None:
