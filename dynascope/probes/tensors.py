@@ -21,14 +21,14 @@ host (pinned memory, non-blocking, on CUDA); the resolver thread unpacks it into
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from dynascope.core.naming import normalize_name
-from dynascope.probes.params import Tracked
+from dynascope.probes.params import LocalViews, Tracked
 from dynascope.probes.protocol import Probe, Rows, StepContext, rows_of
 from dynascope.probes.rows import Record, summarize, tensor_stats_batch, tracked_columns
 from dynascope.probes.schedule import Schedule, every
@@ -83,6 +83,7 @@ class TensorStats(Probe):
         self.grad_passes = [p for p in all_passes if "grad" in p.inputs]  # before the step: batched ones first
         self.grad_passes.sort(key=lambda p: not p.batched)
         self.weight_passes = [p for p in all_passes if "grad" not in p.inputs]  # after it
+        self._needs_old = any("old" in p.inputs for p in self.weight_passes)  # a pre-step snapshot to take
         self.snapshot = StepSnapshot()
         self.reference: Any = None  # θ₀ (dynascope.probes.reference.Reference), set by the scope
         self.history = None if not bf16_k else Bf16History(
@@ -114,7 +115,8 @@ class TensorStats(Probe):
         self.window.tick()
         if ctx.manual or ctx.grads_after:  # the gradients are not this step's yet: after() reads them
             self._early_window = self.plan(ctx.tracked)
-            self.snapshot.take([ctx.tracked[i].local() for i in self._early_window])
+            if self._needs_old:
+                self.snapshot.take([ctx.tracked[i].local() for i in self._early_window])
             return
         self._grads(ctx, snapshot=True)
 
@@ -149,7 +151,7 @@ class TensorStats(Probe):
                          given={g: given[g][k] for g in p.given}, chunk_elems=rec.chunk_elems) for k in pos]
             rec.add(p.key, p.outputs, [with_grad[k] for k in pos], _stacked(out, len(p.outputs), device))
         del grads, given
-        if snapshot and rec.window:  # after the gradient counts, whose temporaries are gone by now
+        if snapshot and rec.window and self._needs_old:  # after the gradient counts, whose temporaries are gone
             self.snapshot.take([tracked[i].local() for i in rec.window])
         self._rec = rec
         if rec.window:
@@ -167,17 +169,17 @@ class TensorStats(Probe):
         if rec is None:
             return None
         tracked = rec.tracked
-        locals_ = _Locals(tracked)
+        locals_ = LocalViews(tracked)
         device = locals_[0].device if tracked else torch.device("cpu")
         every_tensor = self._records % self.w_norm_every == 0 or len(rec.window) == len(tracked)
         self._records += 1
-        inputs = self._inputs(rec, ctx, locals_, every_tensor)
+        inputs, held = self._inputs(rec, ctx, locals_)
         # Which tensors each chunked pass covers: its tier's tensors whose inputs this record holds (the
         # weights after the step always; asking for them first would make a view of every tensor).
         tiers = {"window": rec.window, "every": range(len(tracked)),
                  "cadence": range(len(tracked)) if every_tensor else rec.window}
-        plans = [(p, [i for i in tiers[p.tier] if all(n == "new" or inputs[n](i) is not None for n in p.inputs)])
-                 for p in self.weight_passes if not p.batched]
+        plans = [(p, [i for i in tiers[p.tier] if all(n == "new" or inputs[n](i) is not None for n in p.inputs)]
+                  if held.issuperset(p.inputs) else []) for p in self.weight_passes if not p.batched]
         for p in self.weight_passes:  # batched (‖W‖): not for the tensors a chunked pass gives it to
             if p.batched:
                 covered = {i for q, rows in plans if set(p.outputs) <= set(q.outputs) for i in rows}
@@ -198,9 +200,10 @@ class TensorStats(Probe):
         rec.pack(device)
         return _RecordRows(self, rec)
 
-    def _inputs(self, rec: Record, ctx: StepContext, locals_: _Locals,
-                every_tensor: bool) -> dict[str, Callable[[int], Reader | None]]:
-        """Per input, tracked index → a reader of its flat elements, or None where this record lacks it."""
+    def _inputs(self, rec: Record, ctx: StepContext,
+                locals_: LocalViews) -> tuple[dict[str, Callable[[int], Reader | None]], set[str]]:
+        """Per input, tracked index → a reader of its flat elements, or None where this record lacks it; and
+        the inputs this record holds for some tensor."""
         tracked, window = rec.tracked, rec.window
         old: dict[int, torch.Tensor] = {}
         if self.snapshot.pending:
@@ -211,13 +214,14 @@ class TensorStats(Probe):
             due = {i for i in window if self.window.drift_due(tracked[i].name, full)}
         hist = self.history
         k_due = hist is not None and hist.due(ctx.step)
+        held = {n for n, has in (("new", True), ("old", bool(old)), ("ref", bool(due)), ("k_snapshot", k_due)) if has}
         return {
             "new": lambda i: flat_reader(locals_[i]),
             "old": lambda i: flat_reader(old[i]) if i in old else None,
             "ref": lambda i: ctx.reference.reader(tracked[i].name, locals_[i]) if i in due else None,
             "k_snapshot": lambda i: hist.reader(normalize_name(tracked[i].name), locals_[i])  # type: ignore[union-attr]
             if k_due else None,
-        }
+        }, held
 
     def resolve_many(self, results: list[Any]) -> list[Rows]:
         """One batch of rows for each run of consecutive records of one tracked list (usually all of them)."""
@@ -275,27 +279,6 @@ class TensorStats(Probe):
 
 def _stacked(out: list[torch.Tensor], width: int, device: torch.device) -> torch.Tensor:
     return torch.stack(out) if out else torch.zeros((0, width), dtype=torch.float64, device=device)
-
-
-class _Locals:
-    """``tracked[i].local()``, made on first use: most records read the weights of the window's tensors or
-    of none (a detached view per tensor per record was ~0.2 ms of the reference step)."""
-
-    def __init__(self, tracked: list[Tracked]) -> None:
-        self._tracked = tracked
-        self._made: list[torch.Tensor | None] = [None] * len(tracked)
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        w = self._made[i]
-        if w is None:
-            w = self._made[i] = self._tracked[i].local()
-        return w
-
-    def __len__(self) -> int:
-        return len(self._tracked)
-
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        return (self[i] for i in range(len(self._tracked)))
 
 
 class _RecordRows:
