@@ -19,11 +19,11 @@ from dynascope.stats.engine import (
 )
 from dynascope.stats.kernels import norms
 
+from helpers.naive_stats import naive_grad, naive_update
+
 
 def tensor_update_stats(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     return compute(UPDATE_STATS, {"new": new, "old": old})
-
-from helpers.naive_stats import naive_grad, naive_update
 
 
 def naive_bf16_unchanged(new: torch.Tensor, old: torch.Tensor) -> int:
