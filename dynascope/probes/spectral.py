@@ -17,15 +17,8 @@ __all__ = ["SpectralProbe"]
 class SpectralProbe(Spectra, Probe):
     """Records the low-rank summary of W_t − W_0 for 2-D weights, on a schedule and a time budget.
 
-    Args:
-        k: top-k singular values/vectors kept per tensor.
-        time_budget: share of the wall time since the previous record that one record may spend (the
-            same meaning as ``watch(time_budget=)``); tensors not reached are first in line next time,
-            and at least one tensor is computed per record, so every tensor is eventually covered.
-            None: every eligible tensor at every record.
-        schedule: ``schedule(step) -> bool``, when to record (default: every 10 steps).
-        niter, oversample: randomized-SVD power iterations and oversampling.
-        dtype: compute dtype (ΔW is formed in it, so bf16 weights do not lose the update).
+    ``schedule(step) -> bool`` says when to record (default: every 10 steps); the other arguments are
+    ``stats.spectra.Spectra``'s (k, time_budget, niter, oversample, dtype).
     """
 
     name = "spectral"
