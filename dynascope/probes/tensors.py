@@ -29,7 +29,7 @@ import torch
 
 from dynascope.core.naming import normalize_name
 from dynascope.probes.params import LocalViews, Tracked
-from dynascope.probes.protocol import Probe, Rows, StepContext, rows_of
+from dynascope.probes.protocol import Probe, Rows, StepContext, resolved_rows
 from dynascope.probes.rows import Record, summarize, tensor_stats_batch, tracked_columns
 from dynascope.probes.schedule import Schedule, every
 from dynascope.probes.snapshots import Bf16History, StepSnapshot
@@ -235,7 +235,7 @@ class TensorStats(Probe):
             if rec is not None:
                 group.append(rec)
             elif res is not None:
-                out.append(rows_of(res))
+                out.append(resolved_rows(res))
         return out
 
     def _tracked_columns(self, tracked: list[Tracked]) -> dict[str, Any]:
