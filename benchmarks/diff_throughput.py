@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 
 from dynascope.core.tensor_io import open_checkpoint
 from dynascope.importers.checkpoint_diff import diff_checkpoints
-from dynascope.probes.update_stats import weight_update_stats
+from dynascope.stats.engine import weight_update_stats
 
 
 def generate(folder: Path, gb: float, dtype: torch.dtype, side: int) -> int:

@@ -54,13 +54,15 @@ AB_CONFIGS: dict[str, dict[str, Any]] = {
     "spectral-all": {"memory_budget": 1.9, "time_budget": None, "spectral": {"every": 1, "time_budget": None}},
 }
 STAT_CONFIGS = ("timings", "norms", "window-all", "drift-all", "spectral-all")
-# In-step families: (label, where the callable lives, attribute). Names missing in this version of the
-# probes are skipped, so the table shows what the installed probes have.
+# In-step families: (label, where the callable lives, attribute); "pass:<key>" is the probe's pass of the
+# declared statistics with that key (tier:inputs, ``stats.engine.Pass``). Names missing in this version of
+# the probes are skipped, so the table shows what the installed probes have.
 FAMILIES = (
-    ("‖W‖/‖g‖", "module", "grad_norms"), ("‖W‖/‖g‖", "module", "norms"),
-    ("gradient sparsity", "module", "grad_counts"),
-    ("ΔW snapshot", "update", "before"), ("ΔW, changed, sign flips", "update", "after"),
-    ("drift", "stats", "_drift"), ("spectral", "spectral", "before"), ("spectral", "spectral", "after"),
+    ("‖W‖/‖g‖", "pass:every:grad", "run_batched"), ("‖W‖/‖g‖", "pass:cadence:new", "run_batched"),
+    ("gradient sparsity", "pass:window:grad", "run"),
+    ("ΔW snapshot", "snapshot", "take"), ("ΔW, changed, sign flips", "pass:window:new,old", "run"),
+    ("drift", "pass:window:ref,new", "run"), ("S_k", "pass:every:new,k_snapshot", "run"),
+    ("spectral", "spectral", "before"), ("spectral", "spectral", "after"),
 )
 
 
@@ -120,20 +122,19 @@ def _wrap(owner: Any, attr: str, acc: dict[str, float], label: str) -> None:
 
 def instrument(scope: Any, families: bool) -> tuple[dict[str, float], Callable[[], None]]:
     """Per-step accumulators of in-step probe time: key "probe" (before + after) and, with ``families``,
-    one key per statistic family. Returns (accumulator, undo) — undo restores module-level functions."""
-    import dynascope.probes.tensors as tensors_mod
-
+    one key per statistic family. Returns (accumulator, undo) — undo restores module-level functions (none
+    now: the wrapped callables belong to the scope's own probe objects)."""
     acc: dict[str, float] = {}
     stats = tensor_stats_of(scope)
     undo: list[tuple[Any, str, Any]] = []
     if families:
-        owners = {"module": tensors_mod, "update": getattr(stats, "update", None), "stats": stats,
-                  "spectral": getattr(scope, "spectral", None)}
+        owners: dict[str, Any] = {"snapshot": getattr(stats, "snapshot", None),
+                                  "spectral": getattr(scope, "spectral", None)}
+        for p in [*getattr(stats, "grad_passes", ()), *getattr(stats, "weight_passes", ())]:
+            owners[f"pass:{p.key}"] = p
         for label, where, attr in FAMILIES:
-            owner = owners[where]
+            owner = owners.get(where)
             if owner is not None and hasattr(owner, attr):
-                if where == "module":
-                    undo.append((owner, attr, getattr(owner, attr)))
                 _wrap(owner, attr, acc, label)
     if stats is not None:
         for attr in ("before", "after"):
@@ -277,10 +278,11 @@ def windows_per_rotation(scope: Any) -> int | None:
     stats = tensor_stats_of(scope)
     if stats is None or not scope.tracked:
         return None
-    plan = copy.copy(stats)
-    plan._cursor, seen, windows = 0, set(), 0
+    plan = copy.copy(stats.window)
+    plan.cursor, seen, windows = 0, set(), 0
+    resident = stats._resident_bytes(scope.tracked)
     while len(seen) < len(scope.tracked) and windows < 10 * len(scope.tracked):
-        seen.update(plan.plan(scope.tracked))
+        seen.update(plan.plan(scope.tracked, resident))
         windows += 1
     return windows
 

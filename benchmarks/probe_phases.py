@@ -8,7 +8,7 @@ two neighbours'. Time the probe adds to a part it does not run in (the forward) 
 threads cost the training thread: CPU and, on CPython, the GIL the training thread needs between ops.
 
 ``--pre`` runs a Python statement before the blocks, to switch one suspect off and compare, e.g.
-``--pre "import dynascope.probes.tensors as T; T.rows_from_records = lambda recs, meta=None: {}"`` (no
+``--pre "import dynascope.probes.tensors as T; T.tensor_stats_batch = lambda recs, meta=None: {}"`` (no
 tensor_stats rows).
 
     python3 benchmarks/probe_phases.py --rounds 10 --block 8 --drop 2

@@ -12,9 +12,9 @@ from safetensors.torch import save_file
 
 import dynascope
 from dynascope.importers.checkpoint_diff import diff_checkpoints
-from dynascope.probes.bf16_visibility import bf16_unchanged_count
-from dynascope.probes.drift_sparsity import drift_sparsity_counts
-from dynascope.probes.update_stats import UPDATE_STAT_COLUMNS, weight_drift_stats, weight_update_stats
+from dynascope.stats.builtin.bf16_visibility import bf16_unchanged_count
+from dynascope.stats.builtin.drift_sparsity import drift_sparsity_counts
+from dynascope.stats.engine import UPDATE_STAT_COLUMNS, weight_drift_stats, weight_update_stats
 from dynascope.store import open_store
 from dynascope.store.rollup import tensor_stats_by_kind
 

@@ -1,28 +1,33 @@
-"""The tensor_stats column registry is the one declaration: every probe output, fraction, ratio, cross-rank
-reduction and rollup column traces back to it, and nothing else declares a reduction."""
+"""The statistics' declarations are the one registry: every kernel output, fraction, ratio, cross-rank
+reduction, rollup column and pooled figure traces back to a declared column, and a bad declaration fails
+when the registry is built, naming what is wrong."""
 
 from __future__ import annotations
 
-import pyarrow as pa
+import dataclasses
 
-from dynascope.probes.grad_stats import GRAD_COUNT_COLUMNS, GRAD_NORM_COLUMNS
-from dynascope.probes.update_stats import BF16_K_STATS, DRIFT_STATS, UPDATE_STATS, columns_of
+import pyarrow as pa
+import pytest
+
+from dynascope.core.errors import UserError
+from dynascope.stats import REGISTRY, Column, Figure, Statistic, count
+from dynascope.stats.base import F64
+from dynascope.stats.registry import Registry
 from dynascope.store.combine import REDUCTIONS
 from dynascope.store.schema import COLUMN, POOLED, TABLES, TENSOR_STATS_COLUMNS
 
 
-def test_every_probe_output_is_a_registry_column_whose_reduction_matches_its_chunk_combination() -> None:
-    for stats in (UPDATE_STATS, DRIFT_STATS, BF16_K_STATS):
-        for family in stats:
-            for name, how in zip(family.columns, family.combine, strict=True):
-                if name == "ref_norm":  # ‖θ₀‖: only drift_ratio's denominator, never stored
-                    assert COLUMN["drift_ratio"].ratio == ("drift_norm", "ref_norm")
-                    continue
-                assert COLUMN[name].reduce == how, name  # chunks and shards combine the same way
-    for name in GRAD_NORM_COLUMNS + GRAD_COUNT_COLUMNS:
-        assert COLUMN[name].reduce in ("norm", "max", "sum"), name
-    assert set(columns_of(UPDATE_STATS)) >= {"bf16_unchanged_count"}
-    assert set(columns_of(DRIFT_STATS)) >= {"drift_unchanged_count", "drift_zero_count"}
+def test_every_kernel_output_is_a_column_that_combines_across_chunks_as_across_ranks() -> None:
+    for s in REGISTRY.statistics:
+        for name in s.outputs:
+            col = REGISTRY.column[name]
+            assert col.reduce in ("sum", "norm", "max"), name  # the engine combines chunks by it, combine_shards ranks
+            assert col.stored or any(name in (c.ratio or ()) for c in TENSOR_STATS_COLUMNS), name  # ‖θ₀‖ feeds drift_ratio
+    outputs = {o for s in REGISTRY.statistics for o in s.outputs}
+    derived = {c.name for c in TENSOR_STATS_COLUMNS if c.derived} | {"tensor", "layer", "kind", "shape", "dtype",
+                                                                    "numel", "sharded", "bf16_k_steps"}
+    assert {c.name for c in TENSOR_STATS_COLUMNS} - derived <= outputs  # every stored value has a kernel
+    assert {"bf16_unchanged_count", "drift_unchanged_count", "drift_zero_count", "grad_max_abs"} <= outputs
 
 
 def test_derived_columns_name_what_they_derive_from_and_counts_are_integers() -> None:
@@ -38,7 +43,7 @@ def test_derived_columns_name_what_they_derive_from_and_counts_are_integers() ->
     assert REDUCTIONS == {c.name: c.reduce for c in TENSOR_STATS_COLUMNS if c.reduce in ("sum", "norm", "max")}
 
 
-def test_rollup_columns_come_from_the_registry() -> None:
+def test_rollup_columns_and_figures_come_from_the_registry() -> None:
     for table in ("tensor_stats_by_kind", "tensor_stats_by_layer"):
         schema = TABLES[table]
         for name, how, src, where in POOLED:
@@ -50,3 +55,37 @@ def test_rollup_columns_come_from_the_registry() -> None:
         for new in ("bf16_unchanged_count", "bf16_unchanged_numel", "bf16_unchanged_k_count",
                     "bf16_unchanged_k_numel", "drift_unchanged_count", "drift_zero_count"):
             assert new in schema.names, (table, new)
+    pooled = {p[0] for p in POOLED}
+    assert REGISTRY.figures and all(f.num in pooled and f.den in pooled for f in REGISTRY.figures)
+    assert {f.label for f in REGISTRY.figures if f.heat} >= {"update ratio ‖ΔW‖/‖W‖", "step-changed fraction"}
+    assert REGISTRY.summary[:2] == ("update_ratio", "changed_frac")
+
+
+def _mean(name: str, **kw: object) -> Statistic:
+    def kernel(x):  # type: ignore[no-untyped-def]
+        return [x.new.mean()]
+    return Statistic(name, columns=(Column(name, F64, reduce="sum"),), outputs=(name,), inputs=("new",),
+                     kernel=kernel, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("bad", "message"), [
+    ([_mean("w_norm")], "declared twice"),
+    ([dataclasses.replace(_mean("m"), outputs=("nowhere",))], "no statistic declares"),
+    ([Statistic("f", columns=(Column("f_frac", F64, frac_of="nope_count"),))], "no statistic declares"),
+    ([dataclasses.replace(_mean("m"), given=("nope",))], "no statistic outputs"),
+    ([Statistic("p", columns=(count("grad_zero_count2", "x", "grad_numel"),))], "rollup column is declared twice"),
+    ([Statistic("g", figures=(Figure("g", "g", "nope", "numel"),))], "no column's pool declares"),
+])
+def test_a_bad_declaration_fails_once_with_its_reason(bad: list[Statistic], message: str) -> None:
+    with pytest.raises(UserError, match=message):
+        Registry([*REGISTRY.statistics, *bad])
+
+
+def test_a_statistic_declares_a_known_tier_and_inputs() -> None:
+    with pytest.raises(ValueError, match="tier"):
+        _mean("a", tier="sometimes")
+    with pytest.raises(ValueError, match="unknown inputs"):
+        dataclasses.replace(_mean("a"), inputs=("weights",))
+    with pytest.raises(ValueError, match="gradient"):
+        dataclasses.replace(_mean("a"), inputs=("grad", "new"))
+    assert Registry([*REGISTRY.statistics, _mean("m")]).column["m"].reduce == "sum"

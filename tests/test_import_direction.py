@@ -1,6 +1,6 @@
 """Imports follow the data flow, for every part of the package, the root included.
 
-core → store → probes → analyses → importers → dashboard → integrations → checkpoints, report, demo, cli:
+core → stats → store → probes → analyses → importers → dashboard → integrations → checkpoints, report, demo, cli:
 each part imports only parts before it, and only those its contract names. Every import in the package
 counts, wherever it sits: module level, inside a function (the lazy imports that keep start-up fast), under
 ``TYPE_CHECKING``, relative imports, and ``importlib.import_module`` / ``__import__`` calls with a literal
@@ -10,11 +10,16 @@ Every part must have a contract, so a new one cannot slip past the check.
 
 The root is special: importing any part runs ``dynascope/__init__.py`` first, so at module level it may
 import only ``core``; ``open_store`` and ``watch`` are imported when first used.
+
+``stats`` (the statistics' declarations) sits below the store, which builds its tables from them, and
+``dynascope diff`` (importers) computes through it, never through the trainer-side probes. The store, the
+declarations and the dashboard's queries load no torch: a kernel imports it when it runs.
 """
 
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,24 +29,25 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "dynascope"
 
 # The flow, bottom first: a part may import only parts before it (its contract says which of them).
-ORDER = ("core", "store", "probes", "<root>", "analyses", "importers", "dashboard", "integrations", "checkpoints",
+ORDER = ("core", "stats", "store", "probes", "<root>", "analyses", "importers", "dashboard", "integrations", "checkpoints",
          "report", "cli_output", "demo", "cli_fleet", "cli")
-# part → the parts it may import
+# part → the parts it may import (every part above the store may use the declarations it is built from)
 CONTRACTS: dict[str, frozenset[str]] = {
     "core": frozenset(),
-    "store": frozenset({"core"}),
-    "probes": frozenset({"core", "store"}),
-    "<root>": frozenset({"core", "store", "probes"}),  # the public API: open_store, watch, Scope, WatchSettings
-    "analyses": frozenset({"core", "store"}),
-    "importers": frozenset({"core", "store", "probes"}),
-    "dashboard": frozenset({"core", "store", "analyses"}),
-    "integrations": frozenset({"<root>", "core", "store", "probes"}),
-    "checkpoints": frozenset({"core", "store", "analyses"}),
-    "report": frozenset({"core", "store", "analyses"}),
-    "cli_output": frozenset({"core", "store", "analyses", "importers"}),
-    "demo": frozenset({"<root>", "core", "store", "probes", "analyses", "importers", "integrations", "checkpoints",
+    "stats": frozenset({"core"}),
+    "store": frozenset({"core", "stats"}),
+    "probes": frozenset({"core", "stats", "store"}),
+    "<root>": frozenset({"core", "stats", "store", "probes"}),  # the public API: open_store, watch, Scope, WatchSettings
+    "analyses": frozenset({"core", "stats", "store"}),
+    "importers": frozenset({"core", "stats", "store"}),  # dynascope diff: statistics, not the probes
+    "dashboard": frozenset({"core", "stats", "store", "analyses"}),
+    "integrations": frozenset({"<root>", "core", "stats", "store", "probes"}),
+    "checkpoints": frozenset({"core", "stats", "store", "analyses"}),
+    "report": frozenset({"core", "stats", "store", "analyses"}),
+    "cli_output": frozenset({"core", "stats", "store", "analyses", "importers"}),
+    "demo": frozenset({"<root>", "core", "stats", "store", "probes", "analyses", "importers", "integrations", "checkpoints",
                        "report"}),
-    "cli_fleet": frozenset({"core", "store", "analyses", "cli_output"}),  # `dynascope files` and `fleet`
+    "cli_fleet": frozenset({"core", "stats", "store", "analyses", "cli_output"}),  # `dynascope files` and `fleet`
     "cli": frozenset(ORDER[:-1]),
 }
 ROOT_AT_IMPORT = frozenset({"core"})  # what dynascope/__init__.py may import at module level
@@ -166,7 +172,7 @@ def test_the_root_imports_only_core_when_imported():
     assert eager and {_layer(name) for _, name in eager} <= ROOT_AT_IMPORT, eager
 
 
-@pytest.mark.parametrize("part", ["core", "store", "probes", "analyses"])
+@pytest.mark.parametrize("part", ["core", "stats", "store", "probes", "analyses"])
 def test_importing_a_part_loads_only_the_parts_it_may_import(part):
     # at run time too: the root's and the subpackages' __init__ files run on every import of a part
     modules = sorted(_module_name(p, PACKAGE) for p in (PACKAGE / part).rglob("*.py"))
@@ -177,6 +183,16 @@ def test_importing_a_part_loads_only_the_parts_it_may_import(part):
     assert out.returncode == 0, out.stderr
     loaded = set(ast.literal_eval(out.stdout.strip().splitlines()[-1]))
     assert loaded - {part} <= CONTRACTS[part], f"importing {part} loads {sorted(loaded - {part} - CONTRACTS[part])}"
+
+
+def test_the_store_the_declarations_and_the_dashboard_queries_load_no_torch():
+    """The Spark/DuckDB/dashboard side stays light: a statistic's declaration imports torch only when its
+    kernel runs. Checked in a fresh interpreter, where nothing imported torch before."""
+    code = ("import sys, dynascope.store, dynascope.stats, dynascope.store.rollup, dynascope.store.combine, "
+            "dynascope.dashboard.queries.params; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=str(PACKAGE.parent)), cwd=PACKAGE.parent)
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 def _fake_package(tmp_path: Path) -> Path:
@@ -196,6 +212,8 @@ def _fake_package(tmp_path: Path) -> Path:
 @pytest.mark.parametrize(("file", "source", "bad"), [
     ("core/mod.py", "def f():\n    from dynascope.store import open_store\n", "core imports dynascope.store"),
     ("store/mod.py", "from ..probes import scope\n", "store imports dynascope.probes"),  # relative
+    ("stats/mod.py", "from dynascope.store import schema\n", "stats imports dynascope.store"),  # below the store
+    ("importers/mod.py", "from dynascope.probes.tensors import TensorStats\n", "importers imports dynascope.probes"),
     ("store/mod.py", "from dynascope import core, probes\n", "store imports dynascope.probes"),  # by name
     ("store/mod.py", "def v():\n    from dynascope import __version__\n", "store imports dynascope ("),  # the root
     ("probes/mod.py", "import importlib\nimportlib.import_module('dynascope.integrations.wandb')\n",

@@ -12,7 +12,7 @@ import torch
 
 import dynascope
 from dynascope.probes.resolver import Resolver
-from dynascope.probes.rows import Record, rows_from_record, rows_from_records
+from dynascope.probes.rows import Record, tensor_stats_batch
 from dynascope.store.schema import TENSOR_STATS_COLUMNS
 
 from helpers.records import record as _record
@@ -39,11 +39,11 @@ def test_a_batch_of_records_equals_its_records_one_by_one() -> None:
     sparse.add("drift", ("ref_norm", "drift_norm"), [], torch.zeros((0, 2), dtype=torch.float64))
     sparse.host = torch.cat([v.reshape(-1) for v in sparse.values.values()])
     recs = [full, sparse, full]
-    batch = rows_from_records(recs)
+    batch = tensor_stats_batch(recs)
     n = len(tracked)
     want: dict[str, list] = {}
     for rec in recs:
-        for name, v in rows_from_record(rec).items():
+        for name, v in tensor_stats_batch([rec]).items():
             want.setdefault(name, []).extend(_as_list(v, n))
     assert set(batch) == set(want)
     for name, values in want.items():

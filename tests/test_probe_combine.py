@@ -2,33 +2,42 @@
 
 from __future__ import annotations
 
+import numpy as np
 import polars as pl
 import pytest
 import torch
 
-from dynascope.probes.grad_stats import GRAD_COUNT_COLUMNS, grad_counts, grad_norms
-from dynascope.probes.rows import tensor_row
-from dynascope.probes.update_stats import (
-    BF16_K_STATS,
+from dynascope.stats.base import TENSOR_COLUMNS
+from dynascope.stats.builtin.bf16_visibility import S_K
+from dynascope.stats.builtin.grad import GRAD_COUNTS, grad_counts, grad_norms
+from dynascope.stats.engine import (
     DRIFT_STAT_COLUMNS,
     UPDATE_STAT_COLUMNS,
-    tensor_update_stats,
+    compute,
     weight_drift_stats,
     weight_update_stats,
 )
+from dynascope.stats.rows import PartialResults, tensor_stats_columns
 from dynascope.store.combine import combine_shards
+
+
+def tensor_row(values: dict, numel: int) -> dict:
+    """The row the registry derives from one tensor's named values (the live probe's and the diff's)."""
+    cols = tensor_stats_columns(PartialResults.of_dicts([values]), np.array([numel]))
+    meta = {c.name: values.get(c.name) for c in TENSOR_COLUMNS}
+    return {**meta, "numel": numel, **{k: v[0].as_py() for k, v in cols.items()}}
 
 
 def row_for(name: str, rank: int, sharded: bool, new: torch.Tensor, old: torch.Tensor, ref: torch.Tensor,
             grad: torch.Tensor) -> dict:
     """The row a rank records for its piece, built the way the scope builds it (named statistics, then the
-    registry's ``tensor_row``); ``ref`` doubles as the weights k steps back for S_k."""
+    registry's row derivation); ``ref`` doubles as the weights k steps back for S_k."""
     gn = grad_norms([grad])
     values = {**dict(zip(UPDATE_STAT_COLUMNS, weight_update_stats([new], [old])[0].tolist(), strict=True)),
               **dict(zip(DRIFT_STAT_COLUMNS, weight_drift_stats([new], [ref])[0].tolist(), strict=True)),
-              **dict(zip(GRAD_COUNT_COLUMNS, grad_counts([grad], gn[:, 0])[0].tolist(), strict=True)),
+              **dict(zip(GRAD_COUNTS.outputs, grad_counts([grad], gn[:, 0])[0].tolist(), strict=True)),
               "grad_norm": gn[0, 0].item(), "bf16_k_steps": 2,
-              "bf16_unchanged_k_count": tensor_update_stats(new, ref.bfloat16(), stats=BF16_K_STATS)[0].item(),
+              "bf16_unchanged_k_count": compute((S_K,), {"new": new, "k_snapshot": ref.bfloat16()})[0].item(),
               "tensor": name, "kind": "mlp", "layer": 0, "shape": "8x6", "dtype": "float32", "sharded": sharded}
     return {"run_id": "r", "role": "trainer", "rank": rank, "step": 3, "stage": "rl",
             **tensor_row(values, new.numel())}

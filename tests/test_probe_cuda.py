@@ -10,8 +10,8 @@ import torch
 import torch.nn as nn
 
 import dynascope
-from dynascope.probes.grad_stats import grad_counts, grad_norms
-from dynascope.probes.update_stats import weight_update_stats
+from dynascope.stats.builtin.grad import grad_counts, grad_norms
+from dynascope.stats.engine import weight_update_stats
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -14,9 +14,13 @@ from collections.abc import Callable
 
 import torch
 
-from dynascope.probes.grad_stats import grad_counts, grad_norms
 from dynascope.probes.held_memory import memory_events
-from dynascope.probes.update_stats import tensor_update_stats
+from dynascope.stats.builtin.grad import grad_counts, grad_norms
+from dynascope.stats.engine import UPDATE_STATS, compute
+
+
+def tensor_update_stats(new: torch.Tensor, old: torch.Tensor, chunk_elems: int | None) -> torch.Tensor:
+    return compute(UPDATE_STATS, {"new": new, "old": old}, chunk_elems=chunk_elems)
 
 
 def _most_live_allocations(fn: Callable[[], object]) -> int:

@@ -14,7 +14,7 @@ from dynascope.probes.held_memory import held_peak
 from dynascope.probes.params import Tracked
 from dynascope.probes.reference import build_reference
 from dynascope.probes.tensors import TensorStats
-from dynascope.probes.update_stats import DRIFT_STATS, chunked_stats, transient_bytes, weight_drift_stats
+from dynascope.stats.engine import DRIFT_STATS, Pass, transient_bytes, weight_drift_stats
 
 
 @pytest.mark.parametrize("bf16_k", [None, 3])  # with S_k: its snapshot goes to disk, compared chunk by chunk
@@ -54,10 +54,12 @@ def test_window_chunk_is_sized_from_what_the_snapshot_leaves() -> None:
     stats = TensorStats(0.1, None)
     budget = 0.1 * 20 * (1 << 16)
     window = stats.plan(tracked)
+    chunk = stats.window.chunk
+    assert chunk is not None
     snapshot = sum(tracked[i].nbytes for i in window)
     assert snapshot <= 0.75 * budget and len(window) == 1
     # the largest chunk whose temporaries fit what the snapshot leaves of the budget
-    assert snapshot + transient_bytes(stats._chunk) <= budget < snapshot + transient_bytes(stats._chunk + 1)
+    assert snapshot + transient_bytes(chunk) <= budget < snapshot + transient_bytes(chunk + 1)
     assert TensorStats(1.0, None).plan(tracked) == list(range(20))  # a budget that holds it all takes it all
 
 
@@ -76,5 +78,5 @@ def test_theta0_streams_from_disk_in_exact_chunks(tmp_path: Path, dtype: torch.d
     cur = w0["a.weight"] + (torch.rand(33, 17, generator=g) < 0.3).to(dtype)
     want = weight_drift_stats([cur], [w0["a.weight"]])[0]
     fc = cur.reshape(-1)
-    got = chunked_stats(read, lambda lo, hi: fc[lo:hi], fc.numel(), fc.device, DRIFT_STATS, chunk_elems=50)
+    got = Pass(DRIFT_STATS).run({"ref": read, "new": lambda lo, hi: fc[lo:hi]}, fc.numel(), fc.device, chunk_elems=50)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0, equal_nan=True)

@@ -1,5 +1,5 @@
-"""The resolver's vectorised rows equal the per-tensor reference (``tensor_row``), NULLs and edge values included,
-and the writer stores them as the registry types them."""
+"""The resolver's vectorised rows equal a per-tensor reference written from the declarations (``naive_row``),
+NULLs and edge values included, and the writer stores them as the registry types them."""
 
 from __future__ import annotations
 
@@ -9,12 +9,42 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from dynascope.probes.rows import Record, rows_from_record, summarize, tensor_row
+from dynascope.probes.rows import Record, summarize, tensor_stats_batch
+from dynascope.stats import REGISTRY
 from dynascope.store.schema import TENSOR_STATS_COLUMNS
 from dynascope.store.writer import RunWriter
 
 from helpers.records import record as _record
 from helpers.records import tracked as _tracked
+
+
+def rows_from_record(rec: Record) -> dict:
+    return tensor_stats_batch([rec])
+
+
+def naive_row(values: dict, numel: int) -> dict:
+    """One row from the named values of one tensor, the plainest way, as the declarations say: a count
+    proven zero by a finite norm, flags, fractions, ratios, integers (non-finite → NULL), the rest as is."""
+    v = dict(values, numel=numel)
+    for c in REGISTRY.columns:
+        norm = c.zero_where_finite
+        if norm is not None and v.get(norm) is not None and math.isfinite(v[norm]):
+            v.setdefault(c.name, 0)
+    row = {}
+    for col in TENSOR_STATS_COLUMNS:
+        x = v.get(col.frac_of or col.name)
+        if col.flag_of is not None:
+            row[col.name] = col.flag_of in v
+        elif col.frac_of is not None:
+            row[col.name] = None if x is None or not math.isfinite(x) or numel == 0 else x / numel
+        elif col.ratio is not None:
+            a, b = v.get(col.ratio[0]), v.get(col.ratio[1])
+            row[col.name] = None if a is None or b is None or b == 0 else a / b
+        elif col.integer:
+            row[col.name] = None if x is None or not math.isfinite(x) else int(x)
+        else:
+            row[col.name] = x
+    return row
 
 
 def _same(a: object, b: object) -> bool:
@@ -30,7 +60,7 @@ def test_vectorised_rows_equal_the_per_tensor_reference() -> None:
     assert cols["step"] == 12 and cols["stage"] == "rl"
     for i, t in enumerate(tracked):
         meta = dict(tensor=t.name, layer=t.layer, kind=t.kind, shape=t.shape, dtype=t.dtype, sharded=t.sharded)
-        want = tensor_row({**naive[i], **meta}, t.param.numel())
+        want = naive_row({**naive[i], **meta}, t.param.numel())
         for c in TENSOR_STATS_COLUMNS:
             v = cols[c.name]
             got = v[i].as_py() if isinstance(v, pa.Array) else (v[i].item() if isinstance(v, np.ndarray) else v[i])
@@ -58,7 +88,7 @@ def test_a_record_outside_the_window_equals_the_reference() -> None:
     naive = {0: {"grad_norm": 1.0}, 1: {"grad_norm": math.nan}, 4: {"grad_norm": 2.0}}
     for i, t in enumerate(tracked):
         meta = dict(tensor=t.name, layer=t.layer, kind=t.kind, shape=t.shape, dtype=t.dtype, sharded=t.sharded)
-        want = tensor_row({**naive.get(i, {}), **meta}, t.param.numel())
+        want = naive_row({**naive.get(i, {}), **meta}, t.param.numel())
         for c in TENSOR_STATS_COLUMNS:
             v = cols[c.name]
             got = v[i].as_py() if isinstance(v, pa.Array) else (v[i].item() if isinstance(v, np.ndarray) else v[i])

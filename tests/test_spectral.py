@@ -8,8 +8,8 @@ import warnings
 import pytest
 import torch
 
-from dynascope.probes.spectral import (
-    SpectralProbe,
+from dynascope.probes.spectral import SpectralProbe
+from dynascope.stats.spectra import (
     canonical_sign,
     effective_rank,
     off_principal_energy,

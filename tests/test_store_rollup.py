@@ -138,14 +138,17 @@ def test_heat_cells_from_the_layer_rollup_equal_the_raw_rows(tmp_path, monkeypat
     want = (raw.with_columns(bucket=s0 + (pl.col("step") - s0) // width * width,
                              layer=pl.col("layer").fill_null(-1), kind=pl.col("kind").fill_null("other"))
             .group_by("bucket", "layer", "kind", "stage")
-            .agg(dw2=sql_sum(pl.col("update_norm") ** 2),
-                 update_w2=sql_sum(pl.when(pl.col("update_norm").is_not_null()).then(pl.col("w_norm") ** 2)),
-                 changed=sql_sum(pl.col("changed_count").cast(pl.Float64)), drift2=sql_sum(pl.col("drift_norm") ** 2),
-                 drift_w2=sql_sum(pl.when(pl.col("drift_norm").is_not_null()).then(pl.col("w_norm") ** 2))))
+            .agg(update_sq=sql_sum(pl.col("update_norm") ** 2),
+                 update_w_sq=sql_sum(pl.when(pl.col("update_norm").is_not_null()).then(pl.col("w_norm") ** 2)),
+                 changed_count=sql_sum(pl.col("changed_count").cast(pl.Float64)),
+                 changed_numel=sql_sum(pl.when(pl.col("changed_count").is_not_null()).then(pl.col("numel"))
+                                       .cast(pl.Float64)),
+                 drift_sq=sql_sum(pl.col("drift_norm") ** 2),
+                 drift_w_sq=sql_sum(pl.when(pl.col("drift_norm").is_not_null()).then(pl.col("w_norm") ** 2))))
     key = ["bucket", "layer", "kind", "stage"]
     got, want = cube.sort(key), want.sort(key)
     assert got.height == want.height > 0 and got.select(key).equals(want.select(key).cast(got.select(key).schema))
-    for col in ("dw2", "update_w2", "changed", "drift2", "drift_w2"):
+    for col in ("update_sq", "update_w_sq", "changed_count", "changed_numel", "drift_sq", "drift_w_sq"):
         g, w = got[col].to_list(), want[col].to_list()
         assert [v is None for v in g] == [v is None for v in w], col  # NULL cells match exactly
         assert [v for v in g if v is not None] == pytest.approx([v for v in w if v is not None], rel=1e-12), col

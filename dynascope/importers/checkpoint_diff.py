@@ -4,7 +4,8 @@ Checkpoint i becomes step i (1-based, BASE is step 0) unless every name carries 
 (``checkpoint-500``, ``step_1000``, ``global_step200``, ``iter-3``): then those numbers are the steps and
 the checkpoints are taken in step order, whatever order the shell listed them in.
 
-Per tensor and checkpoint it writes the rows the live probe writes (same pure functions):
+Per tensor and checkpoint it writes the rows the live probe writes (the same declared statistics, the
+same chunk engine and row derivation, ``dynascope.stats``):
 - ``tensor_stats``: the step columns (w_norm, update_norm, changed/sign-flip counts, PULSE's S₁ as
   bf16_unchanged_*, …) against the *previous* checkpoint (BASE for the first), exactly as the probe
   compares step t with step t−1; the drift columns (drift_norm, drift_changed_*, Mukherjee et al.'s
@@ -30,21 +31,16 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from dynascope.core.errors import StoreError, first_line
 from dynascope.core.naming import tensor_kind, tensor_layer
 from dynascope.core.tensor_io import Checkpoint, open_checkpoint
-from dynascope.probes.rows import tensor_row
-from dynascope.probes.spectral import SpectralProbe
-from dynascope.probes.update_stats import (
-    BF16_K_STATS,
-    DRIFT_STAT_COLUMNS,
-    UPDATE_STAT_COLUMNS,
-    tensor_update_stats,
-    weight_drift_stats,
-    weight_update_stats,
-)
+from dynascope.stats.base import Settings
+from dynascope.stats.engine import whole_tensor_values
+from dynascope.stats.rows import PartialResults, tensor_stats_columns
+from dynascope.stats.spectra import Spectra
 from dynascope.store import RunWriter
 
 __all__ = ["DiffSummary", "checkpoint_steps", "diff_checkpoints"]
@@ -143,7 +139,7 @@ def diff_checkpoints(
         if on_plan is not None:
             on_plan(total, skipped)
         times = [int(os.stat(p).st_mtime * 1e6) for p in paths]  # when each checkpoint was written
-        probe = SpectralProbe(k=k, time_budget=None) if k > 0 else None
+        probe = Spectra(k=k, time_budget=None) if k > 0 else None
         summary = DiffSummary(run_dir, steps, skipped=skipped)
         config = {"base": str(base), "checkpoints": [str(p) for p in paths], "steps": steps,
                   "tensors": tensors, "k": k, "eta": eta, "bf16_k": bf16_k}
@@ -170,7 +166,7 @@ def diff_checkpoints(
 
 
 def _diff_tensor(name: str, base_ck: Checkpoint, cks: list[Checkpoint], steps: list[int], times: list[int],
-                 stage: str | None, eta: float, probe: SpectralProbe | None, writer: RunWriter,
+                 stage: str | None, eta: float, probe: Spectra | None, writer: RunWriter,
                  summary: DiffSummary, progress: Callable[[int], None] | None, device: torch.device,
                  bf16_k: int | None) -> int:
     w0 = base_ck.get(name).to(device)
@@ -180,6 +176,7 @@ def _diff_tensor(name: str, base_ck: Checkpoint, cks: list[Checkpoint], steps: l
     read = nbytes
     prev = w0
     rows: list[dict] = []
+    settings = Settings(eta=eta)
     held: tuple[int, torch.Tensor] | None = None  # S_k: (step, bf16 cast) of the checkpoint compared k steps on
     given = set(steps)
     spectra: list[dict] = []
@@ -188,14 +185,17 @@ def _diff_tensor(name: str, base_ck: Checkpoint, cks: list[Checkpoint], steps: l
         read += nbytes
         if progress:
             progress(nbytes)
-        # The same pure functions as the live probe: the update against the previous checkpoint (BASE for
-        # the first), the drift against BASE (θ₀), S_k against the checkpoint bf16_k steps back if given.
-        row = dict(zip(UPDATE_STAT_COLUMNS, weight_update_stats([cur], [prev], eta)[0].tolist(), strict=True))
-        row.update(zip(DRIFT_STAT_COLUMNS, weight_drift_stats([cur], [w0], eta)[0].tolist(), strict=True))
-        if bf16_k:  # the live probe's rule, with "recorded" = "a checkpoint was given for that step"
-            if held is not None and step - held[0] == bf16_k:
-                (count,) = tensor_update_stats(cur, held[1], stats=BF16_K_STATS).tolist()
-                row.update(bf16_unchanged_k_count=count, bf16_k_steps=bf16_k)
+        # Every declared statistic whose inputs a checkpoint pair gives, as the live probe computes them: the
+        # update against the previous checkpoint (BASE for the first), the drift against BASE (θ₀), S_k
+        # against the checkpoint bf16_k steps back when one was given.
+        tensors = {"new": cur, "old": prev, "ref": w0}
+        if bf16_k and held is not None and step - held[0] == bf16_k:  # the live probe's rule, with "recorded"
+            tensors["k_snapshot"] = held[1]                          # = "a checkpoint was given for that step"
+        row = whole_tensor_values(tensors, settings)
+        if "k_snapshot" in tensors:
+            row["bf16_k_steps"] = bf16_k
+        del tensors  # the previous checkpoint's tensor goes when the next one is read
+        if bf16_k:
             if held is not None and step - held[0] >= bf16_k:
                 held = None
             if held is None and step + bf16_k in given:
@@ -232,12 +232,12 @@ def _device(device: str) -> torch.device:
 
 def _write_rows(name: str, spec: tuple[tuple[int, ...], torch.dtype], rows: list[dict], stage: str | None,
                 writer: RunWriter) -> None:
-    """One ``tensor_stats`` row per checkpoint, typed and derived by the registry (``probes.rows.tensor_row``)."""
+    """One ``tensor_stats`` row per checkpoint, derived as the live probe's (``stats.rows``)."""
     numel = int(torch.Size(spec[0]).numel())
-    meta = {"tensor": name, "layer": tensor_layer(name), "kind": tensor_kind(name), "sharded": False,
-            "shape": "x".join(str(d) for d in spec[0]), "dtype": str(spec[1]).removeprefix("torch.")}
-    typed = [tensor_row({**r, **meta}, numel) for r in rows]
-    cols = {c: [t[c] for t in typed] for c in typed[0]} if typed else {}
-    writer.append("tensor_stats", {**cols, "step": [r["step"] for r in rows], "time_us": [r["time_us"] for r in rows],
+    cols = tensor_stats_columns(PartialResults.of_dicts(rows), np.full(len(rows), numel, dtype=np.int64))
+    writer.append("tensor_stats", {**cols, "tensor": name, "layer": tensor_layer(name), "kind": tensor_kind(name),
+                                   "sharded": False, "shape": "x".join(str(d) for d in spec[0]),
+                                   "dtype": str(spec[1]).removeprefix("torch."), "numel": numel,
+                                   "step": [r["step"] for r in rows], "time_us": [r["time_us"] for r in rows],
                                    "stage": stage})
 

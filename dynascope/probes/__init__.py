@@ -5,7 +5,7 @@ from dynascope.probes.protocol import Probe, StepContext
 from dynascope.probes.schedule import as_schedule, every, log_spaced, never
 from dynascope.probes.scope import Scope
 from dynascope.probes.settings import WatchSettings
-from dynascope.probes.update_stats import (
+from dynascope.stats.engine import (
     DRIFT_STAT_COLUMNS,
     UPDATE_STAT_COLUMNS,
     weight_drift_stats,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from dynascope.probes.protocol import Listener, Probe, Rows, rows_of
+from dynascope.probes.protocol import Listener, Probe, Rows, resolved_rows
 from dynascope.store.writer import RunWriter
 
 __all__ = ["Delivery", "StepResults"]
@@ -53,7 +53,7 @@ class Delivery:
         summary: dict[str, float] = {}
         for p, res in out:
             try:
-                rows: Rows = rows_of(res)
+                rows: Rows = resolved_rows(res)
                 self._write(rows)
                 if self.listeners:
                     summary.update(p.summarize(rows))
@@ -68,7 +68,7 @@ class Delivery:
 
     def _rows_or_none(self, p: Probe, res: Any) -> Rows | None:
         try:
-            return rows_of(res)
+            return resolved_rows(res)
         except Exception as exc:
             self.report(f"resolve:{p.name}", exc)
             return None

@@ -10,6 +10,7 @@ local shard and marked ``sharded``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +19,7 @@ from torch import Tensor
 
 from dynascope.core.naming import normalize_name, tensor_kind, tensor_layer
 
-__all__ = ["Tracked", "discover", "optimizer_fingerprint"]
+__all__ = ["LocalViews", "Tracked", "discover", "optimizer_fingerprint"]
 
 try:  # DTensor moved between torch releases; without it nothing is sharded
     from torch.distributed.tensor import DTensor
@@ -113,3 +114,24 @@ def discover(model: Any, optimizer: Any) -> tuple[list[Tracked], list[tuple[str,
                                kind=tensor_kind(name), shape="x".join(str(s) for s in p.shape),
                                dtype=str(local.dtype).replace("torch.", "")))
     return tracked, skipped
+
+
+class LocalViews:
+    """``tracked[i].local()``, made on first use: most records read the weights of the window's tensors or
+    of none (a detached view per tensor per record was ~0.2 ms of the reference step)."""
+
+    def __init__(self, tracked: list[Tracked]) -> None:
+        self._tracked = tracked
+        self._made: list[torch.Tensor | None] = [None] * len(tracked)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        w = self._made[i]
+        if w is None:
+            w = self._made[i] = self._tracked[i].local()
+        return w
+
+    def __len__(self) -> int:
+        return len(self._tracked)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return (self[i] for i in range(len(self._tracked)))

@@ -21,7 +21,7 @@ from typing import Any
 
 from dynascope.probes.params import Tracked
 
-__all__ = ["Listener", "Probe", "Rows", "StepContext", "join_rows", "rows_of"]
+__all__ = ["Listener", "Probe", "Rows", "StepContext", "join_rows", "resolved_rows"]
 
 Rows = dict[str, dict[str, Any]]  # table -> columns of that table (equal-length lists or scalars)
 Listener = Callable[[int, dict[str, float]], None]
@@ -63,7 +63,7 @@ class Probe:
         The resolver thread hands a probe the results of the steps it collected (a few seconds' worth) at
         once; a probe whose rows convert faster together than one step at a time overrides this. By default
         each step's rows are made, and consecutive steps' rows of a table are joined (``join_rows``)."""
-        return join_rows([rows_of(r) for r in results])
+        return join_rows([resolved_rows(r) for r in results])
 
     def summarize(self, rows: Rows) -> dict[str, float]:
         """Compact numbers for listeners from this probe's resolved rows of one step."""
@@ -76,7 +76,7 @@ class Probe:
         """Release threads, files and buffers."""
 
 
-def rows_of(result: Rows | Callable[[], Rows]) -> Rows:
+def resolved_rows(result: Rows | Callable[[], Rows]) -> Rows:
     """The rows of one ``after`` result: the rows themselves, or what the callable returns."""
     return result() if callable(result) else result
 

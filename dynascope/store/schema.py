@@ -6,9 +6,13 @@ moment carry ``time_us`` (wall clock, µs since the epoch). Units live in column
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pyarrow as pa
+
+from dynascope.stats.base import Column, Figure
+from dynascope.stats.registry import REGISTRY
+
+__all__ = ["COLUMN", "FIGURES", "POOLED", "RENAMED", "ROLLUP_BLOCK_STEPS", "SCHEMA_VERSION", "TABLES", "TABLE_NAMES",
+           "TENSOR_STATS_COLUMNS", "Column", "Figure", "sql_type"]
 
 SCHEMA_VERSION = 3
 
@@ -35,93 +39,21 @@ RENAMED: dict[str, dict[str, str]] = {
 
 _f64, _i64, _i32, _str, _bool = pa.float64(), pa.int64(), pa.int32(), pa.string(), pa.bool_()
 
-
-@dataclass(frozen=True)
-class Column:
-    """One ``tensor_stats`` column, declared once: type, unit, how it combines across ranks, how it pools.
-
-    ``reduce``: how the values of one tensor's shards (FSDP/DTensor, one row per rank) combine into the
-    whole tensor's value, torchmetrics' ``dist_reduce_fx``: "sum", "norm" (root of the summed squares),
-    "max", "all" (booleans), "first" (metadata every shard shares); None for keys and derived columns.
-    A derived column is re-computed from combined states, never combined itself: ``frac_of`` (that count
-    over ``numel``) or ``ratio`` (numerator, denominator). ``pool``: the rollup columns this one feeds,
-    as (rollup column, how, where): "sq" Σx², "sum" Σx, "max", "numel" Σnumel over rows where ``where``
-    (default: this column) is not NULL, so every count pools beside the element count it is out of.
-    """
-
-    name: str
-    type: pa.DataType
-    unit: str = ""  # "elements", "steps"; "" for norms, ratios and fractions (dimensionless or the weights' unit)
-    reduce: str | None = None
-    frac_of: str | None = None
-    ratio: tuple[str, str] | None = None
-    pool: tuple[tuple[str, str, str | None], ...] = ()
-    doc: str = ""
-
-    @property
-    def integer(self) -> bool:
-        return pa.types.is_integer(self.type)
-
-
-def _count(name: str, doc: str, numel: str | None = None) -> Column:
-    """An element count that sums across shards and pools as a sum (and, with ``numel``, beside its Σnumel)."""
-    pool = ((name, "sum", None),) + (((numel, "numel", None),) if numel else ())
-    return Column(name, _i64, "elements", "sum", pool=pool, doc=doc)
-
-
-def _frac(count: str) -> Column:
-    return Column(count.removesuffix("_count") + "_frac", _f64, frac_of=count, doc=f"{count} / numel")
-
-
-# Per-tensor columns of tensor_stats, after the (run_id, rank, role, step, time_us, stage) every row has.
-# Under FSDP/DTensor a row describes the local shard: numel is the shard's element count.
-TENSOR_STATS_COLUMNS: tuple[Column, ...] = (
-    Column("tensor", _str, doc="parameter name, wrapper prefixes removed (core.naming.normalize_name)"),
-    Column("layer", _i32, reduce="first"), Column("kind", _str, reduce="first"),
-    Column("shape", _str, reduce="first"), Column("dtype", _str, reduce="first"),
-    Column("numel", _i64, "elements", "sum", pool=(("numel", "sum", None),)),
-    Column("sharded", _bool),
-    # weights and the step update ΔW = W_t − W_{t−1}
-    Column("w_norm", _f64, reduce="norm", pool=(("w_sq", "sq", None), ("update_w_sq", "sq", "update_norm"),
-                                                ("drift_w_sq", "sq", "drift_norm")), doc="‖W_t‖"),
-    Column("update_norm", _f64, reduce="norm", pool=(("update_sq", "sq", None),), doc="‖W_t − W_{t−1}‖"),
-    Column("update_ratio", _f64, ratio=("update_norm", "w_norm"), pool=(("update_ratio_max", "max", None),)),
-    _count("changed_count", "bits differ in the parameter's dtype", "changed_numel"), _frac("changed_count"),
-    _count("changed_rel_count", "|ΔW| > η·max(|W_t|, |W_{t−1}|), η = 1e-3", "changed_rel_numel"),
-    _frac("changed_rel_count"),
-    _count("sign_flip_count", "sign(W_t)·sign(W_{t−1}) < 0"), _frac("sign_flip_count"),
-    _count("bf16_unchanged_count", "PULSE S₁: bf16(W_t) bitwise equal to bf16(W_{t−1})", "bf16_unchanged_numel"),
-    _frac("bf16_unchanged_count"),
-    _count("bf16_unchanged_k_count", "PULSE S_k: bf16(W_t) bitwise equal to bf16(W_{t−k})", "bf16_unchanged_k_numel"),
-    _frac("bf16_unchanged_k_count"),
-    Column("bf16_k_steps", _i32, "steps", "first", pool=(("bf16_k_steps", "max", None),), doc="k of S_k"),
-    _count("w_nan_count", "NaN elements of W_t"), _count("w_inf_count", "±Inf elements of W_t"),
-    # drift against the reference weights θ₀ (null when this tensor's θ₀ is not held)
-    Column("ref_covered", _bool, reduce="all"),
-    Column("drift_norm", _f64, reduce="norm", pool=(("drift_sq", "sq", None), ("drift_numel", "numel", None)),
-           doc="‖W_t − W₀‖"),
-    Column("drift_ratio", _f64, ratio=("drift_norm", "ref_norm"), doc="‖W_t − W₀‖ / ‖W₀‖"),
-    _count("drift_changed_count", "bits of W_t and W₀ differ"), _frac("drift_changed_count"),
-    _count("drift_changed_rel_count", "|W_t − W₀| > η·max(|W_t|, |W₀|)"), _frac("drift_changed_rel_count"),
-    _count("drift_unchanged_count", "Mukherjee et al.: isclose(bf16(W_t) − bf16(W₀), 0, atol=1e-5)"),
-    _frac("drift_unchanged_count"),
-    _count("drift_zero_count", "bf16(W_t) − bf16(W₀) == 0"), _frac("drift_zero_count"),
-    # gradient at the step (null when the param had no grad)
-    Column("grad_norm", _f64, reduce="norm", pool=(("grad_sq", "sq", None),)),
-    _count("grad_zero_count", "g == 0", "grad_numel"), _frac("grad_zero_count"),
-    _count("grad_near_zero_count", "|g| ≤ tol·rms(g) of this shard"), _frac("grad_near_zero_count"),
-    Column("grad_max_abs", _f64, reduce="max", pool=(("grad_max_abs", "max", None),)),
-    _count("grad_nan_count", "NaN elements of g"), _count("grad_inf_count", "±Inf elements of g"),
-)
+# Per-tensor columns of tensor_stats, after the (run_id, rank, role, step, time_us, stage) every row has:
+# the tensor's description, then every declared statistic's columns (dynascope.stats: one declaration per
+# statistic, with its type, unit, cross-rank reduction, derivation and rollup pools). Under FSDP/DTensor
+# a row describes the local shard: numel is the shard's element count.
+TENSOR_STATS_COLUMNS: tuple[Column, ...] = REGISTRY.columns
 COLUMN = {c.name: c for c in TENSOR_STATS_COLUMNS}
 
 # Pooled columns of the tensor_stats rollups, from the registry: sums of squares and counts, each count
 # beside the element count it is out of, so a ratio over any set of rows is Σ/Σ. ``tensors`` counts rows.
-POOLED: tuple[tuple[str, str, str, str | None], ...] = tuple(  # (rollup column, how, source column, where)
-    (name, how, c.name, where) for c in TENSOR_STATS_COLUMNS for name, how, where in c.pool)
+POOLED: tuple[tuple[str, str, str, str | None], ...] = REGISTRY.pooled  # (rollup column, how, source, where)
 _POOLED = [("tensors", _i64)] + [
     (name, _i64 if how == "numel" or (how == "sum" and COLUMN[src].integer) else
      (COLUMN[src].type if how == "max" and COLUMN[src].integer else _f64)) for name, how, src, _ in POOLED]
+# Figures pooled from the rollups' columns (Σnum / Σden), as the statistics declare them: the dashboard's.
+FIGURES = REGISTRY.figures
 # Steps per row of tensor_stats_by_layer (blocks start at multiples of it).
 ROLLUP_BLOCK_STEPS = 16
 

@@ -6,50 +6,51 @@ import polars as pl
 
 from dynascope.dashboard.queries import BUCKET, MAX_POINTS, bounds_cte, in_list
 from dynascope.store import StoreConnection, quote_literal
-from dynascope.store.schema import ROLLUP_BLOCK_STEPS
+from dynascope.store.schema import FIGURES, POOLED, ROLLUP_BLOCK_STEPS, Figure
 
 # Two scans feed the whole page: the writer's per-kind rollup (tensor_stats_by_kind, ~tensors-per-kind
 # times fewer rows than tensor_stats) summed per (step, kind, stage) for the series, and its per-layer
 # rollup of 16-step blocks (tensor_stats_by_layer) summed per (step bucket, layer, kind, stage) for the heat
 # maps (tensor_stats itself when buckets are narrower than a block). Kind and stage filters then pool
-# these sums in polars, so changing a filter never re-scans the table.
-# ‖ΔW‖/‖W‖ pools ‖W‖² over the rows that have an update: under a memory budget only the window's tensors
-# do, and pooling every tensor's ‖W‖² would shrink the ratio by about √(window share).
-_HEAT_SUMS = """
-    sum(update_norm * update_norm) AS dw2, sum(CASE WHEN update_norm IS NOT NULL THEN w_norm * w_norm END) AS update_w2,
-    CAST(sum(changed_count) AS DOUBLE) AS changed,
-    CAST(sum(CASE WHEN changed_count IS NOT NULL THEN numel END) AS DOUBLE) AS changed_numel,
-    sum(drift_norm * drift_norm) AS drift2, sum(CASE WHEN drift_norm IS NOT NULL THEN w_norm * w_norm END) AS drift_w2"""
-# The heat maps need only the sums above; the series also need the gradient and NaN/Inf ones. Leaving
-# those six columns out of the 10M-row heat scan is a third less to decode.
-_SUMS = _HEAT_SUMS + """,
-    CAST(sum(changed_rel_count) AS DOUBLE) AS rel,
-    CAST(sum(CASE WHEN changed_rel_count IS NOT NULL THEN numel END) AS DOUBLE) AS rel_numel,
-    CAST(sum(grad_zero_count) AS DOUBLE) AS gzero, CAST(sum(grad_near_zero_count) AS DOUBLE) AS gnear,
-    CAST(sum(CASE WHEN grad_zero_count IS NOT NULL THEN numel END) AS DOUBLE) AS grad_numel,
-    CAST(sum(coalesce(w_nan_count, 0) + coalesce(grad_nan_count, 0)) AS BIGINT) AS nan,
-    CAST(sum(coalesce(w_inf_count, 0) + coalesce(grad_inf_count, 0)) AS BIGINT) AS inf"""
-
-# The same sums from the rollups' pooled columns (see dynascope/store/rollup.py). Rollup rows written
-# before ``update_w_sq`` existed have only w_sq, every tensor's ‖W‖², which is what they pool.
-_HEAT_ROLLUP_SUMS = """
-    sum(update_sq) AS dw2, sum(CASE WHEN update_sq IS NOT NULL THEN coalesce(update_w_sq, w_sq) END) AS update_w2, CAST(sum(changed_count) AS DOUBLE) AS changed,
-    CAST(sum(changed_numel) AS DOUBLE) AS changed_numel, sum(drift_sq) AS drift2, sum(drift_w_sq) AS drift_w2"""
-_ROLLUP_SUMS = _HEAT_ROLLUP_SUMS + """,
-    CAST(sum(changed_rel_count) AS DOUBLE) AS rel, CAST(sum(changed_rel_numel) AS DOUBLE) AS rel_numel,
-    CAST(sum(grad_zero_count) AS DOUBLE) AS gzero, CAST(sum(grad_near_zero_count) AS DOUBLE) AS gnear,
-    CAST(sum(grad_numel) AS DOUBLE) AS grad_numel,
-    CAST(coalesce(sum(w_nan_count), 0) + coalesce(sum(grad_nan_count), 0) AS BIGINT) AS nan,
-    CAST(coalesce(sum(w_inf_count), 0) + coalesce(sum(grad_inf_count), 0) AS BIGINT) AS inf"""
-
+# these sums in polars, so changing a filter never re-scans the table. The sums are the rollups' pooled
+# columns (store.schema.POOLED, from the statistics' declarations), under the same names whichever table
+# they come from, and every figure is a ratio of two of them (store.schema.FIGURES).
+_NONFINITE = ("w_nan_count", "grad_nan_count", "w_inf_count", "grad_inf_count")
+# Rollup rows written before ``update_w_sq`` existed have only w_sq, every tensor's ‖W‖², which is what they pool.
+_ROLLUP_FALLBACK = {"update_w_sq": "CASE WHEN update_sq IS NOT NULL THEN coalesce(update_w_sq, w_sq) END"}
 _KEYS = "coalesce(kind, 'other') AS kind, coalesce(stage, '') AS stage"
 
-# Heat-map metrics: label → pooled expression over the cube's sums.
-HEAT_METRICS = {
-    "update ratio ‖ΔW‖/‖W‖": (pl.col("dw2").sum().sqrt() / pl.col("update_w2").sum().sqrt()),
-    "step-changed fraction": (pl.col("changed").sum() / pl.col("changed_numel").sum()),
-    "drift vs θ₀ ‖W−θ₀‖/‖W‖": (pl.col("drift2").sum().sqrt() / pl.col("drift_w2").sum().sqrt()),
-}
+
+def _pooled_sql(names: tuple[str, ...], table: str) -> str:
+    """``sum(...) AS <pooled column>`` for each of ``names``: the rollup's own column, or from tensor_stats
+    the same pool of its rows (Σx², Σx, max, or Σnumel where the count, or ``where``, is not NULL)."""
+    by_name = {p[0]: p for p in POOLED}
+    out = []
+    for name in names:
+        _, how, src, where = by_name[name]
+        agg = "max" if how == "max" else "sum"
+        if table != "tensor_stats":
+            x = _ROLLUP_FALLBACK.get(name, name)
+        else:
+            x = {"sq": f"{src} * {src}", "sum": src, "max": src, "numel": "numel"}[how]
+            cond = where if where is not None else src if how == "numel" else None
+            x = f"CASE WHEN {cond} IS NOT NULL THEN {x} END" if cond is not None else x
+        out.append(f"CAST({agg}({x}) AS DOUBLE) AS {name}")
+    return ",\n    ".join(out)
+
+
+def _figure(f: Figure) -> pl.Expr:
+    num, den = pl.col(f.num).sum(), pl.col(f.den).sum()
+    return (num.sqrt() / den.sqrt() if f.root else num / den).alias(f.name)
+
+
+# Heat-map metrics: label → pooled expression over the cube's sums (the declared figures marked ``heat``).
+HEAT_METRICS = {f.label: _figure(f) for f in FIGURES if f.heat}
+# The heat maps need only their figures' sums: leaving the others out of a 10M-row heat scan is less to decode.
+_HEAT_SUMS = tuple(dict.fromkeys(n for f in FIGURES if f.heat for n in (f.num, f.den)))
+_SUMS = tuple(dict.fromkeys([n for f in FIGURES for n in (f.num, f.den)] + list(_NONFINITE)))
+_NAN = (pl.col("w_nan_count").fill_null(0) + pl.col("grad_nan_count").fill_null(0)).sum().cast(pl.Int64).alias("nan")
+_INF = (pl.col("w_inf_count").fill_null(0) + pl.col("grad_inf_count").fill_null(0)).sum().cast(pl.Int64).alias("inf")
 
 
 def param_cube(store: StoreConnection, run: str, max_points: int = MAX_POINTS) -> pl.DataFrame:
@@ -65,10 +66,11 @@ def param_cube(store: StoreConnection, run: str, max_points: int = MAX_POINTS) -
         SELECT true AS per_step, step, CAST(NULL AS BIGINT) AS bucket, CAST(NULL AS INTEGER) AS layer,
                {keys}, {sums}
         FROM {table} WHERE {where} GROUP BY ALL"""
-    per_step = store.frame(per_step_sql.format(keys=_KEYS, sums=_ROLLUP_SUMS, table="tensor_stats_by_kind",
-                                                where=where))
+    per_step = store.frame(per_step_sql.format(keys=_KEYS, sums=_pooled_sql(_SUMS, "tensor_stats_by_kind"),
+                                                table="tensor_stats_by_kind", where=where))
     if per_step.height == 0:
-        per_step = store.frame(per_step_sql.format(keys=_KEYS, sums=_SUMS, table="tensor_stats", where=where))
+        per_step = store.frame(per_step_sql.format(keys=_KEYS, sums=_pooled_sql(_SUMS, "tensor_stats"),
+                                                    table="tensor_stats", where=where))
     if per_step.height == 0:
         return per_step
     s0, width = heat_buckets(int(per_step["step"].min()), int(per_step["step"].max()), max_points)
@@ -78,11 +80,12 @@ def param_cube(store: StoreConnection, run: str, max_points: int = MAX_POINTS) -
         FROM {table}, (SELECT {s0} AS s0, {w} AS w) bounds WHERE {where} GROUP BY ALL"""
     heat = pl.DataFrame()
     if width % ROLLUP_BLOCK_STEPS == 0:  # whole blocks: the layer rollup has every sum the cells need
-        heat = store.frame(heat_sql.format(bucket=BUCKET, s0=s0, w=width, keys=_KEYS, sums=_HEAT_ROLLUP_SUMS,
+        heat = store.frame(heat_sql.format(bucket=BUCKET, s0=s0, w=width, keys=_KEYS,
+                                            sums=_pooled_sql(_HEAT_SUMS, "tensor_stats_by_layer"),
                                             table="tensor_stats_by_layer", where=where))
     if heat.height == 0:
-        heat = store.frame(heat_sql.format(bucket=BUCKET, s0=s0, w=width, keys=_KEYS, sums=_HEAT_SUMS, table="tensor_stats",
-                                            where=where))
+        heat = store.frame(heat_sql.format(bucket=BUCKET, s0=s0, w=width, keys=_KEYS,
+                                            sums=_pooled_sql(_HEAT_SUMS, "tensor_stats"), table="tensor_stats", where=where))
     return pl.concat([heat, per_step], how="diagonal_relaxed").select(per_step.columns)
 
 
@@ -122,13 +125,9 @@ def layer_heatmap(cube: pl.DataFrame, stages: tuple[str, ...], kinds: tuple[str,
 
 
 def _per_step(cube: pl.DataFrame, kinds: tuple[str, ...]) -> pl.DataFrame:
-    return (cube.filter(pl.col("per_step") & pl.col("kind").is_in(kinds)).group_by("step", "stage").agg(
-        (pl.col("dw2").sum().sqrt() / pl.col("update_w2").sum().sqrt()).alias("ratio"),
-        (pl.col("changed").sum() / pl.col("changed_numel").sum()).alias("changed"),
-        (pl.col("rel").sum() / pl.col("rel_numel").sum()).alias("changed_rel"),
-        (pl.col("gzero").sum() / pl.col("grad_numel").sum()).alias("zero"),
-        (pl.col("gnear").sum() / pl.col("grad_numel").sum()).alias("near_zero"),
-        pl.col("nan").sum(), pl.col("inf").sum()).sort("step"))
+    """Every declared figure, pooled per (step, stage) over ``kinds``, and the NaN/Inf element counts."""
+    return (cube.filter(pl.col("per_step") & pl.col("kind").is_in(kinds)).group_by("step", "stage")
+            .agg(*[_figure(f) for f in FIGURES], _NAN, _INF).sort("step"))
 
 
 def _bucketed(df: pl.DataFrame, x: str, values: list[str], by: list[str], max_points: int) -> pl.DataFrame:
@@ -150,23 +149,24 @@ def stage_overlay(cube: pl.DataFrame, run: str, kinds: tuple[str, ...], max_poin
     ps = _per_step(cube, kinds).with_columns((pl.col("step") - pl.col("step").min().over("stage")).alias("step_in_stage"))
     if ps.height == 0:
         return ps
-    return _bucketed(ps, "step_in_stage", ["ratio", "changed", "changed_rel"], ["stage"], max_points).with_columns(
+    return _bucketed(ps, "step_in_stage", ["update_ratio", "changed_frac", "changed_rel_frac"], ["stage"],
+                     max_points).with_columns(
         pl.lit(run).alias("run_id"))
 
 
 def grad_health(cube: pl.DataFrame, run: str, kinds: tuple[str, ...], max_points: int = MAX_POINTS) -> pl.DataFrame:
     """Gradient sparsity (exact zeros, near zeros) per step bucket: mean/min/max of the per-step fractions."""
-    ps = _per_step(cube, kinds).filter(pl.col("zero").is_not_null())
+    ps = _per_step(cube, kinds).filter(pl.col("grad_zero_frac").is_not_null())
     if ps.height == 0:
         return ps
-    return _bucketed(ps.with_columns(pl.lit(run).alias("run_id")), "step", ["zero", "near_zero"], ["run_id"],
-                     max_points)
+    return _bucketed(ps.with_columns(pl.lit(run).alias("run_id")), "step", ["grad_zero_frac", "grad_near_zero_frac"],
+                     ["run_id"], max_points)
 
 
 def nonfinite_steps(cube: pl.DataFrame, run: str) -> pl.DataFrame:
     """Steps where any weight or gradient held NaN/Inf, with their counts."""
-    ps = cube.filter(pl.col("per_step") & ((pl.col("nan") + pl.col("inf")) > 0))
-    return (ps.group_by("step").agg(pl.col("nan").sum(), pl.col("inf").sum()).sort("step")
+    return (cube.filter(pl.col("per_step")).group_by("step").agg(_NAN, _INF)
+            .filter((pl.col("nan") + pl.col("inf")) > 0).sort("step")
             .with_columns(pl.lit(run).alias("run_id")).select("run_id", "step", "nan", "inf"))
 
 

@@ -66,7 +66,7 @@ def _body() -> None:
         if not data.empty(ov, "per-step updates"):
             left, right = st.columns(2)
             with left:
-                charts.show(charts.banded(ov, "step_in_stage", "ratio", "ratio_lo", "ratio_hi", ["run_id", "stage"],
+                charts.show(charts.banded(ov, "step_in_stage", "update_ratio", "update_ratio_lo", "update_ratio_hi", ["run_id", "stage"],
                                           "update ratio by stage", "‖ΔW‖/‖W‖", "steps since stage start",
                                           log_y=True), "dyn_overlay_ratio")
             with right:
@@ -93,20 +93,21 @@ def _changed(ov: pl.DataFrame) -> None:
     ``changed_rel_frac``): with fp32 master weights Adam moves nearly every weight each step, and the
     relative threshold separates moves of the weight's own size from rounding-sized ones. The bf16-cast
     comparison (PULSE S₁) is drawn with the delta weight sync it prices (``_delta_sync``)."""
-    fig = charts.banded(ov, "step_in_stage", "changed", "changed_lo", "changed_hi", ["run_id", "stage"],
+    fig = charts.banded(ov, "step_in_stage", "changed_frac", "changed_frac_lo", "changed_frac_hi", ["run_id", "stage"],
                         "step-changed fraction by stage: bit-exact and > 0.1% of |W|", "fraction of parameters",
                         "steps since stage start")
-    has_rel = ov["changed_rel"].drop_nulls().len() > 0
+    has_rel = ov["changed_rel_frac"].drop_nulls().len() > 0
     if has_rel:
         for i, ((run, stage), g) in enumerate(ov.group_by("run_id", "stage", maintain_order=True)):
-            xs, ys = charts.gapped(g["step_in_stage"].to_list(), g["changed_rel"].to_list())
+            xs, ys = charts.gapped(g["step_in_stage"].to_list(), g["changed_rel_frac"].to_list())
             name = " · ".join(str(k) for k in (run, stage) if k not in (None, ""))
             fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", name=f"{name} (relative)",
                                      line=dict(dash="dot", color=charts.PALETTE[i % len(charts.PALETTE)])))
-    charts.fraction_axis(fig, max(ov["changed_hi"].max() or 0, ov["changed_rel"].max() or 0))
+    charts.fraction_axis(fig, max(ov["changed_frac_hi"].max() or 0, ov["changed_rel_frac"].max() or 0))
     charts.show(charts.place_legend(fig), "dyn_overlay_changed")
     if has_rel:
-        means = ov.group_by("stage", maintain_order=True).agg(pl.col("changed").mean(), pl.col("changed_rel").mean())
+        means = ov.group_by("stage", maintain_order=True).agg(pl.col("changed_frac").mean(),
+                                                               pl.col("changed_rel_frac").mean())
         st.caption("Dotted: share of parameters changed by > 0.1% of |W| (relative, `changed_rel_frac`). "
                    + "; ".join(f"{s or 'all'}: {c:.1%} bit-exact, {b:.1%} relative"
                                for s, c, b in means.iter_rows() if c is not None and b is not None) + ".")
@@ -221,13 +222,13 @@ def _gradients(path: str, cubes: dict[str, pl.DataFrame], nonfinite: dict[str, p
     nf = pl.concat(list(nonfinite.values()), how="diagonal_relaxed")
     if data.empty(gh, "gradient statistics"):
         return
-    fig = charts.banded(gh, "step", "zero", "zero_lo", "zero_hi", ["run_id"], "gradient sparsity and NaN/Inf steps",
+    fig = charts.banded(gh, "step", "grad_zero_frac", "grad_zero_frac_lo", "grad_zero_frac_hi", ["run_id"], "gradient sparsity and NaN/Inf steps",
                         "fraction of gradient entries", label="== 0")
     for i, ((run,), g) in enumerate(gh.group_by("run_id", maintain_order=True)):
-        fig.add_trace(go.Scatter(x=g["step"].to_list(), y=g["near_zero"].to_list(), mode="lines",
+        fig.add_trace(go.Scatter(x=g["step"].to_list(), y=g["grad_near_zero_frac"].to_list(), mode="lines",
                                  name=f"near-zero · {run}", line=dict(dash="dot", color=charts.PALETTE[i % 8])))
     charts.place_legend(fig)
-    top = max(float(gh["zero_hi"].max() or 0), float(gh["near_zero_hi"].max() or 0))
+    top = max(float(gh["grad_zero_frac_hi"].max() or 0), float(gh["grad_near_zero_frac_hi"].max() or 0))
     charts.fraction_axis(fig, top)
     if nf.height:
         top = fig.layout.yaxis.range[1]  # markers on the top edge of the (possibly zoomed) axis

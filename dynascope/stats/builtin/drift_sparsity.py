@@ -10,16 +10,18 @@
 * the exact-zero share is ``delta == 0`` (PyTorch keeps subnormals, so this is the share of elements whose
   bf16 casts are equal).
 
-"Update sparsity" in the paper is the unchanged share. The chunk function below is the whole definition;
-the live probe (drift against θ₀) and ``dynascope diff`` (each checkpoint against BASE) both call it.
+"Update sparsity" in the paper is the unchanged share. ``drift_sparsity_counts`` is the whole definition,
+per chunk; the live probe (drift against θ₀) and ``dynascope diff`` (each checkpoint against BASE) run it.
 """
 
 from __future__ import annotations
 
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING
 
-__all__ = ["DRIFT_ATOL", "drift_sparsity_counts"]
+from dynascope.stats.base import Chunk, Figure, Statistic, count, frac
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 DRIFT_ATOL = 1e-5  # the paper's tolerance (``--tolerances`` default of check_sparsity.py)
 
@@ -30,6 +32,25 @@ def drift_sparsity_counts(a: Tensor, b: Tensor) -> list[Tensor]:
     ``torch.isclose`` and ``==`` on the bf16 difference, exactly as the paper's script computes them.
     Temporaries: the two bf16 casts (none for bf16 inputs), Δ and ``isclose``'s masks, ~10 bytes/element.
     """
+    import torch
+
     delta = a.to(torch.bfloat16) - b.to(torch.bfloat16)  # never in place: a bf16 input's cast is itself
     zero = delta.new_zeros(())
     return [torch.count_nonzero(torch.isclose(delta, zero, atol=DRIFT_ATOL)), torch.count_nonzero(delta == zero)]
+
+
+def drift_sparsity(x: Chunk) -> list[Tensor]:
+    return drift_sparsity_counts(x.ref, x.new)
+
+
+DRIFT_SPARSITY = Statistic(
+    "drift_sparsity",
+    columns=(count("drift_unchanged_count", "Mukherjee et al.: isclose(bf16(W_t) − bf16(W₀), 0, atol=1e-5)"),
+             frac("drift_unchanged_count", summary=True),
+             count("drift_zero_count", "bf16(W_t) − bf16(W₀) == 0"), frac("drift_zero_count")),
+    outputs=("drift_unchanged_count", "drift_zero_count"), inputs=("ref", "new"), kernel=drift_sparsity,
+    transient=(0, 10),
+    figures=(Figure("drift_unchanged_frac", "unchanged vs θ₀ in bf16 (Mukherjee et al.)", "drift_unchanged_count",
+                    "drift_numel"),))
+
+STATISTICS = (DRIFT_SPARSITY,)

@@ -1,0 +1,1 @@
+"""The statistics that ship: one family per file, each declaring ``STATISTICS`` (see ``stats.registry``)."""

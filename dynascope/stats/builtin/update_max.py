@@ -1,0 +1,41 @@
+"""max |ΔW|: the largest change of a single element in one optimizer step (``update_max_abs``).
+
+‖ΔW‖ says how much a tensor moved in all; the largest element's move says whether any weight moved
+enough to matter on its own. In the regime of RL post-training (bf16 storage, lr ~1e-6) it is the quantity
+to hold against a bf16 ulp: with Adam, |ΔW| per element is at most about lr (times the bias correction at
+the first steps), so max |ΔW| well above lr points at a spike, and max |ΔW| below half a bf16 ulp of the
+weights means no element of the tensor could have changed in a bf16 copy (then ``bf16_unchanged_frac``
+is 1). It combines across chunks and shards as a maximum, and pools in the rollups as the maximum over
+the tensors of a row.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from dynascope.stats.base import F64, Chunk, Column, Statistic
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+
+def update_max_abs(x: Chunk) -> list[Tensor]:
+    """max |new − old| of one chunk, in fp32 or wider (0 for an empty chunk; NaN if any element is NaN)."""
+    import torch
+
+    from dynascope.stats.kernels import wide
+
+    if x.new.numel() == 0:
+        return [torch.zeros((), dtype=torch.float64, device=x.new.device)]
+    a = wide(x.new)
+    return [(a - wide(x.old).to(a.dtype)).abs_().amax()]
+
+
+UPDATE_MAX_ABS = Statistic(
+    "update_max_abs",
+    columns=(Column("update_max_abs", F64, reduce="max", pool=(("update_max_abs", "max", None),),
+                    doc="max |W_t − W_{t−1}| over the tensor's elements"),),
+    outputs=("update_max_abs",), inputs=("new", "old"), kernel=update_max_abs,
+    transient=(3, 0))  # the widened copies of 16-bit inputs and the difference
+
+STATISTICS = (UPDATE_MAX_ABS,)
