@@ -97,8 +97,11 @@ def sql_snippets(text: str) -> list[tuple[int, str]]:
     """(line, SQL) for quoted strings in code blocks and code spans that start with SELECT or WITH."""
     out = []
     for block in FENCE.finditer(text):
-        for q in QUOTED.finditer(block.group(0)):
+        code = block.group(0)
+        for q in QUOTED.finditer(code):
             sql = next(g for g in q.groups() if g is not None)
+            if q.start() > 0 and code[q.start() - 1] in "fF":
+                continue  # an f-string is a template: its text is SQL only once Python fills it in
             if SQL_START.match(sql):
                 out.append((text.count("\n", 0, block.start() + q.start()) + 1, sql))
     prose = FENCE.sub(lambda m: " " * len(m.group(0)), text)

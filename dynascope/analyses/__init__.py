@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # the same names, for IDEs and type checkers
     )
     from dynascope.analyses.findings_dynamics import delta_sync_numbers
     from dynascope.analyses.findings_text import INSTABILITY_LABELS, fmt_ms, fmt_pct, sentence
+    from dynascope.analyses.fleet import FLEET_COLUMNS, fleet_summary
     from dynascope.analyses.goodput import EVENT_KINDS, goodput_incidents, goodput_summary
     from dynascope.analyses.gpu_timeline import comm_comp_overlap, kernel_type_breakdown, temporal_breakdown
     from dynascope.analyses.instability import detect_instability
@@ -58,6 +59,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "dynamics": ("rank1_dominance", "sparsity_comparison", "sparsity_over_training"),
     "dynamics_layers": ("update_share_by_layer",),
     "dynamics_rank1": ("rank1_linear_fit",),
+    "fleet": ("FLEET_COLUMNS", "fleet_summary"),
     "findings": ("Finding", "collect_findings", "probe_cost_numbers", "ranked_findings", "tail_wait_numbers"),
     "findings_dynamics": ("delta_sync_numbers",),
     "findings_text": ("INSTABILITY_LABELS", "fmt_ms", "fmt_pct", "sentence"),
@@ -75,10 +77,10 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "throughput": ("PEAK_TFLOPS", "peak_tflops_for", "throughput_mfu"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
-__all__ = ["DEFAULT_PROBE_COST", "DTYPE_BYTES", "EVENT_KINDS", "Finding", "INSTABILITY_LABELS", "PEAK_TFLOPS",
+__all__ = ["DEFAULT_PROBE_COST", "DTYPE_BYTES", "EVENT_KINDS", "FLEET_COLUMNS", "Finding", "INSTABILITY_LABELS", "PEAK_TFLOPS",
            "PROBE_PHASE", "async_staleness", "collect_findings", "comm_comp_overlap", "critical_path",
            "delta_sync_bytes", "delta_sync_numbers", "delta_sync_summary", "detect_instability", "fmt_ms",
-           "fmt_pct", "goodput_incidents", "goodput_summary", "idle_time", "kernel_type_breakdown",
+           "fmt_pct", "fleet_summary", "goodput_incidents", "goodput_summary", "idle_time", "kernel_type_breakdown",
            "logprob_gap_by_step", "peak_tflops_for", "phase_shares", "probe_cost", "probe_cost_numbers",
            "rank1_dominance", "rank1_linear_fit", "ranked_findings", "rl_throughput", "rollout_long_tail",
            "rollout_train_overlap", "schedule_inputs", "schedule_staleness", "schedule_what_if", "sentence",
