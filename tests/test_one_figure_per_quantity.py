@@ -40,10 +40,9 @@ def _cli(*args: str) -> str:
 
 
 @pytest.fixture(scope="session")
-def demo(tmp_path_factory) -> tuple[Path, str]:
-    """(run directory, stdout) of one ``dynascope demo --quick``."""
-    run = tmp_path_factory.mktemp("one_figure") / "demo"
-    return run, _cli("demo", "--quick", "--run", str(run))
+def demo(quick_demo) -> tuple[Path, str]:
+    """(run directory, stdout) of one ``dynascope demo --quick`` (the session's, from conftest)."""
+    return quick_demo
 
 
 @pytest.fixture(scope="session")
