@@ -23,8 +23,8 @@ from dynascope.analyses.delta_sync import delta_sync_summary
 from dynascope.analyses.findings import collect_findings, tail_wait_numbers
 from dynascope.analyses.findings_dynamics import delta_sync_numbers
 from dynascope.analyses.findings_text import sentence
-from dynascope.analyses.phase_shares import phase_shares
 from dynascope.analyses.rollouts import tail_wait_summary
+from dynascope.analyses.step_shares import phase_shares
 from dynascope.core.fmt import fmt_ms, fmt_pct
 from dynascope.store import open_store, run_sql
 
