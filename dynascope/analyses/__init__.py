@@ -41,17 +41,14 @@ if TYPE_CHECKING:  # the same names, for IDEs and type checkers
         weight_sync_checks,
         zero_variance_groups,
     )
-    from dynascope.analyses.schedules import (
-        rl_throughput,
-        schedule_inputs,
-        schedule_staleness,
-        schedule_what_if,
-    )
     from dynascope.analyses.step_shares import phase_shares
     from dynascope.analyses.steps import critical_path, idle_time, step_breakdown
-    from dynascope.analyses.stragglers import straggler_scores, what_if, what_if_steps
-    from dynascope.analyses.stragglers_shared import what_if_shared
+    from dynascope.analyses.stragglers import straggler_scores
     from dynascope.analyses.throughput import PEAK_TFLOPS, peak_tflops_for, throughput_mfu
+    from dynascope.analyses.what_if_rank import what_if, what_if_steps
+    from dynascope.analyses.what_if_rank_shared import what_if_shared
+    from dynascope.analyses.what_if_schedule import rl_throughput, schedule_staleness, schedule_what_if
+    from dynascope.analyses.what_if_schedule_inputs import schedule_inputs
 
 # submodule → the public names it gives (what __getattr__ imports on first use)
 _EXPORTS: dict[str, tuple[str, ...]] = {
@@ -70,11 +67,13 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "probe_time": ("DEFAULT_PROBE_COST", "PROBE_PHASE", "probe_cost"),
     "rollouts": ("async_staleness", "logprob_gap_by_step", "rollout_long_tail", "rollout_train_overlap",
                  "tail_wait_share", "tail_wait_summary", "weight_sync_checks", "zero_variance_groups"),
-    "schedules": ("rl_throughput", "schedule_inputs", "schedule_staleness", "schedule_what_if"),
     "steps": ("critical_path", "idle_time", "step_breakdown"),
-    "stragglers": ("straggler_scores", "what_if", "what_if_steps"),
-    "stragglers_shared": ("what_if_shared",),
+    "stragglers": ("straggler_scores",),
     "throughput": ("PEAK_TFLOPS", "peak_tflops_for", "throughput_mfu"),
+    "what_if_rank": ("what_if", "what_if_steps"),
+    "what_if_rank_shared": ("what_if_shared",),
+    "what_if_schedule": ("rl_throughput", "schedule_staleness", "schedule_what_if"),
+    "what_if_schedule_inputs": ("schedule_inputs",),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = ["DEFAULT_PROBE_COST", "DTYPE_BYTES", "EVENT_KINDS", "FLEET_COLUMNS", "Finding", "INSTABILITY_LABELS", "PEAK_TFLOPS",

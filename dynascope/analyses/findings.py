@@ -38,8 +38,9 @@ from dynascope.analyses.rollouts import (
     zero_variance_groups,
 )
 from dynascope.analyses.steps import REMAINDER, idle_time, step_breakdown
-from dynascope.analyses.stragglers import straggler_scores, what_if
+from dynascope.analyses.stragglers import straggler_scores
 from dynascope.analyses.throughput import throughput_mfu
+from dynascope.analyses.what_if_rank import what_if
 from dynascope.core.errors import first_line
 from dynascope.store import quote_literal
 
@@ -270,7 +271,8 @@ MIN_SCHEDULE_GAIN_X = 1.05  # a schedule predicted to gain under 5% is within th
 
 def _schedule(con, run: str) -> list[Finding]:
     """The schedule the replay of a synchronous run's pieces predicts the most samples/s for (defaults)."""
-    from dynascope.analyses.schedules import LIMITS, ROLLOUT_PHASES, SYNC_PHASES, schedule_what_if
+    from dynascope.analyses.what_if_schedule import LIMITS, schedule_what_if
+    from dynascope.analyses.what_if_schedule_inputs import ROLLOUT_PHASES, SYNC_PHASES
 
     df = schedule_what_if(con, run)
     if df.is_empty():
