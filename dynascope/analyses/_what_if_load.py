@@ -214,11 +214,10 @@ class Devices:
         """These inputs with ``count`` set: as given, or one device per rank."""
         return self if self.count is not None else replace(self, count=float(ranks))
 
-    def share(self, procs: float, capacity: float | None = None) -> float:
-        """Each of ``procs`` runnable processes' share of ``capacity`` devices (default ``count``)."""
-        cap = self.count if capacity is None else capacity
-        assert cap is not None, "for_ranks() sets the device count"
-        return process_share(cap, procs, self.timeslice)
+    def share(self, procs: float) -> float:
+        """Each of ``procs`` runnable processes' share of the ``count`` devices (``process_share``)."""
+        assert self.count is not None, "for_ranks() sets the device count"
+        return process_share(self.count, procs, self.timeslice)
 
 
 def measured_devices(devices: float | None = None, background: float = 0.0, target_background: float | None = None,
