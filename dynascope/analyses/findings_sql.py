@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from dynascope.analyses.rollouts import WEIGHT_SYNC_PHASES
+from dynascope.analyses.goodput import checkpoints_sql
+from dynascope.analyses.rollouts import weight_syncs_sql
 from dynascope.analyses.steps import STEP_ROW, TOP_LEVEL, step_rows_sql, top_level_sql
 from dynascope.store import quote_literal
 
@@ -102,19 +103,20 @@ def staleness_sql(run: str) -> str:
 
 
 def weight_sync_sql(run: str) -> str:
-    phases = ", ".join(q(p) for p in WEIGHT_SYNC_PHASES)
-    return f"""SELECT COUNT(*) AS weight_syncs, coalesce(SUM(dur_us), 0) / 1000.0 AS weight_sync_ms FROM timings
-        WHERE run_id = {q(run)} AND phase IN ({phases})"""
+    return f"""SELECT COUNT(*) AS weight_syncs, coalesce(SUM(span_us), 0) / 1000.0 AS weight_sync_ms
+        FROM ({weight_syncs_sql(f" AND run_id = {q(run)}")})"""
 
 
 def goodput_sql(run: str) -> str:
     ev = "time_us IS NOT NULL AND event = "
-    return f"""SELECT COUNT(*) FILTER ({ev}'checkpoint_save') AS checkpoint_saves,
-        coalesce(SUM(dur_us) FILTER ({ev}'checkpoint_save'), 0) / 1000.0 AS checkpoint_save_ms,
-        COUNT(*) FILTER ({ev}'checkpoint_load') AS checkpoint_loads,
-        coalesce(SUM(dur_us) FILTER ({ev}'checkpoint_load'), 0) / 1000.0 AS checkpoint_load_ms,
-        COUNT(*) FILTER ({ev}'fault') AS faults, COUNT(*) FILTER ({ev}'restart') AS restarts
-        FROM events WHERE run_id = {q(run)}"""
+    parts = checkpoints_sql(f"(SELECT * FROM events WHERE run_id = {q(run)} AND time_us IS NOT NULL "
+                            "AND event IN ('checkpoint_save', 'checkpoint_load'))")
+    return f"""WITH ck AS ({parts}), c AS (SELECT COUNT(*) FILTER (event = 'checkpoint_save') AS checkpoint_saves,
+        coalesce(SUM(span_us) FILTER (event = 'checkpoint_save'), 0) / 1000.0 AS checkpoint_save_ms,
+        COUNT(*) FILTER (event = 'checkpoint_load') AS checkpoint_loads,
+        coalesce(SUM(span_us) FILTER (event = 'checkpoint_load'), 0) / 1000.0 AS checkpoint_load_ms FROM ck)
+        SELECT c.*, COUNT(*) FILTER ({ev}'fault') AS faults, COUNT(*) FILTER ({ev}'restart') AS restarts
+        FROM c, events WHERE run_id = {q(run)} GROUP BY ALL"""
 
 
 def instability_sql(run: str, first: dict[str, Any], steps: list[int]) -> str:
