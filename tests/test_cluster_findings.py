@@ -4,9 +4,10 @@ named as what they are."""
 
 from __future__ import annotations
 
+import polars as pl
 import pytest
 
-from dynascope.analyses import goodput_summary, rollout_train_overlap
+from dynascope.analyses import cluster_outliers, goodput_summary, rollout_train_overlap
 from dynascope.demo.synthetic import CHECKPOINT, WEIGHT_SYNC
 
 from helpers.cluster_truth import SPEC, planted_cluster
@@ -32,3 +33,24 @@ def test_a_weight_sync_counts_once_per_step(cluster):
     # trainers and workers all record the step's sync: one sync a step, its wall-clock span
     assert o["weight_syncs"] == SPEC.steps
     assert 0.95 * WEIGHT_SYNC < o["weight_sync_ms"] / SPEC.steps < 2 * WEIGHT_SYNC
+
+
+def test_the_planted_faults_are_named_as_ranks_and_a_node_and_nothing_else(cluster):
+    run, truth = cluster
+    p = truth["planted"]
+    got = cluster_outliers(run)
+    named = {(r["kind"], r["host"] if r["kind"] == "node" else r["rank"], r["phase"], r["status"])
+             for r in got.iter_rows(named=True)}
+    node = p["slow_node"]
+    want = {("rank", p["slow_rank"]["rank"], p["slow_rank"]["phase"], "persistent"),
+            ("rank", p["intermittent_rank"]["rank"], p["intermittent_rank"]["phase"], "intermittent"),
+            ("rank", p["tail_worker"]["rank"], p["tail_worker"]["phase"], "persistent")}
+    want |= {("node", node["host"], phase, "persistent") for phase in node["phases"]}
+    assert named == want
+    for r in got.filter(pl.col("kind") == "node").iter_rows(named=True):  # "its 8 ranks are 6-9% slower"
+        assert r["ranks_count"] == len(node["ranks"])
+        assert node["factor_range"][0] - 0.03 < r["min_slowdown_x"] <= r["max_slowdown_x"] < node["factor_range"][1] + 0.03
+    slow = got.filter(pl.col("rank") == p["slow_rank"]["rank"]).row(0, named=True)
+    assert abs(slow["slowdown_x"] / p["slow_rank"]["factor"] - 1) < truth["healthy_spread"]
+    assert got.filter(pl.col("rank") == p["intermittent_rank"]["rank"])["slow_steps_count"][0] == \
+        SPEC.steps // p["intermittent_rank"]["every"]

@@ -13,6 +13,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the same names, for IDEs and type checkers
+    from dynascope.analyses.cluster_outliers import cluster_outliers
     from dynascope.analyses.delta_sync import DTYPE_BYTES, delta_sync_bytes, delta_sync_summary
     from dynascope.analyses.dynamics import rank1_dominance, sparsity_comparison, sparsity_over_training
     from dynascope.analyses.dynamics_layers import update_share_by_layer
@@ -52,6 +53,7 @@ if TYPE_CHECKING:  # the same names, for IDEs and type checkers
 
 # submodule → the public names it gives (what __getattr__ imports on first use)
 _EXPORTS: dict[str, tuple[str, ...]] = {
+    "cluster_outliers": ("cluster_outliers",),
     "delta_sync": ("DTYPE_BYTES", "delta_sync_bytes", "delta_sync_summary"),
     "dynamics": ("rank1_dominance", "sparsity_comparison", "sparsity_over_training"),
     "dynamics_layers": ("update_share_by_layer",),
@@ -77,7 +79,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = ["DEFAULT_PROBE_COST", "DTYPE_BYTES", "EVENT_KINDS", "FLEET_COLUMNS", "Finding", "INSTABILITY_LABELS", "PEAK_TFLOPS",
-           "PROBE_PHASE", "async_staleness", "collect_findings", "comm_comp_overlap", "critical_path",
+           "PROBE_PHASE", "async_staleness", "cluster_outliers", "collect_findings", "comm_comp_overlap", "critical_path",
            "delta_sync_bytes", "delta_sync_numbers", "delta_sync_summary", "detect_instability", "fmt_ms",
            "fmt_pct", "fleet_summary", "goodput_incidents", "goodput_summary", "idle_time", "kernel_type_breakdown",
            "logprob_gap_by_step", "peak_tflops_for", "phase_shares", "probe_cost", "probe_cost_numbers",
