@@ -4,10 +4,12 @@ named as what they are."""
 
 from __future__ import annotations
 
+import json
+
 import polars as pl
 import pytest
 
-from dynascope.analyses import cluster_outliers, goodput_summary, rollout_train_overlap
+from dynascope.analyses import cluster_outliers, goodput_summary, ranked_findings, rollout_train_overlap
 from dynascope.demo.synthetic import CHECKPOINT, WEIGHT_SYNC
 
 from helpers.cluster_truth import SPEC, planted_cluster
@@ -54,3 +56,23 @@ def test_the_planted_faults_are_named_as_ranks_and_a_node_and_nothing_else(clust
     assert abs(slow["slowdown_x"] / p["slow_rank"]["factor"] - 1) < truth["healthy_spread"]
     assert got.filter(pl.col("rank") == p["intermittent_rank"]["rank"])["slow_steps_count"][0] == \
         SPEC.steps // p["intermittent_rank"]["every"]
+
+
+def test_the_report_names_each_planted_fault_and_the_rank_waited_for(cluster):
+    run, truth = cluster
+    p = truth["planted"]
+    found = ranked_findings(run)
+    by = {k: [json.loads(x) for x in found.filter(pl.col("finding") == k)["numbers_json"]]
+          for k in ("straggler", "slow_node", "idle")}
+    assert [(n["host"], n["ranks_count"], sorted(n["phases"].split(", "))) for n in by["slow_node"]] == \
+        [(p["slow_node"]["host"], 8, sorted(p["slow_node"]["phases"]))]
+    assert {(n["rank"], n["phase"], n["status"]) for n in by["straggler"]} == {
+        (p["slow_rank"]["rank"], p["slow_rank"]["phase"], "persistent"),
+        (p["intermittent_rank"]["rank"], p["intermittent_rank"]["phase"], "intermittent"),
+        (p["tail_worker"]["rank"], p["tail_worker"]["phase"], "persistent")}
+    assert not found.filter(pl.col("finding").is_in(["rank_cost", "imbalance"])).height
+    # the wait is charged to the rank that arrived last (the rollout worker with the long tail), not to
+    # the rank that waited most
+    idle = by["idle"][0]
+    assert idle["waited_for_rank"] == p["tail_worker"]["rank"] and idle["waited_for_host"] == p["tail_worker"]["host"]
+    assert "waiting for it" in found.filter(pl.col("finding") == "idle")["sentence"][0]

@@ -13,7 +13,6 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the same names, for IDEs and type checkers
-    from dynascope.analyses.cluster_outliers import cluster_outliers
     from dynascope.analyses.delta_sync import DTYPE_BYTES, delta_sync_bytes, delta_sync_summary
     from dynascope.analyses.dynamics import rank1_dominance, sparsity_comparison, sparsity_over_training
     from dynascope.analyses.dynamics_layers import update_share_by_layer
@@ -31,6 +30,7 @@ if TYPE_CHECKING:  # the same names, for IDEs and type checkers
     from dynascope.analyses.goodput import EVENT_KINDS, goodput_incidents, goodput_summary
     from dynascope.analyses.gpu_timeline import comm_comp_overlap, kernel_type_breakdown, temporal_breakdown
     from dynascope.analyses.instability import detect_instability
+    from dynascope.analyses.outliers import cluster_outliers
     from dynascope.analyses.probe_time import DEFAULT_PROBE_COST, PROBE_PHASE, probe_cost
     from dynascope.analyses.rollouts import (
         async_staleness,
@@ -53,7 +53,6 @@ if TYPE_CHECKING:  # the same names, for IDEs and type checkers
 
 # submodule → the public names it gives (what __getattr__ imports on first use)
 _EXPORTS: dict[str, tuple[str, ...]] = {
-    "cluster_outliers": ("cluster_outliers",),
     "delta_sync": ("DTYPE_BYTES", "delta_sync_bytes", "delta_sync_summary"),
     "dynamics": ("rank1_dominance", "sparsity_comparison", "sparsity_over_training"),
     "dynamics_layers": ("update_share_by_layer",),
@@ -65,6 +64,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "goodput": ("EVENT_KINDS", "goodput_incidents", "goodput_summary"),
     "gpu_timeline": ("comm_comp_overlap", "kernel_type_breakdown", "temporal_breakdown"),
     "instability": ("detect_instability",),
+    "outliers": ("cluster_outliers",),
     "step_shares": ("phase_shares",),
     "probe_time": ("DEFAULT_PROBE_COST", "PROBE_PHASE", "probe_cost"),
     "rollouts": ("async_staleness", "logprob_gap_by_step", "rollout_long_tail", "rollout_train_overlap",

@@ -1,0 +1,40 @@
+"""Findings at cluster scale: a slow node named as a node.
+
+- ``slow_node``: a host whose ranks of a role are slow together in one or more phases
+  (``cluster_outliers``' node rows), priced by the what-if that replaces its ranks' phases by the
+  cross-rank median ("remove node X").
+
+Numbers and query as in ``findings`` (``findings_sql`` holds the queries).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import polars as pl
+
+from dynascope.analyses import findings_sql as S
+from dynascope.analyses._findings import Finding, found, rnd
+from dynascope.analyses.outliers import cluster_outliers
+from dynascope.analyses.what_if_rank import what_if_steps
+
+__all__: list[str] = []  # generators for ``findings.GENERATORS``, not public analyses
+
+MIN_CLUSTER_RANKS = 8  # below a node's worth of ranks the healthy spread is not measured well enough
+
+
+def slow_nodes(con: Any, run: str) -> list[Finding]:
+    nodes = cluster_outliers(con, run).filter(pl.col("kind") == "node")
+    out = []
+    for (role, host), g in nodes.group_by(["role", "host"], maintain_order=True):
+        ranks = [r for (r,) in con.sql(S.node_ranks_sql(run, str(role), str(host))).fetchall()]
+        phases = g["phase"].to_list()
+        steps = what_if_steps(con, run, ranks=ranks, phases=phases).filter(pl.col("role") == role)
+        saved, base = steps["saved_ms"].sum(), steps["simulated_base_ms"].sum()
+        n = {"host": host, "role": role, "ranks_count": len(ranks), "phases": ", ".join(phases),
+             "min_slowdown_pct": rnd(100 * (g["min_slowdown_x"].min() - 1), 1),
+             "max_slowdown_pct": rnd(100 * (g["max_slowdown_x"].max() - 1), 1), "steps": steps.height,
+             "saved_ms": rnd(saved), "saved_pct": rnd(100 * saved / base, 2) if base else None}
+        out.append(found(run, "slow_node", "warning", n, S.node_ranks_sql(run, str(role), str(host), count=True),
+                         saved, n["saved_pct"]))
+    return out
