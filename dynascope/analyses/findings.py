@@ -74,7 +74,8 @@ def _stragglers(con, run: str) -> list[Finding]:
     # of healthy ranks measured in the run), and a node's ranks are the node's finding, not one each.
     big = scores.group_by("role").agg(pl.col("rank").n_unique().alias("ranks")).filter(
         pl.col("ranks") >= MIN_CLUSTER_RANKS)["role"].to_list()
-    slow = cluster_outliers(con, run).filter(pl.col("kind") == "rank") if big else None
+    outliers = cluster_outliers(con, run) if big else None
+    slow = None if outliers is None else outliers.filter(pl.col("kind") == "rank")
     verdict = {} if slow is None else {(r["role"], r["rank"], r["phase"]): r for r in slow.iter_rows(named=True)}
     scores = scores.filter(pl.col("role").is_in(big) | (pl.col("status") != "ok"))
     wi = what_if(con, run, by_phase=True)
@@ -130,6 +131,8 @@ def _stragglers(con, run: str) -> list[Finding]:
         out.append(_found(run, "rank_cost", "warning" if r["saved_pct"] >= WARN_RANK_COST_PCT else "info", n,
                           S.rank_cost_sql(run, r["role"], r["rank"]),
                           r["saved_ms"], r["saved_pct"]))
+    if outliers is not None:  # hosts whose ranks are slow together: one finding per node
+        out.extend(slow_nodes(con, run, outliers))
     if not out:  # no slow rank stands out: is time still lost to ranks being unevenly fast?
         every = wi.filter(pl.col("scenario") == "all ranks")
         if not every.is_empty() and every["saved_pct"][0] >= MIN_IMBALANCE_PCT:
@@ -186,7 +189,7 @@ def _idle(con, run: str) -> list[Finding]:
         return []
     stake = per["idle_ms"].sum() / per.height  # wall time: the mean rank's idle time
     # the rank that waits most is a victim: name the rank the others' wait is charged to (findings_sql)
-    cause = _first_row(con, S.idle_sql(run))
+    cause = _first_row(con, S.waited_for_sql(run))  # idle_sql returns it beside the idle numbers
     n = {"idle_pct": _r(pct, 2), "worst_rank": per["rank"][0], "worst_rank_idle_pct": _r(per["pct"][0], 2),
          **{k: _r(cause.get(k)) for k in ("waited_for_role", "waited_for_rank", "waited_for_host",
                                              "waited_for_phase", "waited_for_ms", "waited_for_pct")}}
@@ -317,7 +320,7 @@ def _schedule(con, run: str) -> list[Finding]:
 
 
 GENERATORS: list[Callable[[Any, str], list[Finding]]] = [
-    _stragglers, slow_nodes, _tail, _zero_variance, _idle, _remainder, _probe_cost, _async, _goodput, _instability, _mfu, dynamics,
+    _stragglers, _tail, _zero_variance, _idle, _remainder, _probe_cost, _async, _goodput, _instability, _mfu, dynamics,
     delta_sync, _schedule, C.weight_sync_mismatch, C.logprob_gap, C.kl_to_base]
 
 

@@ -1,7 +1,7 @@
 """Findings at cluster scale: a slow node named as a node.
 
 - ``slow_node``: a host whose ranks of a role are slow together in one or more phases
-  (``cluster_outliers``' node rows), priced by the what-if that replaces its ranks' phases by the
+  (``outliers.cluster_outliers``' node rows, which ``findings._stragglers`` computes once for both), priced by the what-if that replaces its ranks' phases by the
   cross-rank median ("remove node X").
 
 Numbers and query as in ``findings`` (``findings_sql`` holds the queries).
@@ -15,7 +15,6 @@ import polars as pl
 
 from dynascope.analyses import findings_sql as S
 from dynascope.analyses._findings import Finding, found, rnd
-from dynascope.analyses.outliers import cluster_outliers
 from dynascope.analyses.what_if_rank import what_if_steps
 
 __all__: list[str] = []  # generators for ``findings.GENERATORS``, not public analyses
@@ -23,8 +22,9 @@ __all__: list[str] = []  # generators for ``findings.GENERATORS``, not public an
 MIN_CLUSTER_RANKS = 8  # below a node's worth of ranks the healthy spread is not measured well enough
 
 
-def slow_nodes(con: Any, run: str) -> list[Finding]:
-    nodes = cluster_outliers(con, run).filter(pl.col("kind") == "node")
+def slow_nodes(con: Any, run: str, outliers: pl.DataFrame) -> list[Finding]:
+    """One finding per (role, host) among ``outliers``' (``cluster_outliers``) node rows."""
+    nodes = outliers.filter(pl.col("kind") == "node")
     out = []
     for (role, host), g in nodes.group_by(["role", "host"], maintain_order=True):
         ranks = [r for (r,) in con.sql(S.node_ranks_sql(run, str(role), str(host))).fetchall()]

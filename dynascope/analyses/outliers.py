@@ -47,7 +47,7 @@ def _ratios(con, run: str | None) -> pl.DataFrame:
                         COUNT(*) OVER (PARTITION BY run_id, role, step, phase) AS nranks FROM d),
         h AS (SELECT run_id, coalesce(role, '') AS role, rank, any_value(host) AS host FROM runs
               WHERE rank IS NOT NULL{run_clause(run)} GROUP BY ALL)
-        SELECT m.run_id, m.role, m.rank, m.step, m.phase, dur_us / med_us AS ratio,
+        SELECT m.run_id, m.role, m.rank, m.step, m.phase, dur_us, dur_us / med_us AS ratio,
                greatest(dur_us - med_us, 0) / 1000.0 AS excess_ms, coalesce(h.host, 'rank ' || m.rank) AS host
         FROM m LEFT JOIN h USING (run_id, role, rank)
         WHERE nranks >= 3 AND med_us > 0""")
@@ -83,13 +83,8 @@ def cluster_outliers(store: StoreLike, run: str | None = None, *, k: float = 4.0
             pl.lit(min_excess)))
     per = per.with_columns(status=pl.when(pl.col("slowdown_x") > pl.col("threshold_x")).then(pl.lit("persistent"))
                            .when(pl.col("slow_steps_count") >= min_slow_steps).then(pl.lit("intermittent")))
-    med = frame(as_store(store), f"""
-        SELECT run_id, coalesce(role, '') AS role,
-               CASE WHEN coalesce(parent, '') IN ('', 'step') THEN phase ELSE parent || '/' || phase END AS phase,
-               median(dur_us) / 1000.0 AS median_ms
-        FROM timings WHERE step IS NOT NULL AND phase IS NOT NULL AND phase <> 'step' AND stream IS NULL
-          AND coalesce(category, 'phase') = 'phase'{run_clause(run)} GROUP BY ALL""")
-    per = per.join(med.filter(pl.col("median_ms") >= min_median_ms).select(grp), on=grp)
+    worth = r.group_by(grp).agg(pl.col("dur_us").median()).filter(pl.col("dur_us") >= 1000 * min_median_ms)
+    per = per.join(worth.select(grp), on=grp)
     # nodes: hosts whose ranks of a role are slow together in a phase
     hosts = (per.group_by([*grp, "host"])
              .agg(ranks_count=pl.len(), slow=(pl.col("status") == "persistent").sum(),
