@@ -22,6 +22,7 @@ from __future__ import annotations
 import polars as pl
 
 from dynascope.analyses._common import StoreLike, as_store, frame, run_clause
+from dynascope.analyses.stragglers import phase_times_sql
 
 __all__ = ["cluster_outliers"]
 
@@ -35,14 +36,7 @@ _SCHEMA = {"run_id": pl.String, "role": pl.String, "kind": pl.String, "host": pl
 def _ratios(con, run: str | None) -> pl.DataFrame:
     """Per (run, role, rank, step, phase): the rank's time over the step's cross-rank median, with its host."""
     return frame(con, f"""
-        WITH d AS (
-            SELECT run_id, coalesce(role, '') AS role, rank, step,
-                   CASE WHEN coalesce(parent, '') IN ('', 'step') THEN phase ELSE parent || '/' || phase END AS phase,
-                   SUM(dur_us) AS dur_us
-            FROM timings
-            WHERE step IS NOT NULL AND rank IS NOT NULL AND phase IS NOT NULL AND phase <> 'step'
-              AND stream IS NULL AND coalesce(category, 'phase') = 'phase'{run_clause(run)}
-            GROUP BY ALL),
+        WITH d AS ({phase_times_sql(run, " AND rank IS NOT NULL")}),
         m AS (SELECT *, median(dur_us) OVER (PARTITION BY run_id, role, step, phase) AS med_us,
                         COUNT(*) OVER (PARTITION BY run_id, role, step, phase) AS nranks FROM d),
         h AS (SELECT run_id, coalesce(role, '') AS role, rank, any_value(host) AS host FROM runs

@@ -19,6 +19,19 @@ from dynascope.analyses._common import StoreLike, as_store, frame, run_clause
 __all__ = ["straggler_scores"]
 
 
+def phase_times_sql(run: str | None, where: str = "") -> str:
+    """Per (run, role, rank, step, phase): the rank's time in the phase that step (``dur_us``), phases named
+    by their place (``backward`` at the top level, ``train/forward`` nested); ``where``: AND-conditions."""
+    return f"""
+        SELECT run_id, coalesce(role, '') AS role, rank, step,
+               CASE WHEN coalesce(parent, '') IN ('', 'step') THEN phase ELSE parent || '/' || phase END AS phase,
+               SUM(dur_us) AS dur_us
+        FROM timings
+        WHERE step IS NOT NULL AND phase IS NOT NULL AND phase <> 'step' AND stream IS NULL
+          AND coalesce(category, 'phase') = 'phase'{where}{run_clause(run)}
+        GROUP BY ALL"""
+
+
 def straggler_scores(store: StoreLike, run: str | None = None, *, window: int = 10, threshold: float = 0.75,
                      baseline: str = "fastest", persistent_frac: float = 0.5,
                      min_median_ms: float = 5.0) -> pl.DataFrame:
@@ -46,14 +59,7 @@ def straggler_scores(store: StoreLike, run: str | None = None, *, window: int = 
     thr = float(threshold)
     con = as_store(store)
     return frame(con, f"""
-        WITH d AS (
-            SELECT run_id, coalesce(role, '') AS role, rank, step,
-                   CASE WHEN coalesce(parent, '') IN ('', 'step') THEN phase ELSE parent || '/' || phase END AS phase,
-                   SUM(dur_us) AS dur_us
-            FROM timings
-            WHERE step IS NOT NULL AND phase IS NOT NULL AND phase <> 'step' AND stream IS NULL
-              AND coalesce(category, 'phase') = 'phase'{run_clause(run)}
-            GROUP BY ALL),
+        WITH d AS ({phase_times_sql(run)}),
         g AS (
             SELECT *, (step - MIN(step) OVER (PARTITION BY run_id, role)) // {int(window)} AS win,
                    COUNT(*) OVER (PARTITION BY run_id, role, step, phase) AS nranks,
