@@ -9,7 +9,15 @@ import json
 import polars as pl
 import pytest
 
-from dynascope.analyses import cluster_outliers, goodput_summary, ranked_findings, rollout_train_overlap
+from dynascope.analyses import (
+    cluster_outliers,
+    goodput_summary,
+    ranked_findings,
+    rollout_train_overlap,
+    what_if,
+    what_if_node,
+    what_if_steps,
+)
 from dynascope.demo.synthetic import CHECKPOINT, WEIGHT_SYNC
 
 from helpers.cluster_truth import SPEC, planted_cluster
@@ -76,3 +84,18 @@ def test_the_report_names_each_planted_fault_and_the_rank_waited_for(cluster):
     idle = by["idle"][0]
     assert idle["waited_for_rank"] == p["tail_worker"]["rank"] and idle["waited_for_host"] == p["tail_worker"]["host"]
     assert "waiting for it" in found.filter(pl.col("finding") == "idle")["sentence"][0]
+
+
+def test_what_if_node_replaces_the_hosts_ranks_together(cluster):
+    run, truth = cluster
+    node = truth["planted"]["slow_node"]
+    got = what_if_node(run, hosts=[node["host"]], phases=node["phases"]).row(0, named=True)
+    ref = what_if_steps(run, ranks=node["ranks"], phases=node["phases"]).filter(pl.col("role") == "trainer")
+    assert got["ranks_count"] == 8 and got["steps"] == ref.height == SPEC.steps
+    assert got["saved_ms"] == pytest.approx(ref["saved_ms"].sum(), rel=1e-12)
+    # one of its ranks at the median saves less: the node's other ranks still arrive last
+    one = what_if(run, ranks=[node["ranks"][0]]).filter(pl.col("scenario") == f"rank {node['ranks'][0]}")
+    assert got["saved_ms"] > 0 and got["saved_ms"] > one["saved_ms"][0]
+    every = what_if_node(run, phases=node["phases"])  # every host: the slow one saves most among trainers
+    assert every.filter(pl.col("role") == "trainer")["host"][0] == node["host"]
+    assert every["host"].n_unique() == len(truth["hosts"])

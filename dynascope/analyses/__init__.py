@@ -46,6 +46,7 @@ if TYPE_CHECKING:  # the same names, for IDEs and type checkers
     from dynascope.analyses.steps import critical_path, idle_time, step_breakdown
     from dynascope.analyses.stragglers import straggler_scores
     from dynascope.analyses.throughput import PEAK_TFLOPS, peak_tflops_for, throughput_mfu
+    from dynascope.analyses.what_if_hosts import what_if_node
     from dynascope.analyses.what_if_rank import what_if, what_if_steps
     from dynascope.analyses.what_if_rank_shared import what_if_shared
     from dynascope.analyses.what_if_schedule import rl_throughput, schedule_staleness, schedule_what_if
@@ -72,6 +73,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "steps": ("critical_path", "idle_time", "step_breakdown"),
     "stragglers": ("straggler_scores",),
     "throughput": ("PEAK_TFLOPS", "peak_tflops_for", "throughput_mfu"),
+    "what_if_hosts": ("what_if_node",),
     "what_if_rank": ("what_if", "what_if_steps"),
     "what_if_rank_shared": ("what_if_shared",),
     "what_if_schedule": ("rl_throughput", "schedule_staleness", "schedule_what_if"),
@@ -87,7 +89,7 @@ __all__ = ["DEFAULT_PROBE_COST", "DTYPE_BYTES", "EVENT_KINDS", "FLEET_COLUMNS", 
            "rollout_train_overlap", "schedule_inputs", "schedule_staleness", "schedule_what_if", "sentence",
            "sparsity_comparison", "sparsity_over_training", "step_breakdown", "straggler_scores",
            "tail_wait_numbers", "tail_wait_share", "tail_wait_summary", "temporal_breakdown", "throughput_mfu",
-           "update_share_by_layer", "weight_sync_checks", "what_if", "what_if_shared", "what_if_steps",
+           "update_share_by_layer", "weight_sync_checks", "what_if", "what_if_node", "what_if_shared", "what_if_steps",
            "zero_variance_groups"]
 
 

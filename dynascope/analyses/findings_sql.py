@@ -254,11 +254,10 @@ def kl_to_base_sql(run: str) -> str:
         rl.last - rl.first AS steps, d.drift_ratio, d.bf16_changed_pct FROM rl, d"""
 
 
-def node_ranks_sql(run: str, role: str, host: str, count: bool = False) -> str:
-    """The ranks of ``role`` on ``host`` (``runs`` rows); with ``count``: how many, and the host."""
-    what = "host, COUNT(DISTINCT rank) AS ranks_count" if count else "DISTINCT rank"
-    return f"""SELECT {what} FROM runs WHERE run_id = {q(run)} AND coalesce(role, '') = {q(role)}
-        AND host = {q(host)} AND rank IS NOT NULL{" GROUP BY host" if count else " ORDER BY rank"}"""
+def node_ranks_sql(run: str, role: str, host: str) -> str:
+    """The host and how many ranks of ``role`` it holds (``runs`` rows)."""
+    return f"""SELECT host, COUNT(DISTINCT rank) AS ranks_count FROM runs WHERE run_id = {q(run)}
+        AND coalesce(role, '') = {q(role)} AND host = {q(host)} AND rank IS NOT NULL GROUP BY host"""
 
 
 def waited_for_sql(run: str) -> str:
