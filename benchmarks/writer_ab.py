@@ -39,10 +39,17 @@ def baseline_package(rev: str, into: Path) -> str:
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
         tar.extractall(into, filter="data")
     (into / "dynascope").rename(into / "dynascope_base")
+    # imports only (import statements and the module paths given to importlib); every other string (the
+    # store's marker file dynascope.json, the probe's phase name, detector names) keeps its value, so the
+    # baseline writes and reads the same runs as the current package
+    parts = "|".join(p.stem for p in (into / "dynascope_base").iterdir() if p.suffix == ".py" or p.is_dir())
+    statement = re.compile(r"^(\s*(?:from|import)\s+)dynascope(?=[.\s])", re.M)
+    bare = re.compile(r"^(\s*import\s+)dynascope_base$", re.M)  # code goes on to name it `dynascope`
+    module_path = re.compile(rf"""(?<=["'])dynascope(?=\.(?:{parts})\b)""")
     for py in (into / "dynascope_base").rglob("*.py"):
-        text = py.read_text(encoding="utf-8")
-        py.write_text(re.sub(r"\bdynascope\.", "dynascope_base.", text).replace('"dynascope"', '"dynascope_base"'),
-                      encoding="utf-8")
+        text = statement.sub(r"\1dynascope_base", py.read_text(encoding="utf-8"))
+        text = bare.sub(r"\1dynascope_base as dynascope", text)
+        py.write_text(module_path.sub("dynascope_base", text), encoding="utf-8")
     sys.path.insert(0, str(into))
     return "dynascope_base"
 

@@ -21,6 +21,10 @@ import dynascope.analyses.rollouts as rollouts
 import dynascope.analyses.steps as steps
 import dynascope.analyses.stragglers as stragglers
 import dynascope.analyses.throughput as throughput
+import dynascope.analyses.what_if_rank as what_if_rank
+import dynascope.analyses.what_if_rank_shared as what_if_rank_shared
+import dynascope.analyses.what_if_schedule as what_if_schedule
+import dynascope.analyses.what_if_schedule_inputs as what_if_schedule_inputs
 from dynascope.store import RunWriter, open_store
 from dynascope.store.events import write_detected_events
 
@@ -86,14 +90,14 @@ def test_straggler_scores_flag_exactly_the_planted_rank_and_phase(run):
     assert row["score"] == pytest.approx(1 / SLOW_FACTOR, rel=0.01)
     assert row["slowdown_x"] == pytest.approx(SLOW_FACTOR, rel=0.01)
     assert row["slow_steps_pct"] == 100.0
-    med = stragglers.straggler_scores(run, window=5, reference="median")
+    med = stragglers.straggler_scores(run, window=5, baseline="median")
     assert med.filter(pl.col("status") != "ok")[["rank", "phase"]].rows() == [(SLOW_RANK, "backward")]
     with pytest.raises(ValueError):
-        stragglers.straggler_scores(run, reference="slowest")
+        stragglers.straggler_scores(run, baseline="slowest")
 
 
 def test_what_if_reproduces_measured_step_times(run):
-    df = stragglers.what_if_steps(run)
+    df = what_if_rank.what_if_steps(run)
     assert len(df) == STEPS and set(df["ranks"]) == {RANKS}
     assert ((df["simulated_base_ms"] - df["measured_ms"]).abs() / df["measured_ms"]).max() < 1e-6
     assert (df["saved_ms"] == 0).all()
@@ -101,7 +105,7 @@ def test_what_if_reproduces_measured_step_times(run):
 
 def test_what_if_saving_matches_the_analytic_value(run):
     analytic_pct = 100 * BACKWARD * (SLOW_FACTOR - 1) / planted_step_ms()
-    df = stragglers.what_if(run, by_phase=True)
+    df = what_if_rank.what_if(run, by_phase=True)
     top = df.row(0, named=True)
     assert top["scenario"] in ("rank 2", "all ranks")
     by_rank = {r["scenario"]: r for r in df.iter_rows(named=True)}
@@ -110,7 +114,7 @@ def test_what_if_saving_matches_the_analytic_value(run):
         assert by_rank[name]["reproduction_error_pct"] < 1e-6
     for r in (0, 1, 3):  # making a fast rank median changes nothing
         assert abs(by_rank[f"rank {r}"]["saved_pct"]) < 0.2
-    steps = stragglers.what_if_steps(run, ranks=[SLOW_RANK], phases=["backward"])
+    steps = what_if_rank.what_if_steps(run, ranks=[SLOW_RANK], phases=["backward"])
     assert steps["saved_ms"].mean() == pytest.approx(BACKWARD * (SLOW_FACTOR - 1), rel=0.02)
 
 
@@ -233,7 +237,11 @@ def test_goodput_from_checkpoint_fault_restart_events(tmp_path):
 ALL = {
     "step_breakdown": lambda p: steps.step_breakdown(p), "idle_time": lambda p: steps.idle_time(p),
     "critical_path": lambda p: steps.critical_path(p), "straggler_scores": lambda p: stragglers.straggler_scores(p),
-    "what_if": lambda p: stragglers.what_if(p), "what_if_steps": lambda p: stragglers.what_if_steps(p),
+    "what_if": lambda p: what_if_rank.what_if(p), "what_if_steps": lambda p: what_if_rank.what_if_steps(p),
+    "what_if_shared": lambda p: what_if_rank_shared.what_if_shared(p, ranks=[SLOW_RANK], devices=2),
+    "schedule_inputs": lambda p: what_if_schedule_inputs.schedule_inputs(p),
+    "schedule_what_if": lambda p: what_if_schedule.schedule_what_if(p),
+    "schedule_staleness": lambda p: what_if_schedule.schedule_staleness(p),
     "rollout_long_tail": lambda p: rollouts.rollout_long_tail(p), "tail_wait_share": lambda p: rollouts.tail_wait_share(p),
     "zero_variance_groups": lambda p: rollouts.zero_variance_groups(p),
     "async_staleness": lambda p: rollouts.async_staleness(p),
@@ -242,7 +250,8 @@ ALL = {
     "detect_instability": lambda p: instability.detect_instability(p),
     "goodput": lambda p: goodput.goodput_summary(p), "goodput_incidents": lambda p: goodput.goodput_incidents(p),
 }
-MODULES = (steps, stragglers, rollouts, throughput, instability, goodput, findings)
+MODULES = (steps, stragglers, what_if_rank, what_if_rank_shared, what_if_schedule, what_if_schedule_inputs, rollouts,
+           throughput, instability, goodput, findings)
 
 
 def test_public_names_resolve_from_the_package():
@@ -269,7 +278,7 @@ def test_trace_only_rows_do_not_crash_step_analyses(tmp_path):
     with open_store(tmp_path / "trace") as con:
         for fn in ALL.values():
             fn(con)  # no crash
-    assert stragglers.what_if(tmp_path / "trace").is_empty()
+    assert what_if_rank.what_if(tmp_path / "trace").is_empty()
     assert steps.critical_path(tmp_path / "trace").is_empty()
 
 
@@ -281,7 +290,7 @@ def test_imported_trace_rows_leave_step_analyses_unchanged(tmp_path, run):
                              "start_us": T0 + 5_000, "dur_us": 40_000, "stream": [7, 7, 7, None],
                              "device": "cuda:0"})
     plain = write_synthetic_run(tmp_path / "plain", steps=4)
-    for fn in (steps.step_breakdown, steps.idle_time, steps.critical_path, stragglers.what_if_steps,
+    for fn in (steps.step_breakdown, steps.idle_time, steps.critical_path, what_if_rank.what_if_steps,
                stragglers.straggler_scores):
         assert fn(mixed).drop("run_id").equals(fn(plain).drop("run_id")), fn.__name__
 
@@ -306,10 +315,10 @@ def test_what_if_one_pass_equals_simulating_each_rank(tmp_path, n_ranks):
                 w.append("timings", {**rows, "step": step})
                 w.append("timings", {"phase": "step", "category": "step", "step": step, "start_us": T0 + step * 10**7,
                                      "dur_us": t - T0 - step * 10**7 + rng.randint(0, 20_000)})
-    df = stragglers.what_if(tmp_path / "rand", by_phase=True)
+    df = what_if_rank.what_if(tmp_path / "rand", by_phase=True)
     assert df.height == n_ranks * 6 + 1  # per rank, per (rank, busy phase incl. remainder), all ranks
     for row in df.iter_rows(named=True):
         ranks = "all" if row["rank"] is None else [row["rank"]]
         phases = None if row["phase"] is None else [row["phase"]]
-        direct = stragglers.what_if_steps(tmp_path / "rand", ranks=ranks, phases=phases)["saved_ms"].sum()
+        direct = what_if_rank.what_if_steps(tmp_path / "rand", ranks=ranks, phases=phases)["saved_ms"].sum()
         assert row["saved_ms"] == pytest.approx(direct, abs=1e-6), row["scenario"]

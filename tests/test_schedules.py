@@ -1,25 +1,22 @@
 """Schedule what-if on planted synchronous runs written with the real RunWriter and read back through DuckDB.
 
 Every run below has fixed phase durations, so each schedule's step time follows in closed form (derived
-in the comments) and the replay must reproduce it exactly. The last tests hold the DuckDB ``what_if``
-against the polars implementation it replaced.
+in the comments) and the replay must reproduce it exactly.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import polars as pl
 import pytest
 
 import dynascope.analyses
-import dynascope.analyses.schedules as schedules
-import dynascope.analyses.stragglers as stragglers
-from dynascope.analyses._schedule_sim import Pieces, Pool, replay
+import dynascope.analyses.what_if_schedule as schedules
+from dynascope.analyses._schedule_replay import Pieces, Pool, replay
+from dynascope.analyses._what_if_load import process_share
+from dynascope.analyses.what_if_schedule_inputs import schedule_inputs
 from dynascope.store import RunWriter
 
-from helpers.planted_timings import MS, STEPS, T0, plant, timing_rows
-from helpers.planted_timings import random_run as _random_run
+from helpers.planted_timings import STEPS, T0, plant
 
 
 def rows(df: pl.DataFrame) -> dict[str, dict]:
@@ -28,7 +25,7 @@ def rows(df: pl.DataFrame) -> dict[str, dict]:
 
 def test_inputs_split_each_step_into_its_pieces(tmp_path):
     run = plant(tmp_path / "one", eval_ms=300.0)
-    inp = schedules.schedule_inputs(run)
+    inp = schedule_inputs(run)
     assert inp.height == STEPS and set(inp["ranks"]) == {1}
     assert inp["sync_ms"].to_list() == [5.0] * STEPS and inp["rollout_ms"].to_list() == [100.0] * STEPS
     assert inp["pre_ms"].to_list() == [300.0] + [0.0] * (STEPS - 1)  # the evaluation came before the rollout
@@ -146,7 +143,7 @@ def test_tail_cut_and_partial_rollout(tmp_path):
     # Samples trained: 6 in step 0, then 6 fresh + 2 carried (staleness 1) per step.
     assert part["stale_samples_pct"] == pytest.approx(100 * 2 * 9 / (6 + 8 * 9))
     assert part["samples_per_s"] == pytest.approx((6 + 8 * 9) / ((100 + 9 * 120) / 1e3))
-    inp = schedules.schedule_inputs(run, tail_pct=50)
+    inp = schedule_inputs(run, tail_pct=50)
     assert inp["tail_samples_count"].to_list() == [2] * STEPS
     assert inp["carried_in_count"].to_list() == [0] + [2] * (STEPS - 1)
 
@@ -173,7 +170,7 @@ def test_background_load_slows_every_schedule(tmp_path):
 def test_data_parallel_ranks_replay_the_slowest(tmp_path):
     # Rank 1 trains 1.5× longer; the others wait in the all-reduce, whose own cost is 4 ms.
     run = plant(tmp_path / "dp", ranks=2, slow={1: 1.5})
-    inp = schedules.schedule_inputs(run)
+    inp = schedule_inputs(run)
     assert set(inp["ranks"]) == {2}
     # The 15 ms after each all-reduce (optimizer, gap) and the next step's work up to its all-reduce are one
     # stretch between collectives, counted in the next step: step 0 lacks its tail, the last has two.
@@ -225,105 +222,12 @@ def test_replay_shares_devices_between_processes():
     assert r.makespan_us > 1000
 
 
-# --- what_if in DuckDB against the polars implementation it replaced (kept here as the reference) ---
-
-def _reference_what_if(path: Path, ranks=None, phases=None) -> pl.DataFrame:
-    """The former polars what_if for one-rank and all-rank scenarios (by_phase=False), step by step."""
-    from dynascope.analyses._common import frame
-    from dynascope.analyses.steps import SYNC, TOP_LEVEL, step_rows_sql
-    from dynascope.store import open_store
-
-    g = ["run_id", "role", "step"]
-    con = open_store(path)
-    rows = frame(con, f"""
-        WITH t AS (SELECT run_id, coalesce(role, '') AS role, rank, step, phase, {SYNC} AS sync, start_us, dur_us
-                   FROM timings WHERE {TOP_LEVEL}),
-        s AS (SELECT *, coalesce(SUM(CASE WHEN sync THEN 1 ELSE 0 END) OVER (
-                  PARTITION BY run_id, role, rank, step ORDER BY start_us, sync
-                  ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0)::BIGINT AS seg FROM t)
-        SELECT run_id, role, rank, step, seg, phase, sync, SUM(dur_us)::DOUBLE AS dur_us FROM s GROUP BY ALL""")
-    steps = frame(con, step_rows_sql(None)).select(*g, "rank", pl.col("step_us").cast(pl.Float64))
-    per_rank = rows.group_by([*g, "rank"]).agg(pl.col("dur_us").sum().alias("covered"), pl.col("seg").max())
-    rem = steps.join(per_rank, on=[*g, "rank"], how="left").select(
-        *g, "rank", pl.col("seg").fill_null(0).cast(rows.schema["seg"]), pl.lit(stragglers.REMAINDER).alias("phase"),
-        pl.lit(False).alias("sync"), (pl.col("step_us") - pl.col("covered").fill_null(0.0)).alias("dur_us"))
-    rows = pl.concat([rows.join(steps.select(*g, "rank"), on=[*g, "rank"], how="semi"),
-                      rem.select(rows.columns).cast(rows.schema)])
-    med = rows.filter(~pl.col("sync")).group_by([*g, "seg", "phase"]).agg(pl.col("dur_us").median().alias("med_us"))
-    rows = rows.join(med, on=[*g, "seg", "phase"], how="left")
-    mask = pl.lit(True) if ranks in (None, "all") else pl.col("rank").is_in(list(ranks))
-    mask = mask if phases is None else mask & pl.col("phase").is_in(list(phases))
-
-    def sim(replace: pl.Expr) -> pl.DataFrame:
-        d = pl.when(replace & ~pl.col("sync")).then(pl.col("med_us")).otherwise(pl.col("dur_us"))
-        per = rows.with_columns(d.alias("d")).group_by([*g, "seg", "rank"]).agg(
-            pl.col("d").filter(~pl.col("sync")).sum().alias("busy"), pl.col("d").filter(pl.col("sync")).sum().alias("sync"))
-        seg = per.group_by([*g, "seg"]).agg((pl.col("busy").max() + pl.col("sync").min()).alias("t"))
-        return seg.group_by(g).agg(pl.col("t").sum().alias("sim_us"))
-
-    base = sim(pl.lit(False))
-    new = sim(mask if ranks is not None else pl.lit(False)).rename({"sim_us": "new_us"})
-    return base.join(new, on=g).sort(g).select(*g, (pl.col("sim_us") / 1e3).alias("simulated_base_ms"),
-                                              (pl.col("new_us") / 1e3).alias("simulated_ms"))
-
-
-@pytest.mark.parametrize("n_ranks", [1, 2, 3, 4])
-def test_what_if_in_duckdb_equals_the_polars_reference(tmp_path, n_ranks):
-    run = _random_run(tmp_path / "rand", n_ranks, seed=n_ranks)
-    for ranks, phases in ((None, None), ("all", None), ([0], None), ([n_ranks - 1], ["a", stragglers.REMAINDER])):
-        ref = _reference_what_if(run, ranks, phases)
-        got = stragglers.what_if_steps(run, ranks=ranks, phases=phases)
-        assert got["step"].to_list() == ref["step"].to_list()
-        for col in ("simulated_base_ms", "simulated_ms"):
-            assert got[col].to_list() == pytest.approx(ref[col].to_list(), rel=1e-12), (ranks, phases, col)
-    # what_if's one-pass scenarios agree with the reference simulated rank by rank
-    df = stragglers.what_if(run, by_phase=True)
-    for row in df.iter_rows(named=True):
-        ranks = "all" if row["rank"] is None else [row["rank"]]
-        phases = None if row["phase"] is None else [row["phase"]]
-        ref = _reference_what_if(run, ranks, phases)
-        saved = (ref["simulated_base_ms"] - ref["simulated_ms"]).sum()
-        assert row["saved_ms"] == pytest.approx(saved, abs=1e-6), row["scenario"]
-
-
-def plant_two_busy_ranks(run: Path) -> None:
-    """One step of two ranks: rank 0 computes 100 ms and waits 104 in the all-reduce, rank 1 computes 200
-    and waits 4 (the collective's own cost)."""
-    for r, (busy, wait) in enumerate(((100, 104), (200, 4))):
-        with RunWriter(run, rank=r, world_size=2) as w:
-            tr, end = timing_rows(T0, [("train", busy * MS, "phase"), ("grad_allreduce", wait * MS, "comm")])
-            w.append("timings", {**tr, "step": 0})
-            w.append("timings", {"phase": "step", "category": "step", "step": 0, "start_us": T0, "dur_us": end - T0})
-
-
-def test_what_if_shared_turns_durations_into_work(tmp_path):
-    # Two ranks on one device. Rank 0 computes [0, 100] and waits for rank 1, which computes [0, 200]; the
-    # all-reduce then costs 4 ms. Both were busy for the first 100 ms (half a device each), so rank 0 did 50
-    # device-ms of work and rank 1 50 + 100 = 150. The replay as measured: 50 each at 1/2 (100 ms), rank 1's
-    # last 100 alone, + 4 = 204 ms. Replacing rank 0 by the median work (100): [0, 200] both at 1/2, rank 1's
-    # last 50 alone, + 4 = 254 ms: a slower rank 0 takes device time from rank 1. A device per rank
-    # (what_if_steps) would replace rank 0's 100 ms by the median duration, 150 ms, and keep 204 ms.
-    from dynascope.analyses.stragglers_shared import shared_time, what_if_shared
-
-    plant_two_busy_ranks(tmp_path / "shared")
-    base = what_if_shared(tmp_path / "shared", devices=1)
-    assert base["simulated_base_ms"][0] == pytest.approx(204) and base["measured_ms"][0] == pytest.approx(204)
-    assert what_if_shared(tmp_path / "shared", ranks=[0], devices=1)["simulated_ms"][0] == pytest.approx(254)
-    assert stragglers.what_if_steps(tmp_path / "shared", ranks=[0])["simulated_ms"][0] == pytest.approx(204)
-    # with a device each nobody shares, and it is what_if_steps
-    assert what_if_shared(tmp_path / "shared", ranks=[0], devices=2).equals(
-        stragglers.what_if_steps(tmp_path / "shared", ranks=[0]))
-    assert shared_time(pl.Series([50.0, 150.0]).to_numpy(), 1, 0) == pytest.approx(200)
-
-
 def test_time_slicing_costs_an_oversubscribed_pool(tmp_path):
     # The run of test_colocated_overlap_on_one_device_gains_nothing (R = T' = 100, W = 0, one device), with
     # time slicing keeping e = 0.8 of a device its two processes share: each runs at 0.8/2 = 0.4 while both
     # are busy. Batch 0 generates alone (100), every pair (train k, generate k+1) takes 100/0.4 = 250, the
     # last trains alone (100): 100 + 9·250 + 100 = 2450 ms. The synchronous run had one process on its
     # device, so its replay is unchanged.
-    from dynascope.analyses._schedule_sim import process_share
-
     run = plant(tmp_path / "one", rollout_ms=100.0, train_ms=90.0, opt_ms=5.0, gap_ms=5.0, sync_ms=0.0)
     df = rows(schedules.schedule_what_if(run, devices=1, timeslice_efficiency=0.8))
     assert df["one_step_off_policy"]["step_ms"] == pytest.approx(2450 / STEPS)
@@ -334,15 +238,3 @@ def test_time_slicing_costs_an_oversubscribed_pool(tmp_path):
     assert process_share(2, 3, 0.8) == pytest.approx(0.8 * 2 / 3) and process_share(2, 4, 0.8) == pytest.approx(0.4)
     with pytest.raises(ValueError, match="timeslice_efficiency"):
         schedules.schedule_what_if(run, devices=1, timeslice_efficiency=0)
-
-
-def test_what_if_shared_with_time_slicing(tmp_path):
-    # The two ranks of test_what_if_shared_turns_durations_into_work on one device, which time slicing leaves
-    # e = 0.5 of while both are busy (0.25 each). Rank 0 did 25 device-ms in its 100 ms, rank 1 25 + 100
-    # alone: the replay as measured is 100 + 100 + 4 = 204 ms again. With rank 0 at the median work (75):
-    # 75 and 125 at 0.25 each until rank 0 is done at 300, rank 1's last 50 alone: 350 + 4 = 354 ms.
-    from dynascope.analyses.stragglers_shared import what_if_shared
-
-    plant_two_busy_ranks(tmp_path / "shared")
-    got = what_if_shared(tmp_path / "shared", ranks=[0], devices=1, timeslice_efficiency=0.5)
-    assert got["simulated_base_ms"][0] == pytest.approx(204) and got["simulated_ms"][0] == pytest.approx(354)

@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # the same names, for IDEs and type checkers
     from dynascope.analyses.goodput import EVENT_KINDS, goodput_incidents, goodput_summary
     from dynascope.analyses.gpu_timeline import comm_comp_overlap, kernel_type_breakdown, temporal_breakdown
     from dynascope.analyses.instability import detect_instability
+    from dynascope.analyses.outliers import cluster_outliers
     from dynascope.analyses.probe_time import DEFAULT_PROBE_COST, PROBE_PHASE, probe_cost
     from dynascope.analyses.rollouts import (
         async_staleness,
@@ -41,17 +42,15 @@ if TYPE_CHECKING:  # the same names, for IDEs and type checkers
         weight_sync_checks,
         zero_variance_groups,
     )
-    from dynascope.analyses.schedules import (
-        rl_throughput,
-        schedule_inputs,
-        schedule_staleness,
-        schedule_what_if,
-    )
     from dynascope.analyses.step_shares import phase_shares
     from dynascope.analyses.steps import critical_path, idle_time, step_breakdown
-    from dynascope.analyses.stragglers import straggler_scores, what_if, what_if_steps
-    from dynascope.analyses.stragglers_shared import what_if_shared
+    from dynascope.analyses.stragglers import straggler_scores
     from dynascope.analyses.throughput import PEAK_TFLOPS, peak_tflops_for, throughput_mfu
+    from dynascope.analyses.what_if_hosts import what_if_node
+    from dynascope.analyses.what_if_rank import what_if, what_if_steps
+    from dynascope.analyses.what_if_rank_shared import what_if_shared
+    from dynascope.analyses.what_if_schedule import rl_throughput, schedule_staleness, schedule_what_if
+    from dynascope.analyses.what_if_schedule_inputs import schedule_inputs
 
 # submodule → the public names it gives (what __getattr__ imports on first use)
 _EXPORTS: dict[str, tuple[str, ...]] = {
@@ -66,19 +65,23 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "goodput": ("EVENT_KINDS", "goodput_incidents", "goodput_summary"),
     "gpu_timeline": ("comm_comp_overlap", "kernel_type_breakdown", "temporal_breakdown"),
     "instability": ("detect_instability",),
+    "outliers": ("cluster_outliers",),
     "step_shares": ("phase_shares",),
     "probe_time": ("DEFAULT_PROBE_COST", "PROBE_PHASE", "probe_cost"),
     "rollouts": ("async_staleness", "logprob_gap_by_step", "rollout_long_tail", "rollout_train_overlap",
                  "tail_wait_share", "tail_wait_summary", "weight_sync_checks", "zero_variance_groups"),
-    "schedules": ("rl_throughput", "schedule_inputs", "schedule_staleness", "schedule_what_if"),
     "steps": ("critical_path", "idle_time", "step_breakdown"),
-    "stragglers": ("straggler_scores", "what_if", "what_if_steps"),
-    "stragglers_shared": ("what_if_shared",),
+    "stragglers": ("straggler_scores",),
     "throughput": ("PEAK_TFLOPS", "peak_tflops_for", "throughput_mfu"),
+    "what_if_hosts": ("what_if_node",),
+    "what_if_rank": ("what_if", "what_if_steps"),
+    "what_if_rank_shared": ("what_if_shared",),
+    "what_if_schedule": ("rl_throughput", "schedule_staleness", "schedule_what_if"),
+    "what_if_schedule_inputs": ("schedule_inputs",),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = ["DEFAULT_PROBE_COST", "DTYPE_BYTES", "EVENT_KINDS", "FLEET_COLUMNS", "Finding", "INSTABILITY_LABELS", "PEAK_TFLOPS",
-           "PROBE_PHASE", "async_staleness", "collect_findings", "comm_comp_overlap", "critical_path",
+           "PROBE_PHASE", "async_staleness", "cluster_outliers", "collect_findings", "comm_comp_overlap", "critical_path",
            "delta_sync_bytes", "delta_sync_numbers", "delta_sync_summary", "detect_instability", "fmt_ms",
            "fmt_pct", "fleet_summary", "goodput_incidents", "goodput_summary", "idle_time", "kernel_type_breakdown",
            "logprob_gap_by_step", "peak_tflops_for", "phase_shares", "probe_cost", "probe_cost_numbers",
@@ -86,7 +89,7 @@ __all__ = ["DEFAULT_PROBE_COST", "DTYPE_BYTES", "EVENT_KINDS", "FLEET_COLUMNS", 
            "rollout_train_overlap", "schedule_inputs", "schedule_staleness", "schedule_what_if", "sentence",
            "sparsity_comparison", "sparsity_over_training", "step_breakdown", "straggler_scores",
            "tail_wait_numbers", "tail_wait_share", "tail_wait_summary", "temporal_breakdown", "throughput_mfu",
-           "update_share_by_layer", "weight_sync_checks", "what_if", "what_if_shared", "what_if_steps",
+           "update_share_by_layer", "weight_sync_checks", "what_if", "what_if_node", "what_if_shared", "what_if_steps",
            "zero_variance_groups"]
 
 

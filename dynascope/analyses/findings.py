@@ -27,9 +27,11 @@ from dynascope.analyses._findings import Finding
 from dynascope.analyses._findings import first_row as _first_row
 from dynascope.analyses._findings import found as _found
 from dynascope.analyses._findings import rnd as _r
+from dynascope.analyses.findings_cluster import MIN_CLUSTER_RANKS, slow_nodes
 from dynascope.analyses.findings_dynamics import delta_sync, dynamics
 from dynascope.analyses.goodput import goodput_summary
 from dynascope.analyses.instability import detect_instability
+from dynascope.analyses.outliers import cluster_outliers
 from dynascope.analyses.probe_time import DEFAULT_PROBE_COST, PROBE_PHASE, probe_cost
 from dynascope.analyses.rollouts import (
     async_staleness,
@@ -38,8 +40,9 @@ from dynascope.analyses.rollouts import (
     zero_variance_groups,
 )
 from dynascope.analyses.steps import REMAINDER, idle_time, step_breakdown
-from dynascope.analyses.stragglers import straggler_scores, what_if
+from dynascope.analyses.stragglers import straggler_scores
 from dynascope.analyses.throughput import throughput_mfu
+from dynascope.analyses.what_if_rank import what_if
 from dynascope.core.errors import first_line
 from dynascope.store import quote_literal
 
@@ -66,15 +69,29 @@ SQL_STEPS_SHOWN = 50  # instability queries list at most this many steps
 
 def _stragglers(con, run: str) -> list[Finding]:
     """Slow (rank, phase) pairs, each priced by the what-if; then a rank that costs time without one slow phase."""
-    scores = straggler_scores(con, run).filter(pl.col("status") != "ok")
+    scores = straggler_scores(con, run)
+    # Roles with a node's worth of ranks: a rank is slow when cluster_outliers says so (against the spread
+    # of healthy ranks measured in the run), and a node's ranks are the node's finding, not one each.
+    big = scores.group_by("role").agg(pl.col("rank").n_unique().alias("ranks")).filter(
+        pl.col("ranks") >= MIN_CLUSTER_RANKS)["role"].to_list()
+    outliers = cluster_outliers(con, run) if big else None
+    slow = None if outliers is None else outliers.filter(pl.col("kind") == "rank")
+    verdict = {} if slow is None else {(r["role"], r["rank"], r["phase"]): r for r in slow.iter_rows(named=True)}
+    scores = scores.filter(pl.col("role").is_in(big) | (pl.col("status") != "ok"))
     wi = what_if(con, run, by_phase=True)
     saved = {(r["role"], r["rank"], r["phase"]): r for r in wi.iter_rows(named=True)}
     priced = []
     for s in scores.iter_rows(named=True):
         top = s["phase"].split("/")[0]  # what-if replaces top-level phases: price a nested one by its parent
         w = saved.get((s["role"], s["rank"], top))
+        if s["role"] in big:
+            if (s["role"], s["rank"], s["phase"]) not in verdict:
+                continue
+            v = verdict[(s["role"], s["rank"], s["phase"])]
+            s = {**s, "status": v["status"], "against_x": v["slowdown_x"], "threshold_x": v["threshold_x"],
+                 "slow_steps": v["slow_steps_count"]}
         # Without step rows there is no what-if, so only persistent stragglers are reported then.
-        if s["slowdown_x"] < MIN_SLOWDOWN_X or (w is not None and w["saved_pct"] < MIN_SAVED_PCT) or (
+        elif s["slowdown_x"] < MIN_SLOWDOWN_X or (w is not None and w["saved_pct"] < MIN_SAVED_PCT) or (
                 w is None and s["status"] != "persistent"):
             continue
         # Time at stake: the what-if's saving, else the time the rank spent beyond the cross-rank median.
@@ -93,9 +110,11 @@ def _stragglers(con, run: str) -> list[Finding]:
              "cross_rank_median_ms": _r(s["cross_rank_median_ms"]), "slow_steps_pct": _r(s["slow_steps_pct"], 1),
              "flagged_windows": s["flagged_windows"], "windows": s["windows"], "excess_ms": _r(s["excess_ms"]),
              "whatif_phase": top, "whatif_steps": w["steps"] if w else None,
-             "saved_ms": _r(w["saved_ms"]) if w else None, "saved_pct": _r(w["saved_pct"], 2) if w else None}
+             "saved_ms": _r(w["saved_ms"]) if w else None, "saved_pct": _r(w["saved_pct"], 2) if w else None,
+             **({"median_slowdown_x": _r(s["against_x"]), "healthy_x": _r(s["threshold_x"]),
+                 "slow_steps": s["slow_steps"]} if "against_x" in s else {})}
         out.append(_found(run, "straggler", "warning" if s["status"] == "persistent" else "info", n, sql,
-                          stake, n["saved_pct"]))
+                          max(stake, 0.0), n["saved_pct"]))
         if len(out) == MAX_STRAGGLERS:
             break
     # Whole ranks: "rank 3 costs 27% of step time", when no straggler finding already names that rank.
@@ -112,6 +131,8 @@ def _stragglers(con, run: str) -> list[Finding]:
         out.append(_found(run, "rank_cost", "warning" if r["saved_pct"] >= WARN_RANK_COST_PCT else "info", n,
                           S.rank_cost_sql(run, r["role"], r["rank"]),
                           r["saved_ms"], r["saved_pct"]))
+    if outliers is not None:  # hosts whose ranks are slow together: one finding per node
+        out.extend(slow_nodes(con, run, outliers))
     if not out:  # no slow rank stands out: is time still lost to ranks being unevenly fast?
         every = wi.filter(pl.col("scenario") == "all ranks")
         if not every.is_empty() and every["saved_pct"][0] >= MIN_IMBALANCE_PCT:
@@ -167,7 +188,11 @@ def _idle(con, run: str) -> list[Finding]:
     if pct < MIN_IDLE_PCT:
         return []
     stake = per["idle_ms"].sum() / per.height  # wall time: the mean rank's idle time
-    n = {"idle_pct": _r(pct, 2), "worst_rank": per["rank"][0], "worst_rank_idle_pct": _r(per["pct"][0], 2)}
+    # the rank that waits most is a victim: name the rank the others' wait is charged to (findings_sql)
+    cause = _first_row(con, S.waited_for_sql(run))  # idle_sql returns it beside the idle numbers
+    n = {"idle_pct": _r(pct, 2), "worst_rank": per["rank"][0], "worst_rank_idle_pct": _r(per["pct"][0], 2),
+         **{k: _r(cause.get(k)) for k in ("waited_for_role", "waited_for_rank", "waited_for_host",
+                                             "waited_for_phase", "waited_for_ms", "waited_for_pct")}}
     return [_found(run, "idle", "warning" if pct >= WARN_IDLE_PCT else "info", n, S.idle_sql(run), stake, pct)]
 
 
@@ -270,7 +295,8 @@ MIN_SCHEDULE_GAIN_X = 1.05  # a schedule predicted to gain under 5% is within th
 
 def _schedule(con, run: str) -> list[Finding]:
     """The schedule the replay of a synchronous run's pieces predicts the most samples/s for (defaults)."""
-    from dynascope.analyses.schedules import LIMITS, ROLLOUT_PHASES, SYNC_PHASES, schedule_what_if
+    from dynascope.analyses.what_if_schedule import LIMITS, schedule_what_if
+    from dynascope.analyses.what_if_schedule_inputs import ROLLOUT_PHASES, SYNC_PHASES
 
     df = schedule_what_if(con, run)
     if df.is_empty():

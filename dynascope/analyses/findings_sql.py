@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from dynascope.analyses.rollouts import WEIGHT_SYNC_PHASES
+from dynascope.analyses.goodput import checkpoints_sql
+from dynascope.analyses.rollouts import weight_syncs_sql
 from dynascope.analyses.steps import STEP_ROW, TOP_LEVEL, step_rows_sql, top_level_sql
 from dynascope.store import quote_literal
 
@@ -63,7 +64,8 @@ def zero_variance_sql(run: str) -> str:
 
 def idle_sql(run: str) -> str:
     """Idle = the measured wait in collectives, or the wait implied by the slowest rank's busy time,
-    whichever is more; worst rank first."""
+    whichever is more; worst rank (the one that waits most) first, beside the rank waited for
+    (``waited_for_sql``)."""
     return f"""WITH ph AS ({top_level_sql(run)}), st AS ({step_rows_sql(run)}),
         per AS (SELECT run_id, role, rank, step, coalesce(SUM(dur_us) FILTER (NOT sync), 0) AS busy,
         coalesce(SUM(dur_us) FILTER (sync), 0) AS wait FROM ph GROUP BY ALL),
@@ -71,7 +73,8 @@ def idle_sql(run: str) -> str:
         FROM per), r AS (SELECT rank, SUM(idle) AS idle, SUM(step_us) AS step_us FROM i JOIN st
         USING (run_id, role, rank, step) GROUP BY rank)
         SELECT rank AS worst_rank, 100 * idle / step_us AS worst_rank_idle_pct,
-        100 * SUM(idle) OVER () / SUM(step_us) OVER () AS idle_pct FROM r ORDER BY worst_rank_idle_pct DESC"""
+        100 * SUM(idle) OVER () / SUM(step_us) OVER () AS idle_pct, cause.*
+        FROM r LEFT JOIN ({waited_for_sql(run)}) AS cause ON TRUE ORDER BY worst_rank_idle_pct DESC"""
 
 
 def uninstrumented_sql(run: str) -> str:
@@ -102,19 +105,20 @@ def staleness_sql(run: str) -> str:
 
 
 def weight_sync_sql(run: str) -> str:
-    phases = ", ".join(q(p) for p in WEIGHT_SYNC_PHASES)
-    return f"""SELECT COUNT(*) AS weight_syncs, coalesce(SUM(dur_us), 0) / 1000.0 AS weight_sync_ms FROM timings
-        WHERE run_id = {q(run)} AND phase IN ({phases})"""
+    return f"""SELECT COUNT(*) AS weight_syncs, coalesce(SUM(span_us), 0) / 1000.0 AS weight_sync_ms
+        FROM ({weight_syncs_sql(f" AND run_id = {q(run)}")})"""
 
 
 def goodput_sql(run: str) -> str:
     ev = "time_us IS NOT NULL AND event = "
-    return f"""SELECT COUNT(*) FILTER ({ev}'checkpoint_save') AS checkpoint_saves,
-        coalesce(SUM(dur_us) FILTER ({ev}'checkpoint_save'), 0) / 1000.0 AS checkpoint_save_ms,
-        COUNT(*) FILTER ({ev}'checkpoint_load') AS checkpoint_loads,
-        coalesce(SUM(dur_us) FILTER ({ev}'checkpoint_load'), 0) / 1000.0 AS checkpoint_load_ms,
-        COUNT(*) FILTER ({ev}'fault') AS faults, COUNT(*) FILTER ({ev}'restart') AS restarts
-        FROM events WHERE run_id = {q(run)}"""
+    parts = checkpoints_sql(f"(SELECT * FROM events WHERE run_id = {q(run)} AND time_us IS NOT NULL "
+                            "AND event IN ('checkpoint_save', 'checkpoint_load'))")
+    return f"""WITH ck AS ({parts}), c AS (SELECT COUNT(*) FILTER (event = 'checkpoint_save') AS checkpoint_saves,
+        coalesce(SUM(span_us) FILTER (event = 'checkpoint_save'), 0) / 1000.0 AS checkpoint_save_ms,
+        COUNT(*) FILTER (event = 'checkpoint_load') AS checkpoint_loads,
+        coalesce(SUM(span_us) FILTER (event = 'checkpoint_load'), 0) / 1000.0 AS checkpoint_load_ms FROM ck)
+        SELECT c.*, COUNT(*) FILTER ({ev}'fault') AS faults, COUNT(*) FILTER ({ev}'restart') AS restarts
+        FROM c, events WHERE run_id = {q(run)} GROUP BY ALL"""
 
 
 def instability_sql(run: str, first: dict[str, Any], steps: list[int]) -> str:
@@ -248,3 +252,28 @@ def kl_to_base_sql(run: str) -> str:
         (SELECT v FROM e WHERE key = 'eval/forward_kl_pretrained_nats' AND step = rl.last) AS kl_final_nats,
         (SELECT v FROM e WHERE key = 'eval/forward_kl_sft_nats' AND step = rl.last) AS kl_rl_base_nats,
         rl.last - rl.first AS steps, d.drift_ratio, d.bf16_changed_pct FROM rl, d"""
+
+
+def node_ranks_sql(run: str, role: str, host: str) -> str:
+    """The host and how many ranks of ``role`` it holds (``runs`` rows)."""
+    return f"""SELECT host, COUNT(DISTINCT rank) AS ranks_count FROM runs WHERE run_id = {q(run)}
+        AND coalesce(role, '') = {q(role)} AND host = {q(host)} AND rank IS NOT NULL GROUP BY host"""
+
+
+def waited_for_sql(run: str) -> str:
+    """Per (role, step, waiting phase) the rank with the least wait arrived last; the others' wait beyond
+    it is charged to that rank. The rank charged most, its host, and its share of the ranks' step time."""
+    return f"""WITH w AS (SELECT coalesce(role, '') AS role, rank, step, phase, SUM(dur_us) AS us FROM timings
+        WHERE run_id = {q(run)} AND step IS NOT NULL AND rank IS NOT NULL AND stream IS NULL
+        AND coalesce(parent, '') IN ('', 'step') AND category IN ('wait', 'comm') GROUP BY ALL),
+        c AS (SELECT role, step, phase, arg_min(rank, us) AS late, SUM(us) - COUNT(*) * MIN(us) AS charged_us,
+              COUNT(*) AS n FROM w GROUP BY ALL HAVING COUNT(*) >= 2),
+        t AS (SELECT SUM(dur_us) AS step_us, COUNT(DISTINCT (coalesce(role, ''), rank)) AS ranks FROM timings
+              WHERE run_id = {q(run)} AND {STEP_ROW}),
+        top AS (SELECT role, late AS waited_for_rank, SUM(charged_us) AS charged_us, arg_max(phase, charged_us) AS phase
+                FROM c GROUP BY ALL ORDER BY charged_us DESC LIMIT 1)
+        SELECT top.role AS waited_for_role, waited_for_rank, (SELECT any_value(host) FROM runs
+               WHERE run_id = {q(run)} AND rank = waited_for_rank AND coalesce(role, '') = top.role) AS waited_for_host,
+               phase AS waited_for_phase, charged_us / 1000.0 AS waited_for_ms,
+               100.0 * charged_us / t.step_us AS waited_for_pct, t.ranks AS ranks
+        FROM top, t"""

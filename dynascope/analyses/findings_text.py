@@ -41,6 +41,11 @@ def _straggler(n: N) -> str:
     cut = (_fmt("; making {what} median would cut step time {saved_pct!p} ({saved_ms!t} over {whatif_steps} steps)",
                 what=what, **n) if n["saved_pct"] is not None
            else _fmt("; {excess_ms!t} beyond the cross-rank median over the run", **n))
+    if "median_slowdown_x" in n:  # judged against the healthy ranks' spread (cluster_outliers)
+        how = ("{median_slowdown_x:.2f}× the cross-rank median over the run" if n["status"] == "persistent" else
+               "over the healthy spread in {slow_steps} of {steps} steps")
+        return _fmt("rank {rank}{role_} is slower in {phase}: " + how + " (healthy ranks within "
+                    "{healthy_x:.2f}×; {status} straggler)", role_=role, **n) + cut
     return _fmt("rank {rank}{role_} is {slowdown_x:.2f}× slower in {phase} than the fastest rank in "
                 "{slow_steps_pct:.0f}% of steps ({status} straggler, score {score:.2f})", role_=role, **n) + cut
 
@@ -100,6 +105,16 @@ def _kl_to_base(n: N) -> str:
                  "prompt", **n) + pre + weights + "; RL's Razor ties forgetting to this KL, not to the weight change")
 
 
+def _idle(n: N) -> str:
+    text = "ranks spend {idle_pct!p} of step time waiting for peers in collectives and barriers"
+    if n.get("waited_for_rank") is not None:  # the cause: the rank the others' wait is charged to
+        role = f" ({n['waited_for_role']})" if n.get("waited_for_role") else ""
+        host = f" on {n['waited_for_host']}" if n.get("waited_for_host") else ""
+        text += (", most often for rank {waited_for_rank}" + role + host + ", which arrived last: "
+                 "{waited_for_pct!p} of step time waiting for it, most in {waited_for_phase}")
+    return _fmt(text, **n)
+
+
 def _template(text: str) -> Callable[[N], str]:
     return lambda n: _fmt(text, **n)
 
@@ -122,8 +137,10 @@ SENTENCES: dict[str, Callable[[N], str]] = {
     **{k: _instability(label) for k, label in INSTABILITY_LABELS.items()},
     "imbalance": _template("ranks are unevenly fast: if every rank ran at the cross-rank median, step time would "
                            "drop {saved_pct!p} ({saved_ms!t})"),
-    "idle": _template("ranks spend {idle_pct!p} of step time waiting for peers in collectives and barriers (most: "
-                      "rank {worst_rank}, {worst_rank_idle_pct!p})"),
+    "idle": _idle,
+    "slow_node": _template("node {host}: its {ranks_count} {role} ranks are {min_slowdown_pct:.0f}–"
+                           "{max_slowdown_pct:.0f}% slower in {phases} than the cross-rank median; at the median "
+                           "they would cut step time {saved_pct!p} ({saved_ms!t} over {steps} steps)"),
     "uninstrumented": _template("{uninstrumented_pct:.0f}% of step time is outside every instrumented phase (data "
                                 "loading, host work, logging?)"),
     "probe_cost": _template("the probe's own work on the training thread took {probe_pct!p} of step time "

@@ -14,6 +14,10 @@ the last recorded activity (timing row end or scalar) before the restart. Lost w
 last ``checkpoint_save`` before the failure (or the run's first activity) to the failure; downtime is the
 failure to the restart. Goodput = (wall − checkpoint save/load time − lost work − downtime) / wall, with
 wall time from the run's first to last activity.
+
+A sharded checkpoint is one save written by every rank: the events of one kind and step are one checkpoint,
+whose time is the wall-clock span from the first rank's start to the last rank's end (summed over ranks,
+1,024 ranks saving together for 25 s would count 7 hours). Events without a step are one checkpoint each.
 """
 
 from __future__ import annotations
@@ -25,6 +29,15 @@ from dynascope.analyses._common import StoreLike, as_store, frame, run_clause
 __all__ = ["EVENT_KINDS", "goodput_incidents", "goodput_summary"]
 
 EVENT_KINDS = ("checkpoint_save", "checkpoint_load", "fault", "restart")
+
+
+def checkpoints_sql(events: str) -> str:
+    """One row per checkpoint (``run_id, event, span_us``) from ``events``, a relation of checkpoint events:
+    the events of one run, kind and step are the ranks' parts of one checkpoint, its span the wall-clock time
+    from the first part's start to the last part's end; an event without a step is a checkpoint of its own."""
+    return f"""SELECT run_id, event, MAX(time_us) - MIN(time_us - coalesce(dur_us, 0)) AS span_us
+        FROM (SELECT *, CASE WHEN step IS NULL THEN row_number() OVER () END AS alone FROM {events})
+        GROUP BY run_id, event, step, alone"""
 
 
 def _ctes(run: str | None) -> str:
@@ -78,7 +91,8 @@ def goodput_incidents(store: StoreLike, run: str | None = None) -> pl.DataFrame:
 
 
 def goodput_summary(store: StoreLike, run: str | None = None) -> pl.DataFrame:
-    """Per run: wall time, checkpoint save/load time, faults, restarts, lost work, downtime and goodput.
+    """Per run: wall time, checkpoints saved/loaded and their wall-clock time, faults, restarts, lost work,
+    downtime and goodput.
 
     Columns: run_id, wall_ms, checkpoint_saves, checkpoint_save_ms, checkpoint_loads, checkpoint_load_ms,
     faults, restarts, lost_work_ms, downtime_ms, productive_ms, goodput_pct. Runs without any activity are
@@ -88,13 +102,16 @@ def goodput_summary(store: StoreLike, run: str | None = None) -> pl.DataFrame:
         WITH {_ctes(run)},
         lost AS (SELECT run_id, SUM(greatest(failure_us - coalesce(ckpt_us, first_us), 0)) AS lost_us,
                         SUM(greatest(restart_us - failure_us, 0)) AS down_us FROM inc GROUP BY run_id),
+        ck AS ({checkpoints_sql("(SELECT * FROM ev WHERE event IN ('checkpoint_save', 'checkpoint_load'))")}),
         cnt AS (SELECT run_id,
                     COUNT(*) FILTER (event = 'checkpoint_save') AS checkpoint_saves,
-                    coalesce(SUM(dur_us) FILTER (event = 'checkpoint_save'), 0) AS save_us,
+                    coalesce(SUM(span_us) FILTER (event = 'checkpoint_save'), 0) AS save_us,
                     COUNT(*) FILTER (event = 'checkpoint_load') AS checkpoint_loads,
-                    coalesce(SUM(dur_us) FILTER (event = 'checkpoint_load'), 0) AS load_us,
+                    coalesce(SUM(span_us) FILTER (event = 'checkpoint_load'), 0) AS load_us,
                     COUNT(*) FILTER (event = 'fault') AS faults, COUNT(*) FILTER (event = 'restart') AS restarts
-                FROM ev GROUP BY run_id),
+                FROM (SELECT run_id, event, span_us FROM ck
+                      UNION ALL SELECT run_id, event, NULL FROM ev WHERE event IN ('fault', 'restart'))
+                GROUP BY run_id),
         t AS (SELECT span.run_id, (span.last_us - span.first_us)::DOUBLE AS wall_us,
                      coalesce(checkpoint_saves, 0) AS checkpoint_saves, coalesce(save_us, 0) AS save_us,
                      coalesce(checkpoint_loads, 0) AS checkpoint_loads, coalesce(load_us, 0) AS load_us,

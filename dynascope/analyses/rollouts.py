@@ -24,6 +24,17 @@ TRAIN_PHASES = ("train", "forward", "backward", "optimizer", "update_actor", "ac
 # A forward pass inside these phases is inference for rollouts/rewards, not training.
 NOT_TRAIN_PARENTS = ("rollout", "generate", "generation", "reward", "ref_logprob", "old_logprob")
 WEIGHT_SYNC_PHASES = ("weight_sync", "sync_weights", "update_weights")
+
+
+def weight_syncs_sql(where: str = "") -> str:
+    """One row per weight sync (``run_id, step, span_us``): the weight-sync rows of one run and step are the
+    ranks' parts of one sync (trainers broadcasting, workers loading), its time the wall-clock span from the
+    first part's start to the last part's end. A row without a step is a sync of its own. ``where``: extra
+    conditions on ``timings``, each starting with AND."""
+    return f"""SELECT run_id, step, MAX(start_us + dur_us) - MIN(start_us) AS span_us
+        FROM (SELECT *, CASE WHEN step IS NULL THEN row_number() OVER () END AS alone FROM timings
+              WHERE phase IN {_in(WEIGHT_SYNC_PHASES)} AND stream IS NULL AND dur_us IS NOT NULL{where})
+        GROUP BY run_id, step, alone"""
 _GEN_MS = "coalesce(gen_ms, (gen_end_us - gen_start_us) / 1000.0)"
 
 
@@ -179,9 +190,10 @@ def rollout_train_overlap(store: StoreLike, run: str | None = None, *,
     last of those intervals; in a synchronous run it is only the jitter between ranks. ``disaggregated``
     is true when no actor (role, rank) ran both rollout and train phases, as in asynchronous RL with
     separate rollout workers. Columns: run_id, wall_ms, rollout_ms, train_ms, overlap_ms, overlap_pct,
-    disaggregated, weight_syncs, weight_sync_ms.
+    disaggregated, weight_syncs, weight_sync_ms (one sync per step, its wall-clock span over the ranks:
+    ``weight_syncs_sql``).
     """
-    rp, tp, wp, npar = _in(rollout_phases), _in(train_phases), _in(WEIGHT_SYNC_PHASES), _in(NOT_TRAIN_PARENTS)
+    rp, tp, npar = _in(rollout_phases), _in(train_phases), _in(NOT_TRAIN_PARENTS)
     return frame(as_store(store), f"""
         WITH iv AS (
             SELECT run_id, CASE WHEN phase IN {rp} THEN 'rollout' ELSE 'train' END AS kind,
@@ -210,8 +222,8 @@ def rollout_train_overlap(store: StoreLike, run: str | None = None, *,
                               AND t.s < r.e AND r.s < t.e
             GROUP BY r.run_id),
         ws AS (
-            SELECT run_id, COUNT(*) AS weight_syncs, SUM(dur_us) / 1000.0 AS weight_sync_ms
-            FROM timings WHERE phase IN {wp} AND stream IS NULL{run_clause(run)} GROUP BY run_id)
+            SELECT run_id, COUNT(*) AS weight_syncs, SUM(span_us) / 1000.0 AS weight_sync_ms
+            FROM ({weight_syncs_sql(run_clause(run))}) GROUP BY run_id)
         SELECT tot.run_id, tot.wall_ms, tot.rollout_ms, tot.train_ms, coalesce(ov.overlap_ms, 0) AS overlap_ms,
                100.0 * coalesce(ov.overlap_ms, 0) / nullif(tot.wall_ms, 0) AS overlap_pct,
                coalesce(both_.n, 0) = 0 AS disaggregated,

@@ -1,5 +1,6 @@
 """Planted timing rows written with the real RunWriter: a synchronous RL run with fixed phase durations (each
-schedule's step time follows in closed form), and random runs with rank-dependent phase orders."""
+schedule's step time follows in closed form), random runs with rank-dependent phase orders, and a store of
+several runs and roles with the shapes a what-if replay has to get right."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import itertools
 import random
 from pathlib import Path
 
+from dynascope.analyses.steps import REMAINDER
 from dynascope.store import RunWriter
 
 T0 = 1_700_000_000_000_000  # µs
@@ -73,3 +75,40 @@ def random_run(path: Path, n_ranks: int, seed: int) -> Path:
                     w.append("timings", {"phase": "step", "category": "step", "step": step,
                                          "start_us": T0 + step * 10**7, "dur_us": t - T0 - step * 10**7 + rng.randint(0, 20_000)})
     return path
+
+
+def plant_two_busy_ranks(run: Path) -> None:
+    """One step of two ranks: rank 0 computes 100 ms and waits 104 in the all-reduce, rank 1 computes 200
+    and waits 4 (the collective's own cost)."""
+    for r, (busy, wait) in enumerate(((100, 104), (200, 4))):
+        with RunWriter(run, rank=r, world_size=2) as w:
+            tr, end = timing_rows(T0, [("train", busy * MS, "phase"), ("grad_allreduce", wait * MS, "comm")])
+            w.append("timings", {**tr, "step": 0})
+            w.append("timings", {"phase": "step", "category": "step", "step": 0, "start_us": T0, "dur_us": end - T0})
+
+
+def mixed_store(root: Path) -> Path:
+    """Two runs in one root; the second has two roles, uneven ranks, a phase named like the remainder, a
+    rank-step whose phases start together with its sync row, and samples without an end."""
+    random_run(root / "a", 3, seed=7)
+    rng = random.Random(3)
+    for role, ranks in (("trainer", 3), ("rollout", 2)):
+        for r in range(ranks):
+            with RunWriter(root / "b", rank=r, role=role) as w:
+                for step in range(6):
+                    names = ["rollout", "train", REMAINDER, "allreduce", "optimizer"]
+                    if (r + step) % 3 == 0:
+                        names = ["rollout", "allreduce", "train", "train", "optimizer"]
+                    rows, t = timing_rows(T0 + step * 10**7, [(p, rng.randint(1_000, 50_000),
+                                                               "comm" if p == "allreduce" else "phase") for p in names])
+                    if step == 3 and r == 1:  # a phase starting with the sync row counts before it
+                        rows["start_us"][4] = rows["start_us"][3]
+                    w.append("timings", {**rows, "step": step})
+                    if step != 4 or r != 2:
+                        w.append("timings", {"phase": "step", "category": "step", "step": step,
+                                             "start_us": T0 + step * 10**7, "dur_us": t - T0 - step * 10**7 + 7_000})
+                    gens = [rng.randint(1_000, 30_000) for _ in range(5)]
+                    w.append("samples", {"step": step, "sample_id": list(range(5)), "gen_start_us": T0,
+                                         "gen_end_us": [T0 + g if i != 2 or step != 1 else None
+                                                        for i, g in enumerate(gens)]})
+    return root

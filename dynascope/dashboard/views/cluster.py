@@ -158,7 +158,7 @@ def _stragglers(path: str, run: str) -> None:
     if data.empty(scores, "phases timed on two or more ranks"):
         return
     # One above the other, each the page's width: side by side, eleven columns ran off the right edge.
-    st.caption("Score per rank and phase: reference (fastest rank) median ÷ this rank's median, per window; "
+    st.caption("Score per rank and phase: baseline (fastest rank) median ÷ this rank's median, per window; "
                "below 0.75 is flagged. Sorted by excess_ms, the time spent beyond the cross-rank median.")
     st.dataframe(scores.select("rank", "phase", "status", "score", "excess_ms", "slowdown_x", "median_ms",
                                "cross_rank_median_ms", "slow_steps_pct", "flagged_windows", "windows"),
@@ -235,7 +235,7 @@ def _schedules(path: str, run: str) -> None:
     if row.is_empty():
         st.info(f"{name} needs at least two devices.")
         return
-    from dynascope.analyses.schedules import LIMITS  # loaded by the analysis above
+    from dynascope.analyses.what_if_schedule import LIMITS  # loaded by the analysis above
 
     r = row.row(0, named=True)
     m = st.columns(5)

@@ -1,4 +1,4 @@
-"""Discrete-event replay of measured RL step pieces under other schedules (the engine behind ``schedules``).
+"""Discrete-event replay of measured RL step pieces under other schedules (behind ``what_if_schedule``).
 
 Work is measured in device-µs: a piece that took ``d`` µs in the measured synchronous run, where the rank
 group ran at ``rate`` devices, is ``d × rate`` device-µs of work. A *job* is a group of ``procs`` identical
@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dynascope.analyses._what_if_load import process_share
+
 EPS = 1e-9
 
 
@@ -44,30 +46,6 @@ class _Job:
     version: int = -1         # load/rollout: the weights it generates with
     batch: int = 0            # load/rollout: which measured rollout it replays
     rate: float = 0.0
-
-
-def process_share(capacity: float, procs: float, timeslice: float = 1.0) -> float:
-    """Each of ``procs`` runnable processes' share of ``capacity`` devices: at most one device, an equal part
-    of the pool when there are more processes than devices.
-
-    ``timeslice``: the part of the pool's capacity that still does work when one process more than it has
-    devices time-slices it (each switch costs the switch and refilled caches; 1 is ideal sharing, and
-    ``benchmarks/whatif_validation.py`` measured 0.84-0.96 for three and four demo processes on two
-    cores). With a fraction of a process in excess (a background load) the loss is that fraction of it,
-    beyond one process it stays as measured.
-    """
-    if procs <= capacity:
-        return 1.0
-    used = 1.0 - (1.0 - timeslice) * min(1.0, procs - capacity)
-    return used * capacity / procs
-
-
-def timeslice_of(timeslice_efficiency: float) -> float:
-    """The analyses' ``timeslice_efficiency`` argument, checked: a part of capacity, in (0, 1]."""
-    ts = float(timeslice_efficiency)
-    if not 0 < ts <= 1:
-        raise ValueError(f"timeslice_efficiency must be in (0, 1], not {timeslice_efficiency}")
-    return ts
 
 
 @dataclass

@@ -1,52 +1,58 @@
-"""Each rank-step's rows summed per (segment, phase), its remainder row appended, and the cross-rank median
-of each: the table ``what_if`` prices (``rows`` of ``_timing_rows.rows_sql``), from ``RankSteps``.
+"""The values a replaced rank takes: the cross-rank median of each (step, segment, phase).
+
+A rank-step's rows are summed per (segment, phase, sync) into *cells*, its remainder (step time no row
+covers) a busy cell of its last segment; a busy cell's median is over the busy cells of the same (run, role,
+step, segment, phase) on every rank. (A phase named like the remainder shares its medians with it.)
 
 Synchronous ranks usually run the same phases in the same order every step. Then every rank-step has the
-same (segment, phase, sync) rows, the table is a (steps × ranks × rows) array, and the sums, the
-remainder rows and the medians are reshapes and sorts along its axes. Otherwise the rows are grouped by
-sorting (repeated phases summed, medians per group).
+same cells, they form a (steps × ranks × cells) array, and the medians are a sort along its ranks.
+Otherwise the cells are grouped by sorting (repeated phases summed, medians per group).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from dynascope.analyses._rank_steps import Arrays, RankSteps, at_runs, runs_of, sort_order, step_ids
+from dynascope.analyses._sorted_runs import Arrays, at_runs, runs_of, sort_order
+from dynascope.analyses._what_if_load import RankSteps, step_ids
 from dynascope.analyses.steps import REMAINDER
 
 
-def segment_phases(rs: RankSteps) -> Arrays:
-    """Top-level rows summed per (rank-step, segment, phase, sync), each rank-step's remainder row after
-    them (busy, in its last segment), sorted by (rank-step, segment); with ``med_us``, the cross-rank
-    median of each busy (grp, step, seg, phase)."""
-    r, st = rs.rows, rs.steps
-    n_rs = len(st["grp"])
+def cells(rs: RankSteps, values: np.ndarray, tail: np.ndarray) -> Arrays:
+    """Per (rank-step, segment, phase, sync): the rows' ``values`` summed (µs, or work), each rank-step's
+    ``tail`` (its remainder) after them, sorted by (rank-step, segment): rs, sid (the (grp, step) index),
+    seg, phase, sync, value, med (the cross-rank median of a busy cell; NaN for sync cells), at (the
+    cell's (rank-step, segment) index, as ``_what_if_replay.rank_segments`` numbers them)."""
+    r = {**rs.rows, "value": values}
+    st = rs.steps
+    n_rs = len(rs)
     sid, _ = step_ids(rs)
     rem = rs.phases.index(REMAINDER)
-    tail = {"seg": st["last_seg"], "phase": np.full(n_rs, rem, dtype=r["phase"].dtype),
-            "sync": np.zeros(n_rs, dtype=bool), "dur_us": st["step_us"] - st["covered"]}
+    end = {"seg": st["last_seg"], "phase": np.full(n_rs, rem, dtype=r["phase"].dtype),
+           "sync": np.zeros(n_rs, dtype=bool), "value": tail}
     width = _uniform_width(r, n_rs)
     if width is not None:  # every rank-step alike: append the remainder as one more column
-        cols = {c: np.concatenate([r[c].reshape(n_rs, width).astype(tail[c].dtype, copy=False), tail[c][:, None]],
-                                  axis=1).ravel() for c in ("seg", "phase", "sync", "dur_us")}
+        cols = {c: np.concatenate([r[c].reshape(n_rs, width).astype(end[c].dtype, copy=False), end[c][:, None]],
+                                  axis=1).ravel() for c in ("seg", "phase", "sync", "value")}
         out = {"rs": np.repeat(np.arange(n_rs), width + 1), "sid": np.repeat(sid, width + 1), **cols}
         med = _median_of_ranks(out, sid, n_rs, width + 1, rem)
-        out["med_us"] = med if med is not None else _median_sorted(out)
-        return out
-    out = _summed(r, rs, n_rs)
-    per = np.bincount(out["rs"], minlength=n_rs) + 1
-    last = np.zeros(len(out["rs"]) + n_rs, dtype=bool)  # rank-step k's rows move down by k places
-    last[np.cumsum(per) - 1] = True
-    row = ~last
+        out["med"] = med if med is not None else _median_sorted(out)
+    else:
+        out = _summed(r, rs)
+        per = np.bincount(out["rs"], minlength=n_rs) + 1
+        last = np.zeros(len(out["rs"]) + n_rs, dtype=bool)  # rank-step k's cells move down by k places
+        last[np.cumsum(per) - 1] = True
+        row = ~last
 
-    def spread(a: np.ndarray, t: np.ndarray) -> np.ndarray:
-        o = np.empty(len(last), dtype=a.dtype)
-        o[row], o[last] = a, t
-        return o
+        def spread(a: np.ndarray, t: np.ndarray) -> np.ndarray:
+            o = np.empty(len(last), dtype=a.dtype)
+            o[row], o[last] = a, t
+            return o
 
-    out = {"rs": np.repeat(np.arange(n_rs), per), "sid": np.repeat(sid, per),
-           **{c: spread(out[c], tail[c]) for c in ("seg", "phase", "sync", "dur_us")}}
-    out["med_us"] = _median_sorted(out)
+        out = {"rs": np.repeat(np.arange(n_rs), per), "sid": np.repeat(sid, per),
+               **{c: spread(out[c], end[c]) for c in ("seg", "phase", "sync", "value")}}
+        out["med"] = _median_sorted(out)
+    out["at"] = at_runs(runs_of(out["rs"], out["seg"]), len(out["rs"]))
     return out
 
 
@@ -67,7 +73,7 @@ def _uniform_width(r: Arrays, n_rs: int) -> int | None:
     return width
 
 
-def _summed(r: Arrays, rs: RankSteps, n_rs: int) -> Arrays:
+def _summed(r: Arrays, rs: RankSteps) -> Arrays:
     """The rows summed per (rank-step, segment, phase, sync), by (rank-step, segment). Rows are sorted by
     (rank-step, start), so by (rank-step, segment): only a repeated (phase, sync) in a segment needs the
     sort."""
@@ -79,9 +85,9 @@ def _summed(r: Arrays, rs: RankSteps, n_rs: int) -> Arrays:
         order = np.argsort(key, kind="stable")
         starts = runs_of(key[order])
         cols = {c: v[order][starts] for c, v in cols.items()}
-        cols["dur_us"] = np.add.reduceat(r["dur_us"][order], starts).astype(float)
+        cols["value"] = np.add.reduceat(r["value"][order], starts).astype(float)
     else:
-        cols["dur_us"] = r["dur_us"].astype(float)
+        cols["value"] = r["value"].astype(float)
     return cols
 
 
@@ -104,24 +110,24 @@ def _median_of_ranks(s: Arrays, sid: np.ndarray, n_rs: int, width: int, rem: int
     seg, phase, sync = s["seg"][:width], s["phase"][:width], s["sync"][:width]
     if np.any((seg[:-1] == seg[-1]) & (phase[:-1] == rem) & ~sync[:-1]):
         return None
-    v = np.sort(s["dur_us"].reshape(len(steps), ranks, width).transpose(0, 2, 1), axis=-1)  # ranks last
+    v = np.sort(s["value"].reshape(len(steps), ranks, width).transpose(0, 2, 1), axis=-1)  # ranks last
     lo, hi = v[..., (ranks - 1) // 2], v[..., ranks // 2]
-    med = np.where(sync, np.nan, lo + (hi - lo) * 0.5)  # sync rows never read it
+    med = np.where(sync, np.nan, lo + (hi - lo) * 0.5)  # sync cells never read it
     return np.repeat(med[:, None, :], ranks, axis=1).ravel()
 
 
 def _median_sorted(s: Arrays) -> np.ndarray:
-    """Per busy row: the median of ``dur_us`` over the busy rows of its (grp, step, seg, phase) (NaN for
-    sync rows, which never read it)."""
+    """Per busy cell: the median of ``value`` over the busy cells of its (grp, step, seg, phase) (NaN for
+    sync cells, which never read it)."""
     busy = np.flatnonzero(~s["sync"])
     seg_span = int(s["seg"].max(initial=0)) + 1
     key = (s["sid"][busy] * seg_span + s["seg"][busy]) * (int(s["phase"].max(initial=0)) + 1) + s["phase"][busy]
-    order = sort_order(key, s["dur_us"][busy])
-    v = s["dur_us"][busy][order]
+    order = sort_order(key, s["value"][busy])
+    v = s["value"][busy][order]
     starts = runs_of(key[order])
     counts = np.diff(np.append(starts, len(order)))
     lo, hi = v[starts + (counts - 1) // 2], v[starts + counts // 2]
     med = lo + (hi - lo) * 0.5
-    out = np.full(len(s["dur_us"]), np.nan)
+    out = np.full(len(s["value"]), np.nan)
     out[busy[order]] = med[at_runs(starts, len(order))]
     return out

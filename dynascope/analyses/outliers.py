@@ -1,0 +1,101 @@
+"""Slow ranks and slow nodes: which rank, or which host's ranks together, run a phase slower than the others
+by more than healthy ranks differ.
+
+Per step, each rank's time in a phase is divided by the step's cross-rank median for that phase (``ratio``);
+a rank's ``slowdown_x`` is the median of its ratios over the steps. What healthy ranks differ by is measured,
+not assumed: per (role, phase), the robust spread (1.4826 × the median absolute deviation) of the ranks'
+slowdowns and of the single (rank, step) ratios. A rank is
+
+- ``persistent`` when its slowdown is above 1 by more than ``k`` spreads of the ranks' slowdowns (and at
+  least ``min_excess``);
+- ``intermittent`` when it is not, but at least ``min_slow_steps`` of its steps are above 1 by more than
+  ``k`` spreads of the single ratios (and ``min_step_excess``): slow every k-th step, say.
+
+A host is a slow *node* in a phase when at least ``node_share`` of its ranks of a role are persistent in it
+(the default, half: the median of its ranks is above the threshold)
+(a host with one rank of that role is never a node): its ranks are then reported as the node, not one by one.
+Hosts come from the ``runs`` rows (each rank's ``host``); a rank without one is its own host.
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+from dynascope.analyses._common import StoreLike, as_store, frame, run_clause
+from dynascope.analyses.stragglers import phase_times_sql
+
+__all__ = ["cluster_outliers"]
+
+_MAD = 1.4826  # the median absolute deviation of a normal distribution, in standard deviations
+_SCHEMA = {"run_id": pl.String, "role": pl.String, "kind": pl.String, "host": pl.String, "rank": pl.Int64,
+           "ranks_count": pl.Int64, "phase": pl.String, "status": pl.String, "slowdown_x": pl.Float64,
+           "min_slowdown_x": pl.Float64, "max_slowdown_x": pl.Float64, "slow_steps_count": pl.Int64,
+           "steps": pl.Int64, "threshold_x": pl.Float64, "excess_ms": pl.Float64}
+
+
+def _ratios(con, run: str | None) -> pl.DataFrame:
+    """Per (run, role, rank, step, phase): the rank's time over the step's cross-rank median, with its host."""
+    return frame(con, f"""
+        WITH d AS ({phase_times_sql(run, " AND rank IS NOT NULL")}),
+        m AS (SELECT *, median(dur_us) OVER (PARTITION BY run_id, role, step, phase) AS med_us,
+                        COUNT(*) OVER (PARTITION BY run_id, role, step, phase) AS nranks FROM d),
+        h AS (SELECT run_id, coalesce(role, '') AS role, rank, any_value(host) AS host FROM runs
+              WHERE rank IS NOT NULL{run_clause(run)} GROUP BY ALL)
+        SELECT m.run_id, m.role, m.rank, m.step, m.phase, dur_us, dur_us / med_us AS ratio,
+               greatest(dur_us - med_us, 0) / 1000.0 AS excess_ms, coalesce(h.host, 'rank ' || m.rank) AS host
+        FROM m LEFT JOIN h USING (run_id, role, rank)
+        WHERE nranks >= 3 AND med_us > 0""")
+
+
+def cluster_outliers(store: StoreLike, run: str | None = None, *, k: float = 4.0, min_excess: float = 0.03,
+                     min_step_excess: float = 0.15, min_slow_steps: int = 2, node_share: float = 0.5,
+                     min_median_ms: float = 5.0) -> pl.DataFrame:
+    """Slow ranks (``kind`` rank: persistent or intermittent) and slow nodes (``kind`` node) per phase.
+
+    Columns: run_id, role, kind, host, rank (null for a node), ranks_count (1, or the node's ranks of that
+    role), phase, status, slowdown_x (median over steps of the rank's time / the step's cross-rank median;
+    a node: the median of its ranks'), min_slowdown_x / max_slowdown_x (a node's ranks), slow_steps_count
+    (steps above the per-step threshold; a node: its ranks' median), steps, threshold_x (the slowdown above
+    which a rank is persistent in that phase), excess_ms (time beyond the cross-rank median over the run; a
+    node: its slowest rank's). Rows come most excess first. Phases whose median is under ``min_median_ms``
+    are left out; a phase needs three ranks of a role in a step to be compared.
+    """
+    r = _ratios(as_store(store), run)
+    if r.is_empty():
+        return pl.DataFrame(schema=_SCHEMA)
+    grp = ["run_id", "role", "phase"]
+    r = r.with_columns(dev=(pl.col("ratio") - pl.col("ratio").median().over(grp)).abs())
+    step_noise = r.group_by(grp).agg(step_sigma=_MAD * pl.col("dev").median())
+    per = (r.join(step_noise, on=grp)
+           .with_columns(step_cut=1 + pl.max_horizontal(k * pl.col("step_sigma"), pl.lit(min_step_excess)))
+           .group_by([*grp, "rank", "host"])
+           .agg(slowdown_x=pl.col("ratio").median(), steps=pl.len(), excess_ms=pl.col("excess_ms").sum(),
+                slow_steps_count=(pl.col("ratio") > pl.col("step_cut")).sum()))
+    per = per.with_columns(
+        threshold_x=1 + pl.max_horizontal(
+            k * _MAD * (pl.col("slowdown_x") - pl.col("slowdown_x").median().over(grp)).abs().median().over(grp),
+            pl.lit(min_excess)))
+    per = per.with_columns(status=pl.when(pl.col("slowdown_x") > pl.col("threshold_x")).then(pl.lit("persistent"))
+                           .when(pl.col("slow_steps_count") >= min_slow_steps).then(pl.lit("intermittent")))
+    worth = r.group_by(grp).agg(pl.col("dur_us").median()).filter(pl.col("dur_us") >= 1000 * min_median_ms)
+    per = per.join(worth.select(grp), on=grp)
+    # nodes: hosts whose ranks of a role are slow together in a phase
+    hosts = (per.group_by([*grp, "host"])
+             .agg(ranks_count=pl.len(), slow=(pl.col("status") == "persistent").sum(),
+                  slowdown=pl.col("slowdown_x").median(), lo=pl.col("slowdown_x").min(),
+                  hi=pl.col("slowdown_x").max(), slow_steps=pl.col("slow_steps_count").median(),
+                  steps=pl.col("steps").max(), threshold_x=pl.col("threshold_x").first(),
+                  excess_ms=pl.col("excess_ms").max()))
+    nodes = hosts.filter((pl.col("ranks_count") >= 2) & (pl.col("slow") >= node_share * pl.col("ranks_count")))
+    node_rows = nodes.select(
+        *grp, pl.lit("node").alias("kind"), "host", pl.lit(None, pl.Int64).alias("rank"), "ranks_count",
+        pl.lit("persistent").alias("status"), pl.col("slowdown").alias("slowdown_x"),
+        pl.col("lo").alias("min_slowdown_x"), pl.col("hi").alias("max_slowdown_x"),
+        pl.col("slow_steps").round().cast(pl.Int64).alias("slow_steps_count"), "steps", "threshold_x", "excess_ms")
+    ranks = per.filter(pl.col("status").is_not_null()).join(nodes.select(*grp, "host"), on=[*grp, "host"], how="anti")
+    rank_rows = ranks.select(
+        *grp, pl.lit("rank").alias("kind"), "host", "rank", pl.lit(1, pl.Int64).alias("ranks_count"), "status",
+        "slowdown_x", pl.col("slowdown_x").alias("min_slowdown_x"), pl.col("slowdown_x").alias("max_slowdown_x"),
+        "slow_steps_count", "steps", "threshold_x", "excess_ms")
+    out = pl.concat([node_rows.cast(_SCHEMA), rank_rows.cast(_SCHEMA)]).select(list(_SCHEMA))  # type: ignore[arg-type]
+    return out.sort(["excess_ms", "run_id", "role", "phase"], descending=[True, False, False, False])
