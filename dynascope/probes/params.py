@@ -5,7 +5,8 @@ model's parameters that require grad. Names come from ``model.named_parameters()
 weight once, so tied weights are counted once, through ``core.naming.normalize_name``: a model wrapped
 by ``torch.compile`` (``_orig_mod.``), DDP (``module.``) or FSDP1 records the names of the bare model, the
 names θ₀ and checkpoints are matched by. DTensor (FSDP2) parameters are tracked through their
-local shard and marked ``sharded``.
+local shard and marked ``sharded``; parameters DeepSpeed ZeRO partitions, through the rank's slice of
+their fp32 master (``probes.zero``).
 """
 
 from __future__ import annotations
@@ -79,13 +80,18 @@ def _skip_reason(p: Tensor) -> str | None:
 
 def optimizer_fingerprint(optimizer: Any) -> tuple:
     """Cheap identity of the optimizer's parameter set; changes when groups or params are added."""
-    if optimizer is None:
+    groups = getattr(optimizer, "param_groups", None) if optimizer is not None else None
+    if not groups:
         return ()
-    return tuple((len(g["params"]), id(g["params"][0]) if g["params"] else 0) for g in optimizer.param_groups)
+    return tuple((len(g["params"]), id(g["params"][0]) if g["params"] else 0) for g in groups)
 
 
 def discover(model: Any, optimizer: Any) -> tuple[list[Tracked], list[tuple[str, str]]]:
     """(tracked tensors, [(name, reason) for skipped ones])."""
+    from dynascope.probes import zero
+
+    if zero.uses_zero(model):  # DeepSpeed holds the masters: its metadata says where (probes.zero)
+        return zero.discover(model)
     names: dict[int, str] = {}
     if model is not None and hasattr(model, "named_parameters"):
         for n, p in model.named_parameters():  # remove_duplicate=True: tied weights appear once

@@ -1,0 +1,280 @@
+"""DeepSpeed ZeRO: the tensors the probes read, found by DeepSpeed's own metadata, and the step boundary.
+
+Under ZeRO the optimizer updates fp32 masters that DeepSpeed keeps outside the model: each rank holds a
+flat slice of them, so ``p`` and ``p.grad`` say nothing (ZeRO-3 leaves ``p`` empty between forward
+passes; ZeRO-1/2 leave ``p.grad`` None after the backward pass). The statistics here describe the fp32
+masters, as under FSDP mixed precision, read where DeepSpeed keeps them, without gathering anything:
+
+* ZeRO-3 (``ds_id``, ``ds_numel``, ``ds_shape`` on every parameter): the rank's partition of each tensor
+  (``deepspeed.utils.safe_get_local_fp32_param``) and of its gradient (the partition
+  ``safe_get_local_grad`` reads). Partitions are ``ceil(numel / world)`` long and the last rank's is
+  padded with elements that belong to no tensor; those are cut off.
+* ZeRO-1/2 and DeepSpeed's bf16 optimizer (``_hp_mapping`` on every parameter): the fragment of the
+  tensor inside the rank's flat partition (``_hp_mapping.hp_fragment``, a view of the partition the
+  optimizer steps) and its gradient fragment (``get_lp_grad_fragment``, readable between
+  ``engine.backward()`` and ``engine.step()``). A tensor outside the rank's partition has an empty
+  fragment.
+
+Every rank tracks every tensor under the user's name with ``sharded=True``, so its rows are per-rank
+partial sums that ``store.combine.combine_shards`` turns into each tensor's statistics when read; a rank
+holding none of a tensor writes a zero-element row, whose sums are exactly zero. The budget sizes each
+tensor by a rank-invariant bound (ZeRO-3: its partition; ZeRO-1/2: the whole tensor in fp32, the most a
+rank's fragment can be), so every rank's rotating window holds the same tensors at the same record and
+the shards of a windowed statistic combine.
+
+The step boundary is the engine's optimizer step: hooks around the ZeRO wrapper's ``step()`` (once per
+``engine.step()`` that reaches a gradient-accumulation boundary, whatever ``sub_group_size`` makes the
+inner optimizer do), found from the engine, the optimizer passed, or the parameters themselves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from dynascope.core.naming import normalize_name, tensor_kind, tensor_layer
+from dynascope.probes.params import Tracked
+
+__all__ = ["ZeroAttachment", "discover", "is_engine", "resolve", "uses_zero"]
+
+
+def _from_deepspeed(obj: Any) -> bool:
+    return any(isinstance(m := getattr(c, "__module__", None), str) and m.startswith("deepspeed.")
+               for c in type(obj).__mro__[:-1])
+
+
+def is_engine(obj: Any) -> bool:
+    """Whether ``obj`` is a ``deepspeed.DeepSpeedEngine`` (without importing DeepSpeed)."""
+    return any(c.__name__ == "DeepSpeedEngine" and c.__module__.startswith("deepspeed.")
+               for c in type(obj).__mro__)
+
+
+def _params(model: Any) -> list[tuple[str, Tensor]]:
+    named = getattr(model, "named_parameters", None)
+    return list(named()) if callable(named) else []
+
+
+def uses_zero(model: Any) -> bool:
+    """Whether the model's parameters carry DeepSpeed's partitioning metadata."""
+    return any(hasattr(p, "ds_id") or hasattr(p, "_hp_mapping") for _, p in _params(model))
+
+
+@dataclass(eq=False)
+class _ZeroTracked(Tracked):
+    """A tensor whose fp32 master DeepSpeed holds; ``plan_bytes`` is the rank-invariant budget size."""
+
+    plan_bytes: int = 0
+    empty: Tensor = field(default_factory=lambda: torch.empty(0))
+
+    @property
+    def nbytes(self) -> int:
+        return self.plan_bytes
+
+
+@dataclass(eq=False)
+class Zero3Tracked(_ZeroTracked):
+    """ZeRO-3: the rank's partition of the master, its ``real`` leading elements (the rest is padding)."""
+
+    real: int = 0
+
+    def local(self) -> Tensor:
+        from deepspeed.utils import safe_get_local_fp32_param
+
+        return safe_get_local_fp32_param(self.param).detach().reshape(-1)[:self.real]
+
+    def grad(self) -> Tensor | None:
+        p = self.param
+        # The partition safe_get_local_grad reads, in its own dtype: that function returns .float() of it,
+        # a copy of every bf16 gradient at every record, which the probe would then hold all at once.
+        read = getattr(p._z3_optimizer, "_get_fp32_grad_state_partition", None)
+        if read is not None:
+            g = read(param=p, release_swap_buffers=True)[0]
+        else:  # pragma: no cover - DeepSpeed releases without the partition accessor
+            from deepspeed.utils import safe_get_local_grad
+
+            g = safe_get_local_grad(p)
+        return None if g is None else g.detach().reshape(-1)[:self.real]
+
+
+@dataclass(eq=False)
+class Zero12Tracked(_ZeroTracked):
+    """ZeRO-1/2 (and the bf16 optimizer): the tensor's fragment of the rank's flat fp32 partition."""
+
+    def local(self) -> Tensor:
+        hp = getattr(self.param, "_hp_mapping", None)
+        return self.empty if hp is None else hp.hp_fragment.detach()
+
+    def grad(self) -> Tensor | None:
+        p = self.param
+        hp = getattr(p, "_hp_mapping", None)
+        if hp is None:
+            return self.empty
+        try:
+            g = hp.get_lp_grad_fragment(p._index_in_param_group)
+        except (ValueError, KeyError, IndexError):  # outside backward → step: not this step's gradient
+            return None
+        g = g.detach().reshape(-1)
+        address = hp.lp_fragment_address
+        if g.numel() != address.numel:  # the bf16 optimizer keeps a whole-tensor buffer on every rank
+            g = g.narrow(0, address.start, address.numel)
+        return g
+
+
+def _unreadable(p: Tensor) -> str | None:
+    opt = getattr(p, "_z3_optimizer", None)
+    if opt is not None and getattr(opt, "swap_optimizer", False):
+        return "fp32 master offloaded to NVMe (DeepSpeed offload_optimizer.device=nvme): not read"
+    return None
+
+
+def discover(model: Any) -> tuple[list[Tracked], list[tuple[str, str]]]:
+    """(tracked, skipped) for a model whose parameters DeepSpeed partitions; frozen ones are not tracked
+    (no master exists for them), as with any optimizer."""
+    named = _params(model)
+    fragments = [m.hp_fragment for _, p in named if (m := getattr(p, "_hp_mapping", None)) is not None]
+    master = fragments[0].dtype if fragments else torch.float32
+    tracked: list[Tracked] = []
+    skipped: list[tuple[str, str]] = []
+    seen: set[int] = set()
+    for raw, p in named:
+        if id(p) in seen or not p.requires_grad:
+            continue
+        seen.add(id(p))
+        name = normalize_name(raw)
+        reason = _unreadable(p)
+        if reason is None and not (hasattr(p, "ds_id") or hasattr(p, "_hp_mapping")):
+            reason = "trainable, but DeepSpeed's optimizer holds no master of it"
+        if reason is not None:
+            skipped.append((name, reason))
+            continue
+        meta = dict(name=name, param=p, sharded=True, layer=tensor_layer(name), kind=tensor_kind(name))
+        if hasattr(p, "ds_id"):
+            part = int(p.partition_numel())
+            real = max(0, min(part, int(p.ds_numel) - int(p.ds_zero_partition_rank) * part))
+            t: Tracked = Zero3Tracked(**meta, real=real, shape=_shape(p.ds_shape))
+            local = t.local()
+            t.plan_bytes = part * local.element_size()
+            t.empty = local[:0]
+        else:
+            t = Zero12Tracked(**meta, shape=_shape(p.shape), empty=torch.empty(0, dtype=master, device=p.device))
+            t.plan_bytes = p.numel() * t.empty.element_size()
+        t.dtype = str(t.local().dtype).replace("torch.", "")
+        tracked.append(t)
+    return tracked, skipped
+
+
+def _shape(shape: Any) -> str:
+    return "x".join(str(int(s)) for s in shape)
+
+
+def _wrapper(model: Any, optimizer: Any) -> Any:
+    """DeepSpeed's optimizer wrapper: the one passed or wrapped in what was passed (accelerate's
+    ``DeepSpeedOptimizerWrapper``), else the one the parameters point back to (ZeRO-3 ``_z3_optimizer``;
+    ZeRO-1/2 set ``_zero_optimizer`` only with CPU offload), else the one holding them (a heap search)."""
+    obj = optimizer
+    for _ in range(4):
+        if obj is None or _from_deepspeed(obj):
+            break
+        obj = getattr(obj, "optimizer", None)
+    if obj is not None and _from_deepspeed(obj):
+        return obj
+    params = [p for _, p in _params(model)]
+    for p in params:
+        found = getattr(p, "_z3_optimizer", None) or getattr(p, "_zero_optimizer", None)
+        if found is not None:
+            return found
+    return _holder(params) or optimizer
+
+
+def _holder(params: list[Tensor]) -> Any:
+    """The DeepSpeed optimizer whose groups hold ``params``: ZeRO-1/2 parameters keep no reference to it,
+    and watch(engine.module, engine.optimizer.optimizer) or watch(engine.module) name none. Runs once,
+    at watch(), only then (a pass over the heap's objects, ~10 ms per 100k)."""
+    import gc
+
+    ours = {id(p) for p in params}
+    for obj in gc.get_objects():
+        if not _from_deepspeed(obj):  # the type first: getattr on any object may run its code
+            continue
+        groups = getattr(obj, "bit16_groups", None) or getattr(obj, "bf16_groups", None) or []
+        if any(id(p) in ours for g in groups for p in g):
+            return obj
+    return None
+
+
+@dataclass
+class ZeroAttachment:
+    """What ``watch()`` attaches to under DeepSpeed: the model to name and time, the optimizer whose
+    ``step()`` is the boundary, the engine when known, and what was changed from what the user passed."""
+
+    model: Any
+    optimizer: Any
+    engine: Any = None
+    notes: list[str] = field(default_factory=list)
+    error: Exception | None = None  # resolving failed: the arguments are watched as given
+
+    def attach(self, scope: Any) -> list[Any]:
+        """Engine timings and step numbering on a built scope; returns handles for ``scope.close``."""
+        handles: list[Any] = []
+        if self.error is not None:
+            scope._report("deepspeed", self.error)
+            return handles
+        for note in self.notes:
+            scope.event("probe_attach", note, framework="deepspeed")
+        if scope.spectral is not None:
+            scope.event("probe_skip", "spectral: needs whole 2-D weights; under ZeRO each rank holds flat "
+                        "fragments of the fp32 masters, so no spectra are recorded", reason="zero")
+        engine = self.engine
+        if engine is None:
+            return handles
+        done = int(getattr(engine, "global_steps", 0) or 0)
+        if done:  # an engine that already stepped (resumed from a checkpoint): continue its numbering
+            scope.resume(done)
+        if scope.timing is not None:
+            handles.append(_time_backward(engine, scope))
+        return handles
+
+
+class _Restore:
+    def __init__(self, obj: Any, name: str, wrapper: Any) -> None:
+        self.obj, self.name, self.wrapper = obj, name, wrapper
+
+    def remove(self) -> None:
+        if vars(self.obj).get(self.name) is self.wrapper:
+            delattr(self.obj, self.name)
+
+
+def _time_backward(engine: Any, scope: Any) -> _Restore:
+    """``engine.backward()`` as the ``backward`` phase: autograd's part plus DeepSpeed's gradient
+    reduction and partitioning after it (the autograd-hook timing would stop before those)."""
+    scope.timing.autograd_backward = False
+    original = engine.backward
+
+    def backward(*args: Any, **kwargs: Any) -> Any:
+        with scope.phase("backward"):
+            return original(*args, **kwargs)
+    engine.backward = backward
+    return _Restore(engine, "backward", backward)
+
+
+def resolve(model: Any, optimizer: Any) -> ZeroAttachment | None:
+    """The DeepSpeed attachment for ``watch(model, optimizer)``, or None when DeepSpeed is not involved.
+    Never raises: a failure leaves the arguments as they were and is reported once the scope exists."""
+    engine = model if is_engine(model) else None
+    if engine is None and not uses_zero(model):
+        return None
+    try:
+        notes = []
+        target = _wrapper(model, optimizer if engine is None else (optimizer or engine.optimizer))
+        if engine is not None and target is None:
+            target = engine.optimizer
+        if target is not optimizer and not (engine is not None and optimizer is None):
+            what = type(optimizer).__name__ if optimizer is not None else "no optimizer (scope.step())"
+            notes.append(f"step boundary: DeepSpeed's {type(target).__name__}.step(), once per engine step, "
+                         f"instead of {what}")
+        return ZeroAttachment(model, target, engine, notes)
+    except Exception as exc:
+        return ZeroAttachment(model, optimizer, error=exc)
