@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import deepspeed
 import torch
@@ -24,14 +25,18 @@ import dynascope
 
 STEPS = 3
 LR = 1e-2
-# case → (ZeRO stage, bf16, how watch() is called, extra zero_optimization settings, watch() kwargs)
-CASES: dict[str, tuple[int, bool, str, dict, dict]] = {
-    "z1-fp32-module-opt": (1, False, "module+optimizer", {}, {}),
-    "z2-fp32": (2, False, "engine", {}, {}),
-    "z2-bf16-inner": (2, True, "module+inner", {}, {}),
-    "z3-fp32-subgroups": (3, False, "engine", {"sub_group_size": 300}, {}),
-    "z3-bf16": (3, True, "engine", {}, {}),
-    "z3-budget": (3, False, "engine", {}, {"memory_budget": 0.4, "time_budget": None, "drift_every": 1}),
+# case → stage (ZeRO stage), bf16, watch (what watch() is given), gas (micro-batches per step), zero (more
+# zero_optimization settings; the persistence threshold is 0 unless given: every tensor partitioned),
+# reference ("state_dict": θ₀ as the whole initial weights, cut to each rank's slice), kw (watch kwargs,
+# given to the single-process reference too), budget (watch kwargs of a budgeted run, checked on its own)
+CASES: dict[str, dict[str, Any]] = {
+    "z1-fp32-module-opt": {"stage": 1, "watch": "module+optimizer", "reference": "state_dict"},
+    "z2-fp32-gas2": {"stage": 2, "gas": 2, "kw": {"bf16_k": 2}},
+    "z2-bf16-inner": {"stage": 2, "bf16": True, "watch": "module+inner"},
+    "z3-fp32-subgroups": {"stage": 3, "zero": {"sub_group_size": 300}, "reference": "state_dict"},
+    "z3-fp32-persistent": {"stage": 3, "zero": {"stage3_param_persistence_threshold": 100_000}},
+    "z3-bf16": {"stage": 3, "bf16": True, "kw": {"bf16_k": 2}},
+    "z3-budget": {"stage": 3, "budget": {"memory_budget": 0.4, "time_budget": None, "drift_every": 1}},
 }
 
 
@@ -40,28 +45,36 @@ def build_model() -> nn.Module:
     return nn.Sequential(nn.Linear(7, 33), nn.ReLU(), nn.Linear(33, 17), nn.ReLU(), nn.Linear(17, 1))
 
 
-def batch(step: int, rank: int) -> torch.Tensor:
-    return torch.randn(4, 7, generator=torch.Generator().manual_seed(100 * step + rank))
+def batch(step: int, micro: int, rank: int) -> torch.Tensor:
+    return torch.randn(4, 7, generator=torch.Generator().manual_seed(100 * step + 10 * micro + rank))
 
 
 def run_case(out: Path, case: str) -> None:
-    stage, bf16, how, zero_extra, kw = CASES[case]
+    opts = CASES[case]
+    bf16, gas = opts.get("bf16", False), opts.get("gas", 1)
     model = build_model()
-    config = {"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": bf16},
-              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, **zero_extra}}
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": gas, "bf16": {"enabled": bf16},
+              "zero_optimization": {"stage": opts["stage"], "stage3_param_persistence_threshold": 0,
+                                    **opts.get("zero", {})}}
+    theta0 = {n: p.detach().clone() for n, p in model.state_dict().items()}
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=LR),
                                       config=config)
     watched = {"engine": (engine, None), "module+optimizer": (engine.module, engine.optimizer),
-               "module+inner": (engine.module, engine.optimizer.optimizer)}[how]
-    kw = {"memory_budget": None, **kw}
+               "module+inner": (engine.module, engine.optimizer.optimizer)}[opts.get("watch", "engine")]
+    kw = {"memory_budget": None, **opts.get("kw", {}), **opts.get("budget", {})}
+    if opts.get("reference") == "state_dict":
+        kw["reference"] = theta0
     scope = dynascope.watch(*watched, run=out / case, system_interval_s=None, **kw)
     params = list(engine.module.named_parameters())
     full = lambda: {n: safe_get_full_fp32_param(p).detach().clone() for n, p in params}  # noqa: E731
     record = {"theta0": full(), "grads": [], "weights": []}
     rank = dist.get_rank()
     for step in range(STEPS):
-        x = batch(step, rank).to(torch.bfloat16 if bf16 else torch.float32)
-        engine.backward(engine(x).float().pow(2).mean())
+        for micro in range(gas):
+            x = batch(step, micro, rank).to(torch.bfloat16 if bf16 else torch.float32)
+            engine.backward(engine(x).float().pow(2).mean())
+            if micro < gas - 1:
+                engine.step()  # not a boundary: DeepSpeed accumulates, the optimizer does not step
         record["grads"].append({n: safe_get_full_grad(p).detach().float().clone() for n, p in params})
         engine.step()
         record["weights"].append(full())

@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from dynascope.core.clock import now_us
+from dynascope.probes import zero
 from dynascope.probes.delivery import Delivery
 from dynascope.probes.memory import MemoryProbe
 from dynascope.probes.params import Tracked, discover, optimizer_fingerprint
 from dynascope.probes.protocol import Listener, Probe, StepContext
-from dynascope.probes.reference import build_reference
 from dynascope.probes.resolver import Resolver, lower_priority
 from dynascope.probes.step_hooks import attach_step_hooks
 from dynascope.probes.system import SystemSampler
@@ -277,7 +277,7 @@ class Scope:
         total = sum(t.nbytes for t in self.tracked)
         budget = self.stats.memory_budget if self.stats is not None else None
         resident = budget is None or budget * total >= 2 * total
-        self.reference = build_reference(ref, named, self.run_dir, self.writer.rank, resident)
+        self.reference = zero.build_reference(ref, named, self.run_dir, self.writer.rank, resident, self.tracked)
         if self.stats is not None:
             self.stats.reference = self.reference
         if self.reference is not None:

@@ -29,7 +29,10 @@ inner optimizer do), found from the engine, the optimizer passed, or the paramet
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -68,10 +71,16 @@ class _ZeroTracked(Tracked):
 
     plan_bytes: int = 0
     empty: Tensor = field(default_factory=lambda: torch.empty(0))
+    full_shape: tuple[int, ...] = ()
 
     @property
     def nbytes(self) -> int:
         return self.plan_bytes
+
+    @property
+    def start(self) -> int:
+        """Where the rank's slice begins in the flat tensor."""
+        return 0
 
 
 @dataclass(eq=False)
@@ -79,6 +88,11 @@ class Zero3Tracked(_ZeroTracked):
     """ZeRO-3: the rank's partition of the master, its ``real`` leading elements (the rest is padding)."""
 
     real: int = 0
+    offset: int = 0
+
+    @property
+    def start(self) -> int:
+        return self.offset
 
     def local(self) -> Tensor:
         from deepspeed.utils import safe_get_local_fp32_param
@@ -102,6 +116,11 @@ class Zero3Tracked(_ZeroTracked):
 @dataclass(eq=False)
 class Zero12Tracked(_ZeroTracked):
     """ZeRO-1/2 (and the bf16 optimizer): the tensor's fragment of the rank's flat fp32 partition."""
+
+    @property
+    def start(self) -> int:
+        hp = getattr(self.param, "_hp_mapping", None)
+        return 0 if hp is None else int(hp.lp_fragment_address.start)
 
     def local(self) -> Tensor:
         hp = getattr(self.param, "_hp_mapping", None)
@@ -154,12 +173,14 @@ def discover(model: Any) -> tuple[list[Tracked], list[tuple[str, str]]]:
         if hasattr(p, "ds_id"):
             part = int(p.partition_numel())
             real = max(0, min(part, int(p.ds_numel) - int(p.ds_zero_partition_rank) * part))
-            t: Tracked = Zero3Tracked(**meta, real=real, shape=_shape(p.ds_shape))
+            t: _ZeroTracked = Zero3Tracked(**meta, real=real, offset=int(p.ds_zero_partition_rank) * part,
+                                           shape=_shape(p.ds_shape), full_shape=tuple(p.ds_shape))
             local = t.local()
             t.plan_bytes = part * local.element_size()
             t.empty = local[:0]
         else:
-            t = Zero12Tracked(**meta, shape=_shape(p.shape), empty=torch.empty(0, dtype=master, device=p.device))
+            t = Zero12Tracked(**meta, shape=_shape(p.shape), full_shape=tuple(p.shape),
+                              empty=torch.empty(0, dtype=master, device=p.device))
             t.plan_bytes = p.numel() * t.empty.element_size()
         t.dtype = str(t.local().dtype).replace("torch.", "")
         tracked.append(t)
@@ -168,6 +189,40 @@ def discover(model: Any) -> tuple[list[Tracked], list[tuple[str, str]]]:
 
 def _shape(shape: Any) -> str:
     return "x".join(str(int(s)) for s in shape)
+
+
+def build_reference(spec: Any, named: list[tuple[str, Tensor]], run_dir: Path, rank: int, resident: bool,
+                    tracked: list[Tracked]) -> Any:
+    """θ₀ as ``reference.build_reference`` builds it, except that a whole-tensor θ₀ (a state dict or a
+    checkpoint path) of ZeRO-tracked tensors is cut to each rank's slice as it is read (a flat range per
+    tensor, never a whole tensor), then held or written to disk like ``"init"``: the slices' shapes are
+    the ones drift compares against."""
+    from dynascope.probes import reference
+
+    zero = {normalize_name(t.name): t for t in tracked if isinstance(t, _ZeroTracked)}
+    if not zero or spec is None or (isinstance(spec, str) and spec == "init"):
+        return reference.build_reference(spec, named, run_dir, rank, resident)
+    if isinstance(spec, Mapping):
+        source, kind = reference.dict_source(spec), "state_dict"
+    elif isinstance(spec, (str, os.PathLike)):
+        path = Path(spec).expanduser()
+        if not path.exists():
+            raise FileNotFoundError(f"reference checkpoint {path} does not exist")
+        source, kind = reference.load_file(path), "path"
+    else:
+        return reference.build_reference(spec, named, run_dir, rank, resident)  # its own error
+    slices = []
+    for name, local in named:
+        key = normalize_name(name)
+        t = zero.get(key)
+        if t is None or tuple(source.shapes.get(key, (-1,))) != t.full_shape:
+            continue  # no θ₀ of this tensor: its drift is NULL, as without ZeRO
+        lo = t.start
+        slices.append((name, source.read(key, lo, lo + local.numel()).to(local.device).reshape(local.shape)))
+    ref = reference.build_reference("init", slices, run_dir, rank, resident)
+    if ref is not None:
+        ref.kind = kind
+    return ref
 
 
 def _wrapper(model: Any, optimizer: Any) -> Any:
