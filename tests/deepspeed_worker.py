@@ -83,11 +83,53 @@ def run_case(out: Path, case: str) -> None:
         torch.save(record, out / f"{case}.pt")
 
 
+def run_hf(out: Path, stage: int) -> None:
+    """A Hugging Face Trainer under accelerate's DeepSpeed plugin with DynascopeCallback: a tiny GPT-2
+    from config on random tokens; a second callback gathers the fp32 masters at the start and after
+    every step (rank 0 saves them)."""
+    import transformers
+
+    from dynascope.integrations.hf import DynascopeCallback
+
+    class Gather(transformers.TrainerCallback):
+        def __init__(self) -> None:
+            self.weights: list[dict[str, torch.Tensor]] = []
+
+        def _full(self, model: nn.Module) -> None:
+            self.weights.append({n: safe_get_full_fp32_param(p).detach().clone() for n, p in model.named_parameters()})
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+            self._full(model)
+
+        def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+            self._full(model)
+
+    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+          "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    args = transformers.TrainingArguments(
+        output_dir=str(out / "hf-out"), per_device_train_batch_size=2, max_steps=STEPS, learning_rate=1e-2,
+        logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True, deepspeed=ds)
+    cfg = transformers.GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=2, n_head=2)
+    transformers.set_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 40, (16, 12), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": x, "labels": x} for x in ids]
+    gather = Gather()
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[
+        DynascopeCallback(run=str(out / f"hf-z{stage}"), system_interval_s=None, memory_budget=None), gather])
+    trainer.train()
+    if dist.get_rank() == 0:
+        torch.save({"weights": gather.weights}, out / f"hf-z{stage}.pt")
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     dist.init_process_group("gloo")
     for case in sys.argv[2:]:
-        run_case(out, case)
+        if case.startswith("hf-z"):
+            run_hf(out, int(case[4:]))
+        else:
+            run_case(out, case)
     dist.destroy_process_group()
 
 

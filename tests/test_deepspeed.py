@@ -36,10 +36,10 @@ SKIP = ("sharded",)
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("deepspeed")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent), HF_HUB_OFFLINE="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1",
            "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(HERE / "deepspeed_worker.py"),
-           str(out), *worker.CASES]
+           str(out), *worker.CASES, "hf-z3"]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return out
@@ -177,3 +177,30 @@ def test_timings_come_from_the_engine(runs: Path) -> None:
         for rank in (0, 1):
             assert count[(rank, "step")] == count[(rank, "optimizer")] == worker.STEPS, (case, count)
             assert count[(rank, "forward")] == count[(rank, "backward")] == micro, (case, count)
+
+
+@pytest.mark.slow
+def test_hf_trainer_under_deepspeed_zero3(runs: Path) -> None:
+    """DynascopeCallback in a Trainer run by accelerate's DeepSpeed plugin: the engine is found, each rank
+    records its slices under the model's names, and they combine to the gathered masters' figures."""
+    pytest.importorskip("transformers")
+    run = runs / "hf-z3"
+    weights = torch.load(runs / "hf-z3.pt")["weights"]  # θ₀, then after each step
+    raw = store(run, "tensor_stats")
+    assert raw["sharded"].all() and set(raw["rank"].to_list()) == {0, 1}
+    got = combine_shards(raw)
+    assert sorted(set(got["tensor"])) == sorted(weights[0]) and sorted(set(got["step"])) == [0, 1, 2]
+    assert set(got["shards"].to_list()) == {2} and got["grad_norm"].null_count() == 0
+    for r in got.to_dicts():
+        new, old, base = (weights[i][r["tensor"]] for i in (r["step"] + 1, r["step"], 0))
+        for col, want in (("w_norm", new), ("update_norm", new - old), ("drift_norm", new - base)):
+            assert math.isclose(r[col], float(torch.linalg.vector_norm(want)), rel_tol=1e-6, abs_tol=1e-12), (
+                r["step"], r["tensor"], col)
+    ev = store(run, "events")
+    assert ev.filter(pl.col("event") == "probe_error").is_empty(), ev.to_dicts()
+    t = store(run, "timings").group_by("rank", "phase", "parent").len()
+    count = {(r["rank"], r["phase"], r["parent"]): r["len"] for r in t.to_dicts()}
+    for rank in (0, 1):
+        for phase in ("forward", "backward", "optimizer"):
+            assert count[(rank, phase, "train")] == worker.STEPS, count
+        assert count[(rank, "step", None)] == worker.STEPS, count

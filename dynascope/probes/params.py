@@ -96,9 +96,10 @@ def discover(model: Any, optimizer: Any) -> tuple[list[Tracked], list[tuple[str,
     if model is not None and hasattr(model, "named_parameters"):
         for n, p in model.named_parameters():  # remove_duplicate=True: tied weights appear once
             names.setdefault(id(p), n)
-    if optimizer is not None:
+    groups = getattr(optimizer, "param_groups", None) if optimizer is not None else None
+    if groups is not None:  # an optimizer without param_groups (a plain object): the model's parameters
         params: list[tuple[str, Tensor]] = []
-        for gi, g in enumerate(optimizer.param_groups):
+        for gi, g in enumerate(groups):
             for pi, p in enumerate(g["params"]):
                 params.append((names.get(id(p), f"param_groups.{gi}.{pi}"), p))
     else:
