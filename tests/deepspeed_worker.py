@@ -22,6 +22,7 @@ import torch.nn as nn
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
 import dynascope
+import dynascope.integrations.deepspeed
 
 STEPS = 3
 LR = 1e-2
@@ -35,7 +36,7 @@ CASES: dict[str, dict[str, Any]] = {
     "z2-bf16-inner": {"stage": 2, "bf16": True, "watch": "module+inner"},
     "z3-fp32-subgroups": {"stage": 3, "zero": {"sub_group_size": 300}, "reference": "state_dict"},
     "z3-fp32-persistent": {"stage": 3, "zero": {"stage3_param_persistence_threshold": 100_000}},
-    "z3-bf16": {"stage": 3, "bf16": True, "kw": {"bf16_k": 2}},
+    "z3-bf16": {"stage": 3, "bf16": True, "watch": "integration", "kw": {"bf16_k": 2}},
     "z3-budget": {"stage": 3, "budget": {"memory_budget": 0.4, "time_budget": None, "drift_every": 1}},
 }
 
@@ -59,12 +60,18 @@ def run_case(out: Path, case: str) -> None:
     theta0 = {n: p.detach().clone() for n, p in model.state_dict().items()}
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=LR),
                                       config=config)
-    watched = {"engine": (engine, None), "module+optimizer": (engine.module, engine.optimizer),
-               "module+inner": (engine.module, engine.optimizer.optimizer)}[opts.get("watch", "engine")]
     kw = {"memory_budget": None, **opts.get("kw", {}), **opts.get("budget", {})}
     if opts.get("reference") == "state_dict":
         kw["reference"] = theta0
-    scope = dynascope.watch(*watched, run=out / case, system_interval_s=None, **kw)
+    how = opts.get("watch", "engine")
+    if how == "integration":
+        scope = dynascope.integrations.deepspeed.watch(engine, run=out / case, system_interval_s=None, **kw)
+    else:
+        watched = {"engine": (engine, None), "module+optimizer": (engine.module, engine.optimizer),
+                   "module+inner": (engine.module, engine.optimizer.optimizer)}[how]
+        scope = dynascope.watch(*watched, run=out / case, system_interval_s=None, **kw)
+    if opts["stage"] == 3:  # the masters and gradients are read from DeepSpeed's flat buffers directly
+        assert all(t.master_at is not None and t.grad_at is not None for t in scope.tracked)
     params = list(engine.module.named_parameters())
     full = lambda: {n: safe_get_full_fp32_param(p).detach().clone() for n, p in params}  # noqa: E731
     record = {"theta0": full(), "grads": [], "weights": []}
