@@ -8,7 +8,10 @@ steps alternate in each process: ``dynascope.watch()`` attaches at the start of 
 ``close()`` detaches at its end. Each probed block's ratio is its median step over the mean of its two
 plain neighbours' medians, the first ``--drop`` steps of every block left out; the engines take turns
 block by block, so whatever loads the machine hits both. Rank 0's clock is reported (the ranks wait for
-each other at every collective, so their steps take the same time).
+each other at every collective, so their steps take the same time). Beside the wall-clock ratio, the
+ratio of the training thread's CPU time per step (``time.thread_time``; one torch thread does all of a
+rank's compute): on a loaded host it moves far less, and it leaves out the probe's background threads
+and any waiting at collectives.
 
 Beside the A/B, a coverage run per engine (the default settings for ``--coverage-steps`` steps): how many
 (step, tensor) records of the windowed statistics were taken on both ranks (their shards combine) or on
@@ -67,13 +70,13 @@ def build_engine(name: str, args: argparse.Namespace) -> tuple[Any, Any, Any]:
     rank = torch.distributed.get_rank()
     x = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(1 + rank))
 
-    def step() -> float:
-        t0 = time.perf_counter()
+    def step() -> tuple[float, float]:
+        t0, c0 = time.perf_counter(), time.thread_time()
         logits = forward(x[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
         backward_step(loss)
         loss.item()
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.thread_time() - c0
     return watched, step, model
 
 
@@ -94,19 +97,20 @@ def block(watched: tuple[Any, Any], step: Any, probed: bool, args: argparse.Name
     inside = acc.get("probe", 0.0) / max(args.block - args.drop, 1)
     if scope is not None:
         scope.close()
-    return {"median_s": statistics.median(times[args.drop:]), "inside_s": inside}
+    kept = times[args.drop:]
+    return {"median_s": statistics.median(t for t, _ in kept), "cpu_s": statistics.median(c for _, c in kept),
+            "inside_s": inside}
 
 
-def coverage(watched: tuple[Any, Any], step: Any, args: argparse.Namespace, tmp: str) -> dict[str, int]:
-    """(step, tensor) records of ‖ΔW‖ taken on both ranks and on one only, default settings."""
+def coverage(watched: tuple[Any, Any], step: Any, args: argparse.Namespace, tmp: str, **kw: Any) -> dict[str, int]:
+    """(step, tensor) records of ‖ΔW‖ taken on both ranks and on one only, under ``watch(**kw)``."""
     import torch.distributed as dist
 
     import dynascope
 
-    run = os.path.join(tmp, f"coverage-{id(step)}")
-    run = [run]
+    run = [tempfile.mkdtemp(dir=tmp)]
     dist.broadcast_object_list(run, src=0)  # one run directory for both ranks
-    scope = dynascope.watch(*watched, run=run[0], system_interval_s=None)
+    scope = dynascope.watch(*watched, run=run[0], system_interval_s=None, **kw)
     for _ in range(args.coverage_steps):
         step()
     scope.close()
@@ -127,7 +131,7 @@ def child(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     tmp = tempfile.mkdtemp(prefix="ds-ab-sharded-")
     engines = {name: build_engine(name, args) for name in args.engines.split(",")}
-    out: dict[str, Any] = {name: {"ratio": [], "step_s": [], "inside_s": []} for name in engines}
+    out: dict[str, Any] = {name: {"ratio": [], "cpu_ratio": [], "step_s": [], "inside_s": []} for name in engines}
     prev = {}
     for name, (watched, step, _) in engines.items():
         for _ in range(args.warmup):
@@ -141,12 +145,14 @@ def child(args: argparse.Namespace) -> None:
             nxt = block(watched, step, False, args, tmp)
             base = (prev[name]["median_s"] + nxt["median_s"]) / 2
             out[name]["ratio"].append(probed["median_s"] / base)
+            out[name]["cpu_ratio"].append(probed["cpu_s"] / ((prev[name]["cpu_s"] + nxt["cpu_s"]) / 2))
             out[name]["step_s"].append(base)
             out[name]["inside_s"].append(probed["inside_s"])
             prev[name] = nxt
     for name, (watched, step, _) in engines.items():
         if args.coverage_steps:
             out[name]["coverage"] = coverage(watched, step, args, tmp)
+            out[name]["coverage_memory_budget_only"] = coverage(watched, step, args, tmp, time_budget=None)
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(out), flush=True)
     dist.destroy_process_group()
@@ -164,7 +170,7 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=12, help="steps per block")
     ap.add_argument("--drop", type=int, default=3, help="first steps of each block left out")
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--coverage-steps", type=int, default=40)
+    ap.add_argument("--coverage-steps", type=int, default=30)
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--layers", type=int, default=6)
@@ -194,11 +200,14 @@ def main() -> None:
           f"batch {args.batch}/rank; {args.rounds} rounds, blocks of {args.block} (first {args.drop} dropped); "
           "median [min, max] over rounds")
     for name, o in out.items():
-        cov = o.get("coverage", {})
-        print(f"  {name:6s} ratio {spread(o['ratio'])}  plain step {spread(o['step_s'], 1e3, '{:.0f}')} ms  "
-              f"probe in-step {spread(o['inside_s'], 1e3, '{:.1f}')} ms"
-              + (f"  coverage: ΔW records on both ranks {cov.get('on_2_ranks', 0)}, on one only "
-                 f"{cov.get('on_1_ranks', 0)}" if cov else ""))
+        print(f"  {name:6s} ratio {spread(o['ratio'])}  main-thread CPU ratio {spread(o['cpu_ratio'])}  "
+              f"plain step {spread(o['step_s'], 1e3, '{:.0f}')} ms  probe in-step "
+              f"{spread(o['inside_s'], 1e3, '{:.1f}')} ms")
+        for key, label in (("coverage", "default budgets"), ("coverage_memory_budget_only", "time_budget=None")):
+            cov = o.get(key)
+            if cov:
+                print(f"         {label}: (step, tensor) ΔW records on both ranks {cov.get('on_2_ranks', 0)}, "
+                      f"on one only {cov.get('on_1_ranks', 0)} ({args.coverage_steps} steps)")
     print(json.dumps(out))
 
 

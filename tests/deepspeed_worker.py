@@ -26,13 +26,15 @@ import dynascope.integrations.deepspeed
 
 STEPS = 3
 LR = 1e-2
-# case → stage (ZeRO stage), bf16, watch (what watch() is given), gas (micro-batches per step), zero (more
+# case → stage (ZeRO stage), bf16, watch (what watch() is given: "engine" (default), "module" (engine.module
+# alone), "module+optimizer" (and engine.optimizer), "module+inner" (and the inner torch optimizer),
+# "integration" (dynascope.integrations.deepspeed.watch)), gas (micro-batches per step), zero (more
 # zero_optimization settings; the persistence threshold is 0 unless given: every tensor partitioned),
 # reference ("state_dict": θ₀ as the whole initial weights, cut to each rank's slice), kw (watch kwargs,
 # given to the single-process reference too), budget (watch kwargs of a budgeted run, checked on its own)
 CASES: dict[str, dict[str, Any]] = {
     "z1-fp32-module-opt": {"stage": 1, "watch": "module+optimizer", "reference": "state_dict"},
-    "z2-fp32-gas2": {"stage": 2, "gas": 2, "kw": {"bf16_k": 2}},
+    "z2-fp32-gas2": {"stage": 2, "watch": "module", "gas": 2, "kw": {"bf16_k": 2}},
     "z2-bf16-inner": {"stage": 2, "bf16": True, "watch": "module+inner"},
     "z3-fp32-subgroups": {"stage": 3, "zero": {"sub_group_size": 300}, "reference": "state_dict"},
     "z3-fp32-persistent": {"stage": 3, "zero": {"stage3_param_persistence_threshold": 100_000}},
@@ -67,7 +69,8 @@ def run_case(out: Path, case: str) -> None:
     if how == "integration":
         scope = dynascope.integrations.deepspeed.watch(engine, run=out / case, system_interval_s=None, **kw)
     else:
-        watched = {"engine": (engine, None), "module+optimizer": (engine.module, engine.optimizer),
+        watched = {"engine": (engine, None), "module": (engine.module, None),
+                   "module+optimizer": (engine.module, engine.optimizer),
                    "module+inner": (engine.module, engine.optimizer.optimizer)}[how]
         scope = dynascope.watch(*watched, run=out / case, system_interval_s=None, **kw)
     if opts["stage"] == 3:  # the masters and gradients are read from DeepSpeed's flat buffers directly
@@ -86,6 +89,7 @@ def run_case(out: Path, case: str) -> None:
         engine.step()
         record["weights"].append(full())
     scope.close()
+    assert "backward" not in vars(engine) and "step" not in vars(engine.optimizer)  # the hooks are gone
     if rank == 0:
         torch.save(record, out / f"{case}.pt")
 

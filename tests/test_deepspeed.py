@@ -133,6 +133,20 @@ def test_every_statistic_equals_the_single_process_reference(runs: Path, case: s
 
 
 @pytest.mark.slow
+def test_watch_module_and_zero_optimizer_attaches(runs: Path) -> None:
+    """``watch(engine.module, engine.optimizer)``, what a user writes first, used to raise AttributeError
+    (DeepSpeed's optimizer has no register_step_pre_hook) and kill the script; now it records every step
+    on both ranks, and so do the inner optimizer and no optimizer, which say where they attached."""
+    for case, attached in (("z1-fp32-module-opt", False), ("z2-bf16-inner", True), ("z2-fp32-gas2", True)):
+        stats = store(runs / case, "tensor_stats")
+        assert sorted(set(stats["step"])) == list(range(worker.STEPS)) and set(stats["rank"]) == {0, 1}
+        ev = store(runs / case, "events")
+        notes = ev.filter(pl.col("event") == "probe_attach")["message"].to_list()
+        assert len(notes) == (2 if attached else 0), notes  # one per rank
+        assert all("DeepSpeedZeroOptimizer.step()" in n for n in notes)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [c for c in CORRECTNESS if not worker.CASES[c].get("bf16")])
 def test_fp32_masters_equal_plain_torch_training(runs: Path, case: str) -> None:
     """What the statistics describe is the training a user expects: DeepSpeed's fp32 masters after each

@@ -6,7 +6,7 @@ weight once, so tied weights are counted once, through ``core.naming.normalize_n
 by ``torch.compile`` (``_orig_mod.``), DDP (``module.``) or FSDP1 records the names of the bare model, the
 names θ₀ and checkpoints are matched by. DTensor (FSDP2) parameters are tracked through their
 local shard and marked ``sharded``; parameters DeepSpeed ZeRO partitions, through the rank's slice of
-their fp32 master (``probes.zero``).
+their fp32 master (``probes.zero_params``).
 """
 
 from __future__ import annotations
@@ -88,10 +88,10 @@ def optimizer_fingerprint(optimizer: Any) -> tuple:
 
 def discover(model: Any, optimizer: Any) -> tuple[list[Tracked], list[tuple[str, str]]]:
     """(tracked tensors, [(name, reason) for skipped ones])."""
-    from dynascope.probes import zero
+    from dynascope.probes import zero_params
 
-    if zero.uses_zero(model):  # DeepSpeed holds the masters: its metadata says where (probes.zero)
-        return zero.discover(model)
+    if zero_params.uses_zero(model):  # DeepSpeed holds the masters: its metadata says where
+        return zero_params.discover(model)
     names: dict[int, str] = {}
     if model is not None and hasattr(model, "named_parameters"):
         for n, p in model.named_parameters():  # remove_duplicate=True: tied weights appear once

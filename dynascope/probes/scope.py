@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from dynascope.core.clock import now_us
-from dynascope.probes import zero
+from dynascope.probes import zero_params
 from dynascope.probes.delivery import Delivery
 from dynascope.probes.memory import MemoryProbe
 from dynascope.probes.params import Tracked, discover, optimizer_fingerprint
@@ -277,7 +277,7 @@ class Scope:
         total = sum(t.nbytes for t in self.tracked)
         budget = self.stats.memory_budget if self.stats is not None else None
         resident = budget is None or budget * total >= 2 * total
-        self.reference = zero.build_reference(ref, named, self.run_dir, self.writer.rank, resident, self.tracked)
+        self.reference = zero_params.build_reference(ref, named, self.run_dir, self.writer.rank, resident, self.tracked)
         if self.stats is not None:
             self.stats.reference = self.reference
         if self.reference is not None:
