@@ -61,6 +61,7 @@ def build_engine(name: str, args: argparse.Namespace) -> tuple[Any, Any, Any]:
         for blk in model.layers:
             fully_shard(blk)
         fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # over the sharded parameters fully_shard made
 
         def backward_step(loss: Any) -> None:
             loss.backward()
@@ -117,7 +118,9 @@ def coverage(watched: tuple[Any, Any], step: Any, args: argparse.Namespace, tmp:
     dist.barrier()
     if dist.get_rank() != 0:
         return {}
-    rows = dynascope.open_store(run[0]).rows(
+    con = dynascope.open_store(run[0])
+    assert con.rows("SELECT bool_and(sharded) FROM tensor_stats")[0][0], "the probe saw no shards"
+    rows = con.rows(
         "SELECT n, count(*) FROM (SELECT count(update_norm) AS n FROM tensor_stats GROUP BY step, tensor) "
         "WHERE n > 0 GROUP BY n")
     return {f"on_{n}_ranks": c for n, c in rows}

@@ -62,8 +62,12 @@ class Tracked:
 
     @property
     def nbytes(self) -> int:
-        """Bytes this rank holds (read at every record by the budget: no detached view, ~0.1 µs a tensor)."""
-        return self.local().nbytes if self.sharded else self.param.nbytes
+        """Bytes this rank holds, as the budget counts them (read at every record: no detached view, ~0.1 µs
+        a tensor). A shard counts the largest shard of its tensor, the same on every rank, so that every
+        rank plans the same windows (``probes.window``) even where the tensor does not split evenly."""
+        if self.sharded:
+            return self.meta.get("plan_bytes") or self.local().nbytes
+        return self.param.nbytes
 
 
 def _skip_reason(p: Tensor) -> str | None:
@@ -119,8 +123,19 @@ def discover(model: Any, optimizer: Any) -> tuple[list[Tracked], list[tuple[str,
             continue
         tracked.append(Tracked(name=name, param=p, sharded=sharded, layer=tensor_layer(name),
                                kind=tensor_kind(name), shape="x".join(str(s) for s in p.shape),
-                               dtype=str(local.dtype).replace("torch.", "")))
+                               dtype=str(local.dtype).replace("torch.", ""),
+                               meta={"plan_bytes": _largest_shard_bytes(p)} if sharded else {}))
     return tracked, skipped
+
+
+def _largest_shard_bytes(p: Any) -> int:
+    """The largest shard of a DTensor's elements, in bytes: its numel over the mesh dimensions it is
+    sharded along, rounded up (FSDP2 pads dim 0 to that)."""
+    shards = 1
+    for dim, placement in enumerate(p.placements):
+        if placement.is_shard():
+            shards *= p.device_mesh.size(dim)
+    return -(-p.numel() // shards) * p.element_size()
 
 
 class LocalViews:

@@ -54,12 +54,17 @@ def _wrapper(model: Any, optimizer: Any) -> Any:
 def _holder(params: list[Tensor]) -> Any:
     """The DeepSpeed optimizer whose groups hold ``params``: ZeRO-1/2 parameters keep no reference to it,
     and watch(engine.module, engine.optimizer.optimizer) or watch(engine.module) name none. Runs once,
-    at watch(), only then (a pass over the heap's objects, ~10 ms per 100k)."""
+    at watch(), and only then: a pass over the heap's objects, each type looked at once."""
     import gc
 
     ours = {id(p) for p in params}
+    is_ds: dict[type, bool] = {}
     for obj in gc.get_objects():
-        if not _from_deepspeed(obj):  # the type first: getattr on any object may run its code
+        t = type(obj)
+        hit = is_ds.get(t)
+        if hit is None:  # the type first: getattr on any object may run its code
+            hit = is_ds[t] = _from_deepspeed(obj)
+        if not hit:
             continue
         groups = getattr(obj, "bit16_groups", None) or getattr(obj, "bf16_groups", None) or []
         if any(id(p) in ours for g in groups for p in g):

@@ -20,8 +20,8 @@ Every rank tracks every tensor under the user's name with ``sharded=True``, so i
 partial sums that ``store.combine.combine_shards`` turns into each tensor's statistics when read; a rank
 holding none of a tensor writes a zero-element row, whose sums are exactly zero. The budget sizes each
 tensor by a rank-invariant bound (ZeRO-3: its partition; ZeRO-1/2: the whole tensor in fp32, the most a
-rank's fragment can be), so every rank's rotating window holds the same tensors at the same record and
-the shards of a windowed statistic combine.
+rank's fragment can be), which ``probes.window`` plans the sharded rotation from: every rank's window
+holds the same tensors at the same record, and the shards of a windowed statistic combine.
 """
 
 from __future__ import annotations
