@@ -2,7 +2,7 @@
 step, combined from the ranks' partial rows, equals a single-process run of the probe over the same fp32
 masters and gradients; the fp32 masters equal plain torch training; the step boundary is the engine's.
 
-One torchrun launch runs every case (``tests/deepspeed_worker.py``): DeepSpeed's start-up is most of it.
+One torchrun launch runs every case (``tests/helpers/deepspeed_worker.py``): DeepSpeed's start-up is most of it.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from dynascope.store.schema import TENSOR_STATS_COLUMNS
 
 pytest.importorskip("deepspeed")
 
+from helpers import deepspeed_worker as worker  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import deepspeed_worker as worker  # noqa: E402
 
 # Row metadata compared as equal values; every other registry column as a statistic.
 META = ("tensor", "layer", "kind", "shape", "dtype", "numel")
@@ -36,9 +36,10 @@ SKIP = ("sharded",)
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("deepspeed")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent), HF_HUB_OFFLINE="1")
+    path = os.pathsep.join(p for p in (str(HERE.parent), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, HF_HUB_OFFLINE="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(HERE / "deepspeed_worker.py"),
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(HERE / "helpers" / "deepspeed_worker.py"),
            str(out), *worker.CASES, "hf-z3"]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

@@ -1,6 +1,6 @@
 """A torchrun worker for tests/test_deepspeed.py: real DeepSpeed ZeRO on gloo, CPU, one case per engine.
 
-    torchrun --nproc_per_node 2 tests/deepspeed_worker.py OUT CASE [CASE ...]
+    torchrun --nproc_per_node 2 tests/helpers/deepspeed_worker.py OUT CASE [CASE ...]
 
 Each case trains a small MLP (odd tensor sizes, so partitions are padded and tensors straddle partition
 boundaries) for ``STEPS`` engine steps under ``dynascope.watch`` into ``OUT/<case>``, and rank 0 saves
