@@ -79,7 +79,9 @@ class Zero3Tracked(_ZeroTracked):
     # Where the two slices sit in the optimizer's flat buffers, when ``locate`` found them there: DeepSpeed's
     # accessors cost 25 µs (gradient) and 80 µs (master) a call, read at every record for every tensor.
     master_at: tuple[int, int] | None = None  # (sub-group, offset) in fp32_partitioned_groups_flat
-    grad_at: int | None = None  # offset in grad_partitions_flat_buffer
+    # (sub-group, offset): in grad_partitions_flat_buffer (sub-group -1), or with optimizer offload in the
+    # sub-group's fp32 flat's .grad
+    grad_at: tuple[int, int] | None = None
     _views: dict = field(default_factory=dict)  # buffer role → (buffer, its data_ptr, the slice of it)
 
     def _view(self, role: str, buf: Tensor, lo: int) -> Tensor:
@@ -103,11 +105,16 @@ class Zero3Tracked(_ZeroTracked):
 
         return safe_get_local_fp32_param(self.param).detach().reshape(-1)[:self.real]
 
+    def _grad_buffer(self, group: int) -> Tensor | None:
+        if group < 0:
+            return getattr(self.opt, "grad_partitions_flat_buffer", None)
+        return self.opt.fp32_partitioned_groups_flat[group].grad
+
     def grad(self) -> Tensor | None:
         at = self.grad_at
-        buf = getattr(self.opt, "grad_partitions_flat_buffer", None) if at is not None else None
+        buf = self._grad_buffer(at[0]) if at is not None else None
         if buf is not None:
-            return self._view("grad", buf, at)  # type: ignore[arg-type]
+            return self._view("grad", buf, at[1])  # type: ignore[index]
         g = self._accessor_grad()
         return None if g is None else g.detach().reshape(-1)[:self.real]
 
@@ -122,24 +129,32 @@ class Zero3Tracked(_ZeroTracked):
         return safe_get_local_grad(self.param)
 
     def locate(self) -> None:
-        """Find the slices in the flat buffers, kept only where they are the very memory DeepSpeed's
-        accessors return (not so with optimizer offload, whose accessors copy to the device)."""
+        """Find the slices in the flat buffers DeepSpeed's accessors read, kept only where they are the
+        memory the accessors return, or its source: with optimizer offload the master accessor copies the
+        host slice to the device, and the statistics are computed on the host, where masters and
+        gradients both are."""
         opt, p, n = self.opt, self.param, self.real
         self.master_at = self.grad_at = None
         try:
             gi, off, _ = opt.grad_position[opt.get_param_id(p)]
             self.master_at = (gi, off)
-            if not _same(self.local(), _accessor_master(p)[:n]):
+            here, there = self.local(), _accessor_master(p)[:n]
+            # the accessor's own slice, or (optimizer offload) its copy to the device of that host slice
+            if not (_same(here, there) or (here.device != there.device and here.shape == there.shape)):
                 self.master_at = None
         except Exception:
-            self.master_at = None
-        try:
-            buf, g = opt.grad_partitions_flat_buffer, self._accessor_grad()
-            if g is not None and g.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr():
-                self.grad_at = g.storage_offset() - buf.storage_offset()
-                if not _same(self.grad(), g.reshape(-1)[:n]):  # type: ignore[arg-type]
-                    self.grad_at = None
-        except Exception:
+            gi, self.master_at = None, None
+        g = self._accessor_grad()
+        for group in (-1, gi):
+            try:
+                buf = self._grad_buffer(group) if group is not None else None
+                if g is None or buf is None or g.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr():
+                    continue
+                self.grad_at = (group, g.storage_offset() - buf.storage_offset())  # type: ignore[assignment]
+                if _same(self.grad(), g.reshape(-1)[:n]):  # type: ignore[arg-type]
+                    return
+            except Exception:
+                pass
             self.grad_at = None
 
 
