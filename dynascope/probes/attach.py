@@ -43,6 +43,11 @@ def watch(model: Any, optimizer: Any = None, run: str | os.PathLike = "runs/defa
           probes: Sequence[Probe] = (), listeners: Sequence[Listener | str] = (), **options: Any) -> Scope:
     """Attach dynascope's probes to ``model`` and ``optimizer`` and record into the run at ``run``.
 
+    ``optimizer.step()`` is the step boundary: through torch's step hooks, or by wrapping ``step()`` on an
+    optimizer without them; with neither, one warning, and ``scope.step()`` closes each step. Under
+    DeepSpeed ``model`` may be the engine, and whatever optimizer is given (or none), the boundary is the
+    engine's ZeRO step (``probes.zero``).
+
     Args:
         settings: what to record and at what cost (``WatchSettings``); default: its defaults.
         **options: any field of ``WatchSettings`` as a keyword (``every=10``, ``memory_budget=None``,
