@@ -82,24 +82,29 @@ def events(run: Path) -> pl.DataFrame:
 
 def plain_torch_weights(gas: int) -> list[dict[str, torch.Tensor]]:
     """The same training in one process with torch's AdamW: each step's gradient is the mean over the
-    ranks' and micro-batches' gradients (what DeepSpeed's reduction and loss scaling compute)."""
+    ranks' and micro-batches' gradients (what DeepSpeed's reduction and loss scaling compute). One torch
+    thread, as each rank ran with."""
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    model = worker.build_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=worker.LR)
-    out = []
-    for step in range(worker.STEPS):
-        grads: dict[str, torch.Tensor] = {}
-        for rank in range(2):
-            for micro in range(gas):
-                model.zero_grad()
-                model(worker.batch(step, micro, rank)).pow(2).mean().backward()
-                for n, p in model.named_parameters():
-                    grads[n] = grads.get(n, 0) + p.grad / (2 * gas)
-        for n, p in model.named_parameters():
-            p.grad = grads[n]
-        opt.step()
-        out.append({n: p.detach().clone() for n, p in model.named_parameters()})
-    return out
+    try:
+        model = worker.build_model()
+        opt = torch.optim.AdamW(model.parameters(), lr=worker.LR)
+        out = []
+        for step in range(worker.STEPS):
+            grads: dict[str, torch.Tensor] = {}
+            for rank in range(2):
+                for micro in range(gas):
+                    model.zero_grad()
+                    model(worker.batch(step, micro, rank)).pow(2).mean().backward()
+                    for n, p in model.named_parameters():
+                        grads[n] = grads.get(n, 0) + p.grad / (2 * gas)
+            for n, p in model.named_parameters():
+                p.grad = grads[n]
+            opt.step()
+            out.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        return out
+    finally:
+        torch.set_num_threads(threads)  # the rest of the session's tests run with the default
 
 
 def store(run: Path, table: str) -> pl.DataFrame:
