@@ -31,13 +31,15 @@ HERE = Path(__file__).resolve().parent
 # Row metadata compared as equal values; every other registry column as a statistic.
 META = ("tensor", "layer", "kind", "shape", "dtype", "numel")
 SKIP = ("sharded",)
+# Statistics declared outside dynascope, recorded by the workers only (this process's registry is fixed).
+USER_STATS = "helpers.user_statistics"
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("deepspeed")
-    path = os.pathsep.join(p for p in (str(HERE.parent), os.environ.get("PYTHONPATH", "")) if p)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, HF_HUB_OFFLINE="1")
+    path = os.pathsep.join(p for p in (str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, HF_HUB_OFFLINE="1", DYNASCOPE_STATISTICS=USER_STATS)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1",
            "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(HERE / "helpers" / "deepspeed_worker.py"),
            str(out), *worker.CASES, "hf-z3"]
@@ -133,9 +135,27 @@ def test_every_statistic_equals_the_single_process_reference(runs: Path, case: s
     assert got["drift_norm"].null_count() == 0 and got["grad_zero_count"].null_count() == 0
     if "kw" in opts:  # S_k at step k against the snapshot of step 0
         assert got.filter(pl.col("step") == 2)["bf16_unchanged_k_count"].null_count() == 0
+    assert_user_statistics(runs / case, record)
     ev = store(runs / case, "events")
     assert ev.filter(pl.col("event") == "probe_error").is_empty(), ev.to_dicts()
     assert store(runs / case, "runs")["framework"].unique().to_list() == ["deepspeed"]
+
+
+def assert_user_statistics(run: Path, record: dict) -> None:
+    """The statistics of ``USER_STATS``, declared outside dynascope, combine from the ranks' rows to Σ|ΔW|
+    and Σ|g| of the gathered masters and gradients: a statistic added later needs no code for ZeRO."""
+    import duckdb
+
+    files = str(run / "tensor_stats" / "*" / "*.parquet")
+    got = duckdb.sql(f"select step, tensor, count(*) n, sum(test_update_l1) u, sum(test_grad_l1) g "
+                     f"from read_parquet('{files}', union_by_name=true) group by step, tensor").fetchall()
+    assert len(got) == worker.STEPS * len(record["theta0"])
+    for step, tensor, n, u, g in got:
+        before = record["weights"][step - 1] if step else record["theta0"]
+        want_u = float((record["weights"][step][tensor].double() - before[tensor].double()).abs().sum())
+        want_g = float(record["grads"][step][tensor].double().abs().sum())
+        assert n == 2 and math.isclose(u, want_u, rel_tol=1e-6), (step, tensor, u, want_u)
+        assert math.isclose(g, want_g, rel_tol=1e-6), (step, tensor, g, want_g)
 
 
 @pytest.mark.slow
