@@ -24,7 +24,7 @@ from torch import Tensor
 
 from dynascope.core.naming import normalize_name
 
-__all__ = ["LazyRef", "Reference", "build_reference", "dict_source", "load_file", "pread_source"]
+__all__ = ["LazyRef", "Reference", "build_reference", "pread_source", "whole_source"]
 
 
 class _Source:
@@ -83,7 +83,7 @@ class LazyRef:
         return t
 
 
-def load_file(path: Path) -> _Source:
+def _load_file(path: Path) -> _Source:
     if path.suffix == ".safetensors":
         return pread_source(path)
     obj: Any = torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
@@ -92,7 +92,7 @@ def load_file(path: Path) -> _Source:
             obj = obj[wrapper]
     if not isinstance(obj, Mapping):
         raise ValueError(f"{path}: expected a state dict, got {type(obj).__name__}")
-    return dict_source(obj)
+    return _dict_source(obj)
 
 
 def pread_source(path: Path) -> _Source:
@@ -137,10 +137,22 @@ def _pread_copy(fd: int, view: memoryview, offset: int) -> int:
     return len(data)
 
 
-def dict_source(sd: Mapping[str, Any]) -> _Source:
+def _dict_source(sd: Mapping[str, Any]) -> _Source:
     by_norm = {normalize_name(k): v for k, v in sd.items() if isinstance(v, Tensor)}
     return _Source({k: tuple(t.shape) for k, t in by_norm.items()},
                    lambda key, lo, hi: by_norm[key].detach().reshape(-1)[lo:hi])
+
+
+def whole_source(spec: Any) -> tuple[_Source, str]:
+    """(source, kind) of a θ₀ given as whole tensors: a state dict or a checkpoint path."""
+    if isinstance(spec, Mapping):
+        return _dict_source(spec), "state_dict"
+    if isinstance(spec, (str, os.PathLike)):
+        path = Path(spec).expanduser()
+        if not path.exists():
+            raise FileNotFoundError(f"reference checkpoint {path} does not exist")
+        return _load_file(path), "path"
+    raise ValueError(f"reference must be 'init', None, a state dict or a path; got {spec!r}")
 
 
 def build_reference(spec: Any, named: list[tuple[str, Tensor]], run_dir: Path, rank: int,
@@ -151,7 +163,7 @@ def build_reference(spec: Any, named: list[tuple[str, Tensor]], run_dir: Path, r
     if isinstance(spec, str) and spec == "init":
         if resident:
             held = {normalize_name(n): t.detach().clone() for n, t in named}
-            return Reference(spec, dict_source(held), resident=held)
+            return Reference(spec, _dict_source(held), resident=held)
         path = Path(run_dir) / "reference" / f"theta0-r{rank}.safetensors"
         path.parent.mkdir(parents=True, exist_ok=True)
         from dynascope.core.tensor_io import write_safetensors
@@ -160,18 +172,8 @@ def build_reference(spec: Any, named: list[tuple[str, Tensor]], run_dir: Path, r
         # second full copy of the model in host memory, which is exactly what the budget forbids.
         detached = [(normalize_name(n), t.detach()) for n, t in named]
         write_safetensors(path, [(n, tuple(t.shape), t.dtype) for n, t in detached], (t for _, t in detached))
-        return Reference(spec, load_file(path), path=path)
-    if isinstance(spec, Mapping):
-        source = dict_source(spec)
-        kind = "state_dict"
-    elif isinstance(spec, (str, os.PathLike)):
-        path = Path(spec).expanduser()
-        if not path.exists():
-            raise FileNotFoundError(f"reference checkpoint {path} does not exist")
-        source = load_file(path)
-        kind = "path"
-    else:
-        raise ValueError(f"reference must be 'init', None, a state dict or a path; got {spec!r}")
+        return Reference(spec, _load_file(path), path=path)
+    source, kind = whole_source(spec)
     if resident:
         by_name = {normalize_name(n): t for n, t in named}
         held = {}
@@ -179,5 +181,5 @@ def build_reference(spec: Any, named: list[tuple[str, Tensor]], run_dir: Path, r
             if k in by_name:
                 flat = source.read(k, 0, torch.Size(shape).numel())
                 held[k] = flat.to(by_name[k].device).reshape(shape).clone()
-        return Reference(kind, dict_source(held), resident=held)
+        return Reference(kind, _dict_source(held), resident=held)
     return Reference(kind, source)

@@ -26,8 +26,6 @@ holds the same tensors at the same record, and the shards of a windowed statisti
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -259,15 +257,7 @@ def build_reference(spec: Any, named: list[tuple[str, Tensor]], run_dir: Path, r
     zero = {normalize_name(t.name): t for t in tracked if isinstance(t, _ZeroTracked)}
     if not zero or spec is None or (isinstance(spec, str) and spec == "init"):
         return reference.build_reference(spec, named, run_dir, rank, resident)
-    if isinstance(spec, Mapping):
-        source, kind = reference.dict_source(spec), "state_dict"
-    elif isinstance(spec, (str, os.PathLike)):
-        path = Path(spec).expanduser()
-        if not path.exists():
-            raise FileNotFoundError(f"reference checkpoint {path} does not exist")
-        source, kind = reference.load_file(path), "path"
-    else:
-        return reference.build_reference(spec, named, run_dir, rank, resident)  # its own error
+    source, kind = reference.whole_source(spec)
     slices = []
     for name, local in named:
         key = normalize_name(name)
