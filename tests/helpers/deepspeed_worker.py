@@ -39,6 +39,9 @@ LR = 1e-2
 # given to the single-process reference too), budget (watch kwargs of a budgeted run, checked on its own)
 CASES: dict[str, dict[str, Any]] = {
     "z1-fp32-module-opt": {"stage": 1, "watch": "module+optimizer", "reference": "state_dict"},
+    "z1-bf16": {"stage": 1, "bf16": True},
+    # bf16 parameters with fp32 gradient accumulation under ZeRO-1: DeepSpeed's BF16_Optimizer
+    "z1-bf16-fp32acc": {"stage": 1, "bf16": True, "data_types": {"grad_accum_dtype": "fp32"}, "kw": {"bf16_k": 2}},
     "z2-fp32-gas2": {"stage": 2, "watch": "module", "gas": 2, "kw": {"bf16_k": 2}},
     "z2-bf16-inner": {"stage": 2, "bf16": True, "watch": "module+inner"},
     "z3-fp32-subgroups": {"stage": 3, "zero": {"sub_group_size": 300}, "reference": "state_dict"},
@@ -66,7 +69,7 @@ def run_case(out: Path, case: str) -> None:
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": gas, "bf16": {"enabled": bf16},
               "zero_force_ds_cpu_optimizer": False,  # offload with torch's AdamW: nothing to compile
               "zero_optimization": {"stage": opts["stage"], "stage3_param_persistence_threshold": 0,
-                                    **opts.get("zero", {})}}
+                                    **opts.get("zero", {})}, **({"data_types": opts["data_types"]} if "data_types" in opts else {})}
     theta0 = {n: p.detach().clone() for n, p in model.state_dict().items()}
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=LR),
                                       config=config)
