@@ -7,6 +7,7 @@ One torchrun launch runs every case (``tests/helpers/deepspeed_worker.py``): Dee
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -42,7 +43,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, HF_HUB_OFFLINE="1", DYNASCOPE_STATISTICS=USER_STATS)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1",
            "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(HERE / "helpers" / "deepspeed_worker.py"),
-           str(out), *worker.CASES, "hf-z3"]
+           str(out), *worker.CASES, "z3-no-optimizer", "hf-z3"]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return out
@@ -170,6 +171,25 @@ def test_watch_module_and_zero_optimizer_attaches(runs: Path) -> None:
         notes = ev.filter(pl.col("event") == "probe_attach")["message"].to_list()
         assert len(notes) == (2 if attached else 0), notes  # one per rank
         assert all("DeepSpeedZeroOptimizer.step()" in n for n in notes)
+
+
+@pytest.mark.slow
+def test_engine_without_an_optimizer_records_no_figures(runs: Path) -> None:
+    """A ZeRO-3 engine without an optimizer partitions its parameters but holds no fp32 master: watch()
+    attaches without an error, and each tensor is skipped with its reason instead of written as zeros."""
+    run = runs / "z3-no-optimizer"
+    assert store(run, "tensor_stats").is_empty()
+    ev = store(run, "events")
+    assert ev.filter(pl.col("event") == "probe_error").is_empty(), ev.to_dicts()
+    skips = ev.filter(pl.col("event") == "probe_skip")
+    names = [n for n, _ in worker.build_model().named_parameters()]
+    tensors = [json.loads(f)["tensor"] for f in skips["fields_json"]]
+    assert sorted(tensors) == sorted(names * 2)  # each tensor on each rank
+    assert all("no DeepSpeed optimizer holds an fp32 master" in m for m in skips["message"])
+    notes = ev.filter(pl.col("event") == "probe_attach")["message"].to_list()
+    assert len(notes) == 2 and all("scope.step() closes each step" in n for n in notes), notes
+    steps = store(run, "timings").filter(pl.col("phase") == "step").group_by("rank").len()
+    assert sorted(steps["len"].to_list()) == [worker.STEPS, worker.STEPS]
 
 
 @pytest.mark.slow

@@ -71,12 +71,12 @@ class Scope:
         from dynascope.probes.spectral import SpectralProbe
 
         self.spectral = self._find(SpectralProbe)
-        self._refresh()
+        self._guard("discover", self._refresh)
         if reference is not None:
             self._guard("reference", self.set_reference, reference)
         self._attach()
         if self.optimizer is None:  # manual boundaries: step 0 starts now
-            self._before(manual=True)
+            self._guard("boundary", self._before, True)
 
     def _find(self, cls: type) -> Any:
         return next((p for p in self.probes if isinstance(p, cls)), None)

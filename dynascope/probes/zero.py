@@ -138,7 +138,11 @@ def resolve(model: Any, optimizer: Any) -> ZeroAttachment | None:
         target = _wrapper(model, optimizer if engine is None else (optimizer or engine.optimizer))
         if engine is not None and target is None:
             target = engine.optimizer
-        if target is not optimizer and not (engine is not None and optimizer is None):
+        if target is not None and not callable(getattr(target, "step", None)):
+            # an engine without an optimizer (ZeRO-3 puts a DeepSpeedZeRoOffload there): nothing steps
+            notes.append(f"no optimizer step to hook ({type(target).__name__}): scope.step() closes each step")
+            target = None
+        elif target is not optimizer and not (engine is not None and optimizer is None):
             what = type(optimizer).__name__ if optimizer is not None else "no optimizer (scope.step())"
             notes.append(f"step boundary: DeepSpeed's {type(target).__name__}.step(), once per engine step, "
                          f"instead of {what}")

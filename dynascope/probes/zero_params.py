@@ -196,15 +196,21 @@ class Zero12Tracked(_ZeroTracked):
 
 
 def _unreadable(p: Tensor) -> str | None:
+    if hasattr(p, "ds_id") and getattr(p, "_z3_optimizer", None) is None:
+        return ("partitioned by ZeRO-3, but no DeepSpeed optimizer holds an fp32 master of it (an engine "
+                "without an optimizer, as for a frozen reference model): not read")
     opt = getattr(p, "_z3_optimizer", None)
     if opt is not None and getattr(opt, "swap_optimizer", False):
         return "fp32 master offloaded to NVMe (DeepSpeed offload_optimizer.device=nvme): not read"
+    if not (hasattr(p, "ds_id") or hasattr(p, "_hp_mapping")):
+        return "trainable, but DeepSpeed's optimizer holds no master of it"
     return None
 
 
 def discover(model: Any) -> tuple[list[Tracked], list[tuple[str, str]]]:
     """(tracked, skipped) for a model whose parameters DeepSpeed partitions; frozen ones are not tracked
-    (no master exists for them), as with any optimizer."""
+    (no master exists for them), as with any optimizer. A tensor whose slice cannot be found is skipped
+    with the reason (a ``probe_skip`` event): no row rather than a row of zeros."""
     named = params_of(model)
     fragments = [m.hp_fragment for _, p in named if (m := getattr(p, "_hp_mapping", None)) is not None]
     master = fragments[0].dtype if fragments else torch.float32
@@ -217,29 +223,34 @@ def discover(model: Any) -> tuple[list[Tracked], list[tuple[str, str]]]:
         seen.add(id(p))
         name = normalize_name(raw)
         reason = _unreadable(p)
-        if reason is None and not (hasattr(p, "ds_id") or hasattr(p, "_hp_mapping")):
-            reason = "trainable, but DeepSpeed's optimizer holds no master of it"
+        if reason is None:
+            try:
+                tracked.append(_track(name, p, master))
+            except Exception as exc:  # metadata of a DeepSpeed release this was not written against
+                reason = f"DeepSpeed's slice of it could not be read ({type(exc).__name__}: {exc})"
         if reason is not None:
             skipped.append((name, reason))
-            continue
-        meta = dict(name=name, param=p, sharded=True, layer=tensor_layer(name), kind=tensor_kind(name))
-        if hasattr(p, "ds_id"):
-            part = int(p.partition_numel())
-            real = max(0, min(part, int(p.ds_numel) - int(p.ds_zero_partition_rank) * part))
-            t: _ZeroTracked = Zero3Tracked(**meta, real=real, offset=int(p.ds_zero_partition_rank) * part,
-                                           shape=_shape(p.ds_shape), full_shape=tuple(p.ds_shape),
-                                           opt=p._z3_optimizer)
-            t.locate()
-            local = t.local()
-            t.plan_bytes = part * local.element_size()
-            t.empty = local[:0]
-        else:
-            t = Zero12Tracked(**meta, shape=_shape(p.shape), full_shape=tuple(p.shape),
-                              empty=torch.empty(0, dtype=master, device=p.device))
-            t.plan_bytes = p.numel() * t.empty.element_size()
-        t.dtype = str(t.local().dtype).replace("torch.", "")
-        tracked.append(t)
     return tracked, skipped
+
+
+def _track(name: str, p: Any, master: torch.dtype) -> Tracked:
+    meta = dict(name=name, param=p, sharded=True, layer=tensor_layer(name), kind=tensor_kind(name))
+    if hasattr(p, "ds_id"):
+        part = int(p.partition_numel())
+        real = max(0, min(part, int(p.ds_numel) - int(p.ds_zero_partition_rank) * part))
+        t: _ZeroTracked = Zero3Tracked(**meta, real=real, offset=int(p.ds_zero_partition_rank) * part,
+                                       shape=_shape(p.ds_shape), full_shape=tuple(p.ds_shape),
+                                       opt=p._z3_optimizer)
+        t.locate()
+        local = t.local()
+        t.plan_bytes = part * local.element_size()
+        t.empty = local[:0]
+    else:
+        t = Zero12Tracked(**meta, shape=_shape(p.shape), full_shape=tuple(p.shape),
+                          empty=torch.empty(0, dtype=master, device=p.device))
+        t.plan_bytes = p.numel() * t.empty.element_size()
+    t.dtype = str(t.local().dtype).replace("torch.", "")
+    return t
 
 
 def _shape(shape: Any) -> str:

@@ -105,6 +105,20 @@ def run_case(out: Path, case: str) -> None:
         torch.save(record, out / f"{case}.pt")
 
 
+def run_without_optimizer(out: Path) -> None:
+    """A ZeRO-3 engine without an optimizer (how a frozen reference model is served in RL post-training):
+    its parameters are partitioned but no fp32 master exists, and nothing steps. ``watch(engine)`` must
+    neither raise nor record figures: each tensor is skipped with its reason, ``scope.step()`` closes steps."""
+    engine, *_ = deepspeed.initialize(model=build_model(), config={
+        "train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    scope = dynascope.watch(engine, run=out / "z3-no-optimizer", system_interval_s=None)
+    for step in range(STEPS):
+        with torch.no_grad():
+            engine(batch(step, 0, dist.get_rank()))
+        scope.step()
+    scope.close()
+
+
 def run_hf(out: Path, stage: int) -> None:
     """A Hugging Face Trainer under accelerate's DeepSpeed plugin with DynascopeCallback: a tiny GPT-2
     from config on random tokens; a second callback gathers the fp32 masters at the start and after
@@ -150,6 +164,8 @@ def main() -> None:
     for case in sys.argv[2:]:
         if case.startswith("hf-z"):
             run_hf(out, int(case[4:]))
+        elif case == "z3-no-optimizer":
+            run_without_optimizer(out)
         else:
             run_case(out, case)
     dist.destroy_process_group()
