@@ -48,6 +48,8 @@ def build_engine(name: str, args: argparse.Namespace) -> tuple[Any, Any, Any]:
     if name == "zero3":
         import deepspeed
 
+        # the CPU shared-memory all-reduce op serves inference only; unbuilt, nothing is compiled (as in tests)
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         config = {"train_micro_batch_size_per_gpu": args.batch,
                   "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
