@@ -43,7 +43,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, HF_HUB_OFFLINE="1", DYNASCOPE_STATISTICS=USER_STATS)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1",
            "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(HERE / "helpers" / "deepspeed_worker.py"),
-           str(out), *worker.CASES, "z3-no-optimizer", "hf-z3"]
+           str(out), *worker.CASES, "z3-no-optimizer", "hf-z2", "hf-z3"]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return out
@@ -240,12 +240,14 @@ def test_timings_come_from_the_engine(runs: Path) -> None:
 
 
 @pytest.mark.slow
-def test_hf_trainer_under_deepspeed_zero3(runs: Path) -> None:
-    """DynascopeCallback in a Trainer run by accelerate's DeepSpeed plugin: the engine is found, each rank
-    records its slices under the model's names, and they combine to the gathered masters' figures."""
+@pytest.mark.parametrize("stage", [2, 3])
+def test_hf_trainer_under_deepspeed(runs: Path, stage: int) -> None:
+    """DynascopeCallback in a Trainer run by accelerate's DeepSpeed plugin (ZeRO-2 and ZeRO-3): the engine
+    is found, each rank records its slices under the model's names, and they combine to the gathered
+    masters' figures."""
     pytest.importorskip("transformers")
-    run = runs / "hf-z3"
-    weights = torch.load(runs / "hf-z3.pt")["weights"]  # θ₀, then after each step
+    run = runs / f"hf-z{stage}"
+    weights = torch.load(runs / f"hf-z{stage}.pt")["weights"]  # θ₀, then after each step
     raw = store(run, "tensor_stats")
     assert raw["sharded"].all() and set(raw["rank"].to_list()) == {0, 1}
     got = combine_shards(raw)
