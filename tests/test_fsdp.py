@@ -7,6 +7,7 @@ import json
 import textwrap
 from pathlib import Path
 
+import polars as pl
 import pytest
 
 import dynascope
@@ -42,15 +43,36 @@ WORKER = textwrap.dedent("""
     scope.close()
     if dist.get_rank() == 0:
         json.dump(truth, open(sys.argv[1] + ".truth.json", "w"))
+    # under a memory budget, with tensors that do not split evenly (33 and 17 rows over 2 ranks)
+    model = nn.Sequential(nn.Linear(7, 33), nn.ReLU(), nn.Linear(33, 17), nn.ReLU(), nn.Linear(17, 3))
+    for layer in (model[0], model[2], model[4]):
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scope = dynascope.watch(model, opt, run=sys.argv[1] + "-budget", system_interval_s=None, memory_budget=0.4,
+                            time_budget=None)
+    for _ in range(4):
+        model(torch.randn(4, 7)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    scope.close()
     dist.destroy_process_group()
 """)
 
 
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One torchrun launch for the module's tests: the run, and beside it ``<run>-budget``."""
+    tmp = tmp_path_factory.mktemp("fsdp")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[1]))
+        torchrun(tmp, WORKER, tmp / "fsdp")
+    return tmp / "fsdp"
+
+
 @pytest.mark.slow
-def test_fsdp2_shards_combine_to_global_stats(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    run = tmp_path / "fsdp"
-    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[1]))
-    torchrun(tmp_path, WORKER, run)
+def test_fsdp2_shards_combine_to_global_stats(fsdp_run: Path) -> None:
+    run = fsdp_run
     truth = json.loads(Path(str(run) + ".truth.json").read_text())
     con = dynascope.open_store(run)
     raw = con.sql("select * from tensor_stats").pl()
@@ -71,3 +93,14 @@ def test_fsdp2_shards_combine_to_global_stats(tmp_path: Path, monkeypatch: pytes
         assert r["drift_norm"] == pytest.approx(drift[1], rel=1e-5, abs=1e-9)
         assert r["drift_changed_count"] == drift[2]
         assert r["changed_frac"] == pytest.approx(upd[2] / r["numel"])
+
+
+@pytest.mark.slow
+def test_fsdp2_budgeted_windows_combine(fsdp_run: Path) -> None:
+    """Under a memory budget both ranks take the same tensors at the same records, uneven shards too
+    (every rank sizes a shard as its tensor's largest), so each windowed statistic has both shards."""
+    raw = dynascope.open_store(Path(str(fsdp_run) + "-budget")).sql("select * from tensor_stats").pl()
+    per = raw.group_by("step", "tensor").agg(pl.col("update_norm").count().alias("n"))
+    assert set(per["n"].to_list()) == {0, 2}, per.sort("step", "tensor").to_dicts()  # a window, never half of one
+    taken = per.filter(pl.col("n") == 2).group_by("step").len()
+    assert taken.height == 4  # a window at every record

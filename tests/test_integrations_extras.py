@@ -13,6 +13,7 @@ CASES = [
     ("lightning", "import dynascope.integrations.lightning", "lightning"),
     ("wandb", "from dynascope.integrations.wandb import WandbMirror; WandbMirror()", "wandb"),
     ("ray", "from dynascope.integrations.ray import actor_scope; actor_scope('r', role='x')", "ray"),
+    ("deepspeed", "import dynascope.integrations.deepspeed", "deepspeed"),
 ]
 
 
@@ -38,5 +39,5 @@ def test_core_imports_without_any_extra(tmp_path):
             f"import dynascope.integrations, dynascope.integrations.verl\n"
             f"assert not any(m in sys.modules and sys.modules[m] for m in ('transformers', 'wandb', 'ray'))\n"
             f"print('ok')")
-    result = _run(["transformers", "trl", "lightning", "pytorch_lightning", "wandb", "ray"], code)
+    result = _run(["transformers", "trl", "lightning", "pytorch_lightning", "wandb", "ray", "deepspeed"], code)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]

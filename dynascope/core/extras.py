@@ -19,6 +19,7 @@ EXTRAS: dict[str, str] = {
     "lightning": "lightning",
     "wandb": "wandb",
     "ray": "ray",
+    "deepspeed": "deepspeed",
 }
 
 

@@ -5,6 +5,7 @@
     dynascope.integrations.wandb.WandbMirror             summaries → the active wandb run      (extra: wandb)
     dynascope.integrations.verl                          verl/OpenRLHF metric dicts, Tracking backend
     dynascope.integrations.ray.actor_scope               probes inside Ray actors              (extra: ray)
+    dynascope.integrations.deepspeed.watch               a DeepSpeed ZeRO engine               (extra: deepspeed)
 
 Nothing here is imported by ``import dynascope``; a module whose framework is missing raises an
 ImportError that names the extra to install.

@@ -9,6 +9,8 @@
 * Every ``logs`` dict (``on_log``) becomes ``scalars``. dynascope numbers optimizer steps from 0 (rows
   before the first optimizer step are step 0), so HF's ``global_step`` N is dynascope step N−1. A resumed
   run (or a second ``train()``) continues the numbering from ``global_step``.
+* Under DeepSpeed (accelerate's DeepSpeed plugin) the probes attach to the trainer's DeepSpeed engine:
+  statistics of the fp32 masters, the engine's optimizer step as the boundary (``probes.zero``).
 * A ``train`` phase spans each step's micro-batches up to the optimizer step; with TRL, rollout
   (generation + scoring) is cut out of it and recorded as its own phase — see ``_trl.py``.
 * ``on_train_end`` closes the scope (and flushes the store).
@@ -22,6 +24,7 @@ from typing import Any
 
 from dynascope.core.extras import require
 from dynascope.integrations._guard import GuardedCallback
+from dynascope.probes.zero import is_engine
 
 transformers = require("transformers", "dynascope.integrations.hf")
 
@@ -87,10 +90,13 @@ class DynascopeCallback(GuardedCallback, transformers.TrainerCallback):
                           "args": args.to_sanitized_dict()}
             rank, world = kw.pop("rank", None), kw.pop("world_size", None)
             self._writer = RunWriter(
-                self.run, rank=getattr(args, "process_index", 0) if rank is None else rank,
-                role=kw.pop("role", None) or "trainer", world_size=getattr(args, "world_size", 1) if world is None else world,
+                self.run, rank=_process(args)[0] if rank is None else rank,
+                role=kw.pop("role", None) or "trainer", world_size=_process(args)[1] if world is None else world,
                 framework="trl" if _is_trl(self.trainer) else "transformers", config=config)
             kw["writer"] = self._writer
+        engine = getattr(self.trainer, "model_wrapped", None)
+        if is_engine(engine):  # under DeepSpeed: its engine is the step boundary and holds the fp32 masters
+            model, optimizer = engine, None
         self.scope = dynascope.watch(model, _torch_optimizer(optimizer), run=self.run, wandb=self.wandb, **kw)
         done = int(getattr(state, "global_step", 0) or 0)
         if done:  # resumed from a checkpoint (or a second train()): continue the step numbering
@@ -178,6 +184,8 @@ def _stage_of(trainer: Any) -> str | None:
 
 
 def _torch_optimizer(optimizer: Any) -> Any:
+    if optimizer is None:
+        return None
     # accelerate wraps the optimizer (AcceleratedOptimizer.optimizer); the step hooks live on the torch one
     import torch
 
@@ -188,6 +196,16 @@ def _torch_optimizer(optimizer: Any) -> Any:
             break
         optimizer = inner
     return optimizer
+
+
+def _process(args: Any) -> tuple[int, int]:
+    """(rank, world size): torch.distributed's when it runs (the Trainer's arguments say 0 of 1 on every
+    rank under DeepSpeed on CPU), else the Trainer's."""
+    import torch
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return int(getattr(args, "process_index", 0)), int(getattr(args, "world_size", 1))
 
 
 def _number(value: Any) -> float | None:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from dynascope.probes import zero
 from dynascope.probes.memory import MemoryProbe
 from dynascope.probes.protocol import Listener, Probe
 from dynascope.probes.schedule import as_schedule, every
@@ -42,6 +43,11 @@ def watch(model: Any, optimizer: Any = None, run: str | os.PathLike = "runs/defa
           probes: Sequence[Probe] = (), listeners: Sequence[Listener | str] = (), **options: Any) -> Scope:
     """Attach dynascope's probes to ``model`` and ``optimizer`` and record into the run at ``run``.
 
+    ``optimizer.step()`` is the step boundary: through torch's step hooks, or by wrapping ``step()`` on an
+    optimizer without them; with neither, one warning, and ``scope.step()`` closes each step. Under
+    DeepSpeed ``model`` may be the engine, and whatever optimizer is given (or none), the boundary is the
+    engine's ZeRO step (``probes.zero``).
+
     Args:
         settings: what to record and at what cost (``WatchSettings``); default: its defaults.
         **options: any field of ``WatchSettings`` as a keyword (``every=10``, ``memory_budget=None``,
@@ -58,10 +64,13 @@ def watch(model: Any, optimizer: Any = None, run: str | os.PathLike = "runs/defa
     """
     s = settings_from(settings, options)
     r, local_rank, ws, role = _identity(s.rank, s.role, s.world_size)
+    deepspeed = zero.resolve(model, optimizer)  # None unless DeepSpeed runs the model (probes.zero)
+    if deepspeed is not None:
+        model, optimizer = deepspeed.model, deepspeed.optimizer
     own = writer is None
     if writer is None:
-        writer = RunWriter(run, rank=r, role=role, world_size=ws, framework="pytorch", config=config,
-                           flush_secs=WRITER_FLUSH_S)
+        writer = RunWriter(run, rank=r, role=role, world_size=ws, config=config, flush_secs=WRITER_FLUSH_S,
+                           framework="pytorch" if deepspeed is None else "deepspeed")
     schedule = as_schedule(s.every)
     built: list[Probe] = [TensorStats(s.memory_budget, s.grad_tol, time_budget=s.time_budget, schedule=schedule,
                                       bf16_k=s.bf16_k, run_dir=writer.run_dir, rank=writer.rank,
@@ -81,6 +90,8 @@ def watch(model: Any, optimizer: Any = None, run: str | os.PathLike = "runs/defa
     scope = Scope(model, optimizer, writer, own, built, reference=s.reference, stage=s.stage)
     for name, exc in failed:
         scope._report(name, exc)
+    if deepspeed is not None:
+        scope._handles += scope._guard("deepspeed", deepspeed.attach, scope) or []
     for spec in (["wandb"] if s.wandb else []) + list(listeners):
         try:
             scope.add_listener(_listener(spec))

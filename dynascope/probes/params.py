@@ -5,7 +5,8 @@ model's parameters that require grad. Names come from ``model.named_parameters()
 weight once, so tied weights are counted once, through ``core.naming.normalize_name``: a model wrapped
 by ``torch.compile`` (``_orig_mod.``), DDP (``module.``) or FSDP1 records the names of the bare model, the
 names θ₀ and checkpoints are matched by. DTensor (FSDP2) parameters are tracked through their
-local shard and marked ``sharded``.
+local shard and marked ``sharded``; parameters DeepSpeed ZeRO partitions, through the rank's slice of
+their fp32 master (``probes.zero_params``).
 """
 
 from __future__ import annotations
@@ -61,8 +62,12 @@ class Tracked:
 
     @property
     def nbytes(self) -> int:
-        """Bytes this rank holds (read at every record by the budget: no detached view, ~0.1 µs a tensor)."""
-        return self.local().nbytes if self.sharded else self.param.nbytes
+        """Bytes this rank holds, as the budget counts them (read at every record: no detached view, ~0.1 µs
+        a tensor). A shard counts the largest shard of its tensor, the same on every rank, so that every
+        rank plans the same windows (``probes.window``) even where the tensor does not split evenly."""
+        if self.sharded:
+            return self.meta.get("plan_bytes") or self.local().nbytes
+        return self.param.nbytes
 
 
 def _skip_reason(p: Tensor) -> str | None:
@@ -79,20 +84,26 @@ def _skip_reason(p: Tensor) -> str | None:
 
 def optimizer_fingerprint(optimizer: Any) -> tuple:
     """Cheap identity of the optimizer's parameter set; changes when groups or params are added."""
-    if optimizer is None:
+    groups = getattr(optimizer, "param_groups", None) if optimizer is not None else None
+    if not groups:
         return ()
-    return tuple((len(g["params"]), id(g["params"][0]) if g["params"] else 0) for g in optimizer.param_groups)
+    return tuple((len(g["params"]), id(g["params"][0]) if g["params"] else 0) for g in groups)
 
 
 def discover(model: Any, optimizer: Any) -> tuple[list[Tracked], list[tuple[str, str]]]:
     """(tracked tensors, [(name, reason) for skipped ones])."""
+    from dynascope.probes import zero_params
+
+    if zero_params.uses_zero(model):  # DeepSpeed holds the masters: its metadata says where
+        return zero_params.discover(model)
     names: dict[int, str] = {}
     if model is not None and hasattr(model, "named_parameters"):
         for n, p in model.named_parameters():  # remove_duplicate=True: tied weights appear once
             names.setdefault(id(p), n)
-    if optimizer is not None:
+    groups = getattr(optimizer, "param_groups", None) if optimizer is not None else None
+    if groups is not None:  # an optimizer without param_groups (a plain object): the model's parameters
         params: list[tuple[str, Tensor]] = []
-        for gi, g in enumerate(optimizer.param_groups):
+        for gi, g in enumerate(groups):
             for pi, p in enumerate(g["params"]):
                 params.append((names.get(id(p), f"param_groups.{gi}.{pi}"), p))
     else:
@@ -112,8 +123,19 @@ def discover(model: Any, optimizer: Any) -> tuple[list[Tracked], list[tuple[str,
             continue
         tracked.append(Tracked(name=name, param=p, sharded=sharded, layer=tensor_layer(name),
                                kind=tensor_kind(name), shape="x".join(str(s) for s in p.shape),
-                               dtype=str(local.dtype).replace("torch.", "")))
+                               dtype=str(local.dtype).replace("torch.", ""),
+                               meta={"plan_bytes": _largest_shard_bytes(p)} if sharded else {}))
     return tracked, skipped
+
+
+def _largest_shard_bytes(p: Any) -> int:
+    """The largest shard of a DTensor's elements, in bytes: its numel over the mesh dimensions it is
+    sharded along, rounded up (FSDP2 pads dim 0 to that)."""
+    shards = 1
+    for dim, placement in enumerate(p.placements):
+        if placement.is_shard():
+            shards *= p.device_mesh.size(dim)
+    return -(-p.numel() // shards) * p.element_size()
 
 
 class LocalViews:

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from dynascope.core.naming import normalize_name
 
-__all__ = ["LazyRef", "Reference", "build_reference", "pread_source"]
+__all__ = ["LazyRef", "Reference", "build_reference", "pread_source", "whole_source"]
 
 
 class _Source:
@@ -143,6 +143,18 @@ def _dict_source(sd: Mapping[str, Any]) -> _Source:
                    lambda key, lo, hi: by_norm[key].detach().reshape(-1)[lo:hi])
 
 
+def whole_source(spec: Any) -> tuple[_Source, str]:
+    """(source, kind) of a θ₀ given as whole tensors: a state dict or a checkpoint path."""
+    if isinstance(spec, Mapping):
+        return _dict_source(spec), "state_dict"
+    if isinstance(spec, (str, os.PathLike)):
+        path = Path(spec).expanduser()
+        if not path.exists():
+            raise FileNotFoundError(f"reference checkpoint {path} does not exist")
+        return _load_file(path), "path"
+    raise ValueError(f"reference must be 'init', None, a state dict or a path; got {spec!r}")
+
+
 def build_reference(spec: Any, named: list[tuple[str, Tensor]], run_dir: Path, rank: int,
                     resident: bool) -> Reference | None:
     """θ₀ from ``spec``: ``"init"`` (the weights now), a state dict, a path, or None."""
@@ -161,17 +173,7 @@ def build_reference(spec: Any, named: list[tuple[str, Tensor]], run_dir: Path, r
         detached = [(normalize_name(n), t.detach()) for n, t in named]
         write_safetensors(path, [(n, tuple(t.shape), t.dtype) for n, t in detached], (t for _, t in detached))
         return Reference(spec, _load_file(path), path=path)
-    if isinstance(spec, Mapping):
-        source = _dict_source(spec)
-        kind = "state_dict"
-    elif isinstance(spec, (str, os.PathLike)):
-        path = Path(spec).expanduser()
-        if not path.exists():
-            raise FileNotFoundError(f"reference checkpoint {path} does not exist")
-        source = _load_file(path)
-        kind = "path"
-    else:
-        raise ValueError(f"reference must be 'init', None, a state dict or a path; got {spec!r}")
+    source, kind = whole_source(spec)
     if resident:
         by_name = {normalize_name(n): t for n, t in named}
         held = {}

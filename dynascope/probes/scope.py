@@ -21,12 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from dynascope.core.clock import now_us
+from dynascope.probes import zero_params
 from dynascope.probes.delivery import Delivery
 from dynascope.probes.memory import MemoryProbe
 from dynascope.probes.params import Tracked, discover, optimizer_fingerprint
 from dynascope.probes.protocol import Listener, Probe, StepContext
-from dynascope.probes.reference import build_reference
 from dynascope.probes.resolver import Resolver, lower_priority
+from dynascope.probes.step_hooks import attach_step_hooks
 from dynascope.probes.system import SystemSampler
 from dynascope.probes.tensors import TensorStats
 from dynascope.probes.timing import PROBE_PHASE, TimingProbe
@@ -70,12 +71,12 @@ class Scope:
         from dynascope.probes.spectral import SpectralProbe
 
         self.spectral = self._find(SpectralProbe)
-        self._refresh()
+        self._guard("discover", self._refresh)
         if reference is not None:
             self._guard("reference", self.set_reference, reference)
         self._attach()
-        if optimizer is None:  # manual boundaries: step 0 starts now
-            self._before(manual=True)
+        if self.optimizer is None:  # manual boundaries: step 0 starts now
+            self._guard("boundary", self._before, True)
 
     def _find(self, cls: type) -> Any:
         return next((p for p in self.probes if isinstance(p, cls)), None)
@@ -129,8 +130,13 @@ class Scope:
 
     def _attach(self) -> None:
         if self.optimizer is not None:
-            self._handles.append(self.optimizer.register_step_pre_hook(self._guarded("optimizer_pre", self._pre)))
-            self._handles.append(self.optimizer.register_step_post_hook(self._guarded("optimizer_post", self._post)))
+            handles = attach_step_hooks(self.optimizer, self._guarded("optimizer_pre", self._pre),
+                                        self._guarded("optimizer_post", self._post))
+            if handles is None:  # nothing to hook: the user's scope.step() calls are the boundaries
+                self._report("optimizer", TypeError(
+                    f"cannot hook {type(self.optimizer).__name__}.step(); call scope.step() after each step"))
+                self.optimizer = None
+            self._handles += handles or []
         if self.timing is not None:
             self._handles += self.timing.attach(self.model, self._guard)
 
@@ -271,7 +277,7 @@ class Scope:
         total = sum(t.nbytes for t in self.tracked)
         budget = self.stats.memory_budget if self.stats is not None else None
         resident = budget is None or budget * total >= 2 * total
-        self.reference = build_reference(ref, named, self.run_dir, self.writer.rank, resident)
+        self.reference = zero_params.build_reference(ref, named, self.run_dir, self.writer.rank, resident, self.tracked)
         if self.stats is not None:
             self.stats.reference = self.reference
         if self.reference is not None:

@@ -91,6 +91,7 @@ class TensorStats(Probe):
         self._rec: Record | None = None
         self._columns: tuple[list[Tracked], dict[str, Any]] | None = None  # the tracked list's own columns
         self._early_window: list[int] | None = None
+        self._k_bytes = 0  # S_k's snapshot as the budget counts it (when resident)
 
     def schedule(self, step: int) -> bool:
         """The user's schedule, plus the steps at which S_k takes its snapshot (k steps before a record)."""
@@ -98,7 +99,7 @@ class TensorStats(Probe):
 
     def _resident_bytes(self, tracked: list[Tracked]) -> float:
         held = sum(t.nbytes for t in tracked) if self.reference is not None and self.reference.resident else 0
-        return held + (self.history.resident_bytes if self.history is not None else 0)
+        return held + (self._k_bytes if self.history is not None and self.history.resident_bytes else 0)
 
     def plan(self, tracked: list[Tracked]) -> list[int]:
         """The next window (``Window.plan``), with θ₀'s and S_k's resident bytes taken off the budget."""
@@ -114,7 +115,7 @@ class TensorStats(Probe):
             return
         self.window.tick()
         if ctx.manual or ctx.grads_after:  # the gradients are not this step's yet: after() reads them
-            self._early_window = self.plan(ctx.tracked)
+            self._early_window = self.window.next(ctx.tracked, self._resident_bytes(ctx.tracked), timed=False)
             if self._needs_old:
                 self.snapshot.take([ctx.tracked[i].local() for i in self._early_window])
             return
@@ -127,8 +128,8 @@ class TensorStats(Probe):
         t0 = time.perf_counter()
         if early is not None and not snapshot:
             rec.window = early
-        elif self.window.open:
-            rec.window = self.plan(tracked)
+        else:
+            rec.window = self.window.next(tracked, self._resident_bytes(tracked))
         rec.chunk_elems = self.window.chunk
         with_grad, grads = [], []
         for i, t in enumerate(tracked):
@@ -255,7 +256,10 @@ class TensorStats(Probe):
         t0 = time.perf_counter()  # charged to the time budget: the windowed statistics back off after it
 
         def resident() -> bool:
-            total, need = sum(t.nbytes for t in tracked), sum(w.numel() * 2 for w in locals_)
+            # bf16 bytes as the budget counts tensors (Tracked.nbytes), the same on every rank of a sharded
+            # run: its ranks' windows are planned from the budget left (probes.window)
+            total = sum(t.nbytes for t in tracked)
+            need = self._k_bytes = sum(t.nbytes * 2 // w.element_size() for t, w in zip(tracked, locals_, strict=True))
             return self.memory_budget is None or self.memory_budget * total - self._resident_bytes(tracked) - need >= total
 
         def named() -> list[tuple[str, torch.Tensor]]:  # a view of every weight: only when a snapshot is taken

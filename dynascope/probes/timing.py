@@ -131,6 +131,8 @@ class TimingProbe(Probe):
         self._t0, self._start_us = time.perf_counter_ns(), now_us()
         self._opt: PhaseRecord | None = None
         self._bwd_live = False
+        # False when an engine's backward() is timed instead (DeepSpeed: it also reduces the gradients)
+        self.autograd_backward = True
         self._guard: Callable[..., Any] = lambda probe, fn, *a: fn(*a)
 
     def attach(self, model: Any, guard: Callable[..., Any]) -> list[Any]:
@@ -150,7 +152,7 @@ class TimingProbe(Probe):
         if rec is not None:
             module._dynascope_fwd = None
             self.timer.stop(rec)
-        t = first_grad_tensor(out) if torch.is_grad_enabled() else None
+        t = first_grad_tensor(out) if self.autograd_backward and torch.is_grad_enabled() else None
         if t is not None:
             parent = rec.parent if rec is not None else None
             t.register_hook(lambda g: self._guard("backward", self._bwd_start, parent) and None)
