@@ -83,8 +83,11 @@ def _describe(run_dir: Path) -> tuple:
     files = _files(run_dir)
     size = sum(st.st_size for _, st in files)
     seg_times = [st.st_mtime_ns // 1000 for p, st in files if SEGMENT_RE.match(p.name)]
-    writers = {m.group(1) for p, _ in files if (m := _WRITER_DIR.match(p.parent.name)) and m.group(1) != "_schema"}
-    ranks = {int(m.group(1)) for w in writers if (m := _RANK.match(w))}
+    # Writer directories (``_schema`` and ``_merged`` are the toolkit's, not a writer's), and heartbeats, which
+    # outlive the directories that compaction folds together once their writers finished.
+    writers = {m.group(1) for p, _ in files if (m := _WRITER_DIR.match(p.parent.name)) and not m.group(1).startswith("_")}
+    beats = {p.stem for p, _ in files if p.parent.name == HEARTBEATS and p.suffix == ".json"}
+    ranks = {int(m.group(1)) for w in writers | beats if (m := _RANK.match(w))}
     name, steps, problem = run_dir.name, None, None
     ended: set[str] = set()
     try:

@@ -12,6 +12,8 @@ adds files, and deletes a file only when no query can still be reading it:
    ``wait=True`` sleeps out settle + grace and deletes them in the same call.
 
 Before merging a run, ``repair.repair_rollups`` writes the rollup segments a dead writer never wrote.
+The directories of writers that will not write again (closed or crashed) are then folded together into
+``writer=_merged`` (``compact_across``), so a finished run keeps a few files per table, not one per writer.
 
 A live writer keeps numbering its segments above any merged range, so its older segments are safe to merge
 while it runs. The ``writer=_schema`` directories (one empty typed file per table) are left alone.
@@ -32,6 +34,7 @@ import pyarrow.parquet as pq
 
 from dynascope.core.errors import first_line
 from dynascope.store._columns import parquet_options
+from dynascope.store.compact_across import done_writers, is_writer_dir, merge_across, remove_spent_covers
 from dynascope.store.layout import (
     list_segments,
     live_segments,
@@ -39,7 +42,7 @@ from dynascope.store.layout import (
     segment_name,
     valid_from_us,
 )
-from dynascope.store.repair import REPAIR_AFTER_S, conform, repair_rollups
+from dynascope.store.repair import REPAIR_AFTER_S, RepairResult, conform, repair_rollups
 from dynascope.store.schema import TABLES
 
 LOCK = ".compact.lock"
@@ -57,6 +60,7 @@ class CompactStats:
     new_segments: int = 0  # merged segments written
     removed_segments: int = 0  # merged-away segments and stale temp files deleted
     rows_merged: int = 0
+    writers_folded: int = 0  # writer directories of finished writers moved into writer=_merged (``compact_across``)
     repaired_segments: int = 0  # rollup segments written for sources whose writer never wrote them (``repair``)
     skipped: list[str] = field(default_factory=list)  # one line per writer directory left alone, and why
 
@@ -70,8 +74,10 @@ def compact_store(path: str | os.PathLike, grace_s: float = 60.0, *, settle_s: f
         grace_s: a merged-away segment is deleted once its merged file has been in effect this long.
         settle_s: a merged file takes effect this long after it is written.
         target_rows: a merged segment holds at most about this many rows.
-        wait: sleep out ``settle_s + grace_s`` and delete the merged-away segments before returning.
-        repair_after_s: write missing rollup segments only for sources (and writers) quiet this long.
+        wait: sleep out ``settle_s + grace_s`` and delete the merged-away segments before returning (and,
+            where writers were folded together, another ``grace_s`` for the covers left in their directories).
+        repair_after_s: write missing rollup segments only for sources (and writers) quiet this long; writers
+            quiet this long that closed or crashed are folded together across writers.
     """
     loc = locate(path)
     stats = CompactStats()
@@ -87,12 +93,14 @@ def compact_store(path: str | os.PathLike, grace_s: float = 60.0, *, settle_s: f
             repair = repair_rollups(run_dir, repair_after_s)
             stats.repaired_segments += repair.repaired
             stats.skipped += repair.skipped
+            last_valid = max(last_valid, _fold(run_dir, repair, settle_us, target_rows, repair_after_s, grace_s,
+                                                  stats))
             for wdir, table, segs in _writer_dirs(run_dir):
                 stats.removed_segments += _remove_expired(wdir, segs, grace_s)
                 segs = [s for s in segs if s[2].exists()]
-                if wdir in repair.held:
-                    continue
                 try:
+                    if wdir in repair.held or (is_writer_dir(wdir) and _folded(segs)):
+                        continue  # waiting for a repair, or folded across writers
                     # Build on every earlier merge, in effect yet or not (an earlier call may have used a longer
                     # settle): a new merge then contains or avoids each old one, never half-overlaps it.
                     live = live_segments(segs, at_us=_FOREVER)
@@ -105,7 +113,31 @@ def compact_store(path: str | os.PathLike, grace_s: float = 60.0, *, settle_s: f
             with _run_lock(run_dir) as locked:
                 for wdir, _, segs in _writer_dirs(run_dir) if locked else ():
                     stats.removed_segments += _remove_expired(wdir, segs, grace_s)
+        if stats.writers_folded:  # the covers go once their directories have been quiet for the grace too
+            time.sleep(grace_s + 0.01)
+            for run_dir in loc.run_dirs:
+                with _run_lock(run_dir) as locked:
+                    stats.removed_segments += remove_spent_covers(run_dir, grace_s)[0] if locked else 0
     return stats
+
+
+def _fold(run_dir: Path, repair: RepairResult, settle_us: int, target_rows: int, quiet_s: float, grace_s: float,
+          stats: CompactStats) -> int:
+    """Fold finished writers across writers (``compact_across``), but those a repair holds or could not check,
+    and delete covers that hide nothing any more; returns the last valid_from written. A pass that repaired
+    rollups folds nothing: the next pass checks the repair before the rows leave their writer's directory."""
+    stats.removed_segments += remove_spent_covers(run_dir, grace_s)[0]
+    if repair.repaired:
+        return 0
+    held = {p.name.removeprefix("writer=") for p in repair.held}
+    done = {w for w in done_writers(run_dir, quiet_s) - held if not any(f"writer={w}" in line for line in repair.skipped)}
+    across = merge_across(run_dir, done, settle_us, target_rows)
+    stats.writers_folded += across.writers
+    stats.merged_segments += across.segments
+    stats.new_segments += across.new_segments
+    stats.rows_merged += across.rows
+    stats.skipped += across.skipped
+    return across.last_valid_us
 
 
 @contextlib.contextmanager
@@ -153,6 +185,11 @@ def _merge_dir(table: str, live: list[tuple[int, int, Path]], settle_us: int, ta
             group.append(seg)
             rows += n
     return last_valid
+
+
+def _folded(segs: list[tuple[int, int, Path]]) -> bool:
+    """Whether a writer directory holds a zero-row cover: its rows went into ``writer=_merged``."""
+    return any(".v" in p.name and _num_rows(p) == 0 for _, _, p in segs)
 
 
 def _num_rows(path: Path) -> int:

@@ -68,7 +68,7 @@ def repair_rollups(run_dir: Path, repair_after_s: float = REPAIR_AFTER_S) -> Rep
         rolls = tuple((n, r) for n, r in rolls if any(w.name != "writer=_schema" and s for w, s in roll_dirs[n].items()))
         for wdir, segs in list_segments(run_dir, source).items() if rolls else ():
             srcs = live_segments(segs, at_us=_FOREVER)
-            if wdir.name == "writer=_schema" or not srcs:
+            if wdir.name.startswith("writer=_") or not srcs:  # _schema, and _merged (rows of finished writers)
                 continue
             try:
                 src_rows = [_num_rows(s[2]) for s in srcs]
