@@ -134,31 +134,36 @@ def _merge_table(mdir: Path, table: str, merged: list[Seg], todo: list[tuple[Pat
     mdir.mkdir(exist_ok=True)
     number = max((hi for _, hi, _ in merged), default=-1) + 1
     group: list[tuple[Path, list[Seg]]] = []
-    pending: list[pa.Table] = []
+    pending: list[pa.RecordBatch] = []
     rows = pending_rows = 0
     tmp = mdir / f".merge-{uuid.uuid4().hex[:12]}.tmp"
     writer: pq.ParquetWriter | None = None
     con = duckdb.connect(":memory:")
+
+    def write_pending() -> None:
+        nonlocal writer, rows, pending, pending_rows
+        writer = writer or pq.ParquetWriter(tmp, schema, **parquet_options(schema))
+        if pending:
+            writer.write_table(pa.Table.from_batches(pending, schema=schema))
+        rows, pending, pending_rows = rows + pending_rows, [], 0
+
     try:
         for i, (wdir, live) in enumerate(todo):
-            for t in _read_dir(con, [str(s[2]) for s in live], table):
-                pending.append(t)
-                pending_rows += t.num_rows
+            for batch in _read_dir(con, [str(s[2]) for s in live], table):
+                pending.append(batch)
+                pending_rows += batch.num_rows
                 if pending_rows >= ROW_GROUP_ROWS:
-                    writer = writer or pq.ParquetWriter(tmp, schema, **parquet_options(schema))
-                    writer.write_table(pa.concat_tables(pending))
-                    rows, pending, pending_rows = rows + pending_rows, [], 0
+                    write_pending()
             group.append((wdir, live))
             if rows + pending_rows >= target_rows or i == len(todo) - 1:
-                writer = writer or pq.ParquetWriter(tmp, schema, **parquet_options(schema))
-                if pending:
-                    writer.write_table(pa.concat_tables(pending))
+                write_pending()
+                assert writer is not None
                 writer.close()
                 writer = None
-                if _publish(tmp, mdir, number, group, rows + pending_rows, settle_us, out):
+                if _publish(tmp, mdir, number, group, rows, settle_us, out):
                     number += 1
                 tmp = mdir / f".merge-{uuid.uuid4().hex[:12]}.tmp"
-                group, pending, rows, pending_rows = [], [], 0, 0
+                group, rows = [], 0
     finally:
         con.close()
         if writer is not None:
@@ -166,15 +171,19 @@ def _merge_table(mdir: Path, table: str, merged: list[Seg], todo: list[tuple[Pat
         tmp.unlink(missing_ok=True)
 
 
-def _read_dir(con: duckdb.DuckDBPyConnection, paths: list[str], table: str) -> Iterator[pa.Table]:
+def _read_dir(con: duckdb.DuckDBPyConnection, paths: list[str], table: str) -> Iterator[pa.RecordBatch]:
     """The rows of a writer directory's segments, in ``table``'s current schema, a batch at a time."""
     schema = TABLES[table]
     try:
         rel = con.sql("SELECT * FROM read_parquet($files, union_by_name = true, hive_partitioning = false)",
                       params={"files": paths})
-        for batch in rel.to_arrow_reader(ROW_GROUP_ROWS):
-            t = pa.Table.from_batches([batch])
-            yield t if t.schema.equals(schema) else conform(t, table)  # older segments: renamed or new columns
+        reader = rel.to_arrow_reader(ROW_GROUP_ROWS)
+        same = reader.schema.equals(schema)  # the writer's own segments; older ones have renamed or fewer columns
+        for batch in reader:
+            if same:
+                yield batch
+            else:
+                yield from conform(pa.Table.from_batches([batch]), table).to_batches()
     except duckdb.Error as exc:  # name the directory: a corrupt segment there has to be moved away
         raise OSError(f"{Path(paths[0]).parent.name}: unreadable segment ({first_line(exc)})") from None
 
