@@ -46,7 +46,7 @@ from dynascope.store.layout import (
     segment_name,
     valid_from_us,
 )
-from dynascope.store.repair import conform
+from dynascope.store.repair import _num_rows, conform  # a corrupt file's error names it
 from dynascope.store.schema import TABLES
 
 MERGED = "writer=_merged"
@@ -286,13 +286,6 @@ def _flush_secs(beat: Path) -> float:
         return float(json.loads(beat.read_text(encoding="utf-8")).get("flush_secs", 2.0))
     except (OSError, ValueError, TypeError, AttributeError):
         return 2.0
-
-
-def _num_rows(path: Path) -> int:
-    try:
-        return pq.ParquetFile(path).metadata.num_rows
-    except (OSError, pa.ArrowException) as exc:
-        raise OSError(f"{path.name}: corrupt segment ({first_line(exc)})") from None
 
 
 def _mtime(path: Path) -> float:
