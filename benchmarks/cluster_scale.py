@@ -159,12 +159,23 @@ def pages(run: Path, rounds: int) -> dict[str, list]:
             with serving(run, log=run.parent / "streamlit.log") as base:
                 for name, (secs, _, exc) in zip(PAGES, navigate_all(browser, base), strict=True):
                     out[name].append(secs if exc == 0 else None)
-                servers = [c for c in psutil.Process().children(recursive=True) if "dynascope.dashboard" in " ".join(c.cmdline())]
-                hwm = [int(line.split()[1]) for s in servers for line in Path(f"/proc/{s.pid}/status").read_text().splitlines()
-                       if line.startswith("VmHWM")]
-                out["server rss_mb"].append(max(hwm, default=0) / 1024)
+                out["server rss_mb"].append(_server_peak_mb(psutil))
         browser.close()
     return out
+
+
+def _server_peak_mb(psutil) -> float:
+    """Peak RSS (VmHWM) of the dashboard server among this process's children."""
+    peak = 0
+    for c in psutil.Process().children(recursive=True):
+        try:
+            if "dynascope.dashboard" not in " ".join(c.cmdline()):
+                continue
+            status = Path(f"/proc/{c.pid}/status").read_text()
+        except (psutil.Error, OSError):  # exited meanwhile, or a zombie
+            continue
+        peak = max([peak, *(int(ln.split()[1]) for ln in status.splitlines() if ln.startswith("VmHWM"))])
+    return peak / 1024
 
 
 def summary(values: list[float]) -> str:
@@ -195,14 +206,14 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", help="measure only these calls (names as in the table)")
     ap.add_argument("--dashboard", action="store_true", help="also time each dashboard page's first visit")
     ap.add_argument("--doc", nargs="?", const=REPO / "docs/scale.md", type=Path, help="write the tables into this file")
+    ap.add_argument("--tables-only", action="store_true", help="print (and --doc) the tables of the saved results")
     ap.add_argument("--child", nargs=2, metavar=("CALL", "RUN"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         return child(*args.child)
     calls = [c for c in [*CALLS, REPORT] if not args.only or c in args.only]
-    results: dict = {}
     print(f"cores {len(os.sched_getaffinity(0))}, load average {os.getloadavg()}", flush=True)
-    for ranks in args.ranks:
+    for ranks in [] if args.tables_only else args.ranks:
         run = args.dir / f"r{ranks}-s{args.steps}"
         prep = prepare(run, ranks, args.steps, args.timeout)
         res: dict = {"prep": prep, "rows": rows_per_table(run), "calls": {c: [] for c in calls}}
@@ -215,11 +226,10 @@ def main() -> None:
                 took = r.get("call_s", r["wall_s"])
                 print(f"r{ranks} round {i} {name}: {took:.2f} s, {r['rss_mb']:.0f} MB" +
                       (f"  ERROR {r['error']}" if "error" in r else ""), flush=True)
+        _save(args.dir, ranks, res)
         if args.dashboard:
             res["pages"] = pages(run, args.rounds)
-        results[ranks] = res
-        (args.dir / "scale-results.json").write_text(json.dumps({**_load(args.dir), **{str(k): v for k, v in results.items()}},
-                                                                indent=1))
+            _save(args.dir, ranks, res)
     text = tables(_load(args.dir), calls)
     print(text)
     print(f"load average after: {os.getloadavg()}")
@@ -227,6 +237,10 @@ def main() -> None:
         doc = args.doc.read_text() if args.doc.exists() else f"{DOC_BEGIN}\n{DOC_END}\n"
         head, rest = doc.split(DOC_BEGIN, 1)
         args.doc.write_text(f"{head}{DOC_BEGIN}\n{text}\n{DOC_END}{rest.split(DOC_END, 1)[1]}")
+
+
+def _save(d: Path, ranks: int, res: dict) -> None:
+    (d / "scale-results.json").write_text(json.dumps({**_load(d), str(ranks): res}, indent=1))
 
 
 def _load(d: Path) -> dict:
@@ -265,17 +279,21 @@ def tables(all_results: dict, calls: list[str]) -> str:
               "the rounds, and peak RSS of its process in MB (median). Goal at 1,024 ranks: analysis < 3 s, report "
               "< 15 s, < 4 GB.", "",
               "| call | " + " | ".join(f"{k} ranks s" for k in sizes) + " | " + " | ".join(f"{k} MB" for k in sizes)
-              + " | growth exponent (last two sizes) |", "|---" * (2 * len(sizes) + 2) + "|"]
+              + " | growth exponent (last two sizes) | over its goal from |", "|---" * (2 * len(sizes) + 3) + "|"]
     for c in calls:
-        secs, mbs, meds = [], [], []
-        for r in res:
+        secs, mbs, meds, over = [], [], [], "—"
+        goal = GOALS["report"] if c == REPORT else GOALS["analysis"]
+        for k, r in zip(sizes, res, strict=True):
             runs = [x for x in r["calls"].get(c, []) if "error" not in x]
             errs = [x["error"] for x in r["calls"].get(c, []) if "error" in x]
             vals = [x.get("call_s", x["wall_s"]) if c != REPORT else x["wall_s"] for x in runs]
             secs.append(summary(vals) if vals else (f"error: {errs[0][:60]}" if errs else "—"))
             mbs.append(f"{statistics.median([x['rss_mb'] for x in runs]):.0f}" if runs else "—")
             meds.append(statistics.median(vals) if vals else 0.0)
-        lines.append(f"| {c} | " + " | ".join(secs) + " | " + " | ".join(mbs) + f" | {fit(sizes, meds)} |")
+            rss = statistics.median([x["rss_mb"] for x in runs]) if runs else 0.0
+            if over == "—" and (errs or meds[-1] > goal or rss > GOALS["rss_mb"]):
+                over = f"{k} ranks" + (" (failed)" if errs and not runs else "")
+        lines.append(f"| {c} | " + " | ".join(secs) + " | " + " | ".join(mbs) + f" | {fit(sizes, meds)} | {over} |")
     if any("pages" in r for r in res):
         lines += ["", "Dashboard: each page's first visit in the app (a sidebar click on a fresh server), seconds; "
                   "goal < 4 s.", "", "| page | " + " | ".join(f"{k} ranks s" for k, r in zip(sizes, res, strict=True)
