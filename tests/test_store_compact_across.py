@@ -102,3 +102,21 @@ def test_writers_still_running_are_not_folded(tmp_path):
     with open_store(run) as s:
         assert s.rows("SELECT count(*), sum(value) FROM scalars")[0] == (50, 90.0)
     assert files_per_table(run)["scalars"] == 2  # the schema file; the two folds were merged into one
+
+
+def test_a_corrupt_segment_keeps_its_writer_out_and_the_others_fold(tmp_path):
+    run = tmp_path / "r"
+    for r in range(3):
+        with RunWriter(run, rank=r, flush_secs=3600) as w:
+            for i in range(3):
+                w.append("scalars", {"step": np.arange(i * 10, i * 10 + 10), "key": "k", "value": float(r)})
+                w.flush()
+    bad_dir = next(w for w in list_segments(run, "scalars") if w.name.startswith("writer=r1-"))
+    bad = sorted(bad_dir.glob("*.parquet"))[1]
+    bad.write_bytes(bad.read_bytes()[:100])
+    stats = compact_store(run, grace_s=0.0, settle_s=0.05, wait=True, repair_after_s=0)
+    assert any(str(bad_dir) in line and "not folded" in line for line in stats.skipped)
+    assert {w.name.split("-")[0] for w in list_segments(run, "scalars")} == {"writer=_schema", MERGED, "writer=r1"}
+    bad.unlink()  # what the user does with a corrupt segment; the rest reads exactly
+    with open_store(run) as s:
+        assert s.rows("SELECT count(*), sum(value) FROM scalars")[0] == (80, 0.0 * 30 + 1.0 * 20 + 2.0 * 30)

@@ -147,23 +147,44 @@ def _merge_table(mdir: Path, table: str, merged: list[Seg], todo: list[tuple[Pat
             writer.write_table(pa.Table.from_batches(pending, schema=schema))
         rows, pending, pending_rows = rows + pending_rows, [], 0
 
+    def finish(publish: bool) -> None:  # publish the group's file, or drop it (its writers fold next time)
+        nonlocal writer, tmp, group, rows, pending, pending_rows, number
+        if publish:
+            write_pending()
+        if writer is not None:
+            writer.close()
+            writer = None
+        if publish and _publish(tmp, mdir, number, group, rows, settle_us, out):
+            number += 1
+        tmp.unlink(missing_ok=True)
+        tmp = mdir / f".merge-{uuid.uuid4().hex[:12]}.tmp"
+        group, rows, pending, pending_rows = [], 0, [], 0
+
     try:
-        for i, (wdir, live) in enumerate(todo):
-            for batch in _read_dir(con, [str(s[2]) for s in live], table):
-                pending.append(batch)
-                pending_rows += batch.num_rows
-                if pending_rows >= ROW_GROUP_ROWS:
-                    write_pending()
+        for wdir, live in todo:
+            # A directory's rows join the file once all of them were read, unless they fill a row group first:
+            # a corrupt segment then costs only its own directory, which stays as it is.
+            mine: list[pa.RecordBatch] = []
+            mine_rows, spilled = 0, False
+            try:
+                for batch in _read_dir(con, [str(s[2]) for s in live], table):
+                    mine.append(batch)
+                    mine_rows += batch.num_rows
+                    if pending_rows + mine_rows >= ROW_GROUP_ROWS:
+                        pending, pending_rows = pending + mine, pending_rows + mine_rows
+                        mine, mine_rows, spilled = [], 0, True
+                        write_pending()
+            except OSError as exc:
+                out.skipped.append(f"{wdir}: {first_line(exc)}; not folded")
+                if spilled:  # part of it is in the file already: the group folds next time
+                    finish(publish=False)
+                continue
+            pending, pending_rows = pending + mine, pending_rows + mine_rows
             group.append((wdir, live))
-            if rows + pending_rows >= target_rows or i == len(todo) - 1:
-                write_pending()
-                assert writer is not None
-                writer.close()
-                writer = None
-                if _publish(tmp, mdir, number, group, rows, settle_us, out):
-                    number += 1
-                tmp = mdir / f".merge-{uuid.uuid4().hex[:12]}.tmp"
-                group, rows = [], 0
+            if rows + pending_rows >= target_rows:
+                finish(publish=True)
+        if group:
+            finish(publish=True)
     finally:
         con.close()
         if writer is not None:
@@ -185,7 +206,7 @@ def _read_dir(con: duckdb.DuckDBPyConnection, paths: list[str], table: str) -> I
             else:
                 yield from conform(pa.Table.from_batches([batch]), table).to_batches()
     except duckdb.Error as exc:  # name the directory: a corrupt segment there has to be moved away
-        raise OSError(f"{Path(paths[0]).parent.name}: unreadable segment ({first_line(exc)})") from None
+        raise OSError(f"unreadable segment ({first_line(exc)})") from None
 
 
 def _publish(tmp: Path, mdir: Path, number: int, group: list[tuple[Path, list[Seg]]], rows: int, settle_us: int,
