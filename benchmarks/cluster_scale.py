@@ -129,7 +129,7 @@ def prepare(run: Path, ranks: int, steps: int, timeout_s: float) -> dict:
             "print(json.dumps({'call_s': time.perf_counter()-t, 'merged': s.merged_segments, "
             "'folded': s.writers_folded, 'new': s.new_segments, 'removed': s.removed_segments, 'skipped': s.skipped}))")
     print(f"{run.name}: compacting ...", flush=True)
-    out["compact"] = measure([sys.executable, "-c", code], 4 * timeout_s)
+    out["compact"] = measure([sys.executable, "-c", code], max(4 * timeout_s, 6 * 3600))
     out["compacted"] = census(run)
     meta.write_text(json.dumps(out, indent=1))
     return out
@@ -207,6 +207,8 @@ def main() -> None:
     ap.add_argument("--dashboard", action="store_true", help="also time each dashboard page's first visit")
     ap.add_argument("--doc", nargs="?", const=REPO / "docs/scale.md", type=Path, help="write the tables into this file")
     ap.add_argument("--tables-only", action="store_true", help="print (and --doc) the tables of the saved results")
+    ap.add_argument("--prepare-only", action="store_true",
+                    help="generate, census and compact the runs (kept in each run's scale.json), measure no call")
     ap.add_argument("--child", nargs=2, metavar=("CALL", "RUN"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -216,6 +218,8 @@ def main() -> None:
     for ranks in [] if args.tables_only else args.ranks:
         run = args.dir / f"r{ranks}-s{args.steps}"
         prep = prepare(run, ranks, args.steps, args.timeout)
+        if args.prepare_only:
+            continue
         res: dict = {"prep": prep, "rows": rows_per_table(run), "calls": {c: [] for c in calls}}
         for i in range(args.rounds):
             for name in calls if i % 2 == 0 else reversed(calls):
