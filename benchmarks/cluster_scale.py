@@ -234,6 +234,8 @@ def main() -> None:
         if args.dashboard:
             res["pages"] = pages(run, args.rounds)
             _save(args.dir, ranks, res)
+    if args.prepare_only or not _load(args.dir):
+        return
     text = tables(_load(args.dir), calls)
     print(text)
     print(f"load average after: {os.getloadavg()}")
