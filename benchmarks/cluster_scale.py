@@ -79,16 +79,17 @@ def child(name: str, run: str) -> None:
     print(json.dumps({"import_s": t1 - t0, "open_s": t2 - t1, "call_s": t3 - t2, "rows": rows}))
 
 
-MEM_LIMIT_GB = 8.0  # address space of each child: twice the goal, so one call cannot take the shared machine down
+# address space of each child: twice the goal, so one call cannot take the shared machine down (--mem-limit-gb)
+LIMITS = {"mem_gb": 8.0}
 
 
 def _limit_memory() -> None:
-    limit = int(MEM_LIMIT_GB * 2**30)
+    limit = int(LIMITS["mem_gb"] * 2**30)
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 
 def measure(cmd: list[str], timeout_s: float) -> dict:
-    """Run ``cmd`` (its address space capped at ``MEM_LIMIT_GB``); wall seconds, peak RSS (MB, from wait4) and
+    """Run ``cmd`` (its address space capped at ``LIMITS["mem_gb"]``); wall seconds, peak RSS (MB, from wait4) and
     its JSON line, or the error."""
     load = os.getloadavg()[0]
     with tempfile.TemporaryFile() as fout, tempfile.TemporaryFile() as ferr:  # files: a full pipe would stall it
@@ -214,7 +215,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", type=Path, default=REPO / "runs/cluster-scale")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per call before it counts as failed")
-    ap.add_argument("--mem-limit-gb", type=float, default=MEM_LIMIT_GB, help="address space per call (it fails above)")
+    ap.add_argument("--mem-limit-gb", type=float, default=LIMITS["mem_gb"], help="address space per call (it fails above)")
     ap.add_argument("--only", nargs="*", help="measure only these calls (names as in the table)")
     ap.add_argument("--dashboard", action="store_true", help="also time each dashboard page's first visit")
     ap.add_argument("--doc", nargs="?", const=REPO / "docs/scale.md", type=Path, help="write the tables into this file")
@@ -225,8 +226,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.child:
         return child(*args.child)
-    global MEM_LIMIT_GB
-    MEM_LIMIT_GB = args.mem_limit_gb
+    LIMITS["mem_gb"] = args.mem_limit_gb
     calls = [c for c in [*CALLS, REPORT] if not args.only or c in args.only]
     print(f"cores {len(os.sched_getaffinity(0))}, load average {os.getloadavg()}", flush=True)
     for ranks in [] if args.tables_only else args.ranks:
