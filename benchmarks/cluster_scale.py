@@ -260,6 +260,9 @@ def main() -> None:
 
 
 def _save(d: Path, ranks: int, res: dict) -> None:
+    """Keep ``res`` for ``ranks``; dashboard timings from an earlier run stay unless measured again."""
+    old = _load(d).get(str(ranks), {})
+    res = {**({"pages": old["pages"]} if "pages" in old else {}), **res}
     (d / "scale-results.json").write_text(json.dumps({**_load(d), str(ranks): res}, indent=1))
 
 
