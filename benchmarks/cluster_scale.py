@@ -275,20 +275,25 @@ def tables(all_results: dict, calls: list[str]) -> str:
     """The markdown tables: the store per size, then each call's seconds and peak RSS per size."""
     sizes = sorted(int(k) for k in all_results)
     res = [all_results[str(k)] for k in sizes]
-    lines = ["| ranks (trainers + rollout) | rows | files as written | bytes as written | generation s | "
-             "open + count, as written s | compact s (peak MB) | files compacted | largest table's files | bytes compacted |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| ranks (trainers + rollout) | rows | table files as written | bytes as written | generation s | "
+             "open + count as written: s (peak MB) | compact s (peak MB) | table files compacted | largest table's "
+             "files | bytes compacted | load during the calls |", "|---" * 11 + "|"]
     for k, r in zip(sizes, res, strict=True):
         p = r["prep"]
-        raw_files = sum(c["files"] for c in p["raw"].values())
-        files = sum(c["files"] for c in p["compacted"].values())
+        raw_files = sum(c["files"] for t, c in p["raw"].items() if t != "(other)")
+        files = sum(c["files"] for t, c in p["compacted"].items() if t != "(other)")
         most = max(c["files"] for t, c in p["compacted"].items() if t != "(other)")
+        rc = p["raw_count"]
+        why = "out of memory" if "memory" in rc.get("error", "").lower() else rc.get("error", "")[-60:]
+        raw = (f"failed after {rc['wall_s']:.0f} s: {why} ({rc['rss_mb']:.0f})"
+               if "error" in rc else f"{rc.get('open_s', 0) + rc.get('call_s', 0):.1f} ({rc['rss_mb']:.0f})")
+        loads = [x["load"] for xs in r["calls"].values() for x in xs if "load" in x]
+        load = f"{min(loads):.1f}–{max(loads):.1f}" if loads else "—"
         lines.append(
             f"| {k} + {p['writers'] - k} | {sum(r['rows'].values()):,} | {raw_files:,} | "
-            f"{sum(c['bytes'] for c in p['raw'].values()) / 1e9:.2f} GB | {p['generate_s']:.0f} | "
-            f"{p['raw_count'].get('open_s', 0) + p['raw_count'].get('call_s', 0):.1f} | "
+            f"{sum(c['bytes'] for c in p['raw'].values()) / 1e9:.2f} GB | {p['generate_s']:.0f} | {raw} | "
             f"{p['compact'].get('call_s', p['compact']['wall_s']):.0f} ({p['compact']['rss_mb']:.0f}) | {files:,} | {most} | "
-            f"{sum(c['bytes'] for c in p['compacted'].values()) / 1e9:.2f} GB |")
+            f"{sum(c['bytes'] for c in p['compacted'].values()) / 1e9:.2f} GB | {load} |")
     big, bp = sizes[-1], res[-1]["prep"]
     lines += ["", f"Files per table at {big} ranks: as written (one directory per writer per table, one segment per "
               "flush) and after `dynascope compact`.", "",

@@ -1,7 +1,7 @@
 """Compaction across writers: a finished writer's rows folded into a few files per table, whatever the writer count.
 
 Merging within a writer directory leaves one file per writer per table: 1,024 ranks and 256 rollout workers
-leave ~11,500 files in a run, which every query lists and opens. Once a writer will not write again (closed,
+leave ~7,200 files in a run, which every query lists and opens. Once a writer will not write again (closed,
 or crashed; ``done_writers``), this module moves its rows into ``<table>/writer=_merged/``, about
 ``target_rows`` rows a file, without changing the live-segment rule readers apply (``layout``):
 
