@@ -3,6 +3,7 @@ all the while never sees a row lost or doubled; writers still running are left t
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -120,3 +121,25 @@ def test_a_corrupt_segment_keeps_its_writer_out_and_the_others_fold(tmp_path):
     bad.unlink()  # what the user does with a corrupt segment; the rest reads exactly
     with open_store(run) as s:
         assert s.rows("SELECT count(*), sum(value) FROM scalars")[0] == (80, 0.0 * 30 + 1.0 * 20 + 2.0 * 30)
+
+
+def test_a_writer_taken_for_crashed_that_writes_again_loses_nothing(tmp_path):
+    """A writer whose heartbeat went stale is folded like a crashed one, except its directory holding its
+    segment 0, whose cover would span segment 1: the number its next segment takes if that lands there."""
+    run = tmp_path / "r"
+    w = RunWriter(run, rank=0, flush_secs=3600)  # creates the run: its runs row is segment 0
+    w.flush()
+    past = time.time() - 3 * 3600
+    os.utime(run / "_writers" / f"{w.writer_id}.json", (past, past))
+    stats = compact_store(run, settle_s=0.05, repair_after_s=0)  # a cover would stay for the grace period
+    assert stats.writers_folded == 0
+    w.append("runs", {"name": "resumed"})  # segment 1, in the same directory
+    w.append("scalars", {"step": np.arange(10), "key": "k", "value": 1.0})
+    w.close()
+    with open_store(run) as s:
+        assert s.rows("SELECT count(*) FROM runs")[0][0] == 2
+        assert s.rows("SELECT count(*), sum(value) FROM scalars")[0] == (10, 10.0)
+    stats = compact_store(run, grace_s=0.0, settle_s=0.05, wait=True, repair_after_s=0)
+    assert stats.writers_folded == 3  # closed now: runs, scalars and events (run_end)
+    with open_store(run) as s:
+        assert s.rows("SELECT count(*) FROM runs")[0][0] == 2

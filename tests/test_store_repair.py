@@ -181,7 +181,7 @@ def test_a_merged_source_partly_rolled_up_is_reported_not_guessed(tmp_path, monk
     age(run)
     with monkeypatch.context() as m:
         m.setattr(compact_mod, "repair_rollups", lambda run_dir, after: RepairResult())
-        m.setattr(compact_mod, "done_writers", lambda run_dir, quiet_s: set())  # nor folding across writers
+        m.setattr(compact_mod, "done_writers", lambda run_dir, quiet_s: {})  # nor folding across writers
         compact(run)
     before = rolled_rows(run)
     stats = compact(run)
@@ -199,7 +199,7 @@ def test_a_merged_source_with_no_rollup_at_all_is_repaired_under_its_name(tmp_pa
     age(run)
     with monkeypatch.context() as m:
         m.setattr(compact_mod, "repair_rollups", lambda run_dir, after: RepairResult())
-        m.setattr(compact_mod, "done_writers", lambda run_dir, quiet_s: set())  # nor folding across writers
+        m.setattr(compact_mod, "done_writers", lambda run_dir, quiet_s: {})  # nor folding across writers
         compact(run)  # merged by a dynascope without the repair
     (merged,) = [s[2] for w, segs in list_segments(run, "tensor_stats").items() if w.name.startswith("writer=r0")
                  for s in segs]

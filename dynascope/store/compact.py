@@ -130,7 +130,8 @@ def _fold(run_dir: Path, repair: RepairResult, settle_us: int, target_rows: int,
     if repair.repaired:
         return 0
     held = {p.name.removeprefix("writer=") for p in repair.held}
-    done = {w for w in done_writers(run_dir, quiet_s) - held if not any(f"writer={w}" in line for line in repair.skipped)}
+    done = {w: closed for w, closed in done_writers(run_dir, quiet_s).items()
+            if w not in held and not any(f"writer={w}" in line for line in repair.skipped)}
     across = merge_across(run_dir, done, settle_us, target_rows)
     stats.writers_folded += across.writers
     stats.merged_segments += across.segments

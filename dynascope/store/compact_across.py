@@ -76,9 +76,9 @@ def is_writer_dir(wdir: Path) -> bool:
     return wdir.name.startswith("writer=") and not wdir.name.startswith("writer=_")
 
 
-def done_writers(run_dir: Path, quiet_s: float) -> set[str]:
-    """Ids of the writers of ``run_dir`` that will not write again: closed (their ``run_end`` is on disk) or
-    crashed (heartbeat older than twice its flush interval), quiet for ``quiet_s`` either way."""
+def done_writers(run_dir: Path, quiet_s: float) -> dict[str, bool]:
+    """The writers of ``run_dir`` that will not write again, quiet for ``quiet_s``: id -> closed (their
+    ``run_end`` is on disk), or crashed (False: heartbeat older than twice its flush interval, or none)."""
     now = time.time()
     beats = {p.stem: p for p in (run_dir / HEARTBEATS).glob("*.json")}
     ids = set(beats)
@@ -86,34 +86,44 @@ def done_writers(run_dir: Path, quiet_s: float) -> set[str]:
         tdir = run_dir / table
         if tdir.is_dir():
             ids |= {d.name.removeprefix("writer=") for d in tdir.iterdir() if is_writer_dir(d)}
-    done = set()
+    done: dict[str, bool] = {}
     for wid in ids:
         beat = beats.get(wid)
         if beat is None:  # a writer that keeps no heartbeat (an older store): its newest segment decides
             newest = max((_mtime(p) for t in TABLES for p in (run_dir / t / f"writer={wid}").glob("*.parquet")
                           if ".v" not in p.name), default=0.0)
             if now - newest >= quiet_s:
-                done.add(wid)
+                done[wid] = False
             continue
         age = now - _mtime(beat)
-        if age >= quiet_s and (age > 2 * _flush_secs(beat) + _CRASHED_MARGIN_S
-                               or _closed(run_dir / "events" / f"writer={wid}")):
-            done.add(wid)
+        if age < quiet_s:
+            continue
+        if _closed(run_dir / "events" / f"writer={wid}"):
+            done[wid] = True
+        elif age > 2 * _flush_secs(beat) + _CRASHED_MARGIN_S:
+            done[wid] = False
     return done
 
 
-def merge_across(run_dir: Path, writers: set[str], settle_us: int, target_rows: int) -> AcrossStats:
-    """Fold the directories of ``writers`` (ids) into ``writer=_merged``, table by table."""
+def merge_across(run_dir: Path, writers: dict[str, bool], settle_us: int, target_rows: int) -> AcrossStats:
+    """Fold the directories of ``writers`` (``done_writers``) into ``writer=_merged``, table by table."""
     out = AcrossStats()
     for table in TABLES:
         dirs = list_segments(run_dir, table)
         todo = []
         for wdir, segs in dirs.items():
             live = live_segments(segs, at_us=_FOREVER)
-            if not is_writer_dir(wdir) or wdir.name.removeprefix("writer=") not in writers or not live:
+            wid = wdir.name.removeprefix("writer=")
+            if not is_writer_dir(wdir) or wid not in writers or not live:
                 continue
-            if all(".v" in s[2].name for s in live) and sum(_num_rows(s[2]) for s in live) == 0:
-                continue  # only covers left: folded already
+            if live[0][0] == 0 and not writers[wid]:
+                continue  # its cover would span the next number (_cover_range): only once the writer closed
+            try:
+                if all(".v" in s[2].name for s in live) and sum(_num_rows(s[2]) for s in live) == 0:
+                    continue  # only covers left: folded already
+            except OSError as exc:
+                out.skipped.append(f"{wdir}: {first_line(exc)}; not folded")
+                continue
             todo.append((wdir, live))
         todo.sort(key=lambda d: (int(m.group(1)) if (m := _RANK.match(d[0].name)) else -1, d[0].name))
         mdir = run_dir / table / MERGED
@@ -257,8 +267,9 @@ def _empty_segment(table: str) -> bytes:
 def _cover_range(live: list[Seg]) -> tuple[int, int]:
     """A range strictly wider than every live segment of the directory, so the cover wins by its range alone
     (a cover of exactly one segment's range would lose the name tie-break to it). The number added below
-    (or, for a writer's first segment, above) names no segment of this directory now or later: numbers only
-    grow, and every number inside the live range is this directory's or another table's."""
+    names no segment of this directory now or later: numbers only grow, and every number inside the live
+    range is this directory's or another table's. Above (a directory holding the writer's segment 0) it is
+    safe only once the writer has closed, which ``merge_across`` checks."""
     lo, hi = min(s[0] for s in live), max(s[1] for s in live)
     return (lo - 1, hi) if lo > 0 else (lo, hi + 1)
 
@@ -270,9 +281,12 @@ def remove_spent_covers(run_dir: Path, grace_s: float) -> tuple[int, int]:
     removed = waiting = 0
     for table in TABLES:
         for wdir, segs in list_segments(run_dir, table).items():
-            if not is_writer_dir(wdir) or not segs or any(".v" not in s[2].name for s in segs) \
-                    or any(_num_rows(s[2]) for s in segs):
-                continue  # rows are still here: sources waiting for their grace, or a writer's own merges
+            try:
+                if not is_writer_dir(wdir) or not segs or any(".v" not in s[2].name for s in segs) \
+                        or any(_num_rows(s[2]) for s in segs):
+                    continue  # rows are still here: sources waiting for their grace, or a writer's own merges
+            except OSError:  # a corrupt merged file: left alone, named by the merge that reads it
+                continue
             if any(not 0 < valid_from_us(s[2]) <= now_us - grace_s * 1e6 for s in segs) \
                     or time.time() - _mtime(wdir) < grace_s:
                 waiting += 1
