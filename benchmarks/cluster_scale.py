@@ -60,6 +60,7 @@ CALLS = {
 }
 REPORT = "dynascope report"
 PAGES = ["runs", "dynamics", "cluster", "rollouts", "events", "sql"]
+NOT_TABLES = ("(other)", "(commits)")  # census rows that are no table: heartbeats, markers; commit records
 DOC_BEGIN, DOC_END = "<!-- cluster_scale: begin -->", "<!-- cluster_scale: end -->"
 
 
@@ -140,9 +141,14 @@ def prepare(run: Path, ranks: int, steps: int, timeout_s: float) -> dict:
             f"s=c({str(run)!r}, grace_s=1.0, wait=True); "
             "print(json.dumps({'call_s': time.perf_counter()-t, 'merged': s.merged_segments, "
             "'folded': s.writers_folded, 'new': s.new_segments, 'removed': s.removed_segments, 'skipped': s.skipped}))")
+    rows = rows_per_table(run) if "error" not in out["raw_count"] else None  # None: the raw store does not open
     print(f"{run.name}: compacting ...", flush=True)
     out["compact"] = measure([sys.executable, "-c", code], max(4 * timeout_s, 6 * 3600))
     out["compacted"] = census(run)
+    # Exact, as every engine reads it: the views' counts before and after, and the footers of ``live_files``.
+    out["rows_exact"] = {"raw": rows, "compacted": rows_per_table(run), "live_files": footer_rows(run)}
+    if out["rows_exact"]["compacted"] != out["rows_exact"]["live_files"] or rows not in (None, out["rows_exact"]["compacted"]):
+        raise SystemExit(f"{run.name}: rows differ across compaction or engines: {out['rows_exact']}")
     meta.write_text(json.dumps(out, indent=1))
     return out
 
@@ -153,6 +159,16 @@ def rows_per_table(run: Path) -> dict[str, int]:
 
     with open_store(run) as s:
         return {t: s.rows(f"SELECT count(*) FROM {t}")[0][0] for t in TABLES}
+
+
+def footer_rows(run: Path) -> dict[str, int]:
+    """Rows per table in the files ``live_files`` hands another engine (Spark, Trino), from their footers."""
+    import pyarrow.parquet as pq
+
+    from dynascope.store import live_files
+    from dynascope.store.schema import TABLES
+
+    return {t: sum(pq.ParquetFile(f).metadata.num_rows for f in live_files(run, t)) for t in TABLES}
 
 
 def pages(run: Path, rounds: int) -> dict[str, list]:
@@ -275,14 +291,16 @@ def tables(all_results: dict, calls: list[str]) -> str:
     """The markdown tables: the store per size, then each call's seconds and peak RSS per size."""
     sizes = sorted(int(k) for k in all_results)
     res = [all_results[str(k)] for k in sizes]
-    lines = ["| ranks (trainers + rollout) | rows | table files as written | bytes as written | generation s | "
+    lines = ["| ranks (trainers + rollout) | rows | table files as written | commit records as written → compacted | "
+             "bytes as written | generation s | "
              "open + count as written: s (peak MB) | compact s (peak MB) | table files compacted | largest table's "
-             "files | bytes compacted | load during the calls |", "|---" * 11 + "|"]
+             "files | bytes compacted | load during the calls |", "|---" * 12 + "|"]
     for k, r in zip(sizes, res, strict=True):
         p = r["prep"]
-        raw_files = sum(c["files"] for t, c in p["raw"].items() if t != "(other)")
-        files = sum(c["files"] for t, c in p["compacted"].items() if t != "(other)")
-        most = max(c["files"] for t, c in p["compacted"].items() if t != "(other)")
+        raw_files = sum(c["files"] for t, c in p["raw"].items() if t not in NOT_TABLES)
+        files = sum(c["files"] for t, c in p["compacted"].items() if t not in NOT_TABLES)
+        most = max(c["files"] for t, c in p["compacted"].items() if t not in NOT_TABLES)
+        commits = [p[k].get("(commits)", {"files": 0})["files"] for k in ("raw", "compacted")]
         rc = p["raw_count"]
         why = "out of memory" if "memory" in rc.get("error", "").lower() else rc.get("error", "")[-60:]
         raw = (f"failed after {rc['wall_s']:.0f} s: {why} ({rc['rss_mb']:.0f})"
@@ -291,6 +309,7 @@ def tables(all_results: dict, calls: list[str]) -> str:
         load = f"{min(loads):.1f}–{max(loads):.1f}" if loads else "—"
         lines.append(
             f"| {k} + {p['writers'] - k} | {sum(r['rows'].values()):,} | {raw_files:,} | "
+            f"{commits[0]:,} → {commits[1]:,} | "
             f"{sum(c['bytes'] for c in p['raw'].values()) / 1e9:.2f} GB | {p['generate_s']:.0f} | {raw} | "
             f"{p['compact'].get('call_s', p['compact']['wall_s']):.0f} ({p['compact']['rss_mb']:.0f}) | {files:,} | {most} | "
             f"{sum(c['bytes'] for c in p['compacted'].values()) / 1e9:.2f} GB | {load} |")
