@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dynascope.analyses.findings import Finding, collect_findings
-from dynascope.analyses.phase_shares import phase_shares
+from dynascope.analyses.step_shares import phase_shares
 from dynascope.analyses.steps import STEP_ROW
 from dynascope.core.fmt import fmt_ms, fmt_pct
 from dynascope.store import StoreLike, as_store, quote_literal

@@ -48,9 +48,8 @@ def rl_start(con) -> int:
     return step
 
 
-def test_quick_demo_single_process(tmp_path: Path) -> None:
-    run = tmp_path / "demo"
-    out = run_cli("demo", "--quick", "--run", str(run)).stdout
+def test_quick_demo_single_process(quick_demo: tuple[Path, str]) -> None:
+    run, out = quick_demo
     assert f"dynascope dashboard {run}" in out.replace("\n", "")
     assert "Reward (held-out prompts" in out and "Where RL step time went" in out
 

@@ -7,6 +7,7 @@ import json
 import multiprocessing as mp
 import os
 import random
+import select
 import shutil
 import signal
 import struct
@@ -167,6 +168,7 @@ BATCH = 500
 
 def _flush_forever(run: str, fd: int) -> None:
     w = RunWriter(run, flush_secs=3600, flush_rows=10**9)
+    os.write(fd, struct.pack("q", -1))  # the run exists
     i = 0
     while True:
         w.append("scalars", {"step": np.arange(i * BATCH, (i + 1) * BATCH), "key": "k", "value": float(i)})
@@ -175,8 +177,10 @@ def _flush_forever(run: str, fd: int) -> None:
         i += 1
 
 
-def _kill_one(args: tuple[str, float]) -> int:
-    run, delay = args
+def _kill_one(args: tuple[str, float, bool]) -> int:
+    # from_ready: the delay counts from the run's creation, not from the fork, so those kills land among
+    # the flushes however long the writer's start-up takes on a loaded machine.
+    run, delay, from_ready = args
     r, wfd = os.pipe()
     pid = os.fork()  # pool workers are daemons and may not start multiprocessing children; fork directly
     if pid == 0:
@@ -186,10 +190,12 @@ def _kill_one(args: tuple[str, float]) -> int:
         finally:
             os._exit(1)
     os.close(wfd)
+    data = b""
+    if from_ready and select.select([r], [], [], 120)[0]:  # a deadline, not a wait for a fixed time
+        data = os.read(r, 8)
     time.sleep(delay)
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
-    data = b""
     while chunk := os.read(r, 4096):
         data += chunk
     os.close(r)
@@ -199,7 +205,9 @@ def _kill_one(args: tuple[str, float]) -> int:
 @pytest.mark.slow
 def test_sigkill_at_100_random_points(tmp_path):
     rng = random.Random(1234)
-    jobs = [(str(tmp_path / f"run{i:03d}"), rng.uniform(0.0, 0.8)) for i in range(100)]
+    # half the kills count from the fork (some land while the run is being created), half from the run's
+    # creation (they land among the flushes)
+    jobs = [(str(tmp_path / f"run{i:03d}"), rng.uniform(0.0, 0.8), i % 2 == 1) for i in range(100)]
     with mp.get_context("fork").Pool(4) as pool:
         durable = pool.map(_kill_one, jobs)
     runs = [j[0] for j in jobs if os.path.exists(os.path.join(j[0], "dynascope.json"))]
@@ -208,7 +216,7 @@ def test_sigkill_at_100_random_points(tmp_path):
                           "FROM scalars GROUP BY 1").fetchall()
     got = {r[0]: r[1:] for r in rows}
     killed_mid_flush = 0
-    for (run, _), last in zip(jobs, durable, strict=True):
+    for (run, _, _), last in zip(jobs, durable, strict=True):
         rid = os.path.basename(run)
         n, lo, hi, distinct = got.get(rid, (0, None, None, 0))
         assert n % BATCH == 0, f"{rid}: a partial batch was read"

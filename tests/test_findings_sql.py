@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import random
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -87,12 +88,10 @@ def _write_phases(run_dir: Path, slow: dict[tuple[int, int], float], loss_spike_
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> list[Path]:
+def runs(tmp_path_factory, quick_demo) -> list[Path]:
     root = tmp_path_factory.mktemp("findings_sql")
-    demo = root / "demo"
-    done = subprocess.run([*CLI, "demo", "--quick", "--run", str(demo)], check=True, capture_output=True, text=True,
-                          timeout=900)
-    (demo / "demo_stdout.txt").write_text(done.stdout, encoding="utf-8")
+    demo = Path(shutil.copytree(quick_demo[0], root / "demo"))  # the session's quick demo, copied: we write beside it
+    (demo / "demo_stdout.txt").write_text(quick_demo[1], encoding="utf-8")
     _write_series(root / "series")
     store = make_store(root / "store")
     planted = [

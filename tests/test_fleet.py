@@ -19,8 +19,8 @@ from typer.testing import CliRunner
 from dynascope.analyses.delta_sync import delta_sync_bytes
 from dynascope.analyses.dynamics import rank1_dominance
 from dynascope.analyses.fleet import FLEET_COLUMNS, fleet_summary
-from dynascope.analyses.phase_shares import phase_shares
 from dynascope.analyses.rollouts import ROLLOUT_PHASES
+from dynascope.analyses.step_shares import phase_shares
 from dynascope.analyses.stragglers import straggler_scores
 from dynascope.cli import app
 from dynascope.store import open_store

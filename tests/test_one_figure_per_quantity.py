@@ -23,8 +23,8 @@ from dynascope.analyses.delta_sync import delta_sync_summary
 from dynascope.analyses.findings import collect_findings, tail_wait_numbers
 from dynascope.analyses.findings_dynamics import delta_sync_numbers
 from dynascope.analyses.findings_text import sentence
-from dynascope.analyses.phase_shares import phase_shares
 from dynascope.analyses.rollouts import tail_wait_summary
+from dynascope.analyses.step_shares import phase_shares
 from dynascope.core.fmt import fmt_ms, fmt_pct
 from dynascope.store import open_store, run_sql
 
@@ -40,10 +40,9 @@ def _cli(*args: str) -> str:
 
 
 @pytest.fixture(scope="session")
-def demo(tmp_path_factory) -> tuple[Path, str]:
-    """(run directory, stdout) of one ``dynascope demo --quick``."""
-    run = tmp_path_factory.mktemp("one_figure") / "demo"
-    return run, _cli("demo", "--quick", "--run", str(run))
+def demo(quick_demo) -> tuple[Path, str]:
+    """(run directory, stdout) of one ``dynascope demo --quick`` (the session's, from conftest)."""
+    return quick_demo
 
 
 @pytest.fixture(scope="session")

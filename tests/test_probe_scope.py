@@ -230,3 +230,16 @@ def test_time_budget_thins_windows_but_not_light_stats(tmp_path: Path) -> None:
     assert [r["light"] for r in got] == [len(truth[0]) if r["step"] % W_NORM_EVERY == 0 else r["windowed"]
                                          for r in got]
     assert got[0]["windowed"] > 0 and sum(r["windowed"] > 0 for r in got) < 12
+
+
+def test_event_fields_named_like_the_guards_own_arguments(tmp_path: Path) -> None:
+    """An event's fields go to the row whatever they are called: `probe=` and `fn=` are a user's fields,
+    not the guard's arguments (they raised TypeError into the user's script before)."""
+    model = nn.Linear(3, 1)
+    scope = dynascope.watch(model, torch.optim.SGD(model.parameters(), lr=0.1), run=tmp_path / "run",
+                            system_interval_s=None)
+    scope.event("weight_sync_mismatch", "stale", probe="weights", fn="load")
+    scope.close()
+    with dynascope.open_store(tmp_path / "run") as con:
+        (fields,) = con.rows("SELECT fields_json FROM events WHERE event = 'weight_sync_mismatch'")[0]
+    assert '"probe": "weights"' in fields and '"fn": "load"' in fields

@@ -30,7 +30,6 @@ if TYPE_CHECKING:  # the same names, for IDEs and type checkers
     from dynascope.analyses.goodput import EVENT_KINDS, goodput_incidents, goodput_summary
     from dynascope.analyses.gpu_timeline import comm_comp_overlap, kernel_type_breakdown, temporal_breakdown
     from dynascope.analyses.instability import detect_instability
-    from dynascope.analyses.phase_shares import phase_shares
     from dynascope.analyses.probe_time import DEFAULT_PROBE_COST, PROBE_PHASE, probe_cost
     from dynascope.analyses.rollouts import (
         async_staleness,
@@ -48,6 +47,7 @@ if TYPE_CHECKING:  # the same names, for IDEs and type checkers
         schedule_staleness,
         schedule_what_if,
     )
+    from dynascope.analyses.step_shares import phase_shares
     from dynascope.analyses.steps import critical_path, idle_time, step_breakdown
     from dynascope.analyses.stragglers import straggler_scores, what_if, what_if_steps
     from dynascope.analyses.stragglers_shared import what_if_shared
@@ -66,7 +66,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "goodput": ("EVENT_KINDS", "goodput_incidents", "goodput_summary"),
     "gpu_timeline": ("comm_comp_overlap", "kernel_type_breakdown", "temporal_breakdown"),
     "instability": ("detect_instability",),
-    "phase_shares": ("phase_shares",),
+    "step_shares": ("phase_shares",),
     "probe_time": ("DEFAULT_PROBE_COST", "PROBE_PHASE", "probe_cost"),
     "rollouts": ("async_staleness", "logprob_gap_by_step", "rollout_long_tail", "rollout_train_overlap",
                  "tail_wait_share", "tail_wait_summary", "weight_sync_checks", "zero_variance_groups"),

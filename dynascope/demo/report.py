@@ -16,8 +16,8 @@ from rich.table import Table
 from dynascope import analyses
 from dynascope.analyses.findings import tail_wait_numbers
 from dynascope.analyses.findings_text import sentence
-from dynascope.analyses.phase_shares import phase_shares
 from dynascope.analyses.probe_time import DEFAULT_PROBE_COST, PROBE_PHASE
+from dynascope.analyses.step_shares import phase_shares
 from dynascope.core.fmt import fmt_ms, fmt_pct
 from dynascope.demo.distributed import FINAL_FILE, THETA0_FILE
 from dynascope.demo.settings import DemoSettings

@@ -87,7 +87,7 @@ class HeldOut:
     @torch.no_grad()
     def evaluate(self, model: Any, label: str, *, stage: str | None, rl_step: int | None, log: bool = True) -> dict:
         """Score ``model`` (greedy exact match, KL to each base held): one point, saved, and with ``log`` its
-        means logged as ``eval/accuracy`` and ``eval/forward_kl_<base>_nats`` at the scope's step."""
+        means logged as ``eval/accuracy`` and ``eval/forward_kl_<base>_nats`` at the step whose weights were scored."""
         was = model.training
         model.eval()
         r = generate(model, self.tok, self.prompts, self.cfg.max_new_tokens, 0.0)
@@ -98,7 +98,8 @@ class HeldOut:
                  "forward_kl_nats": kls}
         self.points.append(point)
         if log and self.scope is not None:
-            self.scope.log(**{"eval/accuracy": sum(correct) / len(correct)},
+            # at the step whose weights were scored (the scope has already moved one past it), as the tiny demo
+            self.scope.log(step=max(self.scope.step_index - 1, 0), **{"eval/accuracy": sum(correct) / len(correct)},
                            **{f"eval/forward_kl_{n}_nats": sum(v) / len(v) for n, v in kls.items()})
         self.save()
         return point

@@ -100,7 +100,7 @@ class Scope:
     def _resolver_error(self, probe: str, exc: BaseException) -> None:
         self._report(f"resolve:{probe}", exc)
 
-    def _guard(self, probe: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def _guard(self, probe: str, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
         except Exception as exc:

@@ -9,8 +9,8 @@ import streamlit as st
 from dynascope import analyses
 from dynascope.analyses.findings import MIN_PROBE_PCT, probe_cost_numbers
 from dynascope.analyses.findings_text import sentence
-from dynascope.analyses.phase_shares import phase_shares
 from dynascope.analyses.probe_time import probe_cost
+from dynascope.analyses.step_shares import phase_shares
 from dynascope.core.errors import first_line
 from dynascope.core.fmt import fmt_ms, fmt_pct, significant
 from dynascope.dashboard import charts, data
@@ -108,7 +108,7 @@ def _apart(phase: str, how: str, g: pl.DataFrame) -> str:
 def _shares(path: str, run: str) -> None:
     """Share of step time per phase, per role and stage: ``analyses.phase_shares``, the figures of the
     report's summary and the demo's table, every phase listed so a column adds up to the step time."""
-    sh = data.analysis(phase_shares, path, run=run)  # by name: `analyses.phase_shares` can be the module
+    sh = data.analysis(phase_shares, path, run=run)
     if sh.is_empty():
         return
     labels = [" · ".join(x for x in (role if sh["role"].n_unique() > 1 else None, stage) if x) + f" ({n} steps)"
