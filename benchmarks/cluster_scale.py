@@ -300,7 +300,9 @@ def tables(all_results: dict, calls: list[str]) -> str:
         raw_files = sum(c["files"] for t, c in p["raw"].items() if t not in NOT_TABLES)
         files = sum(c["files"] for t, c in p["compacted"].items() if t not in NOT_TABLES)
         most = max(c["files"] for t, c in p["compacted"].items() if t not in NOT_TABLES)
-        commits = [p[k].get("(commits)", {"files": 0})["files"] for k in ("raw", "compacted")]
+        # a run written before commit records existed has none: "—"
+        commits = " → ".join(f"{p[k].get('(commits)', {'files': 0})['files']:,}" if "(commits)" in p["raw"] else "—"
+                             for k in ("raw", "compacted"))
         rc = p["raw_count"]
         why = "out of memory" if "memory" in rc.get("error", "").lower() else rc.get("error", "")[-60:]
         raw = (f"failed after {rc['wall_s']:.0f} s: {why} ({rc['rss_mb']:.0f})"
@@ -309,7 +311,7 @@ def tables(all_results: dict, calls: list[str]) -> str:
         load = f"{min(loads):.1f}–{max(loads):.1f}" if loads else "—"
         lines.append(
             f"| {k} + {p['writers'] - k} | {sum(r['rows'].values()):,} | {raw_files:,} | "
-            f"{commits[0]:,} → {commits[1]:,} | "
+            f"{commits} | "
             f"{sum(c['bytes'] for c in p['raw'].values()) / 1e9:.2f} GB | {p['generate_s']:.0f} | {raw} | "
             f"{p['compact'].get('call_s', p['compact']['wall_s']):.0f} ({p['compact']['rss_mb']:.0f}) | {files:,} | {most} | "
             f"{sum(c['bytes'] for c in p['compacted'].values()) / 1e9:.2f} GB | {load} |")

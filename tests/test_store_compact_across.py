@@ -249,3 +249,26 @@ def test_rollups_of_a_writer_without_commit_records_fold_after_their_source(tmp_
         assert s.rows("SELECT (SELECT count(*) FROM tensor_stats), (SELECT sum(tensors) FROM tensor_stats_by_kind),"
                       " (SELECT sum(tensors) FROM tensor_stats_by_layer)")[0] == (20, 20, 20)
     assert all(n <= 2 for n in files_per_table(run).values()), files_per_table(run)
+
+
+def test_a_fold_whose_renames_ran_late_is_dropped_whole(tmp_path, monkeypatch):
+    """The merged file's rename is the last, and it too must land before the files take effect: when it runs
+    late, the covers and the merged file go, and every writer keeps its rows where they were."""
+    run = tmp_path / "r"
+    for r in range(2):
+        with RunWriter(run, rank=r, flush_secs=3600) as w:
+            w.append("scalars", {"step": np.arange(10), "key": "k", "value": float(r + 1)})
+    before = content(run)
+    real = os.replace
+
+    def late(src, dst):
+        if f"/{MERGED}/" in str(dst):
+            time.sleep(0.2)  # past the 50 ms settle time
+        real(src, dst)
+
+    monkeypatch.setattr(across_mod.os, "replace", late)
+    stats = compact_store(run, grace_s=0.0, settle_s=0.05, wait=True, repair_after_s=0)
+    assert stats.writers_folded == 0 and any("renames ran into the settle time" in line for line in stats.skipped)
+    assert not list(run.glob(f"*/{MERGED}/*.parquet"))
+    assert not list(run.glob("*/writer=r*/*.v*.parquet"))  # no cover left behind
+    assert content(run) == before

@@ -10,8 +10,8 @@ file, under the live-segment rule readers already apply (``live``), with nothing
 2. in each of those directories, a zero-row *cover* ``<lo>-<hi>.v<t>.parquet`` spans the segments whose rows
    went in. Both take effect at the same ``t``: a query that starts before ``t`` reads the writers' own
    segments and neither new file; one that starts at or after ``t`` reads the merged file, and the cover
-   hides the sources. Every file is renamed into place before ``t`` (if the renames run late, the covers are
-   removed before they take effect and the merge is dropped), so each row is read once at every moment.
+   hides the sources. Every file is renamed into place before ``t`` (if the renames run late, the covers and the
+   merged file are removed and the merge is dropped), so each row is read once at every moment.
    Covers and the merged file are merged segments: they count by their ``t``, so they need no commit record;
 3. the sources go once the cover has been in effect for the grace period and no lease pins them, like any
    merged-away segment (``compact._remove_expired``), and their commit records once none of their segments
@@ -219,12 +219,14 @@ def _publish(tmp: Path, mdir: Path, number: int, group: list[tuple[Path, list[Se
         for ctmp, wdir, lo, hi in staged:
             placed.append(wdir / segment_name(lo, hi, valid))
             os.replace(ctmp, placed[-1])
-        if time.time_ns() // 1000 >= valid - settle_us // 2:  # too slow to be sure all are in place by ``valid``
+        placed.append(mdir / segment_name(number, number, valid))
+        os.replace(tmp, placed[-1])
+        # Checked after the last rename: a query that starts at ``valid`` must list every one of them.
+        if time.time_ns() // 1000 >= valid - settle_us // 2:  # too slow to be sure all were in place in time
             for p in placed:
                 p.unlink(missing_ok=True)
             out.skipped.append(f"{mdir}: renames ran into the settle time; this merge across writers is dropped")
             return False
-        os.replace(tmp, mdir / segment_name(number, number, valid))
     finally:
         for ctmp, _, _, _ in staged:
             ctmp.unlink(missing_ok=True)
