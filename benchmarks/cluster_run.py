@@ -18,17 +18,18 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from dynascope.store.layout import SEGMENT_RE
+from dynascope.store.layout import COMMITS, SEGMENT_RE
 
 
 def census(run: Path) -> dict[str, dict[str, int]]:
-    """Per table (and ``(other)`` for heartbeats, markers and the truth file): files, bytes, writer dirs."""
+    """Per table (``(commits)`` for the commit and begin records, ``(other)`` for heartbeats, markers and the
+    truth file): files, bytes, writer dirs."""
     files: Counter = Counter()
     size: Counter = Counter()
     dirs: Counter = Counter()
     for dirpath, _dirs, names in os.walk(run):
         rel = Path(dirpath).relative_to(run).parts
-        table = rel[0] if rel and rel[0] in _tables() else "(other)"
+        table = rel[0] if rel and rel[0] in _tables() else "(commits)" if rel and rel[0] == COMMITS else "(other)"
         if len(rel) == 2 and table != "(other)":
             dirs[table] += 1
         for n in names:

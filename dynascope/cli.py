@@ -148,6 +148,8 @@ def compact(
     console.print(f"merged {stats.merged_segments} segments ({stats.rows_merged} rows) into {stats.new_segments}; "
                   f"removed {stats.removed_segments} merged-away or stale files; "
                   f"repaired {stats.repaired_segments} missing rollup segments", highlight=False)
+    if stats.writers_folded:
+        console.print(f"folded the directories of {stats.writers_folded} finished writers together", highlight=False)
     for line in stats.skipped:
         err_console.print(f"warning: skipped {line}", highlight=False, markup=False, soft_wrap=True)
 

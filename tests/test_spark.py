@@ -150,6 +150,35 @@ def test_spark_counts_what_duckdb_counts_right_after_compaction(spark, fleet):
     assert exact > 0 and globbed == 2 * exact
 
 
+def test_spark_counts_what_duckdb_counts_through_a_fold_across_writers(spark, tmp_path):
+    """Finished writers folded into writer=_merged (sources and covers still on disk): a job planned before
+    the fold and one planned after each read, on Spark, exactly the rows DuckDB counts at their moment."""
+    root = tmp_path / "runs"
+    write_synthetic_run(root / "folded", ranks=3, steps=8, seed=3, flush_every=2)
+    with open_store(root) as con:
+        want = {t: con.rows(f'SELECT count(*) FROM "{t}"')[0][0] for t in TABLES}
+    before = open_snapshot(root)
+    try:
+        stats = compact_store(root, grace_s=3600, settle_s=0.05, repair_after_s=0)
+        assert stats.writers_folded > 0 and stats.skipped == []
+        _wait_in_effect(root)
+        after = open_snapshot(root)
+        try:
+            assert any("/writer=_merged/" in f for f in after.files("timings"))
+            assert not any("/writer=_merged/" in f for f in before.files("timings"))
+            for snap in (before, after):
+                SparkTables(spark, snap)
+                with open_store(root, at_us=snap.at_us) as con:
+                    for table in TABLES:
+                        assert _count(spark, table) == con.rows(f'SELECT count(*) FROM "{table}"')[0][0] \
+                            == want[table], table
+        finally:
+            after.release()
+    finally:
+        before.release()
+    assert want["timings"] > 0 and want["scalars"] > 0
+
+
 def test_fleet_summary_is_the_same_frame_on_spark_and_duckdb(spark, fleet):
     snap = open_snapshot(_compacted(fleet))
     try:

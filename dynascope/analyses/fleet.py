@@ -18,7 +18,7 @@ import polars as pl
 from dynascope.analyses.fleet_sql import ended_sql, fleet_sql, update_ratio_sql
 from dynascope.core.errors import UserError
 from dynascope.store import quote_ident
-from dynascope.store.catalog import ranks_of, run_status
+from dynascope.store.catalog import ranks_of, run_status, writer_ids
 from dynascope.store.engines import DuckDBTables, SparkTables, local_spark
 from dynascope.store.layout import read_marker, safe_id
 from dynascope.store.projection import spark_quote
@@ -80,15 +80,14 @@ def _assemble(snap: Snapshot, figures: pl.DataFrame, ratios: pl.DataFrame, ended
     closed: dict[str, set[str]] = {}
     for run_id, writer in ended.iter_rows():
         closed.setdefault(run_id, set()).add(writer)
-    writers: dict[Path, set[str]] = {}
+    dirs: dict[Path, set[str]] = {}
     for e in snap.listing:  # <run>/<table or _commits>/writer=<id>/<file>
         wdir = Path(e.path).parent
-        if wdir.name.startswith("writer=") and wdir.name != "writer=_schema":
-            writers.setdefault(wdir.parent.parent, set()).add(wdir.name.removeprefix("writer="))
+        dirs.setdefault(wdir.parent.parent, set()).add(wdir.name)
     listed = []
     for run_dir in snap.location.run_dirs:
         run_id = str(read_marker(run_dir).get("run_id", run_dir.name))
-        w = writers.get(run_dir, set())
+        w = writer_ids(run_dir, dirs.get(run_dir, set()))
         listed.append((run_id, run_status(run_dir, w, closed.get(run_id, set())), len(ranks_of(w)), str(run_dir)))
     runs = pl.DataFrame(listed, schema={"run_id": pl.String, "status": pl.String, "ranks": pl.Int64,
                                         "path": pl.String}, orient="row")

@@ -40,7 +40,7 @@ from dynascope.core.errors import StoreError
 from dynascope.importers.trace_json import BLOCK, TraceFormatError, stream_events
 from dynascope.importers.trace_stage import ChunkStager, connect, write_segment
 from dynascope.store import RunWriter
-from dynascope.store.layout import MARKER, read_marker, safe_id, segment_name, writer_dir
+from dynascope.store.layout import HEARTBEATS, MARKER, read_marker, safe_id, segment_name, writer_dir
 
 __all__ = ["ImportResult", "import_traces"]
 
@@ -94,7 +94,8 @@ def _check_run_dir(run_dir: Path) -> None:
         raise StoreError(f"{run_dir}: exists and is not a directory")
     if (run_dir / MARKER).exists():
         read_marker(run_dir)  # refuses runs written by a newer schema
-        prior = sorted((run_dir / "timings").glob("writer=trace-import-*"))
+        # The import's directory, or (once compaction folded it into writer=_merged) its writer's heartbeat.
+        prior = sorted((run_dir / "timings").glob("writer=trace-import-*")) or sorted((run_dir / HEARTBEATS).glob("r*-import-*.json"))
         if prior:
             raise StoreError(f"{run_dir}: already holds an imported trace ({prior[0].name}); import into a new run")
     elif run_dir.is_dir() and any(run_dir.iterdir()):

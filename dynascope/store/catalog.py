@@ -14,18 +14,25 @@ import json
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import duckdb
 import polars as pl
 
 from dynascope.core.errors import StoreError, first_line
-from dynascope.store.layout import HEARTBEATS, MARKER, SEGMENT_RE, locate, printable, read_marker
+from dynascope.store.layout import (
+    HEARTBEATS,
+    MARKER,
+    SEGMENT_RE,
+    is_writer_dir,
+    locate,
+    printable,
+    read_marker,
+)
 from dynascope.store.reader import explain_error, open_store, quote_ident
 
 LIVE_MARGIN_S = 5.0
-_WRITER_DIR = re.compile(r"^writer=(.+)$")
 _RANK = re.compile(r"^r(\d+)-")
 _STEP_TABLES = ("tensor_stats", "spectra", "timings", "samples", "scalars")
 
@@ -85,7 +92,7 @@ def _describe(run_dir: Path) -> tuple:
     files = _files(run_dir)
     size = sum(st.st_size for _, st in files)
     seg_times = [st.st_mtime_ns // 1000 for p, st in files if SEGMENT_RE.match(p.name)]
-    writers = {m.group(1) for p, _ in files if (m := _WRITER_DIR.match(p.parent.name)) and m.group(1) != "_schema"}
+    writers = writer_ids(run_dir, (p.parent.name for p, _ in files))
     ranks = ranks_of(writers)
     name, steps, problem = run_dir.name, None, None
     ended: set[str] = set()
@@ -125,6 +132,14 @@ def _query(run_dir: Path) -> tuple[str, int | None, set[str]]:
             except (TypeError, ValueError, KeyError):
                 continue
     return (names[0][0] if names else run_dir.name), (None if counted is None else int(counted)), ended
+
+
+def writer_ids(run_dir: Path, dir_names: Iterable[str]) -> set[str]:
+    """The ids of a run's writers: those of the ``writer=<id>`` directories among ``dir_names`` (not the
+    toolkit's ``writer=_schema`` and ``writer=_merged``) and of the heartbeats, which outlive the directories
+    that compaction folds together once their writers finished."""
+    beats = {p.stem for p in (run_dir / HEARTBEATS).glob("*.json")}
+    return beats | {n.removeprefix("writer=") for n in set(dir_names) if is_writer_dir(n)}
 
 
 def ranks_of(writers: set[str]) -> set[int]:

@@ -15,7 +15,9 @@ Only committed segments are merged (a flush in progress is not data yet, see ``f
 needs no commit record, and a commit record is deleted once none of its segments is left. A segment that
 was live at the ``snapshot_us`` of a lease still held (``snapshot``) is not deleted, however old its cover.
 Before merging a run, ``repair.repair_rollups`` rebuilds the rollups of a writer that wrote no commit
-records (runs written before them) if they do not account for its source rows.
+records (runs written before them) if they do not account for its source rows. The directories of writers
+that will not write again (closed or crashed, ``finished``) are then folded together into
+``writer=_merged`` (``compact_across``), so a finished run keeps a few files per table, not one per writer.
 
 A live writer keeps numbering its segments above any merged range, so its older segments are safe to merge
 while it runs. The ``writer=_schema`` directories (one empty typed file per table) are left alone.
@@ -36,9 +38,11 @@ import pyarrow.parquet as pq
 
 from dynascope.core.errors import first_line
 from dynascope.store._columns import parquet_options
+from dynascope.store.compact_across import AcrossStats, fold_writers, remove_spent
+from dynascope.store.finished import done_writers
 from dynascope.store.layout import locate, segment_name, valid_from_us
-from dynascope.store.repair import REPAIR_AFTER_S, conform, repair_rollups
-from dynascope.store.runfiles import FOREVER_US, RunFiles, Seg
+from dynascope.store.repair import REPAIR_AFTER_S, RepairResult, conform, repair_rollups
+from dynascope.store.runfiles import FOREVER_US, RunFiles, Seg, num_rows
 from dynascope.store.schema import TABLES
 from dynascope.store.snapshot import held_leases
 
@@ -57,6 +61,7 @@ class CompactStats:
     removed_segments: int = 0  # merged-away segments and stale temp files deleted
     removed_commits: int = 0  # commit records deleted once none of their segments was left
     rows_merged: int = 0
+    writers_folded: int = 0  # writer directories of finished writers moved into writer=_merged (``compact_across``)
     repaired_segments: int = 0  # rollup segments written for sources whose writer never wrote them (``repair``)
     skipped: list[str] = field(default_factory=list)  # one line per writer directory left alone, and why
 
@@ -70,13 +75,16 @@ def compact_store(path: str | os.PathLike, grace_s: float = 60.0, *, settle_s: f
         grace_s: a merged-away segment is deleted once its merged file has been in effect this long.
         settle_s: a merged file takes effect this long after it is written.
         target_rows: a merged segment holds at most about this many rows.
-        wait: sleep out ``settle_s + grace_s`` and delete the merged-away segments before returning.
-        repair_after_s: write missing rollup segments only for sources (and writers) quiet this long.
+        wait: sleep out ``settle_s + grace_s`` and delete the merged-away segments before returning (and,
+            where writers were folded together, another ``grace_s`` for the covers left in their directories).
+        repair_after_s: write missing rollup segments only for sources (and writers) quiet this long; writers
+            quiet this long that closed or crashed are folded together across writers.
     """
     loc = locate(path)
     stats = CompactStats()
     settle_us = max(int(settle_s * 1e6), 50_000)  # > 0: a merged file must exist before it takes effect
     last_valid = 0
+    closed: dict[Path, set[str]] = {}  # per run, the writers known closed (their begin.json goes with their last directory)
     for run_dir in loc.run_dirs:
         with _run_lock(run_dir) as locked:
             if not locked:  # two compactors could write partly overlapping merges: one run, one compactor
@@ -89,36 +97,67 @@ def compact_store(path: str | os.PathLike, grace_s: float = 60.0, *, settle_s: f
             stats.skipped += repair.skipped
             if repair.repaired:
                 files = RunFiles.of(run_dir)
-            stats.removed_segments += _remove(files, grace_s, stats)
+            done = done_writers(files, repair_after_s)
+            closed[run_dir] = {w for w, c in done.items() if c}
+            stats.removed_segments += _remove(files, grace_s, stats, closed[run_dir])
+            folded = _fold(files, repair, done, settle_us, target_rows, stats)
+            last_valid = max(last_valid, folded.last_valid_us)
+            if folded.new_segments:  # writer=_merged's new files merge with its earlier ones in this pass
+                files = RunFiles.of(run_dir)
             # Build on every earlier merge, in effect yet or not (an earlier call may have used a longer
             # settle): a new merge then contains or avoids each old one, never half-overlaps it.
             merge_live = files.live(FOREVER_US)
             for wdir, table, segs in files.writer_dirs():
+                if wdir in folded.folded:
+                    continue  # its rows just moved into writer=_merged
                 try:
                     live = [s for s in segs if str(s[2]) in merge_live and s[2].exists()]
                     last_valid = max(last_valid, _merge_dir(table, live, settle_us, target_rows, stats))
                 except (OSError, pa.ArrowException) as exc:
                     stats.skipped.append(f"{wdir}: {type(exc).__name__}: {first_line(exc)}")
     if wait and last_valid:
-        time.sleep(max(0.0, last_valid / 1e6 + grace_s - time.time()) + 0.01)
-        for run_dir in loc.run_dirs:
-            with _run_lock(run_dir) as locked:
-                if locked:
-                    stats.removed_segments += _remove(RunFiles.of(run_dir), grace_s, stats)
+        pauses = [max(0.0, last_valid / 1e6 + grace_s - time.time())]  # the merged-away segments' grace
+        if stats.writers_folded:  # then the covers', counted from the deletion of their sources
+            pauses.append(grace_s)
+        for pause in pauses:
+            time.sleep(pause + 0.01)
+            for run_dir in loc.run_dirs:
+                with _run_lock(run_dir) as locked:
+                    if locked:
+                        stats.removed_segments += _remove(RunFiles.of(run_dir), grace_s, stats,
+                                                          closed.get(run_dir, set()))
     return stats
 
 
-def _remove(files: RunFiles, grace_s: float, stats: CompactStats) -> int:
+def _fold(files: RunFiles, repair: RepairResult, done: dict[str, bool], settle_us: int, target_rows: int,
+          stats: CompactStats) -> AcrossStats:
+    """Fold finished writers across writers (``compact_across``), but those a repair holds or could not check.
+    A pass that rebuilt rollups folds nothing: the next pass checks them before rows leave their directory."""
+    if repair.repaired:
+        done = {}
+    across = fold_writers(files, {w: c for w, c in done.items() if f"writer={w}" not in repair.held},
+                          settle_us, target_rows)
+    stats.writers_folded += across.writers
+    stats.merged_segments += across.segments
+    stats.new_segments += across.new_segments
+    stats.rows_merged += across.rows
+    stats.skipped += across.skipped
+    return across
+
+
+def _remove(files: RunFiles, grace_s: float, stats: CompactStats, closed: set[str]) -> int:
     """Delete what no query reads any more (``_remove_expired`` per writer directory), then the commit
-    records none of whose segments is left."""
+    records none of whose segments is left, then the covers of folded writers that hide nothing any more
+    (``compact_across.remove_spent``). A segment live at a held lease's moment stays, covers included."""
     leases, problems = held_leases(files.run_dir)
     stats.skipped += [p for p in problems if p not in stats.skipped]
     pinned = frozenset().union(*(files.live(lease.snapshot_us) for lease in leases))
-    removed = sum(_remove_expired(files, wdir, segs, grace_s, pinned) for wdir, _, segs in files.writer_dirs())
+    now_us = time.time_ns() // 1000  # one moment for the whole run: the rule is evaluated once, not per directory
+    removed = sum(_remove_expired(files, wdir, segs, grace_s, pinned, now_us) for wdir, _, segs in files.writer_dirs())
     for path in files.spent_commits():
         path.unlink(missing_ok=True)
         stats.removed_commits += 1
-    return removed
+    return removed + remove_spent(files, grace_s, pinned, closed)
 
 
 @contextlib.contextmanager
@@ -147,7 +186,7 @@ def _merge_dir(table: str, live: list[tuple[int, int, Path]], settle_us: int, ta
     group: list[tuple[int, int, Path]] = []
     rows = 0
     for seg in [*live, None]:  # None closes the last group
-        n = _num_rows(seg[2]) if seg is not None else 0
+        n = num_rows(seg[2]) if seg is not None else 0
         if seg is None or (group and rows + n > target_rows):
             if len(group) >= 2:
                 last_valid = _merge(table, group, settle_us)
@@ -159,13 +198,6 @@ def _merge_dir(table: str, live: list[tuple[int, int, Path]], settle_us: int, ta
             group.append(seg)
             rows += n
     return last_valid
-
-
-def _num_rows(path: Path) -> int:
-    try:
-        return pq.ParquetFile(path).metadata.num_rows
-    except (OSError, pa.ArrowException) as exc:  # name the file: the user has to move it away
-        raise OSError(f"{path.name}: corrupt segment ({first_line(exc)})") from None
 
 
 def _merge(table: str, group: list[tuple[int, int, Path]], settle_us: int) -> int:
@@ -193,7 +225,8 @@ def _merge(table: str, group: list[tuple[int, int, Path]], settle_us: int) -> in
     return valid_from
 
 
-def _remove_expired(files: RunFiles, wdir: Path, segs: list[Seg], grace_s: float, pinned: frozenset[str]) -> int:
+def _remove_expired(files: RunFiles, wdir: Path, segs: list[Seg], grace_s: float, pinned: frozenset[str],
+                    now_us: int) -> int:
     """Delete segments no query has read for ``grace_s`` (unless a lease pins them), segments of flushes
     that were never committed, and stale temp files.
 
@@ -201,7 +234,6 @@ def _remove_expired(files: RunFiles, wdir: Path, segs: list[Seg], grace_s: float
     that one in turn, so from then on every new query reads a cover instead. The grace counts from that
     first cover, not from the newest: with passes more frequent than ``grace_s`` during a live run, each
     pass re-merges the previous merged file with the new segments, and a cover that young never ages."""
-    now_us = time.time_ns() // 1000
     live_set = files.live(now_us)
     # Covers are merged files (a writer's own segments are disjoint), in effect now.
     covers = [(lo, hi, p, valid_from_us(p)) for lo, hi, p in segs if 0 < valid_from_us(p) <= now_us]

@@ -3,6 +3,7 @@
     <root>/<run>/dynascope.json                          marker: schema version, run id (the run appears
                                                          with it, whole: see ``create_run``)
     <root>/<run>/<table>/writer=<writer_id>/<lo>-<hi>.parquet   immutable segments
+    <root>/<run>/<table>/writer=_merged/<n>-<n>.v<t>.parquet     rows of finished writers, folded together
     <root>/<run>/_writers/<writer_id>.json                writer heartbeat (mtime = last sign of life)
 
 A writer numbers its segments 0, 1, 2, … and names each ``<seq>-<seq>.parquet``. Compaction merges a
@@ -36,6 +37,7 @@ from dynascope.store.schema import SCHEMA_VERSION
 MARKER = "dynascope.json"
 HEARTBEATS = "_writers"  # <run>/_writers/<writer_id>.json; not a table, so no view globs it
 COMMITS = "_commits"  # <run>/_commits/writer=<writer_id>/<lo>-<hi>.v<t>.json: one record per flush (``live``)
+MERGED = "writer=_merged"  # <run>/<table>/writer=_merged/: rows of finished writers folded together (``compact_across``)
 SEGMENT_RE = re.compile(r"^(\d{12})-(\d{12})(?:\.v(\d{1,20}))?\.parquet$")
 _SAFE_ID = re.compile(r"[^A-Za-z0-9_.-]+")
 
@@ -47,6 +49,12 @@ class SchemaVersionError(StoreError):
 def safe_id(text: str) -> str:
     """A file-name-safe form of ``text`` (writer ids, run ids derived from paths)."""
     return _SAFE_ID.sub("_", text).strip("._") or "run"
+
+
+def is_writer_dir(name: str) -> bool:
+    """Whether a directory name is a writing process's (``writer=<id>``), not the toolkit's own
+    (``writer=_schema``, ``writer=_merged``): writer ids never start with ``_`` (``safe_id``)."""
+    return name.startswith("writer=") and not name.startswith("writer=_")
 
 
 def segment_name(lo: int, hi: int, valid_from_us: int | None = None) -> str:

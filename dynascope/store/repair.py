@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 
 from dynascope.core.errors import first_line
 from dynascope.store._columns import parquet_options
-from dynascope.store.layout import heartbeat_path, segment_name
+from dynascope.store.layout import heartbeat_path, is_writer_dir, segment_name
 from dynascope.store.projection import former_names
 from dynascope.store.rollup import ROLLUPS
 from dynascope.store.runfiles import FOREVER_US, RunFiles, Seg
@@ -47,12 +47,17 @@ class RepairResult:
 
     repaired: int = 0  # rollup segments rebuilt
     skipped: list[str] = field(default_factory=list)  # one line per writer directory left alone, and why
+    held: set[str] = field(default_factory=set)  # writer directory names not checked or not rebuilt yet
     last_valid_us: int = 0  # when the last rebuilt segment takes effect
 
 
 def repair_rollups(files: RunFiles, repair_after_s: float = REPAIR_AFTER_S, settle_us: int = 2_000_000) -> RepairResult:
     """Rebuild the rollups of every writer of the run that keeps no commit records and whose rollups do not
-    account for its source rows; the rebuilt segment takes effect ``settle_us`` after it is written."""
+    account for its source rows; the rebuilt segment takes effect ``settle_us`` after it is written.
+
+    ``writer=_merged`` holds the rows of writers checked before they were folded (``compact_across``), and a
+    writer part of whose tables are folded already (a cover in its source or rollup directory) is left to
+    finish folding: its source and rollup rows no longer sit in the directories compared here."""
     out = RepairResult()
     live = files.live(FOREVER_US)
     for source, rolls in ROLLUPS.items():
@@ -60,15 +65,18 @@ def repair_rollups(files: RunFiles, repair_after_s: float = REPAIR_AFTER_S, sett
         rolls = tuple((n, r) for n, r in rolls if any(w.parent.name == n and w.name != "writer=_schema" and s
                                                      for w, s in files.segs.items()))
         for wdir, _, segs in files.writer_dirs() if rolls else ():
-            if wdir.parent.name != source or wdir.name in files.keeps:
+            if wdir.parent.name != source or wdir.name in files.keeps or not is_writer_dir(wdir.name):
                 continue  # committed flushes: every source segment came with its rollups
             srcs = [s for s in segs if str(s[2]) in live]
-            if not srcs:
-                continue
+            rdirs = [files.run_dir / name / wdir.name for name, _ in rolls]
             try:
+                if not srcs or any(files.is_cover(s[2]) for d in [wdir, *rdirs] for s in files.segs.get(d, [])
+                                   if str(s[2]) in live):
+                    continue
                 keys = [_step_rows(s[2]) for s in srcs]
             except OSError as exc:  # its rows cannot be counted, so nothing here can be checked
                 out.skipped.append(f"{wdir}: rollups not checked: {first_line(exc)}")
+                out.held.add(wdir.name)
                 continue
             for name, roll in rolls:
                 rdir = files.run_dir / name / wdir.name
@@ -78,12 +86,14 @@ def repair_rollups(files: RunFiles, repair_after_s: float = REPAIR_AFTER_S, sett
                     if _is_fresh(srcs, files.run_dir, wdir, repair_after_s):
                         out.skipped.append(f"{rdir}: does not account for every {source} row; rebuilt once the "
                                            f"writer is quiet for {repair_after_s:g} s")
+                        out.held.add(wdir.name)
                         continue
                     valid = _rebuild(files, srcs, wdir, rdir, source, name, roll, settle_us)
                     out.repaired += 1
                     out.last_valid_us = max(out.last_valid_us, valid)
                 except (OSError, ValueError, KeyError, pa.ArrowException) as exc:
                     out.skipped.append(f"{rdir}: rollup rebuild failed: {type(exc).__name__}: {first_line(exc)}")
+                    out.held.add(wdir.name)
     return out
 
 

@@ -9,6 +9,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dynascope.core.errors import first_line
 from dynascope.store.layout import SEGMENT_RE
 from dynascope.store.live import FOREVER_US, Entry, list_run, live_files_in
 
@@ -27,6 +31,7 @@ class RunFiles:
     commits: dict[str, list[Seg]] = field(default_factory=dict)  # writer dir name -> commit records, sorted
     keeps: set[str] = field(default_factory=set)  # writer dir names that keep commit records
     _live: dict[int, frozenset[str]] = field(default_factory=dict, repr=False)
+    _rows: dict[Path, int] = field(default_factory=dict, repr=False)
 
     @classmethod
     def of(cls, run_dir: Path) -> RunFiles:
@@ -56,6 +61,17 @@ class RunFiles:
             if schema_too or wdir.name != "writer=_schema":
                 yield wdir, wdir.parent.name, segs
 
+    def num_rows(self, path: Path) -> int:
+        """A segment's row count (its footer, read once per listing); a corrupt file is an OSError naming it."""
+        if path not in self._rows:
+            self._rows[path] = num_rows(path)
+        return self._rows[path]
+
+    def is_cover(self, path: Path) -> bool:
+        """A merged segment without rows: a fold across writers left it to hide the segments whose rows went
+        into ``writer=_merged`` (``compact_across``)."""
+        return ".v" in path.name and self.num_rows(path) == 0
+
     def uncommitted(self, wdir: Path, seg: Seg) -> bool:
         """A writer's own segment that no commit record covers, of a writer that keeps them."""
         lo, hi, path = seg
@@ -81,4 +97,12 @@ class RunFiles:
         return out
 
 
-__all__ = ["FOREVER_US", "RunFiles", "Seg"]
+def num_rows(path: Path) -> int:
+    """A segment's row count from its footer; a corrupt file is an OSError naming it (the user has to move it away)."""
+    try:
+        return pq.ParquetFile(path).metadata.num_rows
+    except (OSError, pa.ArrowException) as exc:
+        raise OSError(f"{path.name}: corrupt segment ({first_line(exc)})") from None
+
+
+__all__ = ["FOREVER_US", "RunFiles", "Seg", "num_rows"]
