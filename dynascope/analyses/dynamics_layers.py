@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import polars as pl
 
-from dynascope.analyses._common import StoreLike, as_store, frame, run_clause
+from dynascope.analyses._common import StoreLike, as_store, frame, lowest_rank_sql, run_clause
 from dynascope.store import quote_literal
 
 __all__ = ["update_share_by_layer"]
@@ -41,11 +41,13 @@ def update_share_by_layer(store: StoreLike, run: str | None = None, stage: str |
     to 100 over a run's layers.
     """
     where = run_clause(run) + ("" if stage is None else f" AND stage = {quote_literal(stage)}")
-    df = frame(as_store(store), f"""
+    con = as_store(store)
+    first_rank, _ = lowest_rank_sql(con, " AND numel > 0" + where, "run_id, stage, step, tensor")
+    df = frame(con, f"""
         WITH rows AS (
             SELECT run_id, stage, step, tensor, layer, numel, update_norm, bf16_unchanged_count, drift_norm,
                    drift_zero_count, coalesce(sharded, false) AS sharded, rank,
-                   min(rank) OVER (PARTITION BY run_id, stage, step, tensor) AS first_rank
+                   {first_rank} AS first_rank
             FROM tensor_stats WHERE step IS NOT NULL AND numel > 0{where}),
         one AS (SELECT * FROM rows WHERE sharded OR rank = first_rank),
         per_tensor AS (
