@@ -86,15 +86,40 @@ def straggler_table(store: StoreConnection, run: str) -> pl.DataFrame:
 
 
 def node_table(ranks: pl.DataFrame, hosts: pl.DataFrame) -> pl.DataFrame:
-    """Per (role, host), from ``rank_table``: its ranks, their mean ``score_pct`` and its spread
-    (``lo_pct``–``hi_pct``), the what-if saving of its ranks summed; slowest first. Empty without hosts."""
+    """Per (role, host), from ``rank_table``: its ranks, the median of their ``score_pct`` (a node with one
+    slow rank is not a slow node: that rank is named as a rank), its spread (``lo_pct``–``hi_pct``) and
+    ``sigmas``: that median's distance from its role's median rank in robust standard deviations of the
+    role's ranks (1.4826 · MAD). Slowest first by ``sigmas``: rollout workers differ by the lengths they
+    drew, trainers by a percent, so a trainer node 7% slow outranks a rollout node 10% slow by chance.
+    Empty without hosts."""
     if hosts.is_empty():
         return pl.DataFrame(schema={"role": pl.String, "host": pl.String, "ranks": pl.UInt32, "score_pct": pl.Float64,
-                                    "lo_pct": pl.Float64, "hi_pct": pl.Float64, "first_rank": pl.Int32})
-    return (ranks.join(hosts, on=["role", "rank"], how="inner").group_by("role", "host")
-            .agg(pl.len().alias("ranks"), pl.col("score_pct").mean(), pl.col("score_pct").min().alias("lo_pct"),
-                 pl.col("score_pct").max().alias("hi_pct"), pl.col("rank").min().alias("first_rank"))
-            .sort(["score_pct", "host"], descending=[True, False]))
+                                    "lo_pct": pl.Float64, "hi_pct": pl.Float64, "first_rank": pl.Int32,
+                                    "sigmas": pl.Float64})
+    score = pl.col("score_pct")
+    mad = (score - score.median().over("role")).abs().median().over("role")
+    ranks = ranks.drop("host", strict=False).join(hosts, on=["role", "rank"], how="inner").with_columns(
+        score.median().over("role").alias("role_median"), (1.4826 * mad).alias("role_sigma"))
+    return (ranks.group_by("role", "host")
+            .agg(pl.len().alias("ranks"), score.median(), score.min().alias("lo_pct"), score.max().alias("hi_pct"),
+                 pl.col("rank").min().alias("first_rank"), pl.col("role_median").first(), pl.col("role_sigma").first())
+            .with_columns(((score - pl.col("role_median")) / pl.col("role_sigma")).alias("sigmas"))
+            .drop("role_median", "role_sigma").sort(["sigmas", "host"], descending=[True, False], nulls_last=True))
+
+
+def apart_from_node(ranks: pl.DataFrame, nodes: pl.DataFrame) -> pl.DataFrame:
+    """``ranks`` (with ``host``) plus ``vs_node_pct``: its ``score_pct`` less its node's median rank (its
+    role's median where the host is unknown), and ``sigmas``: that in robust standard deviations of its
+    role's ranks; slowest first by ``sigmas``. A rank on a slow node is slow because its node is (the node
+    table names it); what is left is the rank's own slowness."""
+    score = pl.col("score_pct")
+    sigma = 1.4826 * (score - score.median().over("role")).abs().median().over("role")
+    node = nodes.select("role", "host", pl.col("score_pct").alias("node_pct"))
+    return (ranks.join(node, on=["role", "host"], how="left")
+            .with_columns((score - pl.col("node_pct").fill_null(score.median().over("role"))).alias("vs_node_pct"),
+                          sigma.alias("_sigma"))
+            .with_columns((pl.col("vs_node_pct") / pl.col("_sigma")).alias("sigmas")).drop("node_pct", "_sigma")
+            .sort(["sigmas", "score_pct"], descending=True, nulls_last=True))
 
 
 def heat_cells(rel: pl.DataFrame, hosts: pl.DataFrame, by_node: bool, max_cols: int = 200) -> pl.DataFrame:

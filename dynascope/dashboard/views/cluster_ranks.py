@@ -93,33 +93,40 @@ def _heatmap(rel: pl.DataFrame, hosts: pl.DataFrame, n_ranks: int, n_nodes: int)
 
 
 def _tables(ranks: pl.DataFrame, nodes: pl.DataFrame, roles: int) -> None:
-    top = ranks.head(TOP_RANKS).with_columns(
+    top = R.apart_from_node(ranks, nodes).head(TOP_RANKS).with_columns(
         pl.struct("role", "rank").map_elements(lambda r: label(r["role"], r["rank"], roles),
                                                return_dtype=pl.String).alias("rank_name"))
-    st.caption(f"Slowest {top.height} ranks (busy time per step against the step's median; slowest: share of "
-               "steps it was its role's slowest rank; saved: the step time saved if it ran at the median)")
-    st.dataframe(top.select("rank_name", "host", "score_pct", "mean_busy_ms", "slowest_share_pct",
-                            "whatif_saved_pct"),
+    st.caption(f"Slowest {top.height} ranks apart from their node: by how far their busy time is above their "
+               "node's median rank, in robust standard deviations of their role's ranks (σ). vs median: against "
+               "the step's median rank; slowest: share of steps it was its role's slowest; saved: the step time "
+               "saved if it ran at the median")
+    pct = {"format": "%+.1f%%"}
+    st.dataframe(top.select("rank_name", "host", "sigmas", "vs_node_pct", "score_pct", "mean_busy_ms",
+                            "slowest_share_pct", "whatif_saved_pct"),
                  hide_index=True, width="stretch", key="cl_top_ranks", column_config={
-                     "rank_name": "rank", "score_pct": st.column_config.NumberColumn("vs median", format="%+.1f%%"),
+                     "rank_name": "rank", "sigmas": st.column_config.NumberColumn("σ", format="%.1f"),
+                     "vs_node_pct": st.column_config.NumberColumn("vs node", **pct),
+                     "score_pct": st.column_config.NumberColumn("vs median", **pct),
                      "mean_busy_ms": st.column_config.NumberColumn("busy / step", format="%.0f ms"),
                      "slowest_share_pct": st.column_config.NumberColumn("slowest", format="%.0f%%"),
                      "whatif_saved_pct": st.column_config.NumberColumn("saved", format="%.2f%%")})
-    if nodes.is_empty():
-        return
-    top_nodes = nodes.head(TOP_NODES)
-    st.caption(f"Slowest {top_nodes.height} nodes, by the median of their ranks (a node with one slow rank is "
-               "not a slow node)")
-    st.dataframe(top_nodes.select("host", "role", "ranks", "score_pct", "lo_pct", "hi_pct"), hide_index=True,
-                 width="stretch", key="cl_top_nodes", column_config={
-                     "score_pct": st.column_config.NumberColumn("median rank", format="%+.1f%%"),
-                     "lo_pct": st.column_config.NumberColumn("fastest rank", format="%+.1f%%"),
-                     "hi_pct": st.column_config.NumberColumn("slowest rank", format="%+.1f%%")})
-    worst, node = ranks.row(0, named=True), nodes.row(0, named=True)
-    st.caption(f"Slowest rank: {label(worst['role'], worst['rank'], roles)} ({worst['host'] or 'host unknown'}), "
-               f"busy {fmt_pct(worst['score_pct'])} above the median, {fmt_ms(worst['mean_busy_ms'])} a step. "
-               f"Slowest node: {node['host']}, its {node['ranks']} {node['role'] or ''} ranks "
-               f"{fmt_pct(node['lo_pct'])} to {fmt_pct(node['hi_pct'])} above the median.")
+    worst = top.row(0, named=True)
+    said = (f"Slowest rank: {worst['rank_name']} ({worst['host'] or 'host unknown'}), busy "
+            f"{fmt_pct(worst['score_pct'])} above the median, {fmt_ms(worst['mean_busy_ms'])} a step.")
+    if nodes.height:
+        top_nodes = nodes.head(TOP_NODES)
+        st.caption(f"Slowest {top_nodes.height} nodes, by the median of their ranks (a node with one slow rank is "
+                   "not a slow node) in robust standard deviations of their role's ranks (σ)")
+        st.dataframe(top_nodes.select("host", "role", "ranks", "sigmas", "score_pct", "lo_pct", "hi_pct"),
+                     hide_index=True, width="stretch", key="cl_top_nodes", column_config={
+                         "sigmas": st.column_config.NumberColumn("σ", format="%.1f"),
+                         "score_pct": st.column_config.NumberColumn("median rank", **pct),
+                         "lo_pct": st.column_config.NumberColumn("fastest rank", **pct),
+                         "hi_pct": st.column_config.NumberColumn("slowest rank", **pct)})
+        node = nodes.row(0, named=True)
+        said += (f" Slowest node: {node['host']}, its {node['ranks']} {node['role'] or ''} ranks "
+                 f"{fmt_pct(node['lo_pct'])} to {fmt_pct(node['hi_pct'])} above the median.")
+    st.caption(said)
 
 
 def timeline_picks(ranks: pl.DataFrame, small: int = 16, most: int = 12) -> list[Pick]:
