@@ -38,9 +38,10 @@ def probe_cost(store: StoreLike, run: str | None = None) -> pl.DataFrame:
     # Summed in DuckDB over the probe's own rows: step_breakdown's row per rank, step and phase is millions of
     # rows at a thousand ranks, none of which but the probe's is needed here.
     spent = frame(con, f"""
-        WITH st AS ({step_rows_sql(run)}),
-        probe AS (SELECT run_id, coalesce(role, '') AS role, rank, step, SUM(dur_us) AS probe_us FROM timings
-                  WHERE {TOP_LEVEL} AND phase = {quote_literal(PROBE_PHASE)}{run_clause(run)} GROUP BY ALL)
+        WITH probe AS (SELECT run_id, coalesce(role, '') AS role, rank, step, SUM(dur_us) AS probe_us FROM timings
+                       WHERE {TOP_LEVEL} AND phase = {quote_literal(PROBE_PHASE)}{run_clause(run)} GROUP BY ALL),
+        -- step rows of the probed runs only: a run without the probe's phase costs one filtered scan
+        st AS (SELECT * FROM ({step_rows_sql(run)}) WHERE run_id IN (SELECT DISTINCT run_id FROM probe))
         SELECT st.run_id, COUNT(DISTINCT st.step) AS steps, SUM(p.probe_us) / 1000.0 AS probe_ms,
                SUM(st.step_us) / 1000.0 AS step_ms
         FROM st LEFT JOIN probe p USING ({KEYS}) GROUP BY st.run_id HAVING COUNT(p.probe_us) > 0""")

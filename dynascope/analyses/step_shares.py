@@ -53,24 +53,24 @@ def phase_shares(store: StoreLike, run: str | None = None) -> pl.DataFrame:
     """
     con = as_store(store)
     rc = run_clause(run)
+    # Each phase row joined once to its step row with the step's stage; the remainder and the totals come
+    # from the step rows (640k at 1,024 ranks) and the joined rows' per-step sums.
     df = frame(con, f"""
         WITH st AS ({step_rows_sql(run)}),
-        ph AS (SELECT {KEYS}, phase, dur_us FROM (
-                   SELECT run_id, coalesce(role, '') AS role, rank, step, phase, dur_us FROM timings
-                   WHERE {TOP_LEVEL}{rc}) SEMI JOIN st USING ({KEYS})),
-        tot AS (SELECT {KEYS}, sum(dur_us) AS phases_us FROM ph GROUP BY ALL),
         stages AS ({stages_sql(con, run)}),
-        timed AS (SELECT {KEYS}, phase, dur_us FROM ph
-                  UNION ALL
-                  SELECT {KEYS}, {quote_literal(REMAINDER)}, greatest(st.step_us - coalesce(tot.phases_us, 0), 0)
-                  FROM st LEFT JOIN tot USING ({KEYS})),
-        per AS (SELECT t.run_id, t.role, s.stage, t.phase, sum(t.dur_us) AS dur_us
-                FROM timed t LEFT JOIN stages s USING ({KEYS}) GROUP BY ALL),
-        totals AS (SELECT st.run_id, st.role, s.stage, count(DISTINCT st.step) AS steps,
-                          sum(st.step_us) AS step_us, min(st.step) AS first_step
-                   FROM st LEFT JOIN stages s USING ({KEYS}) GROUP BY ALL)
+        sts AS (SELECT st.*, s.stage FROM st LEFT JOIN stages s USING ({KEYS})),
+        ph AS (SELECT run_id, coalesce(role, '') AS role, rank, step, phase, dur_us FROM timings WHERE {TOP_LEVEL}{rc}),
+        j AS (SELECT {KEYS}, sts.stage, ph.phase, ph.dur_us FROM ph JOIN sts USING ({KEYS})),
+        per AS (SELECT run_id, role, stage, phase, sum(dur_us) AS dur_us FROM j GROUP BY ALL),
+        tot AS (SELECT {KEYS}, sum(dur_us) AS phases_us FROM j GROUP BY ALL),
+        rem AS (SELECT sts.run_id, sts.role, sts.stage, {quote_literal(REMAINDER)} AS phase,
+                       sum(greatest(sts.step_us - coalesce(tot.phases_us, 0), 0)) AS dur_us
+                FROM sts LEFT JOIN tot USING ({KEYS}) GROUP BY ALL),
+        totals AS (SELECT run_id, role, stage, count(DISTINCT step) AS steps, sum(step_us) AS step_us,
+                          min(step) AS first_step FROM sts GROUP BY ALL)
         SELECT p.run_id, p.role, p.stage, t.steps, p.phase, p.dur_us / 1000.0 AS dur_ms,
                t.step_us / 1000.0 AS step_ms, 100.0 * p.dur_us / t.step_us AS share_pct
-        FROM per p JOIN totals t ON p.run_id = t.run_id AND p.role = t.role AND p.stage IS NOT DISTINCT FROM t.stage
+        FROM (SELECT * FROM per UNION ALL SELECT * FROM rem) p
+        JOIN totals t ON p.run_id = t.run_id AND p.role = t.role AND p.stage IS NOT DISTINCT FROM t.stage
         ORDER BY p.run_id, p.role, t.first_step, share_pct DESC, p.phase""")
     return df.select([pl.col(c).cast(t) for c, t in _SCHEMA.items()]) if df.height else pl.DataFrame(schema=_SCHEMA)

@@ -32,7 +32,7 @@ def ranks_clause(ranks: Ranks | None) -> str:
 
 
 def timing_span(store: StoreConnection, run: str) -> pl.DataFrame:
-    """First and last step with timings, rank count, whether fine-grained (kernel) rows exist, and
+    """First and last step with timings, whether fine-grained (kernel) rows exist, and
     ``typical_step``: the last step whose set of top-level phases is the most common one among the last
     ``RECENT_STEPS`` steps (the last step is often an evaluation or checkpoint step, a poor first view of the
     timeline; counting only recent steps keeps an earlier, longer stage such as SFT from winning), and
@@ -41,12 +41,11 @@ def timing_span(store: StoreConnection, run: str) -> pl.DataFrame:
 
     r = f"run_id = {quote_literal(run)}"
     return store.frame(f"""
-        WITH sets AS (SELECT step, list_sort(list_distinct(list(phase))) AS phases FROM timings
-                      WHERE {r} AND {TOP_LEVEL} GROUP BY step),
+        WITH sp AS (SELECT DISTINCT step, phase FROM timings WHERE {r} AND {TOP_LEVEL}),  -- a list per row: slow
+             sets AS (SELECT step, list_sort(list(phase)) AS phases FROM sp GROUP BY step),
              recent AS (SELECT * FROM sets ORDER BY step DESC LIMIT {RECENT_STEPS}),
              common AS (SELECT phases FROM recent GROUP BY phases ORDER BY count(*) DESC, max(step) DESC LIMIT 1)
-        SELECT min(step) AS first_step, max(step) AS last_step, count(DISTINCT rank) AS ranks,
-               count(*) FILTER (WHERE category IN ('kernel', 'memcpy', 'cpu_op')) AS fine_rows,
+        SELECT min(step) AS first_step, max(step) AS last_step, count(*) FILTER (WHERE category IN ('kernel', 'memcpy', 'cpu_op')) AS fine_rows,
                (SELECT max(step) FROM sets WHERE phases = (SELECT phases FROM common)) AS typical_step,
                (SELECT list_sort(list_distinct(flatten(list(phases)))) FROM sets) AS phases
         FROM timings WHERE {r} AND step IS NOT NULL""")

@@ -15,11 +15,12 @@ def stragglers(path: str, run: str, ranks: pl.DataFrame) -> None:
     """Every rank's busy time against the step's median (the table behind the heat map), then the
     per-phase straggler scores and the what-if simulation of ``dynascope.analyses``."""
     st.subheader("Stragglers")
-    if ranks.height:
-        with st.expander(f"Every rank's busy time against the step's median ({ranks.height:,} ranks)"):
-            st.caption("What-if caps the rank at each step's median busy time; the step then waits for the next "
-                       "slowest rank.")
-            st.dataframe(ranks, hide_index=True, width="stretch", key="cl_step_table")
+    # A toggle, not an expander: an expander's table is sent and drawn even while it is closed.
+    if ranks.height and st.toggle(f"Every rank's busy time against the step's median ({ranks.height:,} ranks)",
+                                  value=ranks.height <= 16, key="cl_step_table_on"):
+        st.caption("What-if caps the rank at each step's median busy time; the step then waits for the next "
+                   "slowest rank.")
+        st.dataframe(ranks, hide_index=True, width="stretch", key="cl_step_table")
     if not data.on_demand("stragglers", "Per-phase straggler scores and what-if simulation", path, run):
         return
     scores = data.analysis(analyses.straggler_scores, path, run=run)

@@ -27,6 +27,11 @@ def _body() -> None:
     if not runs:
         st.info("Pick one or more runs in the sidebar.")
         return
+    # The delta-sync series and the per-layer shares, at the page's foot, each scan tensor_stats once: start
+    # them beside the parameter cube (a second core) rather than after the charts above them.
+    shown = st.session_state.get("dyn_run") if st.session_state.get("dyn_run") in runs else runs[0]
+    data.prefetch(path, queries=[(P.delta_sync_series, (runs,))],
+                  analyses=[(analyses.update_share_by_layer, {"run": shown, "stage": None})])
     cubes = {r: data.query(P.param_cube, path, r) for r in runs}
     sk = pl.concat([P.stages_and_kinds(c) for c in cubes.values()])
     if data.empty(sk, "parameter statistics (tensor_stats)"):
