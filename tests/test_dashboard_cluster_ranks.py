@@ -2,9 +2,9 @@
 
 A real dashboard server over the planted 64-rank synthetic run (``helpers.cluster_truth``), driven by
 headless Chromium: the page renders without an exception, no chart draws a trace or a legend entry per
-rank, the heat map has a row per node (a row per rank on request), the tables and captions name the
-planted slow node and the planted slow ranks and no healthy node, and picking a rank drills the timeline
-down to it.
+rank, the heat map shows one role with a row per rank (64 trainers) or per node on request, the captions
+and the distribution name the planted slow node as a node and the rollout worker with the long tail as a
+rank, and picking a rank drills the timeline down to it.
 """
 
 from __future__ import annotations
@@ -86,8 +86,9 @@ def test_no_chart_draws_a_trace_per_rank(cluster_page):
     for title, c in found.items():
         assert c["traces"] <= MOST_TRACES and c["legend"] <= MOST_TRACES, (title, c["traces"], c["legend"])
     heat = chart(page, "busy time against the step's cross-rank median")
-    # 80 ranks: a row per node by default, every node of the run and nothing else
-    assert heat["types"] == ["heatmap"] and sorted(heat["y"][0]) == sorted(truth["hosts"])
+    # 64 trainers (the role shown first): a row per rank by default (a row per node from 65 on)
+    assert heat["types"] == ["heatmap"]
+    assert sorted(heat["y"][0]) == sorted(f"rank {r}" for r in range(truth["spec"]["ranks"]))
     # the timeline shows the ranks picked (by default each role's slowest and its median rank), not all 80
     timeline = {y for ys in chart(page, "per-rank timeline")["y"] for y in ys}
     assert 2 <= len(timeline) <= 4, timeline
@@ -114,16 +115,16 @@ def test_tables_name_the_planted_node_and_ranks(cluster_page):
 
 @pytest.mark.browser
 @pytest.mark.slow
-def test_rows_per_rank_and_drill_down_to_one_rank(cluster_page):
+def test_rows_per_node_and_drill_down_to_one_rank(cluster_page):
     page, truth = cluster_page
-    page.get_by_test_id("stRadioGroup").get_by_text("one per rank", exact=True).click()
+    page.get_by_test_id("stRadioGroup").get_by_text("one per node", exact=True).click()
     page.wait_for_function("""() => [...document.querySelectorAll('.js-plotly-plot')].some(e =>
-        (e._fullLayout.title.text || '').includes("busy time against") && e._fullData[0].y.length > 20)""",
-                           timeout=180_000)
+        (e._fullLayout.title.text || '').includes("node × step"))""", timeout=180_000)
     wait_drawn(page)
     heat = chart(page, "busy time against the step's cross-rank median")
-    spec = truth["spec"]
-    assert len(heat["y"][0]) == spec["ranks"] + spec["rollout_workers"]
+    # a row per trainer node, every one of them and nothing else
+    trainer_nodes = sorted(h for h, ranks in truth["hosts"].items() if max(ranks) < truth["spec"]["ranks"])
+    assert sorted(heat["y"][0]) == trainer_nodes and len(trainer_nodes) == 8
     # pick the planted slow rank in the timeline's picker: the timeline then shows it
     slow = truth["planted"]["slow_rank"]
     box = page.locator('[data-testid="stMultiSelect"]').filter(has_text="Ranks on the timeline")

@@ -62,7 +62,7 @@ def section(path: str, run: str) -> pl.DataFrame:
                "rank's step lasts as long as the slowest rank's, so ranks differ by busy time, here against the "
                "median of their role in each step.")
     with data.guard("Busy time heat map"):
-        _heatmap(rel, hosts, ranks.height, nodes.height)
+        _heatmap(rel, hosts)
     left, right = st.columns([3, 2])
     with left, data.guard("Per-rank distribution"):
         shown = ranks.with_columns(pl.format("{} ({})", pl.struct("role", "rank").map_elements(
@@ -76,15 +76,23 @@ def section(path: str, run: str) -> pl.DataFrame:
     return ranks
 
 
-def _heatmap(rel: pl.DataFrame, hosts: pl.DataFrame, n_ranks: int, n_nodes: int) -> None:
+def _heatmap(rel: pl.DataFrame, hosts: pl.DataFrame) -> None:
+    """One role at a time: rollout workers differ by the lengths they drew (tens of percent), trainers by a
+    few, and on one colour scale the workers' noise would wash out a trainer node a few percent slow."""
+    roles = sorted(rel["role"].unique().to_list(), key=lambda r: (r != "trainer", r))
+    left, right = st.columns(2)
+    role = left.radio("Role", roles, horizontal=True, key="cl_heat_role") if len(roles) > 1 else roles[0]
+    rel, hosts = rel.filter(pl.col("role") == role), hosts.filter(pl.col("role") == role)
+    n_ranks, n_nodes = rel["rank"].n_unique(), hosts["host"].n_unique()
     options = ["rank", "node"] if n_nodes else ["rank"]
     default = "node" if n_nodes and n_ranks > RANK_ROWS_MAX else "rank"
-    by = st.radio("Rows", options, index=options.index(default), horizontal=True, key="cl_heat_rows",
-                  format_func=lambda o: f"one per {o}") if len(options) > 1 else "rank"
+    by = right.radio("Rows", options, index=options.index(default), horizontal=True, key="cl_heat_rows",
+                     format_func=lambda o: f"one per {o}") if len(options) > 1 else "rank"
     cells = R.heat_cells(rel, hosts, by == "node")
     n = cells["row"].n_unique()
     what = "its ranks' mean" if by == "node" else "the rank's"
-    fig = charts.deviation_heatmap(cells, f"busy time against the step's cross-rank median, {by} × step",
+    fig = charts.deviation_heatmap(cells, f"busy time against the step's cross-rank median, {by} × step"
+                                   + (f" · {role}" if len(roles) > 1 else ""),
                                    "vs median", height=min(720, max(260, 140 + 6 * n)))
     charts.show(fig, "cl_rank_heat")
     st.caption(f"{n:,} {by}s; each cell is {what} busy time over the steps of its column, in % above (red) or "
