@@ -1,8 +1,8 @@
 """Per-rank views of a run's step timings that stay readable at 1,024 ranks: a rank (or node) × step heat
 map, the distribution of per-rank busy time, the slowest ranks and nodes, and the step-level what-if.
 
-One scan of ``timings`` gives each (role, rank, step) its busy, sync and step time (``rank_steps``, the
-definitions of ``dynascope.analyses.steps``); everything else is polars over that frame, so the page pays
+One scan of ``timings`` gives each (role, rank, step) its busy time (``rank_steps``, the definitions of
+``dynascope.analyses.steps``); everything else is polars over that frame, so the page pays
 for the table once however many views it draws. In a synchronous step every rank's step lasts as long as
 the slowest rank's (the others wait in the collectives), so ranks are told apart by their *busy* time,
 each against the cross-rank median of its role in that step.
@@ -18,16 +18,13 @@ _STEP_KEYS = ["role", "step"]
 
 
 def rank_steps(store: StoreConnection, run: str) -> pl.DataFrame:
-    """Per (role, rank, step): ``busy_us`` (top-level phases without waits and collectives), ``sync_us``
-    (the waits and collectives) and ``step_us`` (the step row; null where the step has none)."""
-    from dynascope.analyses.steps import STEP_ROW, SYNC, TOP_LEVEL
+    """Per (role, rank, step) with busy time: ``busy_us``, the top-level phases without waits and
+    collectives (the definitions of ``dynascope.analyses.steps``), filtered before they are summed."""
+    from dynascope.analyses.steps import SYNC, TOP_LEVEL
 
     return store.frame(f"""
-        SELECT coalesce(role, '') AS role, rank, step,
-               sum(dur_us) FILTER (WHERE {TOP_LEVEL} AND NOT ({SYNC})) AS busy_us,
-               sum(dur_us) FILTER (WHERE {TOP_LEVEL} AND {SYNC}) AS sync_us,
-               max(dur_us) FILTER (WHERE {STEP_ROW}) AS step_us
-        FROM timings WHERE run_id = {quote_literal(run)} AND step IS NOT NULL AND stream IS NULL
+        SELECT coalesce(role, '') AS role, rank, step, sum(dur_us) AS busy_us
+        FROM timings WHERE run_id = {quote_literal(run)} AND {TOP_LEVEL} AND NOT ({SYNC})
         GROUP BY ALL ORDER BY role, rank, step""")
 
 
