@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import polars as pl
 
-from dynascope.analyses._common import StoreLike, as_store, frame, run_clause
+from dynascope.analyses._common import StoreLike, as_store, frame, lowest_rank_sql, run_clause
 from dynascope.store import StoreError, quote_literal
 
-__all__ = ["DTYPE_BYTES", "delta_sync_bytes", "delta_sync_summary"]
+__all__ = ["DTYPE_BYTES", "delta_sync_bytes", "delta_sync_summary", "summarize_delta_sync"]
 
 VALUE_BYTES, INDEX_BYTES = 2, 4
 # bytes per element of the dtype strings the probe records (torch's str(dtype) without "torch.")
@@ -38,13 +38,6 @@ _SCHEMA = {"run_id": pl.String, "stage": pl.String, "step": pl.Int64, "tensors":
 
 def _columns(con) -> set[str]:
     return {r[0] for r in con._con.sql("DESCRIBE tensor_stats").fetchall()}
-
-
-def _one_rank(con, where: str) -> bool:
-    """Whether each run's rows come from one rank (one process). Then every (step, tensor) has one row,
-    and the window that picks a tensor's lowest rank (8 s over 10M rows on 2 cores) has nothing to pick."""
-    return all(same for (same,) in con.rows(
-        f"SELECT min(rank) = max(rank) FROM tensor_stats WHERE step IS NOT NULL{where} GROUP BY run_id"))
 
 
 def delta_sync_bytes(store: StoreLike, run: str | None = None, stage: str | None = None) -> pl.DataFrame:
@@ -62,8 +55,7 @@ def delta_sync_bytes(store: StoreLike, run: str | None = None, stage: str | None
     if "bf16_unchanged_count" not in _columns(con):
         raise StoreError("tensor_stats has no bf16_unchanged_count (PULSE S₁): record with a probe that writes it")
     where = run_clause(run) + ("" if stage is None else f" AND stage = {quote_literal(stage)}")
-    one_rank = _one_rank(con, where)  # then each (step, tensor) has one row: no lowest rank to pick
-    first_rank = "rank" if one_rank else "min(rank) OVER (PARTITION BY run_id, step, tensor)"
+    first_rank, one_rank = lowest_rank_sql(con, where, "run_id, step, tensor")
     tensors = "count(*)" if one_rank else "count(DISTINCT tensor)"
     per_step = frame(con, f"""
         WITH rows AS (
@@ -117,7 +109,11 @@ def delta_sync_summary(store: StoreLike, run: str | None = None) -> pl.DataFrame
     The first step of each stage is left out: Adam's first update moves every weight by about η
     (bias-corrected m/√v = ±1), which is not the steady state a sync is sized for.
     """
-    df = delta_sync_bytes(store, run)
+    return summarize_delta_sync(delta_sync_bytes(store, run))
+
+
+def summarize_delta_sync(df: pl.DataFrame) -> pl.DataFrame:
+    """``delta_sync_summary`` of a ``delta_sync_bytes`` frame already at hand (one scan for both)."""
     schema = {"run_id": pl.String, "stage": pl.String, "steps": pl.Int64, "changed_pct": pl.Float64,
               "delta_pct": pl.Float64, "encoding": pl.String, "full_bf16_bytes": pl.Int64,
               "full_bf16_sync_ms": pl.Float64, "delta_sync_ms": pl.Float64}

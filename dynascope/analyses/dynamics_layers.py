@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import polars as pl
 
-from dynascope.analyses._common import StoreLike, as_store, frame, run_clause
+from dynascope.analyses._common import StoreLike, as_store, frame, lowest_rank_sql, run_clause
 from dynascope.store import quote_literal
 
 __all__ = ["update_share_by_layer"]
@@ -41,27 +41,32 @@ def update_share_by_layer(store: StoreLike, run: str | None = None, stage: str |
     to 100 over a run's layers.
     """
     where = run_clause(run) + ("" if stage is None else f" AND stage = {quote_literal(stage)}")
-    df = frame(as_store(store), f"""
+    con = as_store(store)
+    first_rank, _ = lowest_rank_sql(con, " AND numel > 0" + where, "run_id, stage, step, tensor")
+    df = frame(con, f"""
         WITH rows AS (
             SELECT run_id, stage, step, tensor, layer, numel, update_norm, bf16_unchanged_count, drift_norm,
                    drift_zero_count, coalesce(sharded, false) AS sharded, rank,
-                   min(rank) OVER (PARTITION BY run_id, stage, step, tensor) AS first_rank
+                   {first_rank} AS first_rank
             FROM tensor_stats WHERE step IS NOT NULL AND numel > 0{where}),
         one AS (SELECT * FROM rows WHERE sharded OR rank = first_rank),
+        -- One pass over the rows to (step, tensor); everything after reads that small frame.
+        per_step AS (
+            SELECT run_id, stage, step, tensor, any_value(layer) AS layer, sum(numel) AS numel,
+                   sum(update_norm * update_norm) AS update_sq, sum(numel - bf16_unchanged_count) AS update_bf16_changed,
+                   sum(drift_norm * drift_norm) AS drift_sq, sum(numel - drift_zero_count) AS drift_bf16_changed,
+                   bool_or(drift_norm IS NOT NULL) AS has_drift
+            FROM one GROUP BY run_id, stage, step, tensor),
         per_tensor AS (
-            SELECT run_id, stage, tensor, any_value(layer) AS layer,
-                   sum(update_norm * update_norm) AS update_sq,
-                   sum(numel - bf16_unchanged_count) AS update_bf16_changed,
-                   count(DISTINCT step) AS steps, max(step) FILTER (WHERE drift_norm IS NOT NULL) AS last_step
-            FROM one GROUP BY run_id, stage, tensor),
+            SELECT run_id, stage, tensor, any_value(layer) AS layer, sum(update_sq) AS update_sq,
+                   sum(update_bf16_changed) AS update_bf16_changed, count(*) AS steps,
+                   max(step) FILTER (WHERE has_drift) AS last_step
+            FROM per_step GROUP BY run_id, stage, tensor),
         last AS (
-            SELECT o.run_id, o.stage, o.tensor, sum(o.numel) AS numel, sum(o.drift_norm * o.drift_norm) AS drift_sq,
-                   sum(o.numel - o.drift_zero_count) AS drift_bf16_changed
-            FROM one o JOIN per_tensor p ON o.run_id = p.run_id AND o.stage = p.stage AND o.tensor = p.tensor
-                 AND o.step = p.last_step
-            GROUP BY o.run_id, o.stage, o.tensor),
-        numel AS (SELECT run_id, stage, tensor, max(n) AS numel FROM (
-                      SELECT run_id, stage, tensor, step, sum(numel) AS n FROM one GROUP BY ALL) GROUP BY ALL)
+            SELECT s.run_id, s.stage, s.tensor, s.drift_sq, s.drift_bf16_changed
+            FROM per_step s JOIN per_tensor p ON s.run_id = p.run_id AND s.stage = p.stage AND s.tensor = p.tensor
+                 AND s.step = p.last_step),
+        numel AS (SELECT run_id, stage, tensor, max(numel) AS numel FROM per_step GROUP BY ALL)
         SELECT p.run_id, p.stage, p.layer, count(*) AS tensors, sum(n.numel)::BIGINT AS numel,
                sum(p.update_sq) AS update_sq, sum(p.update_bf16_changed) AS update_bf16_changed,
                sum(l.drift_sq) AS drift_sq, sum(l.drift_bf16_changed) AS drift_bf16_changed,

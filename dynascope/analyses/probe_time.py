@@ -13,7 +13,8 @@ from __future__ import annotations
 import polars as pl
 
 from dynascope.analyses._common import StoreLike, as_store, frame, run_clause
-from dynascope.analyses.steps import step_breakdown
+from dynascope.analyses.steps import KEYS, TOP_LEVEL, step_rows_sql
+from dynascope.store import quote_literal
 
 __all__ = ["DEFAULT_PROBE_COST", "PROBE_PHASE", "probe_cost"]
 
@@ -34,17 +35,22 @@ def probe_cost(store: StoreLike, run: str | None = None) -> pl.DataFrame:
     Runs without a ``PROBE_PHASE`` row inside a timed step are left out.
     """
     con = as_store(store)
-    b = step_breakdown(con, run).filter(pl.col("step_ms").is_not_null())
-    probe = b.filter(pl.col("phase") == PROBE_PHASE)
-    if probe.is_empty():
+    # Summed in DuckDB over the probe's own rows: step_breakdown's row per rank, step and phase is millions of
+    # rows at a thousand ranks, none of which but the probe's is needed here.
+    spent = frame(con, f"""
+        WITH probe AS (SELECT run_id, coalesce(role, '') AS role, rank, step, SUM(dur_us) AS probe_us FROM timings
+                       WHERE {TOP_LEVEL} AND phase = {quote_literal(PROBE_PHASE)}{run_clause(run)} GROUP BY ALL),
+        -- step rows of the probed runs only: a run without the probe's phase costs one filtered scan
+        st AS (SELECT * FROM ({step_rows_sql(run)}) WHERE run_id IN (SELECT DISTINCT run_id FROM probe))
+        SELECT st.run_id, COUNT(DISTINCT st.step) AS steps, SUM(p.probe_us) / 1000.0 AS probe_ms,
+               SUM(st.step_us) / 1000.0 AS step_ms
+        FROM st LEFT JOIN probe p USING ({KEYS}) GROUP BY st.run_id HAVING COUNT(p.probe_us) > 0""")
+    if spent.is_empty():
         return pl.DataFrame(schema=_SCHEMA)
-    steps = b.unique(["run_id", "role", "rank", "step"]).group_by("run_id").agg(
-        pl.col("step").n_unique().alias("steps"), pl.col("step_ms").sum())
-    spent = probe.group_by("run_id").agg(pl.col("dur_ms").sum().alias("probe_ms"))
     recorded = frame(con, f"""
         SELECT run_id, COUNT(DISTINCT step) AS recorded_steps,
                100.0 * COUNT(update_norm) / COUNT(*) AS coverage_pct
         FROM tensor_stats WHERE step IS NOT NULL{run_clause(run)} GROUP BY run_id""")
-    out = (spent.join(steps, on="run_id").join(recorded, on="run_id", how="left")
+    out = (spent.join(recorded, on="run_id", how="left")
            .with_columns((100 * pl.col("probe_ms") / pl.col("step_ms")).alias("probe_pct")))
     return out.select([pl.col(c).cast(t) for c, t in _SCHEMA.items()]).sort("run_id")

@@ -27,10 +27,12 @@ _SPARE = ("#7570B3", "#D95F02", "#E7298A", "#17BECF", "#843C39", "#BCBD22", "#39
 _TOP_LEGEND_ENTRIES, _TOP_LEGEND_CHARS = 3, 32
 
 
-def phase_colors(names: Sequence[str]) -> dict[str, str]:
-    """A distinct colour for each phase name: fixed ones for known phases, spare ones for the others."""
-    out = {n: PHASE_COLORS[n] for n in names if n in PHASE_COLORS}
-    spare = [c for c in _SPARE if c not in out.values()]
+def phase_colors(names: Sequence[str], given: dict[str, str] | None = None) -> dict[str, str]:
+    """A distinct colour for each phase name: fixed ones for known phases, spare ones for the others; the
+    ``given`` colours are kept and not handed out again (a chart showing phases the page had not coloured)."""
+    out = dict(given or {})
+    out |= {n: PHASE_COLORS[n] for n in names if n in PHASE_COLORS and n not in out}
+    spare = [c for c in _SPARE if c not in out.values()] or list(_SPARE)
     for i, n in enumerate(sorted(set(names) - set(out))):
         out[n] = spare[i % len(spare)]
     return out
@@ -155,3 +157,42 @@ def bars(df: pl.DataFrame, x: str, y: str, color: str | None, title: str, ytitle
                              marker_color=(colors or {}).get(str(key[0]), PALETTE[i % len(PALETTE)])))
     fig.update_layout(barmode="stack" if stacked else "group")
     return layout(fig, title, ytitle if horizontal else x, x if horizontal else ytitle)
+
+
+def deviation_heatmap(cells: pl.DataFrame, title: str, ztitle: str, height: int = 420) -> go.Figure:
+    """Row × step heat map of a signed deviation from long (row, order, step, value) cells: red above 0, blue
+    below, the colour range symmetric and clipped at the 99.5th percentile of |value| (at least 1), so a few
+    extreme cells do not wash out the rest. Rows top to bottom in ``order``; a thousand rows read as bands,
+    their labels thinned by plotly."""
+    import numpy as np
+
+    rows = cells.select("row", "order").unique().sort("order")["row"].to_list()
+    wide = cells.pivot(on="step", index="row", values="value", aggregate_function="first", sort_columns=True)
+    wide = pl.DataFrame({"row": rows}).join(wide, on="row", how="left", maintain_order="left")
+    steps = [c for c in wide.columns if c != "row"]
+    z = wide.select(steps).to_numpy().astype(np.float32)
+    finite = np.abs(z[np.isfinite(z)])
+    top = max(1.0, float(np.quantile(finite, 0.995))) if finite.size else 1.0
+    fig = go.Figure(go.Heatmap(z=z, x=[int(s) for s in steps], y=rows, zmid=0, zmin=-top, zmax=top,
+                               colorscale="RdBu_r", colorbar=dict(title=ztitle, ticksuffix="%"),
+                               hovertemplate="%{y}<br>step %{x}<br>%{z:+.1f}%<extra></extra>"))
+    fig.update_yaxes(autorange="reversed", type="category")
+    return layout(fig, title, "step", "", height=height)
+
+
+def deviation_strip(df: pl.DataFrame, x: str, group: str, label: str, title: str, xtitle: str,
+                    named: int = 3) -> go.Figure:
+    """The distribution of one value per item (a rank), one horizontal box per ``group`` with every item a
+    jittered point (hover names it by ``label``); the ``named`` largest are labelled on the chart."""
+    fig = go.Figure()
+    for i, ((g,), part) in enumerate(df.group_by(group, maintain_order=True)):
+        fig.add_trace(go.Box(x=part[x].to_list(), name=str(g), boxpoints="all", jitter=0.6, pointpos=0,
+                             orientation="h", marker=dict(size=4, opacity=0.6), line=dict(width=1),
+                             fillcolor="rgba(0,0,0,0)", marker_color=PALETTE[i % len(PALETTE)],
+                             text=part[label].to_list(), hovertemplate="%{text}: %{x:+.2f}%<extra></extra>",
+                             showlegend=False))
+    for j, row in enumerate(df.sort(x, descending=True).head(named).iter_rows(named=True)):
+        fig.add_annotation(x=row[x], y=str(row[group]), text=str(row[label]), showarrow=True, arrowhead=2,
+                           ax=0, ay=-28 - 16 * j, font=dict(size=11))
+    fig.add_vline(x=0, line=dict(color="#888", width=1, dash="dot"))
+    return layout(fig, title, xtitle, "", height=max(220, 130 + 70 * df[group].n_unique()))

@@ -35,8 +35,9 @@ from dynascope.core.net import free_port
 
 APP = Path(__file__).with_name("app.py")
 DEFAULT_HOST = "127.0.0.1"
-PAGE_MODULES = ("views.runs", "views.dynamics", "views.cluster", "views.rollouts", "views.events", "views.sql",
-                "queries.params", "queries.cluster", "queries.rollouts", "queries.runs")
+PAGE_MODULES = ("views.runs", "views.dynamics", "views.cluster", "views.cluster_ranks", "views.cluster_whatif",
+                "views.rollouts", "views.events", "views.sql", "queries.params", "queries.cluster", "queries.ranks",
+                "queries.rollouts", "queries.runs")
 
 
 def is_loopback(host: str) -> bool:
@@ -156,7 +157,7 @@ def warm() -> None:
             importlib.import_module(f"dynascope.dashboard.{name}")
         # plotly creates each trace type's validators on first use, and Streamlit serialises every figure
         go.Figure([go.Scatter(x=[0], y=[0]), go.Bar(x=[0], y=[0]), go.Heatmap(z=[[0.0]]),
-                   go.Histogram(x=[0])]).to_json()
+                   go.Histogram(x=[0]), go.Box(x=[0])]).to_json()
     except Exception as exc:  # warming is an optimisation: the pages import what they need anyway
         print(f"dynascope: warming the dashboard's imports failed ({type(exc).__name__}: {exc})", file=sys.stderr)
         return

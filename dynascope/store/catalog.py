@@ -147,6 +147,20 @@ def ranks_of(writers: set[str]) -> set[int]:
     return {int(m.group(1)) for w in writers if (m := _RANK.match(w))}
 
 
+def writer_hosts(run_dir: str | os.PathLike) -> list[tuple[str, int, str]]:
+    """(role, rank, host) of each writer that kept a heartbeat in the run (``_writers/<id>.json``): the one
+    record of every rank's host, where only the process that created the run wrote a ``runs`` row."""
+    out = set()
+    hb_dir = Path(run_dir) / HEARTBEATS
+    for f in hb_dir.glob("*.json") if hb_dir.is_dir() else ():
+        try:
+            beat = json.loads(f.read_text(encoding="utf-8"))
+            out.add((str(beat.get("role") or ""), int(beat["rank"]), str(beat["host"])))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+            continue  # a heartbeat being rewritten, or not one of ours
+    return sorted(out, key=lambda r: (r[0], r[1]))
+
+
 def run_status(run_dir: Path, writers: set[str], ended: set[str]) -> str:
     """live | finished | crashed (see the module docstring) from the writer ids of the run's segment
     directories, those that wrote ``run_end``, and the heartbeat files."""

@@ -1,4 +1,5 @@
-"""Cluster aggregates: per-rank phase timeline windows, phase breakdown, stragglers and throughput.
+"""Cluster aggregates: per-rank phase timeline windows, phase breakdown and throughput (the per-rank busy
+time, heat map and stragglers are in ``ranks``).
 
 Timings follow the probe's convention: one ``phase='step', category='step'`` row per rank per step
 spanning boundary to boundary, phases inside it (``parent`` NULL or 'step' for top-level phases).
@@ -9,52 +10,68 @@ from __future__ import annotations
 import polars as pl
 
 from dynascope.dashboard.queries import BUCKET, MAX_POINTS, bounds_cte
+from dynascope.dashboard.queries.ranks import straggler_table  # the per-rank table, also under its old home
 from dynascope.store import StoreConnection, quote_literal
 
 # Categories drawn on the Gantt unless the user asks for kernels; trace imports can hold millions.
 _COARSE = "('phase', 'wait', 'comm', 'annotation')"
 
 
+__all__ = ["gantt", "phase_breakdown", "ranks_clause", "straggler_table", "throughput", "timing_span"]
+
 RECENT_STEPS = 50
+Ranks = tuple[tuple[str, int], ...]  # (role, rank) pairs; roles may number their ranks from 0 each
+
+
+def ranks_clause(ranks: Ranks | None) -> str:
+    """`` AND`` a filter on (role, rank) pairs, or nothing when ``ranks`` is None (every rank)."""
+    if ranks is None:
+        return ""
+    pairs = [f"(coalesce(role, '') = {quote_literal(role)} AND rank = {int(rank)})" for role, rank in ranks]
+    return f" AND ({' OR '.join(pairs) or 'FALSE'})"
 
 
 def timing_span(store: StoreConnection, run: str) -> pl.DataFrame:
-    """First and last step with timings, rank count, whether fine-grained (kernel) rows exist, and
+    """First and last step with timings, whether fine-grained (kernel) rows exist, and
     ``typical_step``: the last step whose set of top-level phases is the most common one among the last
     ``RECENT_STEPS`` steps (the last step is often an evaluation or checkpoint step, a poor first view of the
-    timeline; counting only recent steps keeps an earlier, longer stage such as SFT from winning)."""
+    timeline; counting only recent steps keeps an earlier, longer stage such as SFT from winning), and
+    ``phases``: every top-level phase of the run (one colour each on every chart of the page)."""
     from dynascope.analyses.steps import TOP_LEVEL
 
     r = f"run_id = {quote_literal(run)}"
     return store.frame(f"""
-        WITH sets AS (SELECT step, list_sort(list_distinct(list(phase))) AS phases FROM timings
-                      WHERE {r} AND {TOP_LEVEL} GROUP BY step),
+        WITH sp AS (SELECT DISTINCT step, phase FROM timings WHERE {r} AND {TOP_LEVEL}),  -- a list per row: slow
+             sets AS (SELECT step, list_sort(list(phase)) AS phases FROM sp GROUP BY step),
              recent AS (SELECT * FROM sets ORDER BY step DESC LIMIT {RECENT_STEPS}),
              common AS (SELECT phases FROM recent GROUP BY phases ORDER BY count(*) DESC, max(step) DESC LIMIT 1)
-        SELECT min(step) AS first_step, max(step) AS last_step, count(DISTINCT rank) AS ranks,
-               count(*) FILTER (WHERE category IN ('kernel', 'memcpy', 'cpu_op')) AS fine_rows,
-               (SELECT max(step) FROM sets WHERE phases = (SELECT phases FROM common)) AS typical_step
+        SELECT min(step) AS first_step, max(step) AS last_step, count(*) FILTER (WHERE category IN ('kernel', 'memcpy', 'cpu_op')) AS fine_rows,
+               (SELECT max(step) FROM sets WHERE phases = (SELECT phases FROM common)) AS typical_step,
+               (SELECT list_sort(list_distinct(flatten(list(phases)))) FROM sets) AS phases
         FROM timings WHERE {r} AND step IS NOT NULL""")
 
 
-def gantt(store: StoreConnection, run: str, lo: int, hi: int, fine: bool = False, limit: int = 4000) -> pl.DataFrame:
-    """Phase intervals of steps lo..hi for every rank, in ms since the window's first start.
+def gantt(store: StoreConnection, run: str, lo: int, hi: int, fine: bool = False, limit: int = 4000,
+          ranks: Ranks | None = None) -> pl.DataFrame:
+    """Phase intervals of steps lo..hi for ``ranks`` (every rank when None), in ms since the window's first start.
 
     When more than ``limit`` intervals fall in the window the longest are kept (``total`` says how many).
     """
     cats = "category <> 'step'" if fine else f"category IN {_COARSE}"
-    where = f"run_id = {quote_literal(run)} AND step BETWEEN {int(lo)} AND {int(hi)} AND start_us IS NOT NULL"
+    where = (f"run_id = {quote_literal(run)} AND step BETWEEN {int(lo)} AND {int(hi)} AND start_us IS NOT NULL"
+             + ranks_clause(ranks))
     return store.frame(f"""
-        WITH w AS (SELECT rank, step, phase, category, parent, start_us, dur_us
+        WITH w AS (SELECT coalesce(role, '') AS role, rank, step, phase, category, parent, start_us, dur_us
                    FROM timings WHERE {where} AND {cats}),
              t0 AS (SELECT min(start_us) AS t0, count(*) AS total FROM w)
-        SELECT rank, step, phase, category, parent, (start_us - t0) / 1000.0 AS start_ms,
+        SELECT role, rank, step, phase, category, parent, (start_us - t0) / 1000.0 AS start_ms,
                dur_us / 1000.0 AS dur_ms, total
         FROM w, t0 ORDER BY dur_us DESC LIMIT {int(limit)}""")
 
 
-def phase_breakdown(store: StoreConnection, run: str) -> pl.DataFrame:
-    """Mean ms per step per (role, rank) for each top-level phase, plus the step time no phase accounts for.
+def phase_breakdown(store: StoreConnection, run: str, ranks: Ranks | None = None) -> pl.DataFrame:
+    """Mean ms per step per (role, rank) for each top-level phase, plus the step time no phase accounts for;
+    of ``ranks`` only (every rank when None: at a thousand ranks a chart shows a few of them).
 
     Uses the definitions of ``dynascope.analyses.steps`` (top-level rows, step rows) but aggregates in
     DuckDB: ``step_breakdown`` returns one row per rank, step and phase, far more than a chart needs.
@@ -66,7 +83,7 @@ def phase_breakdown(store: StoreConnection, run: str) -> pl.DataFrame:
     """
     from dynascope.analyses.steps import REMAINDER, STEP_ROW, TOP_LEVEL
 
-    r = f"run_id = {quote_literal(run)}"
+    r = f"run_id = {quote_literal(run)}{ranks_clause(ranks)}"
     return store.frame(f"""
         WITH per_step AS (
             SELECT coalesce(role, '') AS role, rank, step, sum(dur_us) FILTER (WHERE {TOP_LEVEL}) AS phases_us,
@@ -90,36 +107,6 @@ def phase_breakdown(store: StoreConnection, run: str) -> pl.DataFrame:
         SELECT role, rank, {quote_literal(REMAINDER)}, rest_us / 1000.0 / n, n, rest_us / 1000.0, 0.0, NULL, false
         FROM n
         ORDER BY role, rank, phase""")
-
-
-def straggler_table(store: StoreConnection, run: str) -> pl.DataFrame:
-    """Per rank: busy time per step against the per-step median, how often it was the slowest, what-if savings.
-
-    Busy time is the top-level phases minus waits and collectives (``dynascope.analyses.steps``): in a
-    synchronous step every rank's step lasts as long as the slowest's, so only busy time tells them apart.
-    What-if: the rank's busy time is capped at that step's median; the step then waits for the slowest of the
-    other ranks (or the median). Saving is the summed reduction of the slowest busy time.
-    """
-    from dynascope.analyses.steps import SYNC, TOP_LEVEL
-
-    # Busy rows summed straight to (rank, step): grouping by phase first, as the analyses do to merge a
-    # phase's spans, changes no sum here and cost 3× the time.
-    return store.frame(f"""
-        WITH st AS (SELECT rank, step, sum(dur_us) AS d FROM timings
-                    WHERE run_id = {quote_literal(run)} AND {TOP_LEVEL} AND NOT ({SYNC}) GROUP BY ALL),
-             ranked AS (SELECT *, row_number() OVER (PARTITION BY step ORDER BY d DESC, rank) AS pos FROM st),
-             per_step AS (SELECT step, median(d) AS med, max(d) AS top1,
-                                 coalesce(max(d) FILTER (WHERE pos = 2), 0) AS top2,
-                                 arg_max(rank, d) AS slowest, count(*) AS nranks
-                          FROM ranked GROUP BY step HAVING count(*) > 1),
-             whatif AS (SELECT r.rank, r.step, r.d, p.med, p.top1, p.slowest,
-                               greatest(CASE WHEN r.pos = 1 THEN p.top2 ELSE p.top1 END, least(r.d, p.med)) AS new_top
-                        FROM ranked r JOIN per_step p USING (step))
-        SELECT rank, avg(d) / 1000.0 AS mean_busy_ms, 100.0 * (avg(d / nullif(med, 0)) - 1) AS score_pct,
-               100.0 * avg(CASE WHEN slowest = rank THEN 1 ELSE 0 END) AS slowest_share_pct,
-               sum(top1 - new_top) / 1e6 AS whatif_saved_s,
-               100.0 * sum(top1 - new_top) / nullif(sum(top1), 0) AS whatif_saved_pct
-        FROM whatif GROUP BY rank ORDER BY score_pct DESC""")
 
 
 def throughput(store: StoreConnection, run: str, max_points: int = MAX_POINTS) -> pl.DataFrame:

@@ -7,6 +7,7 @@ import polars as pl
 import streamlit as st
 
 from dynascope import analyses
+from dynascope.analyses.delta_sync import summarize_delta_sync
 from dynascope.analyses.findings_dynamics import delta_sync_numbers
 from dynascope.analyses.findings_text import sentence
 from dynascope.core.naming import KINDS
@@ -26,6 +27,11 @@ def _body() -> None:
     if not runs:
         st.info("Pick one or more runs in the sidebar.")
         return
+    # The delta-sync series and the per-layer shares, at the page's foot, each scan tensor_stats once: start
+    # them beside the parameter cube (a second core) rather than after the charts above them.
+    shown = st.session_state.get("dyn_run") if st.session_state.get("dyn_run") in runs else runs[0]
+    data.prefetch(path, queries=[(P.delta_sync_series, (runs,))],
+                  analyses=[(analyses.update_share_by_layer, {"run": shown, "stage": None})])
     cubes = {r: data.query(P.param_cube, path, r) for r in runs}
     sk = pl.concat([P.stages_and_kinds(c) for c in cubes.values()])
     if data.empty(sk, "parameter statistics (tensor_stats)"):
@@ -132,7 +138,7 @@ def _delta_sync(path: str, runs: tuple[str, ...]) -> None:
                                  name=f"{name} changed in bf16", line=dict(color=color, dash="dot")))
     charts.show(charts.layout(fig, "changed in bf16 (1 − PULSE S₁, dotted) and delta-sync bytes per step", "step",
                               "% of elements / of full bf16 bytes"), "dyn_delta_sync")
-    summary = data.per_run(analyses.delta_sync_summary, path, runs)
+    summary = summarize_delta_sync(ds)  # the series is delta_sync_bytes: the report's summary without a second scan
     st.caption("Elements whose bf16 cast changed in the step (1 − PULSE S₁), sent as value+index (6 B each) or a "
                "bitmap (numel/8 B + 2 B each), whichever is smaller. Per run and stage, as the report says it: "
                + "; ".join(("" if len(runs) == 1 else f"{r['run_id']}: ") + sentence("delta_sync", delta_sync_numbers(r))
