@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from dynascope.core.naming import normalize_name
+from dynascope.probes.background import PassThread, versions
 from dynascope.probes.params import LocalViews, Tracked
 from dynascope.probes.protocol import Probe, Rows, StepContext, resolved_rows
 from dynascope.probes.rows import Record, summarize, tensor_stats_batch, tracked_columns
@@ -36,7 +37,7 @@ from dynascope.probes.snapshots import Bf16History, StepSnapshot
 from dynascope.probes.window import Window
 from dynascope.stats.base import Settings, Statistic
 from dynascope.stats.builtin.grad import DEFAULT_GRAD_TOL
-from dynascope.stats.engine import Reader, flat_reader, passes, transient_bytes
+from dynascope.stats.engine import Pass, Reader, flat_reader, passes, transient_bytes
 from dynascope.stats.registry import REGISTRY
 
 __all__ = ["DRIFT_EVERY", "TIME_BUDGET", "W_NORM_EVERY", "TensorStats"]
@@ -91,9 +92,15 @@ class TensorStats(Probe):
         self._rec: Record | None = None
         self._columns: tuple[list[Tracked], dict[str, Any]] | None = None  # the tracked list's own columns
         self._early_window: list[int] | None = None
+        self._pass = PassThread()  # the post-step weight pass, beside the next forward (probes.background)
+        self._merged: dict[tuple[int, ...], Pass] = {}
 
     def schedule(self, step: int) -> bool:
-        """The user's schedule, plus the steps at which S_k takes its snapshot (k steps before a record)."""
+        """The user's schedule, plus the steps at which S_k takes its snapshot (k steps before a record).
+
+        The scope asks at every step's boundary, in the optimizer's pre-hook: the previous step's weight
+        pass is waited for here, so the optimizer never changes weights that pass is still reading."""
+        self._pass.wait()
         return bool(self._schedule(step)) or self._snapshot_due(step)
 
     def _resident_bytes(self, tracked: list[Tracked]) -> float:
@@ -161,6 +168,7 @@ class TensorStats(Probe):
     def after(self, ctx: StepContext) -> Callable[[], Rows] | None:
         """Post-step half: the weight statistics of the step (‖W‖, ΔW, drift, S_k), packed into one host vector."""
         if not self._schedule(ctx.step):
+            self._pass.wait()
             self._snapshot(ctx.step, ctx.tracked, [t.local() for t in ctx.tracked])
             return None
         if ctx.manual or ctx.grads_after:
@@ -180,25 +188,62 @@ class TensorStats(Probe):
                  "cadence": range(len(tracked)) if every_tensor else rec.window}
         plans = [(p, [i for i in tiers[p.tier] if all(n == "new" or inputs[n](i) is not None for n in p.inputs)]
                   if held.issuperset(p.inputs) else []) for p in self.weight_passes if not p.batched]
+        batched = []
         for p in self.weight_passes:  # batched (‖W‖): not for the tensors a chunked pass gives it to
             if p.batched:
                 covered = {i for q, rows in plans if set(p.outputs) <= set(q.outputs) for i in rows}
-                rows = [i for i in tiers[p.tier] if i not in covered]
+                batched.append((p, [i for i in tiers[p.tier] if i not in covered]))
+        read = sorted({i for _, rows in plans + batched for i in rows})
+        before = versions([locals_[i] for i in read])
+        step = ctx.step
+
+        def job() -> None:
+            t0 = time.perf_counter()
+            for p, rows in batched:
                 rec.add(p.key, p.outputs, rows, p.run_batched([locals_[i] for i in rows]).to(device))
-        t0 = time.perf_counter()
-        for p, rows in plans:
-            out = [p.run({n: inputs[n](i) for n in p.inputs}, locals_[i].numel(), locals_[i].device, self.settings,
-                         chunk_elems=rec.chunk_elems) for i in rows]
+            self._weight_passes(rec, plans, inputs, locals_, device)
+            if any(rows for _, rows in plans):
+                self.window.charge(t0)
+            if self.history is not None:
+                self._snapshot(step, tracked, locals_)
+            changed = {i for i, v0, v1 in zip(read, before, versions([locals_[i] for i in read]), strict=True) if v0 != v1}
+            if changed:  # written by something other than the optimizer while the pass read them: no values
+                rec.drop_rows([p.key for p, _ in plans + batched], changed)
+                rec.notes.append(f"weights of {len(changed)} tensors changed between the optimizer step and the "
+                                 f"end of the probe's pass (e.g. {tracked[min(changed)].name}): their weight "
+                                 "statistics are NULL at this step")
+            rec.pack(device)
+        # On a host the pass runs beside the next forward; the next step's pre-hook waits for it (background.py).
+        if device.type == "cpu" and not ctx.manual:
+            rec.done = self._pass.submit(job)
+        else:
+            job()
+        return _RecordRows(self, rec)
+
+    def _weight_passes(self, rec: Record, plans: list[tuple[Pass, list[int]]],
+                       inputs: dict[str, Callable[[int], Reader | None]], locals_: LocalViews,
+                       device: torch.device) -> None:
+        """Every chunked pass of the weights, one fused pass per tensor: the statistics of all the passes
+        that cover a tensor run together, so each chunk of W_t is read once whatever else is compared."""
+        covering: dict[int, list[int]] = {}
+        for k, (_, rows) in enumerate(plans):
+            for i in rows:
+                covering.setdefault(i, []).append(k)
+        results: dict[int, torch.Tensor] = {}
+        for i, ks in covering.items():
+            merged = self._merged.get(tuple(ks))
+            if merged is None:
+                merged = self._merged[tuple(ks)] = Pass([s for k in ks for s in plans[k][0].statistics])
+            results[i] = merged.run({n: inputs[n](i) for n in merged.inputs}, locals_[i].numel(), locals_[i].device,
+                                    self.settings, chunk_elems=rec.chunk_elems)
+        for k, (p, rows) in enumerate(plans):
+            out = []
+            for i in rows:
+                off = sum(len(plans[q][0].outputs) for q in covering[i] if q < k)
+                out.append(results[i][off:off + len(p.outputs)])
             rec.add(p.key, p.outputs, rows, _stacked(out, len(p.outputs), device))
             if rows and "k_snapshot" in p.inputs:
                 rec.constants[p.key] = {"bf16_k_steps": self.history.k}  # type: ignore[union-attr]
-        if any(rows for _, rows in plans):
-            self.window.charge(t0)
-        del inputs, plans
-        if self.history is not None:
-            self._snapshot(ctx.step, tracked, locals_)
-        rec.pack(device)
-        return _RecordRows(self, rec)
 
     def _inputs(self, rec: Record, ctx: StepContext,
                 locals_: LocalViews) -> tuple[dict[str, Callable[[int], Reader | None]], set[str]]:
@@ -230,13 +275,22 @@ class TensorStats(Probe):
         for res in [*results, None]:
             rec = res.rec if isinstance(res, _RecordRows) and res.probe is self else None
             if group and (rec is None or rec.tracked is not group[0].tracked):
-                out.append({"tensor_stats": tensor_stats_batch(group, self._tracked_columns(group[0].tracked))})
+                out.append(self._rows(group))
                 group = []
             if rec is not None:
                 group.append(rec)
             elif res is not None:
                 out.append(resolved_rows(res))
         return out
+
+    def _rows(self, recs: list[Record]) -> Rows:
+        """The ``tensor_stats`` batch of consecutive records, and an ``events`` row per note they carry."""
+        rows: dict[str, Any] = {"tensor_stats": tensor_stats_batch(recs, self._tracked_columns(recs[0].tracked))}
+        notes = [(r, n) for r in recs for n in r.notes]
+        if notes:
+            rows["events"] = {"step": [r.step for r, _ in notes], "time_us": [r.time_us for r, _ in notes],
+                              "event": "weights_changed", "severity": "warning", "message": [n for _, n in notes]}
+        return rows
 
     def _tracked_columns(self, tracked: list[Tracked]) -> dict[str, Any]:
         """``tracked_columns(tracked)``, rebuilt only when the scope discovers a new tracked list (resolver
@@ -267,11 +321,13 @@ class TensorStats(Probe):
         return summarize(rows.get("tensor_stats", {}))
 
     def discard(self) -> None:
+        self._pass.wait()
         self._rec = None
         self._early_window = None
         self.snapshot.reset()
 
     def close(self) -> None:
+        self._pass.close()
         self.snapshot.close()
         if self.history is not None:
             self.history.drop()
@@ -290,4 +346,4 @@ class _RecordRows:
         self.probe, self.rec = probe, rec
 
     def __call__(self) -> Rows:
-        return {"tensor_stats": tensor_stats_batch([self.rec], self.probe._tracked_columns(self.rec.tracked))}
+        return self.probe._rows([self.rec])
