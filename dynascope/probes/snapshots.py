@@ -71,6 +71,7 @@ class StepSnapshot:
     def __init__(self) -> None:
         self.arena = SnapshotArena()
         self._snap: list[Tensor] | None = None
+        self._carried: tuple[list[Tensor], list[tuple[int, int, int]]] | None = None
 
     @property
     def pending(self) -> bool:
@@ -78,9 +79,27 @@ class StepSnapshot:
 
     @torch.no_grad()
     def take(self, params: list[Tensor]) -> None:
+        """Copy ``params`` (before the optimizer step), unless ``carry`` copied exactly these since their
+        last change: every in-place write bumps a tensor's version counter, the optimizer's included."""
+        carried, self._carried = self._carried, None
+        if carried is not None and carried[1] == _identity(params) and all(
+                c.shape == p.shape and c.dtype == p.dtype for c, p in zip(carried[0], params, strict=True)):
+            self._snap = carried[0]
+            return
         self._snap = self.arena.views(params)
         if params:
             torch._foreach_copy_(self._snap, params)
+
+    @torch.no_grad()
+    def carry(self, params: list[Tensor]) -> None:
+        """Copy ``params`` now, after the step's statistics read the previous copy, for the next ``take``:
+        with every tensor recorded at every step, the next pre-step snapshot is these weights unless
+        something writes them before that step, which ``take`` sees by their versions."""
+        ident = _identity(params)  # before the copy: a write during it changes the version after this
+        views = self.arena.views(params)
+        if params:
+            torch._foreach_copy_(views, params)
+        self._carried = (views, ident)
 
     def pop(self, expected: int) -> list[Tensor]:
         """The copies of the ``expected`` tensors taken before the step (the pending snapshot is cleared)."""
@@ -90,12 +109,17 @@ class StepSnapshot:
         return snap
 
     def reset(self) -> None:
-        self._snap = None
+        self._snap = self._carried = None
 
     def close(self) -> None:
         """Drop the pending snapshot and give the arena's memory back."""
-        self._snap = None
+        self._snap = self._carried = None
         self.arena.release()
+
+
+def _identity(params: list[Tensor]) -> list[tuple[int, int, int]]:
+    """What says a tensor's data is unchanged: its version counter, storage address and element count."""
+    return [(p._version, p.data_ptr(), p.numel()) for p in params]
 
 
 class Bf16History:

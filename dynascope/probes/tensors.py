@@ -194,6 +194,7 @@ class TensorStats(Probe):
                 covered = {i for q, rows in plans if set(p.outputs) <= set(q.outputs) for i in rows}
                 batched.append((p, [i for i in tiers[p.tier] if i not in covered]))
         read = sorted({i for _, rows in plans + batched for i in rows})
+        background = device.type == "cpu" and not ctx.manual
         before = versions([locals_[i] for i in read])
         step = ctx.step
 
@@ -206,6 +207,8 @@ class TensorStats(Probe):
                 self.window.charge(t0)
             if self.history is not None:
                 self._snapshot(step, tracked, locals_)
+            if self._needs_old and background and len(rec.window) == len(tracked) and self._schedule(step + 1):
+                self.snapshot.carry([locals_[i] for i in rec.window])  # the next pre-step copy, made here
             changed = {i for i, v0, v1 in zip(read, before, versions([locals_[i] for i in read]), strict=True) if v0 != v1}
             if changed:  # written by something other than the optimizer while the pass read them: no values
                 rec.drop_rows([p.key for p, _ in plans + batched], changed)
@@ -214,7 +217,7 @@ class TensorStats(Probe):
                                  "statistics are NULL at this step")
             rec.pack(device)
         # On a host the pass runs beside the next forward; the next step's pre-hook waits for it (background.py).
-        if device.type == "cpu" and not ctx.manual:
+        if background:
             rec.done = self._pass.submit(job)
         else:
             job()

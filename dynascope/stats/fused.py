@@ -55,7 +55,8 @@ _compiler: ThreadPoolExecutor | None = None
 
 
 def available() -> bool:
-    """Whether numba is installed (and not switched off by ``DYNASCOPE_FUSED=0``)."""
+    """Whether numba is installed (and not switched off by ``DYNASCOPE_FUSED=0``; ``DYNASCOPE_FUSED=sync``
+    compiles each kernel when first needed instead of in the background, for value comparisons)."""
     return os.environ.get("DYNASCOPE_FUSED", "1") != "0" and importlib.util.find_spec("numba") is not None
 
 
@@ -169,7 +170,7 @@ def kernel_for(statistics: Sequence[Statistic], x: Chunk, wait: bool = False) ->
         if got is None and key not in _kernels:
             got = _kernels[key] = _compile_pool().submit(_build, tuple(statistics), kinds)  # type: ignore[arg-type]
     if isinstance(got, Future):
-        if not (wait or got.done()):
+        if not (wait or got.done() or os.environ.get("DYNASCOPE_FUSED") == "sync"):
             return None
         try:
             got = got.result()
