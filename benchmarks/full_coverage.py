@@ -145,7 +145,7 @@ def block(w: Workload, args: argparse.Namespace, kind: str, tmp: str) -> dict[st
         threads = probe_ab._probe_threads()
         cpu0 = probe_ab._thread_cpu(threads)
         floor: list[float] = []
-        dt = w.step((lambda: floor.append(floor_pass(w, copies))) if kind == "floor" else None)
+        dt = w.step(lambda floor=floor: floor.append(floor_pass(w, copies)) if kind == "floor" else None)
         if i < args.drop:
             continue
         rows["step"].append(dt)
@@ -157,7 +157,6 @@ def block(w: Workload, args: argparse.Namespace, kind: str, tmp: str) -> dict[st
         rows["rss"].append(_rss() - rss0)
     if scope is not None:
         scope.close()
-    del copies
     return {k: statistics.median(v) if k != "rss" else max(v) for k, v in rows.items()}
 
 

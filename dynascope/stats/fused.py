@@ -140,7 +140,7 @@ class FusedKernel:
 
 def _views(s: Statistic) -> set[str]:
     """The element function's arguments that are views of inputs (the rest are scalars)."""
-    names = set()
+    names: set[str] = set()
     for i in s.inputs:
         names.update((i, f"{i}_bits", f"{i}_key"))
     return names
@@ -315,7 +315,7 @@ def jitted(fn: Callable[..., Any]) -> Any:
 
 
 def _make_ops() -> types.ModuleType:
-    from llvmlite import ir
+    from llvmlite import ir  # type: ignore[import-untyped]
     from numba import njit
     from numba import types as nt
     from numba.extending import intrinsic
@@ -340,11 +340,11 @@ def _make_ops() -> types.ModuleType:
 
     @njit(inline="always")
     def bf16_value(key: Any) -> Any:
-        return value(np.int32(key) << np.int32(16))
+        return value(np.int32(key) << np.int32(16))  # type: ignore[call-arg]
 
     @njit(inline="always")
     def bf16_round(x: Any) -> Any:
-        return bf16_value(key_f32(bits(np.float32(x))))
+        return bf16_value(key_f32(bits(np.float32(x))))  # type: ignore[call-arg]
 
     mod = types.ModuleType("dynascope_fused_ops")
     mod.__dict__.update(bits=bits, value=value, key_f32=key_f32, bf16_value=bf16_value, bf16_round=bf16_round)
