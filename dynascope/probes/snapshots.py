@@ -137,6 +137,8 @@ class Bf16History:
         self._read: dict[str, Callable[[int, int], Tensor]] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
         self.resident_bytes = 0
+        self._held: dict[str, Tensor] = {}
+        self._spare: dict[str, Tensor] = {}
 
     def due(self, step: int) -> bool:
         """Whether the snapshot held is exactly k steps before ``step``."""
@@ -152,14 +154,20 @@ class Bf16History:
         """At ``step``: drop the snapshot once used up, take the next one if ``wanted`` (of ``named()``,
         resident if ``resident()`` says the budget holds it, else on disk). Returns whether one was taken."""
         if self.step is not None and step - self.step >= self.k:
+            self._spare = self._held
             self.drop()
-        if not self.wanted(step, schedule):
-            return False
-        self.take(step, named(), resident())
-        return True
+        try:
+            if not self.wanted(step, schedule):
+                return False
+            self.take(step, named(), resident())
+            return True
+        finally:
+            self._spare = {}
 
     def drop(self) -> None:
-        self.step, self._read, self._shapes, self.resident_bytes = None, {}, {}, 0
+        """Forget the snapshot (``refresh`` keeps its resident buffers for a ``take`` in the same call: a
+        fresh 2 bytes per weight at every snapshot were faulted in page by page)."""
+        self.step, self._read, self._shapes, self.resident_bytes, self._held = None, {}, {}, 0, {}
 
     @torch.no_grad()
     def take(self, step: int, named: list[tuple[str, Tensor]], resident: bool) -> None:
@@ -169,7 +177,14 @@ class Bf16History:
         self.drop()
         self._shapes = {n: tuple(t.shape) for n, t in named}
         if resident:
-            held = {n: t.detach().to(torch.bfloat16, copy=True).reshape(-1) for n, t in named}
+            spare = self._spare
+            held = {}
+            for n, t in named:
+                buf = spare.get(n)
+                if buf is None or buf.numel() != t.numel() or buf.device != t.device:
+                    buf = torch.empty(t.numel(), dtype=torch.bfloat16, device=t.device)
+                held[n] = buf.copy_(t.detach().reshape(-1))  # PyTorch's cast, into the buffer
+            self._held = held
             self._read = {n: (lambda lo, hi, f=f: f[lo:hi]) for n, f in held.items()}
             self.resident_bytes = sum(f.numel() * 2 for f in held.values())
         else:
