@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 import dynascope
+from dynascope.probes import tensors
 from dynascope.store import open_store
 
 
@@ -17,7 +18,7 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None
     opt.zero_grad(set_to_none=True)
 
 
-def test_weights_changed_during_the_pass_are_null(tmp_path) -> None:
+def test_weights_changed_during_the_pass_are_null(tmp_path, monkeypatch) -> None:
     """A weight edited in place while the pass runs loses that step's weight statistics (NULL) and the step
     gets a weights_changed event; the tensor the edit did not touch keeps its values."""
     torch.manual_seed(0)
@@ -27,13 +28,13 @@ def test_weights_changed_during_the_pass_are_null(tmp_path) -> None:
     scope = dynascope.watch(model, opt, run=tmp_path / "r", memory_budget=None, time_budget=None, reference=None,
                             system_interval_s=None)
     gate, started = threading.Event(), threading.Event()
-    passes = scope.stats._weight_passes
+    passes = tensors.weight_pass
 
     def held(*a, **k):  # the pass starts, then waits until the edit below is done
         started.set()
         assert gate.wait(30)
         return passes(*a, **k)
-    scope.stats._weight_passes = held
+    monkeypatch.setattr(tensors, "weight_pass", held)
     model(x).square().mean().backward()
     opt.step()  # the post-hook hands the pass to its thread and returns
     assert started.wait(30)
@@ -41,7 +42,7 @@ def test_weights_changed_during_the_pass_are_null(tmp_path) -> None:
         model.weight.add_(1.0)
     gate.set()
     opt.zero_grad(set_to_none=True)
-    scope.stats._weight_passes = passes
+    monkeypatch.setattr(tensors, "weight_pass", passes)
     _step(model, opt, x)  # its pre-hook waits for the held pass
     scope.close()
     store = open_store(tmp_path / "r")

@@ -146,3 +146,28 @@ def test_fused_gradient_counts() -> None:
             a.isinf().sum().item()]
     assert all(_same(x, y) for x, y in zip(got, want, strict=True)), (got, want)
     assert p.element_wise
+
+
+def test_copies_written_over_the_inputs_they_read() -> None:
+    """A pass writes W_t over the snapshot it compares against (fp32) and its bf16 cast over S_k's snapshot,
+    element by element after reading them: the statistics are those of the inputs as they were."""
+    a, b, c = _pairs()
+    k = b.to(torch.bfloat16)
+    p = Pass(WEIGHT_STATS)
+    want = compute(p, {"new": a, "old": b, "ref": c, "k_snapshot": k}).tolist()
+    for on_tensors in (False, True):
+        old, ks = b.clone(), k.clone()
+        x = Chunk(a.numel(), Settings())
+        for name, t in (("new", a), ("old", old), ("ref", c), ("k_snapshot", ks)):
+            x.set(name, t)
+        x.copies = [("new", old), ("new", ks)]
+        assert fused.kernel_for(p.statistics, x, wait=True) is not None
+        copies = [("new", lambda lo, hi, t=old: t[lo:hi]), ("new", lambda lo, hi, t=ks: t[lo:hi])]
+        readers = {"new": lambda lo, hi: a[lo:hi], "old": lambda lo, hi: old[lo:hi], "ref": lambda lo, hi: c[lo:hi],
+                   "k_snapshot": lambda lo, hi: ks[lo:hi]}
+        if on_tensors:
+            p.element_wise = False  # the chunk kernels, then the engine's copy_
+        got = p.run(readers, a.numel(), a.device, chunk_elems=777, copies=copies).tolist()
+        assert all(_same(u, v) for u, v in zip(got, want, strict=True))
+        assert torch.equal(old.view(torch.int32), a.view(torch.int32))
+        assert torch.equal(ks.view(torch.int16), a.to(torch.bfloat16).view(torch.int16))

@@ -72,6 +72,7 @@ class StepSnapshot:
         self.arena = SnapshotArena()
         self._snap: list[Tensor] | None = None
         self._carried: tuple[list[Tensor], list[tuple[int, int, int]]] | None = None
+        self._carrying: tuple[list[Tensor], list[tuple[int, int, int]]] | None = None
 
     @property
     def pending(self) -> bool:
@@ -90,16 +91,17 @@ class StepSnapshot:
         if params:
             torch._foreach_copy_(self._snap, params)
 
-    @torch.no_grad()
-    def carry(self, params: list[Tensor]) -> None:
-        """Copy ``params`` now, after the step's statistics read the previous copy, for the next ``take``:
-        with every tensor recorded at every step, the next pre-step snapshot is these weights unless
-        something writes them before that step, which ``take`` sees by their versions."""
-        ident = _identity(params)  # before the copy: a write during it changes the version after this
-        views = self.arena.views(params)
-        if params:
-            torch._foreach_copy_(views, params)
-        self._carried = (views, ident)
+    def carry_views(self, params: list[Tensor]) -> list[Tensor]:
+        """The arena's views for ``params``, which the caller fills with them now (the post-step pass, as it
+        reads the previous copy there) and then hands to the next ``take`` with ``carried``: with every
+        tensor recorded at every step, the next pre-step snapshot is these weights unless something writes
+        them before that step, which ``take`` sees by their versions."""
+        self._carrying = (self.arena.views(params), _identity(params))  # identity first: a write after it shows
+        return self._carrying[0]
+
+    def carried(self) -> None:
+        """The views of ``carry_views`` are filled: the next ``take`` may use them."""
+        self._carried, self._carrying = self._carrying, None
 
     def pop(self, expected: int) -> list[Tensor]:
         """The copies of the ``expected`` tensors taken before the step (the pending snapshot is cleared)."""
@@ -109,11 +111,11 @@ class StepSnapshot:
         return snap
 
     def reset(self) -> None:
-        self._snap = self._carried = None
+        self._snap = self._carried = self._carrying = None
 
     def close(self) -> None:
         """Drop the pending snapshot and give the arena's memory back."""
-        self._snap = self._carried = None
+        self._snap = self._carried = self._carrying = None
         self.arena.release()
 
 
@@ -163,6 +165,29 @@ class Bf16History:
             return True
         finally:
             self._spare = {}
+
+    def buffers(self, step: int, schedule: Callable[[int], bool], named: list[tuple[str, Tensor]],
+                resident: Callable[[], bool]) -> dict[str, Tensor] | None:
+        """Flat bf16 buffers for the snapshot ``refresh`` would take at ``step`` when it is held in memory (the
+        used-up snapshot's, where they fit), for the caller to fill with the casts of ``named`` and hand to
+        ``adopt``; None when no resident snapshot is due."""
+        if not self.wanted(step, schedule) or not resident():
+            return None
+        out = {}
+        for n, t in named:
+            buf = self._held.get(n)
+            out[n] = buf if buf is not None and buf.numel() == t.numel() and buf.device == t.device else torch.empty(
+                t.numel(), dtype=torch.bfloat16, device=t.device)
+        return out
+
+    def adopt(self, step: int, named: list[tuple[str, Tensor]], held: dict[str, Tensor]) -> None:
+        """Hold ``held`` (from ``buffers``, filled) as the bf16 snapshot of ``named`` at ``step``."""
+        self.drop()
+        self._shapes = {n: tuple(t.shape) for n, t in named}
+        self._held = held
+        self._read = {n: (lambda lo, hi, f=f: f[lo:hi]) for n, f in held.items()}
+        self.resident_bytes = sum(f.numel() * 2 for f in held.values())
+        self.step = int(step)
 
     def drop(self) -> None:
         """Forget the snapshot (``refresh`` keeps its resident buffers for a ``take`` in the same call: a

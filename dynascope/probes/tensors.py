@@ -34,6 +34,7 @@ from dynascope.probes.protocol import Probe, Rows, StepContext, resolved_rows
 from dynascope.probes.rows import Record, summarize, tensor_stats_batch, tracked_columns
 from dynascope.probes.schedule import Schedule, every
 from dynascope.probes.snapshots import Bf16History, StepSnapshot
+from dynascope.probes.weight_pass import weight_pass
 from dynascope.probes.window import Window
 from dynascope.stats.base import Settings, Statistic
 from dynascope.stats.builtin.grad import DEFAULT_GRAD_TOL
@@ -199,16 +200,7 @@ class TensorStats(Probe):
         step = ctx.step
 
         def job() -> None:
-            t0 = time.perf_counter()
-            for p, rows in batched:
-                rec.add(p.key, p.outputs, rows, p.run_batched([locals_[i] for i in rows]).to(device))
-            self._weight_passes(rec, plans, inputs, locals_, device)
-            if any(rows for _, rows in plans):
-                self.window.charge(t0)
-            if self.history is not None:
-                self._snapshot(step, tracked, locals_)
-            if self._needs_old and background and len(rec.window) == len(tracked) and self._schedule(step + 1):
-                self.snapshot.carry([locals_[i] for i in rec.window])  # the next pre-step copy, made here
+            weight_pass(self, rec, plans, batched, inputs, locals_, step, background)
             changed = {i for i, v0, v1 in zip(read, before, versions([locals_[i] for i in read]), strict=True) if v0 != v1}
             if changed:  # written by something other than the optimizer while the pass read them: no values
                 rec.drop_rows([p.key for p, _ in plans + batched], changed)
@@ -222,31 +214,6 @@ class TensorStats(Probe):
         else:
             job()
         return _RecordRows(self, rec)
-
-    def _weight_passes(self, rec: Record, plans: list[tuple[Pass, list[int]]],
-                       inputs: dict[str, Callable[[int], Reader | None]], locals_: LocalViews,
-                       device: torch.device) -> None:
-        """Every chunked pass of the weights, one fused pass per tensor: the statistics of all the passes
-        that cover a tensor run together, so each chunk of W_t is read once whatever else is compared."""
-        covering: dict[int, list[int]] = {}
-        for k, (_, rows) in enumerate(plans):
-            for i in rows:
-                covering.setdefault(i, []).append(k)
-        results: dict[int, torch.Tensor] = {}
-        for i, ks in covering.items():
-            merged = self._merged.get(tuple(ks))
-            if merged is None:
-                merged = self._merged[tuple(ks)] = Pass([s for k in ks for s in plans[k][0].statistics])
-            results[i] = merged.run({n: inputs[n](i) for n in merged.inputs}, locals_[i].numel(), locals_[i].device,
-                                    self.settings, chunk_elems=rec.chunk_elems)
-        for k, (p, rows) in enumerate(plans):
-            out = []
-            for i in rows:
-                off = sum(len(plans[q][0].outputs) for q in covering[i] if q < k)
-                out.append(results[i][off:off + len(p.outputs)])
-            rec.add(p.key, p.outputs, rows, _stacked(out, len(p.outputs), device))
-            if rows and "k_snapshot" in p.inputs:
-                rec.constants[p.key] = {"bf16_k_steps": self.history.k}  # type: ignore[union-attr]
 
     def _inputs(self, rec: Record, ctx: StepContext,
                 locals_: LocalViews) -> tuple[dict[str, Callable[[int], Reader | None]], set[str]]:
@@ -311,14 +278,15 @@ class TensorStats(Probe):
         assert hist is not None
         t0 = time.perf_counter()  # charged to the time budget: the windowed statistics back off after it
 
-        def resident() -> bool:
-            total, need = sum(t.nbytes for t in tracked), sum(w.numel() * 2 for w in locals_)
-            return self.memory_budget is None or self.memory_budget * total - self._resident_bytes(tracked) - need >= total
-
         def named() -> list[tuple[str, torch.Tensor]]:  # a view of every weight: only when a snapshot is taken
             return [(normalize_name(t.name), w) for t, w in zip(tracked, locals_, strict=True)]
-        if hist.refresh(step, self._schedule, named, resident):
+        if hist.refresh(step, self._schedule, named, lambda: self.history_resident(tracked, locals_)):
             self.window.charge(t0)
+
+    def history_resident(self, tracked: list[Tracked], locals_: Sequence[torch.Tensor]) -> bool:
+        """Whether the budget holds S_k's bf16 snapshot in memory beside a full window."""
+        total, need = sum(t.nbytes for t in tracked), sum(w.numel() * 2 for w in locals_)
+        return self.memory_budget is None or self.memory_budget * total - self._resident_bytes(tracked) - need >= total
 
     def summarize(self, rows: Rows) -> dict[str, float]:
         return summarize(rows.get("tensor_stats", {}))

@@ -127,10 +127,12 @@ class Chunk:
     """One flat chunk of one tensor's inputs, as a kernel reads them (an input not read is None).
 
     ``numel`` is the whole tensor's element count, ``given`` the tensor's values of the columns the
-    statistic declared in ``given`` (0-d device tensors), ``settings`` the run's ``Settings``.
+    statistic declared in ``given`` (0-d device tensors), ``settings`` the run's ``Settings``. ``copies``:
+    (input, destination) pairs the pass also writes, the input's chunk copied (or cast, to a bf16
+    destination) there while it is read, e.g. the next snapshot.
     """
 
-    __slots__ = ("given", "grad", "k_snapshot", "new", "numel", "old", "ref", "settings")
+    __slots__ = ("copies", "given", "grad", "k_snapshot", "new", "numel", "old", "ref", "settings")
     new: Tensor
     old: Tensor
     ref: Tensor
@@ -139,6 +141,7 @@ class Chunk:
 
     def __init__(self, numel: int, settings: Settings, given: dict[str, Any] | None = None) -> None:
         self.numel, self.settings, self.given = numel, settings, given or {}
+        self.copies: list[tuple[str, Tensor]] = []  # (input, destination): the chunk copied (cast) there
         for name in INPUTS:
             setattr(self, name, None)
 

@@ -93,8 +93,9 @@ class FusedKernel:
     """A compiled pass: ``run(chunk)`` → float64 [len(outputs)] partial results of one chunk (per output: the
     count or sum, the root of the summed squares, the maximum), as the statistics' chunk kernels give them."""
 
-    def __init__(self, statistics: Sequence[Statistic], kinds: dict[str, str], fn: Any) -> None:
-        self.statistics, self.kinds, self.fn = tuple(statistics), kinds, fn
+    def __init__(self, statistics: Sequence[Statistic], kinds: dict[str, str], copies: tuple[tuple[str, str], ...],
+                 fn: Any) -> None:
+        self.statistics, self.kinds, self.copies, self.fn = tuple(statistics), kinds, copies, fn
         self.outputs = tuple(c for s in self.statistics for c in s.outputs)
         reduces = reduces_of(self.outputs)
         self._norm = np.array([r == "norm" for r in reduces])
@@ -111,6 +112,8 @@ class FusedKernel:
                 out += [t.numpy(), t.view(torch.int32).numpy()]
             else:
                 out.append(t.view(torch.int16).numpy())
+        for _, dest in x.copies:
+            out.append(dest.numpy() if dest.dtype == torch.float32 else dest.view(torch.int16).numpy())
         return out
 
     def run(self, x: Chunk) -> np.ndarray:
@@ -164,11 +167,16 @@ def kernel_for(statistics: Sequence[Statistic], x: Chunk, wait: bool = False) ->
     kinds = {i: _kind(getattr(x, i)) for i in inputs}
     if any(k is None for k in kinds.values()) or len({k for i, k in kinds.items() if i != "k_snapshot"}) > 1:
         return None
-    key = "|".join(f"{s.name}" for s in statistics) + "|" + ",".join(f"{i}:{k}" for i, k in kinds.items())
+    copies = tuple((i, _kind(d)) for i, d in x.copies)
+    if any(i not in kinds or k is None or (k == "f32" and kinds[i] != "f32") or not d.is_contiguous()
+           for (i, k), (_, d) in zip(copies, x.copies, strict=True)):
+        return None
+    key = ("|".join(f"{s.name}" for s in statistics) + "|" + ",".join(f"{i}:{k}" for i, k in kinds.items())
+           + "|" + ",".join(f"{i}>{k}" for i, k in copies))
     with _lock:
         got = _kernels.get(key)
         if got is None and key not in _kernels:
-            got = _kernels[key] = _compile_pool().submit(_build, tuple(statistics), kinds)  # type: ignore[arg-type]
+            got = _kernels[key] = _compile_pool().submit(_build, tuple(statistics), kinds, copies)  # type: ignore[arg-type]
     if isinstance(got, Future):
         if not (wait or got.done() or os.environ.get("DYNASCOPE_FUSED") == "sync"):
             return None
@@ -196,7 +204,7 @@ def _compile_pool() -> ThreadPoolExecutor:
 
 
 # ---- code generation --------------------------------------------------------------------------------
-def _source(statistics: Sequence[Statistic], kinds: dict[str, str]) -> str:
+def _source(statistics: Sequence[Statistic], kinds: dict[str, str], copies: tuple[tuple[str, str], ...]) -> str:
     """The kernel's source: one loop over the elements, each element function inlined, one accumulator
     per output (int64 counts, float64 sums of squares, the maximum of a non-negative fp32 term as its
     int32 bits, which order as the values do with NaN above +Inf, so the maximum vectorises and NaN wins)."""
@@ -205,6 +213,7 @@ def _source(statistics: Sequence[Statistic], kinds: dict[str, str]) -> str:
     args: list[str] = []
     for name, kind in kinds.items():
         args += [f"{name}_v", f"{name}_b"] if kind == "f32" else [f"{name}_b"]
+    args += [f"dest{m}" for m in range(len(copies))]
     lines = ["def kernel(" + ", ".join(args + [f"s{j}_{n}" for j, s in enumerate(statistics)
                                                for n in arguments(s.element) if n not in _views(s)]  # type: ignore[arg-type]
                                       + ["out"]) + "):",
@@ -233,14 +242,17 @@ def _source(statistics: Sequence[Statistic], kinds: dict[str, str]) -> str:
             lines.append(f"        {acc} = max({acc}, ops.bits(t{j}[{k}]))" if how == "max" else
                          f"        {acc} += t{j}[{k}]" if REGISTRY.column[c].integer else
                          f"        {acc} += np.float64(t{j}[{k}])")
+    for m, (name, kind) in enumerate(copies):  # last: an input's element is read before its memory is written
+        lines.append(f"        dest{m}[i] = {name}" if kind == "f32" else f"        dest{m}[i] = np.int16({name}_key)")
     for i, (acc, how) in enumerate(accs):
         lines.append(f"    out[{i}] = ops.value({acc})" if how == "max" else f"    out[{i}] = {acc}")
     return "\n".join(lines) + "\n"
 
 
-def _module_text(statistics: Sequence[Statistic], kinds: dict[str, str]) -> tuple[str, str]:
+def _module_text(statistics: Sequence[Statistic], kinds: dict[str, str],
+                 copies: tuple[tuple[str, str], ...]) -> tuple[str, str]:
     """(file name, text) of the generated module, named by the hash of everything the kernel inlines."""
-    body = _source(statistics, kinds)
+    body = _source(statistics, kinds, copies)
     head = ["import numpy as np", "from numba import njit", "from dynascope.stats.fused import jitted, OPS as ops"]
     for j, s in enumerate(statistics):
         fn = s.element
@@ -277,8 +289,8 @@ def _cache_dir() -> Path:
     raise OSError("no writable cache directory for the fused kernels")
 
 
-def _build(statistics: tuple[Statistic, ...], kinds: dict[str, str]) -> FusedKernel:
-    name, text = _module_text(statistics, kinds)
+def _build(statistics: tuple[Statistic, ...], kinds: dict[str, str], copies: tuple[tuple[str, str], ...]) -> FusedKernel:
+    name, text = _module_text(statistics, kinds, copies)
     path = _cache_dir() / name
     if not path.exists():
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -289,7 +301,7 @@ def _build(statistics: tuple[Statistic, ...], kinds: dict[str, str]) -> FusedKer
     mod = importlib.util.module_from_spec(spec)
     sys.modules[path.stem] = mod
     spec.loader.exec_module(mod)
-    fk = FusedKernel(statistics, kinds, mod.kernel)
+    fk = FusedKernel(statistics, kinds, copies, mod.kernel)
     _warm(fk)
     return fk
 
@@ -299,6 +311,7 @@ def _warm(fk: FusedKernel) -> None:
     arrays: list[np.ndarray] = []
     for kind in fk.kinds.values():
         arrays += [np.zeros(1, np.float32), np.zeros(1, np.int32)] if kind == "f32" else [np.zeros(1, np.int16)]
+    arrays += [np.zeros(1, np.float32 if kind == "f32" else np.int16) for _, kind in fk.copies]
     fk.fn(*arrays, *[np.float32(0)] * len(fk._scalars), np.zeros(len(fk.outputs)))
 
 
