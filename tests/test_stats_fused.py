@@ -163,11 +163,36 @@ def test_copies_written_over_the_inputs_they_read() -> None:
         x.copies = [("new", old), ("new", ks)]
         assert fused.kernel_for(p.statistics, x, wait=True) is not None
         copies = [("new", lambda lo, hi, t=old: t[lo:hi]), ("new", lambda lo, hi, t=ks: t[lo:hi])]
-        readers = {"new": lambda lo, hi: a[lo:hi], "old": lambda lo, hi: old[lo:hi], "ref": lambda lo, hi: c[lo:hi],
-                   "k_snapshot": lambda lo, hi: ks[lo:hi]}
+        readers = {"new": lambda lo, hi: a[lo:hi], "old": lambda lo, hi, t=old: t[lo:hi], "ref": lambda lo, hi: c[lo:hi],
+                   "k_snapshot": lambda lo, hi, t=ks: t[lo:hi]}
         if on_tensors:
             p.element_wise = False  # the chunk kernels, then the engine's copy_
         got = p.run(readers, a.numel(), a.device, chunk_elems=777, copies=copies).tolist()
         assert all(_same(u, v) for u, v in zip(got, want, strict=True))
         assert torch.equal(old.view(torch.int32), a.view(torch.int32))
         assert torch.equal(ks.view(torch.int16), a.to(torch.bfloat16).view(torch.int16))
+
+
+def test_a_kernel_that_fails_to_compile_warns_and_runs_on_chunk_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """numba failing to compile a pass (a numba/numpy mismatch, no writable cache) is said once, and the pass
+    runs on chunk tensors with the direct computation's values: slower, never wrong."""
+    a, b, c = _pairs()
+    k = b.to(torch.bfloat16)
+    tensors = {"new": a, "old": b, "ref": c, "k_snapshot": k}
+
+    def broken(*_a: object) -> None:
+        raise OSError("no writable cache directory for the fused kernels")
+    monkeypatch.setattr(fused, "_build", broken)
+    monkeypatch.setattr(fused, "_kernels", {})
+    monkeypatch.setenv("DYNASCOPE_FUSED", "sync")
+    p = Pass(WEIGHT_STATS)
+    x = Chunk(a.numel(), Settings())
+    for name, t in tensors.items():
+        x.set(name, t)
+    with pytest.warns(RuntimeWarning, match="not compiled.*no writable cache"):
+        assert fused.kernel_for(p.statistics, x) is None
+    assert fused.kernel_for(p.statistics, x) is None  # for good, without a second warning
+    got = dict(zip(p.outputs, compute(p, tensors).tolist(), strict=True))
+    want = _direct(a, b, c, k)
+    assert {n: (got[n], want[n]) for n in want if not _same(got[n], want[n]) and not
+            (n.endswith("norm") and abs(got[n] - want[n]) <= 1e-6 * abs(want[n]))} == {}

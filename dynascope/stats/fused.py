@@ -28,6 +28,7 @@ import sys
 import tempfile
 import threading
 import types
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -182,7 +183,9 @@ def kernel_for(statistics: Sequence[Statistic], x: Chunk, wait: bool = False) ->
             return None
         try:
             got = got.result()
-        except Exception:  # a statistic numba cannot compile runs on chunk tensors for good
+        except Exception as exc:  # a statistic numba cannot compile runs on chunk tensors for good
+            warnings.warn(f"dynascope: fused statistics kernel not compiled ({type(exc).__name__}: {exc}); "
+                          "these statistics run on chunk tensors, same values, slower", RuntimeWarning, stacklevel=2)
             got = None
         with _lock:
             _kernels[key] = got
