@@ -244,7 +244,7 @@ def main() -> None:
         if res is not None:
             report(workload, res)
     if "reference" in args.workloads.split(",") and args.ab_rounds:
-        ab_args = argparse.Namespace(**vars(args), warmup=3, malloc_fixed=False)
+        ab_args = argparse.Namespace(**(vars(args) | {"warmup": 3, "malloc_fixed": False}))
         ab_args.ab_rounds, ab_args.block, ab_args.drop = args.ab_rounds, 8, 3
         res = probe_ab.run_ab(ab_args, ["full", "ds-default"])
         if res is not None:

@@ -18,15 +18,20 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None
     opt.zero_grad(set_to_none=True)
 
 
+def _watched(tmp_path, d: int) -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor, dynascope.Scope]:
+    """A d×d linear layer under SGD, watched at full coverage without θ₀, and one batch."""
+    torch.manual_seed(0)
+    model = nn.Linear(d, d)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scope = dynascope.watch(model, opt, run=tmp_path / "r", memory_budget=None, time_budget=None, reference=None,
+                            system_interval_s=None)
+    return model, opt, torch.randn(4, d), scope
+
+
 def test_weights_changed_during_the_pass_are_null(tmp_path, monkeypatch) -> None:
     """A weight edited in place while the pass runs loses that step's weight statistics (NULL) and the step
     gets a weights_changed event; the tensor the edit did not touch keeps its values."""
-    torch.manual_seed(0)
-    model = nn.Linear(8, 8)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x = torch.randn(4, 8)
-    scope = dynascope.watch(model, opt, run=tmp_path / "r", memory_budget=None, time_budget=None, reference=None,
-                            system_interval_s=None)
+    model, opt, x, scope = _watched(tmp_path, 8)
     gate, started = threading.Event(), threading.Event()
     passes = tensors.weight_pass
 
@@ -57,12 +62,7 @@ def test_weights_changed_during_the_pass_are_null(tmp_path, monkeypatch) -> None
 
 def test_the_next_step_waits_for_the_pass(tmp_path) -> None:
     """The optimizer never steps while the previous pass reads the weights: ΔW of every step is the step's."""
-    torch.manual_seed(0)
-    model = nn.Linear(16, 16)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x = torch.randn(4, 16)
-    scope = dynascope.watch(model, opt, run=tmp_path / "r", memory_budget=None, time_budget=None, reference=None,
-                            system_interval_s=None)
+    model, opt, x, scope = _watched(tmp_path, 16)
     want = []
     for _ in range(4):
         before = model.weight.detach().clone()
