@@ -2,8 +2,8 @@
 
 After the optimizer step, the statistics of the weights (ΔW against the pre-step snapshot, drift against
 θ₀, S_k) read W_t, which nothing changes until the next optimizer step: the training loop's zero_grad,
-forward and backward only read the weights. So on a host, at a record that covers every tensor, the probe hands that pass to one background
-thread and returns, and the next step's pre-hook waits for it (``wait``) before anything else: before the
+forward and backward only read the weights. So on a host, at a record that covers every tensor, the probe
+hands that pass to one background thread and returns, and the next step's pre-hook waits for it (``wait``) before anything else: before the
 next snapshot overwrites the arena the pass reads, and before the optimizer changes the weights.
 
 What could still change W_t meanwhile is the user's own code between two steps (``load_state_dict``, an
