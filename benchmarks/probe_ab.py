@@ -52,6 +52,8 @@ AB_CONFIGS: dict[str, dict[str, Any]] = {
     "window-all": {"reference": None, "memory_budget": 1.9, "time_budget": None},
     "drift-all": {"memory_budget": 1.9, "time_budget": None},
     "spectral-all": {"memory_budget": 1.9, "time_budget": None, "spectral": {"every": 1, "time_budget": None}},
+    # Full coverage (benchmarks/full_coverage.py): every statistic of every tensor at every step, S_k included.
+    "full": {"memory_budget": None, "time_budget": None, "bf16_k": 2},
 }
 STAT_CONFIGS = ("timings", "norms", "window-all", "drift-all", "spectral-all")
 # In-step families: (label, where the callable lives, attribute); "pass:<key>" is the probe's pass of the

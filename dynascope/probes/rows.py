@@ -43,10 +43,30 @@ class Record:
         self.constants: dict[str, Any] = {}  # per-record values of the rows a block covers (bf16_k_steps)
         self.host: torch.Tensor | None = None
         self.event: Any = None
+        self.done: Any = None  # the future of a pass still computing this record's values (probes.background)
+        self.notes: list[str] = []  # what became NULL and why: one ``events`` row each
 
     def add(self, key: str, columns: tuple[str, ...], rows: list[int], values: torch.Tensor) -> None:
         self.blocks[key] = Block(columns, rows)
         self.values[key] = values.reshape(len(rows), len(columns))
+
+    def drop_rows(self, keys: list[str], tensors: set[int]) -> None:
+        """Remove ``tensors`` (tracked indices) from the blocks ``keys``: their values become NULL."""
+        for key in keys:
+            block = self.blocks.get(key)
+            if block is None:
+                continue
+            keep = [j for j, i in enumerate(block.rows) if i not in tensors]
+            self.blocks[key] = Block(block.columns, [block.rows[j] for j in keep])
+            self.values[key] = self.values[key][keep]
+
+    def wait(self) -> None:
+        """Until this record's values are on the host (its pass done, its device copy arrived)."""
+        if self.done is not None:
+            self.done.result()  # the pass's error, if any, is the resolver's to report
+            self.done = None
+        if self.event is not None:
+            self.event.synchronize()
 
     def pack(self, device: torch.device) -> None:
         """Every block's values into one float64 vector and its single copy to the host (pinned memory and
@@ -89,8 +109,7 @@ def tensor_stats_batch(recs: list[Record], meta: dict[str, Any] | None = None) -
     for r, rec in enumerate(recs):
         if len(rec.tracked) != n:
             raise ValueError(f"records of different tracked lists in one batch ({len(rec.tracked)} != {n})")
-        if rec.event is not None:
-            rec.event.synchronize()  # the record's single device→host copy, waited for here
+        rec.wait()  # the record's pass and its single device→host copy, waited for here
         arr = rec.host.numpy() if rec.host is not None else np.zeros(0)
         off = 0
         for key, block in rec.blocks.items():

@@ -71,6 +71,8 @@ class StepSnapshot:
     def __init__(self) -> None:
         self.arena = SnapshotArena()
         self._snap: list[Tensor] | None = None
+        self._carried: tuple[list[Tensor], list[tuple[int, int, int]]] | None = None
+        self._carrying: tuple[list[Tensor], list[tuple[int, int, int]]] | None = None
 
     @property
     def pending(self) -> bool:
@@ -78,9 +80,28 @@ class StepSnapshot:
 
     @torch.no_grad()
     def take(self, params: list[Tensor]) -> None:
+        """Copy ``params`` (before the optimizer step), unless ``carry`` copied exactly these since their
+        last change: every in-place write bumps a tensor's version counter, the optimizer's included."""
+        carried, self._carried = self._carried, None
+        if carried is not None and carried[1] == _identity(params) and all(
+                c.shape == p.shape and c.dtype == p.dtype for c, p in zip(carried[0], params, strict=True)):
+            self._snap = carried[0]
+            return
         self._snap = self.arena.views(params)
         if params:
             torch._foreach_copy_(self._snap, params)
+
+    def carry_views(self, params: list[Tensor]) -> list[Tensor]:
+        """The arena's views for ``params``, which the caller fills with them now (the post-step pass, as it
+        reads the previous copy there) and then hands to the next ``take`` with ``carried``: with every
+        tensor recorded at every step, the next pre-step snapshot is these weights unless something writes
+        them before that step, which ``take`` sees by their versions."""
+        self._carrying = (self.arena.views(params), _identity(params))  # identity first: a write after it shows
+        return self._carrying[0]
+
+    def carried(self) -> None:
+        """The views of ``carry_views`` are filled: the next ``take`` may use them."""
+        self._carried, self._carrying = self._carrying, None
 
     def pop(self, expected: int) -> list[Tensor]:
         """The copies of the ``expected`` tensors taken before the step (the pending snapshot is cleared)."""
@@ -90,12 +111,17 @@ class StepSnapshot:
         return snap
 
     def reset(self) -> None:
-        self._snap = None
+        self._snap = self._carried = self._carrying = None
 
     def close(self) -> None:
         """Drop the pending snapshot and give the arena's memory back."""
-        self._snap = None
+        self._snap = self._carried = self._carrying = None
         self.arena.release()
+
+
+def _identity(params: list[Tensor]) -> list[tuple[int, int, int]]:
+    """What says a tensor's data is unchanged: its version counter, storage address and element count."""
+    return [(p._version, p.data_ptr(), p.numel()) for p in params]
 
 
 class Bf16History:
@@ -113,6 +139,8 @@ class Bf16History:
         self._read: dict[str, Callable[[int, int], Tensor]] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
         self.resident_bytes = 0
+        self._held: dict[str, Tensor] = {}
+        self._spare: dict[str, Tensor] = {}
 
     def due(self, step: int) -> bool:
         """Whether the snapshot held is exactly k steps before ``step``."""
@@ -128,14 +156,43 @@ class Bf16History:
         """At ``step``: drop the snapshot once used up, take the next one if ``wanted`` (of ``named()``,
         resident if ``resident()`` says the budget holds it, else on disk). Returns whether one was taken."""
         if self.step is not None and step - self.step >= self.k:
+            self._spare = self._held
             self.drop()
-        if not self.wanted(step, schedule):
-            return False
-        self.take(step, named(), resident())
-        return True
+        try:
+            if not self.wanted(step, schedule):
+                return False
+            self.take(step, named(), resident())
+            return True
+        finally:
+            self._spare = {}
+
+    def buffers(self, step: int, schedule: Callable[[int], bool], named: list[tuple[str, Tensor]],
+                resident: Callable[[], bool]) -> dict[str, Tensor] | None:
+        """Flat bf16 buffers for the snapshot ``refresh`` would take at ``step`` when it is held in memory (the
+        used-up snapshot's, where they fit), for the caller to fill with the casts of ``named`` and hand to
+        ``adopt``; None when no resident snapshot is due."""
+        if not self.wanted(step, schedule) or not resident():
+            return None
+        out = {}
+        for n, t in named:
+            buf = self._held.get(n)
+            out[n] = buf if buf is not None and buf.numel() == t.numel() and buf.device == t.device else torch.empty(
+                t.numel(), dtype=torch.bfloat16, device=t.device)
+        return out
+
+    def adopt(self, step: int, named: list[tuple[str, Tensor]], held: dict[str, Tensor]) -> None:
+        """Hold ``held`` (from ``buffers``, filled) as the bf16 snapshot of ``named`` at ``step``."""
+        self.drop()
+        self._shapes = {n: tuple(t.shape) for n, t in named}
+        self._held = held
+        self._read = {n: (lambda lo, hi, f=f: f[lo:hi]) for n, f in held.items()}
+        self.resident_bytes = sum(f.numel() * 2 for f in held.values())
+        self.step = int(step)
 
     def drop(self) -> None:
-        self.step, self._read, self._shapes, self.resident_bytes = None, {}, {}, 0
+        """Forget the snapshot (``refresh`` keeps its resident buffers for a ``take`` in the same call: a
+        fresh 2 bytes per weight at every snapshot were faulted in page by page)."""
+        self.step, self._read, self._shapes, self.resident_bytes, self._held = None, {}, {}, 0, {}
 
     @torch.no_grad()
     def take(self, step: int, named: list[tuple[str, Tensor]], resident: bool) -> None:
@@ -145,7 +202,14 @@ class Bf16History:
         self.drop()
         self._shapes = {n: tuple(t.shape) for n, t in named}
         if resident:
-            held = {n: t.detach().to(torch.bfloat16, copy=True).reshape(-1) for n, t in named}
+            spare = self._spare
+            held = {}
+            for n, t in named:
+                buf = spare.get(n)
+                if buf is None or buf.numel() != t.numel() or buf.device != t.device:
+                    buf = torch.empty(t.numel(), dtype=torch.bfloat16, device=t.device)
+                held[n] = buf.copy_(t.detach().reshape(-1))  # PyTorch's cast, into the buffer
+            self._held = held
             self._read = {n: (lambda lo, hi, f=f: f[lo:hi]) for n, f in held.items()}
             self.resident_bytes = sum(f.numel() * 2 for f in held.values())
         else:

@@ -127,10 +127,12 @@ class Chunk:
     """One flat chunk of one tensor's inputs, as a kernel reads them (an input not read is None).
 
     ``numel`` is the whole tensor's element count, ``given`` the tensor's values of the columns the
-    statistic declared in ``given`` (0-d device tensors), ``settings`` the run's ``Settings``.
+    statistic declared in ``given`` (0-d device tensors), ``settings`` the run's ``Settings``. ``copies``:
+    (input, destination) pairs the pass also writes, the input's chunk copied (or cast, to a bf16
+    destination) there while it is read, e.g. the next snapshot.
     """
 
-    __slots__ = ("given", "grad", "k_snapshot", "new", "numel", "old", "ref", "settings")
+    __slots__ = ("copies", "given", "grad", "k_snapshot", "new", "numel", "old", "ref", "settings")
     new: Tensor
     old: Tensor
     ref: Tensor
@@ -139,6 +141,7 @@ class Chunk:
 
     def __init__(self, numel: int, settings: Settings, given: dict[str, Any] | None = None) -> None:
         self.numel, self.settings, self.given = numel, settings, given or {}
+        self.copies: list[tuple[str, Tensor]] = []  # (input, destination): the chunk copied (cast) there
         for name in INPUTS:
             setattr(self, name, None)
 
@@ -163,6 +166,12 @@ class Statistic:
     their peak, per chunk element, as (buffers at least fp32 wide, bytes): with an element size e, a chunk
     of n elements holds at most n·(wide·max(4, e) + bytes); the memory budget sizes chunks by the largest.
     ``figures``: pooled figures the dashboard draws from this statistic's rollup columns.
+
+    ``element``: the statistic as one term per element and output (``stats.elementwise``), instead of a
+    ``kernel``: the kernel is then that function on the chunk's tensors, and ``stats.fused`` compiles it,
+    with the other element-wise statistics of a pass, into one loop over the elements. ``scalars(chunk)``:
+    the per-tensor values it reads besides the inputs (η, a threshold). ``bitwise``: outputs that compare
+    bits in the inputs' own dtype, undefined (NULL) when the inputs' dtypes differ.
     """
 
     name: str
@@ -176,8 +185,15 @@ class Statistic:
     transient: tuple[int, int] = (0, 0)
     figures: tuple[Figure, ...] = ()
     doc: str = ""
+    element: Callable[..., tuple[Any, ...]] | None = None
+    scalars: Callable[[Chunk], dict[str, Any]] | None = None
+    bitwise: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.element is not None and self.kernel is None:  # the element function on chunk tensors
+            from dynascope.stats.elementwise import element_kernel
+
+            object.__setattr__(self, "kernel", element_kernel(self))
         if self.tier not in TIERS:
             raise ValueError(f"statistic {self.name}: tier must be one of {TIERS}, not {self.tier!r}")
         unknown = [i for i in self.inputs if i not in INPUTS]

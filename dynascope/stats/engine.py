@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from dynascope.stats.base import DEFAULT_CHUNK_ELEMS, Chunk, Settings, Statistic
+from dynascope.stats.fused import run_chunk
 from dynascope.stats.registry import REGISTRY
 
 __all__ = ["DEFAULT_CHUNK_ELEMS", "DRIFT_STATS", "DRIFT_STAT_COLUMNS", "UPDATE_STATS", "UPDATE_STAT_COLUMNS",
@@ -76,6 +77,7 @@ class Pass:
         self.inputs = tuple(dict.fromkeys(i for s in self.statistics for i in s.inputs))
         self.given = tuple(dict.fromkeys(g for s in self.statistics for g in s.given))
         self.outputs = outputs_of(self.statistics)
+        self.element_wise = all(s.element is not None for s in self.statistics)
         self.key = f"{self.tier}:{','.join(self.inputs)}"
         reduce = [REGISTRY.column[c].reduce for c in self.outputs]
         self._norm, self._max = [r == "norm" for r in reduce], [r == "max" for r in reduce]
@@ -91,9 +93,13 @@ class Pass:
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def run(self, readers: dict[str, Reader], numel: int, device: torch.device, settings: Settings = Settings(), *,
-            given: dict[str, Tensor] | None = None, chunk_elems: int | None = DEFAULT_CHUNK_ELEMS) -> Tensor:
+            given: dict[str, Tensor] | None = None, chunk_elems: int | None = DEFAULT_CHUNK_ELEMS,
+            copies: Sequence[tuple[str, Reader]] = ()) -> Tensor:
         """float64 [len(outputs)] for one tensor of ``numel`` elements, ``chunk_elems`` at a time, its inputs
-        given as readers of flat ranges (so θ₀ can be streamed from disk chunk by chunk)."""
+        given as readers of flat ranges (so θ₀ can be streamed from disk chunk by chunk). ``copies``: (input,
+        destination) pairs, the destination a reader of flat ranges of a tensor the input's elements are
+        copied (or cast) into as they are read (after the statistics read a chunk, so a destination may be
+        the memory of another input, element for element)."""
         ranges = list(chunk_ranges(numel, chunk_elems))
         m = chunk_rows(len(ranges), len(self.outputs), device)
         zero = torch.zeros((), dtype=torch.float64, device=device)  # float64 first: stacking promotes exactly
@@ -101,11 +107,19 @@ class Pass:
         for j, (lo, hi) in enumerate(ranges):
             for name in self.inputs:
                 x.set(name, readers[name](lo, hi))
+            x.copies = [(name, dest(lo, hi)) for name, dest in copies]
+            fused = run_chunk(self.statistics, x) if self.element_wise else None
+            if fused is not None:  # every statistic in one loop over the chunk's elements (stats.fused)
+                m[j, 0] = 0.0
+                m[j, 1:] = fused
+                continue
             parts = [zero]
             for s in self.statistics:  # one kernel at a time: its temporaries are freed before the next one's
                 parts += s.kernel(x)  # type: ignore[misc]
             torch.stack(parts, out=m[j])
             del parts
+            for name, dest in x.copies:
+                dest.copy_(getattr(x, name))
             for name in self.inputs:  # this chunk's inputs go before the next one's are read
                 x.set(name, None)
         m = m[:, 1:]

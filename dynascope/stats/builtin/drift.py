@@ -1,24 +1,20 @@
 """Drift from the reference weights θ₀: ‖W_t − W₀‖, its ratio to ‖W₀‖, and the changed counts against θ₀.
 
-The update's kernel (``stats.kernels.norms_and_changes``) with θ₀ as the first tensor: its first output
+The update's terms (``update.changes``) with θ₀ as the first tensor: its first output
 is then ‖θ₀‖ (``ref_norm``, kept only for ``drift_ratio``), and every other output is symmetric. A tensor
 whose θ₀ is not held has no drift (``ref_covered`` false, the drift columns NULL).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
-from dynascope.stats.base import BOOL, F64, Chunk, Column, Figure, Statistic, count, frac
-
-if TYPE_CHECKING:
-    from torch import Tensor
+from dynascope.stats.base import BOOL, F64, Column, Figure, Statistic, count, frac
+from dynascope.stats.builtin.update import changes, eta
 
 
-def drift(x: Chunk) -> list[Tensor]:
-    from dynascope.stats.kernels import norms_and_changes
-
-    return norms_and_changes(x.ref, x.new, x.settings.eta)
+def drift(ops: Any, ref: Any, new: Any, ref_bits: Any, new_bits: Any, eta: Any) -> tuple[Any, ...]:
+    return changes(ref, new, ref_bits, new_bits, eta)
 
 
 DRIFT = Statistic(
@@ -33,7 +29,8 @@ DRIFT = Statistic(
         Column("ref_norm", F64, reduce="norm", stored=False, doc="‖W₀‖, drift_ratio's denominator"),
     ),
     outputs=("ref_norm", "drift_norm", "drift_changed_count", "drift_changed_rel_count"), inputs=("ref", "new"),
-    kernel=drift, transient=(5, 2),  # as the update's; θ₀'s chunk read from disk is one of the five
+    element=drift, scalars=eta, bitwise=("drift_changed_count",),
+    transient=(9, 4),  # as the update's, and θ₀'s chunk read from disk
     figures=(Figure("drift_w_ratio", "drift vs θ₀ ‖W−θ₀‖/‖W‖", "drift_sq", "drift_w_sq", root=True, heat=True),))
 
 STATISTICS = (DRIFT,)

@@ -10,7 +10,7 @@ of the same tensor (of the local shard, under sharding), with tol = ``Settings.g
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dynascope.stats.base import (
     DEFAULT_CHUNK_ELEMS,
@@ -30,12 +30,8 @@ if TYPE_CHECKING:
 DEFAULT_GRAD_TOL = 1e-8
 
 
-def grad_norm(x: Chunk) -> list[Tensor]:
-    import torch
-
-    from dynascope.stats.kernels import wide
-
-    return [torch.linalg.vector_norm(wide(x.grad))]
+def grad_norm(ops: Any, grad: Any) -> tuple[Any]:
+    return (grad * grad,)
 
 
 def grad_norms(tensors: list[Tensor]) -> Tensor:
@@ -44,27 +40,23 @@ def grad_norms(tensors: list[Tensor]) -> Tensor:
     return batched_norms(tensors)
 
 
-def grad_count_chunk(x: Chunk) -> list[Tensor]:
-    """max |g|, then the exact-zero, near-zero, NaN and Inf counts of one chunk of a gradient."""
+def grad_counts_element(ops: Any, grad: Any, near_zero: Any) -> tuple[Any, ...]:
+    """|g|, then whether it is exactly zero, near zero, NaN, ±Inf."""
+    a = abs(grad)
+    return a, grad == 0, a <= near_zero, grad != grad, a == math.inf
+
+
+def near_zero(x: Chunk) -> dict[str, Any]:
+    """tol·rms(g), rms = ‖g‖/√n of the whole tensor from the batched pass's ‖g‖, in the gradient's width."""
     import torch
 
-    from dynascope.stats.kernels import wide
-
-    c = x.grad
-    # rms = ‖g‖/√n of the whole tensor, from the ‖g‖ of the batched pass; the threshold stays on the device.
-    wide_dtype = c.dtype if c.dtype in (torch.float32, torch.float64) else torch.float32
-    thr = x.given["grad_norm"].to(wide_dtype) * (x.settings.grad_tol / math.sqrt(max(x.numel, 1)))
-    # One read pass for the extremes (no |c| temporary); min/max propagate NaN. An empty chunk has none.
-    peak = torch.stack(torch.aminmax(c)).abs().amax() if c.numel() else c.new_zeros(())
-    a = wide(c).abs()
-    # Counts use count_nonzero: bool.sum() takes a slow int64 path on CPU (~100× slower).
-    return [peak, c.numel() - torch.count_nonzero(c), torch.count_nonzero(a <= thr),
-            torch.count_nonzero(torch.isnan(c)), torch.count_nonzero(torch.isinf(a))]
+    wide_dtype = x.grad.dtype if x.grad.dtype in (torch.float32, torch.float64) else torch.float32
+    return {"near_zero": x.given["grad_norm"].to(wide_dtype) * (x.settings.grad_tol / math.sqrt(max(x.numel, 1)))}
 
 
 GRAD_NORM = Statistic(
     "grad_norm", columns=(Column("grad_norm", F64, reduce="norm", pool=(("grad_sq", "sq", None),)),),
-    outputs=("grad_norm",), inputs=("grad",), kernel=grad_norm, batched=grad_norms, tier="every", transient=(1, 0))
+    outputs=("grad_norm",), inputs=("grad",), element=grad_norm, batched=grad_norms, tier="every", transient=(2, 0))
 
 GRAD_COUNTS = Statistic(
     "grad_counts",
@@ -74,7 +66,8 @@ GRAD_COUNTS = Statistic(
              count("grad_nan_count", "NaN elements of g", zero_where_finite="grad_norm"),
              count("grad_inf_count", "±Inf elements of g", zero_where_finite="grad_norm")),
     outputs=("grad_max_abs", "grad_zero_count", "grad_near_zero_count", "grad_nan_count", "grad_inf_count"),
-    inputs=("grad",), given=("grad_norm",), kernel=grad_count_chunk, transient=(2, 2),  # |g| (widened), two masks
+    inputs=("grad",), given=("grad_norm",), element=grad_counts_element, scalars=near_zero,
+    transient=(2, 6),  # the widened gradient and |g|; the masks
     figures=(Figure("grad_zero_frac", "exact-zero gradients", "grad_zero_count", "grad_numel"),
              Figure("grad_near_zero_frac", "near-zero gradients", "grad_near_zero_count", "grad_numel")))
 

@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import math
+from typing import Any
 
-from dynascope.stats.base import Chunk, Statistic, count, frac
-
-if TYPE_CHECKING:
-    from torch import Tensor
+from dynascope.stats.base import Statistic, count, frac
 
 
-def signs(x: Chunk) -> list[Tensor]:
-    import torch
-
-    a = x.new
-    # sign(a)·sign(b) is exactly ±1, 0 or NaN: no underflow, unlike a·b of two tiny values.
-    flip = torch.sign(a).mul_(torch.sign(x.old))
-    return [torch.count_nonzero(flip < 0), torch.count_nonzero(torch.isnan(a)), torch.count_nonzero(torch.isinf(a))]
+def signs(ops: Any, new: Any, old: Any) -> tuple[Any, ...]:
+    # sign(a)·sign(b) < 0 as comparisons: no product, so no underflow of two tiny values; ±0 and NaN never flip.
+    flip = ((new > 0) & (old < 0)) | ((new < 0) & (old > 0))
+    return flip, new != new, abs(new) == math.inf
 
 
 SIGNS = Statistic(
@@ -25,7 +20,7 @@ SIGNS = Statistic(
              # a finite ‖W‖ proves there is no NaN/Inf element: 0 wherever ‖W‖ is known, without a pass
              count("w_nan_count", "NaN elements of W_t", zero_where_finite="w_norm"),
              count("w_inf_count", "±Inf elements of W_t", zero_where_finite="w_norm")),
-    outputs=("sign_flip_count", "w_nan_count", "w_inf_count"), inputs=("new", "old"), kernel=signs,
-    transient=(2, 3))  # the two signs (at most the input's width), three masks
+    outputs=("sign_flip_count", "w_nan_count", "w_inf_count"), inputs=("new", "old"), element=signs,
+    transient=(3, 8))  # the widened inputs and |W_t|; eight masks
 
 STATISTICS = (SIGNS,)

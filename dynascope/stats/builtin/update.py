@@ -10,18 +10,29 @@ Changed, two of the three ways (the third, the bf16 casts, is PULSE's S₁ in ``
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from dynascope.stats.base import F64, Chunk, Column, Figure, Statistic, count, frac
 
-if TYPE_CHECKING:
-    from torch import Tensor
+
+def changes(a: Any, b: Any, a_bits: Any, b_bits: Any, eta: Any) -> tuple[Any, ...]:
+    """‖a‖², ‖a − b‖², bits differ, |a − b| > η·max(|a|, |b|), for one element (or elementwise).
+
+    The relative test is split in two (|d| > η|a| and |d| > η|b|): rounding is monotonic, so
+    fl(η·max(|a|, |b|)) = max(fl(η|a|), fl(η|b|)), and the split needs no maximum (NaN compares false).
+    """
+    d = a - b
+    ad = abs(d)
+    return a * a, d * d, a_bits != b_bits, (ad > abs(a) * eta) & (ad > abs(b) * eta)
 
 
-def update(x: Chunk) -> list[Tensor]:
-    from dynascope.stats.kernels import norms_and_changes
+def update(ops: Any, new: Any, old: Any, new_bits: Any, old_bits: Any, eta: Any) -> tuple[Any, ...]:
+    return changes(new, old, new_bits, old_bits, eta)
 
-    return norms_and_changes(x.new, x.old, x.settings.eta)
+
+def eta(x: Chunk) -> dict[str, Any]:
+    """η of the relative change, as the weights' arithmetic sees it (fp32 for fp32 weights)."""
+    return {"eta": x.settings.eta}
 
 
 UPDATE = Statistic(
@@ -36,9 +47,10 @@ UPDATE = Statistic(
         frac("changed_rel_count"),
     ),
     # ‖W_t‖ comes out of the same pass: the window's tensors need no separate norm.
-    outputs=("w_norm", "update_norm", "changed_count", "changed_rel_count"), inputs=("new", "old"), kernel=update,
-    # ΔW, the scale, |new| and the widened copies of 16-bit inputs; two boolean masks.
-    transient=(5, 2),
+    outputs=("w_norm", "update_norm", "changed_count", "changed_rel_count"), inputs=("new", "old"), element=update,
+    scalars=eta, bitwise=("changed_count",),
+    # On chunk tensors: the widened inputs, ΔW, |ΔW|, the squares, the two scales; four boolean masks.
+    transient=(8, 4),
     figures=(Figure("update_ratio", "update ratio ‖ΔW‖/‖W‖", "update_sq", "update_w_sq", root=True, heat=True),
              Figure("changed_frac", "step-changed fraction", "changed_count", "changed_numel", heat=True),
              Figure("changed_rel_frac", "changed by > 0.1% of |W| (relative)", "changed_rel_count", "changed_rel_numel")))

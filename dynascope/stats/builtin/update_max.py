@@ -11,31 +11,21 @@ the tensors of a row.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
-from dynascope.stats.base import F64, Chunk, Column, Statistic
-
-if TYPE_CHECKING:
-    from torch import Tensor
+from dynascope.stats.base import F64, Column, Statistic
 
 
-def update_max_abs(x: Chunk) -> list[Tensor]:
-    """max |new − old| of one chunk, in fp32 or wider (0 for an empty chunk; NaN if any element is NaN)."""
-    import torch
-
-    from dynascope.stats.kernels import wide
-
-    if x.new.numel() == 0:
-        return [torch.zeros((), dtype=torch.float64, device=x.new.device)]
-    a = wide(x.new)
-    return [(a - wide(x.old).to(a.dtype)).abs_().amax()]
+def update_max_abs(ops: Any, new: Any, old: Any) -> tuple[Any]:
+    """|new − old| of an element, in fp32 or wider; the maximum over a tensor (0 if empty, NaN if any is)."""
+    return (abs(new - old),)
 
 
 UPDATE_MAX_ABS = Statistic(
     "update_max_abs",
     columns=(Column("update_max_abs", F64, reduce="max", pool=(("update_max_abs", "max", None),),
                     doc="max |W_t − W_{t−1}| over the tensor's elements"),),
-    outputs=("update_max_abs",), inputs=("new", "old"), kernel=update_max_abs,
-    transient=(3, 0))  # the widened copies of 16-bit inputs and the difference
+    outputs=("update_max_abs",), inputs=("new", "old"), element=update_max_abs,
+    transient=(4, 0))  # the widened copies of 16-bit inputs, the difference and its absolute value
 
 STATISTICS = (UPDATE_MAX_ABS,)

@@ -7,20 +7,16 @@ needs it; there the update kernel gives it in the same pass as ‖ΔW‖.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from dynascope.stats.base import F64, Chunk, Column, Statistic
+from dynascope.stats.base import F64, Column, Statistic
 
 if TYPE_CHECKING:
     from torch import Tensor
 
 
-def w_norm(x: Chunk) -> list[Tensor]:
-    import torch
-
-    from dynascope.stats.kernels import wide
-
-    return [torch.linalg.vector_norm(wide(x.new))]
+def w_norm(ops: Any, new: Any) -> tuple[Any]:
+    return (new * new,)
 
 
 def w_norms(tensors: list[Tensor]) -> Tensor:
@@ -33,6 +29,6 @@ W_NORM = Statistic(
     "w_norm",
     columns=(Column("w_norm", F64, reduce="norm", doc="‖W_t‖",
                     pool=(("w_sq", "sq", None), ("update_w_sq", "sq", "update_norm"), ("drift_w_sq", "sq", "drift_norm"))),),
-    outputs=("w_norm",), inputs=("new",), kernel=w_norm, batched=w_norms, tier="cadence", transient=(1, 0))
+    outputs=("w_norm",), inputs=("new",), element=w_norm, batched=w_norms, tier="cadence", transient=(2, 0))
 
 STATISTICS = (W_NORM,)

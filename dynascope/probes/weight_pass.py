@@ -1,0 +1,99 @@
+"""The post-step pass over the weights: every chunked statistic of a tensor in one fused pass, and the copies
+the next steps need written while W_t is read.
+
+At a record, the passes of declared statistics that cover a tensor (ΔW against the pre-step snapshot,
+drift against θ₀, S_k against the bf16 snapshot k steps back) run as one pass (``stats.engine.Pass`` of
+their statistics together), so each chunk of W_t is read once whatever it is compared with. The same pass
+writes what the following steps compare against, element by element as it reads W_t:
+
+* with every tensor recorded at every step, the next pre-step snapshot (``StepSnapshot.carry_views``): W_t
+  into the arena, over the snapshot this pass has just read; the next pre-hook takes it over only if the
+  version counters show no write since (``StepSnapshot.take``);
+* S_k's next bf16 snapshot when one is due and resident (``Bf16History.buffers``), over the one used up.
+
+``TensorStats.after`` runs this on the probe's background thread on a host (``probes.background``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dynascope.core.naming import normalize_name
+from dynascope.stats.engine import Pass, Reader, flat_reader
+
+if TYPE_CHECKING:
+    from dynascope.probes.params import LocalViews
+    from dynascope.probes.rows import Record
+    from dynascope.probes.tensors import TensorStats
+
+__all__ = ["weight_pass"]
+
+Plans = list[tuple[Pass, list[int]]]
+
+
+def weight_pass(probe: TensorStats, rec: Record, plans: Plans, batched: Plans,
+                inputs: dict[str, Callable[[int], Reader | None]], locals_: LocalViews, step: int,
+                background: bool) -> None:
+    """The record's weight statistics into ``rec``, and the copies for the next steps (module docstring)."""
+    t0 = time.perf_counter()
+    tracked, window = rec.tracked, rec.window
+    device = locals_[0].device
+    for p, rows in batched:
+        rec.add(p.key, p.outputs, rows, p.run_batched([locals_[i] for i in rows]).to(device))
+    copies: dict[int, list[tuple[str, Reader]]] = {}
+    carry = (probe._needs_old and background and len(window) == len(tracked) and bool(window)
+             and probe._schedule(step + 1))
+    if carry:
+        for i, v in zip(window, probe.snapshot.carry_views([locals_[i] for i in window]), strict=True):
+            copies.setdefault(i, []).append(("new", flat_reader(v)))
+    hist, names = probe.history, [normalize_name(t.name) for t in tracked]
+    held = None if hist is None else hist.buffers(step, probe._schedule, list(zip(names, locals_, strict=True)),
+                                                  lambda: probe.history_resident(tracked, list(locals_)))
+    if held is not None:
+        for i, n in enumerate(names):
+            copies.setdefault(i, []).append(("new", flat_reader(held[n])))
+    _passes(probe, rec, plans, inputs, locals_, copies)
+    if any(rows for _, rows in plans):
+        probe.window.charge(t0)
+    if carry:
+        probe.snapshot.carried()
+    if held is not None:
+        hist.adopt(step, list(zip(names, locals_, strict=True)), held)  # type: ignore[union-attr]
+    elif hist is not None:
+        probe._snapshot(step, tracked, locals_)
+
+
+def _passes(probe: TensorStats, rec: Record, plans: Plans, inputs: dict[str, Callable[[int], Reader | None]],
+            locals_: LocalViews, copies: dict[int, list[tuple[str, Reader]]]) -> None:
+    """Every chunked pass of the weights, one fused pass per tensor, and the copies of tensors no pass read."""
+    covering: dict[int, list[int]] = {}
+    for k, (_, rows) in enumerate(plans):
+        for i in rows:
+            covering.setdefault(i, []).append(k)
+    device = locals_[0].device
+    results: dict[int, torch.Tensor] = {}
+    for i, ks in covering.items():
+        merged = probe._merged.get(tuple(ks))
+        if merged is None:
+            merged = probe._merged[tuple(ks)] = Pass([s for k in ks for s in plans[k][0].statistics])
+        results[i] = merged.run({n: inputs[n](i) for n in merged.inputs}, locals_[i].numel(),  # type: ignore[misc]
+                                locals_[i].device, probe.settings, chunk_elems=rec.chunk_elems,
+                                copies=copies.get(i, ()))
+    for i, dests in copies.items():
+        if i not in covering:
+            w = locals_[i].reshape(-1)
+            for _, dest in dests:
+                dest(0, w.numel()).copy_(w)
+    for k, (p, rows) in enumerate(plans):
+        out: list[Any] = []
+        for i in rows:
+            off = sum(len(plans[q][0].outputs) for q in covering[i] if q < k)
+            out.append(results[i][off:off + len(p.outputs)])
+        rec.add(p.key, p.outputs, rows, torch.stack(out) if out else
+                torch.zeros((0, len(p.outputs)), dtype=torch.float64, device=device))
+        if rows and "k_snapshot" in p.inputs:
+            rec.constants[p.key] = {"bf16_k_steps": probe.history.k}  # type: ignore[union-attr]

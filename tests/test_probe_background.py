@@ -1,0 +1,74 @@
+"""The post-step weight pass on its background thread: waited for at the next step, guarded by versions."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.nn as nn
+
+import dynascope
+from dynascope.probes import tensors
+from dynascope.store import open_store
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _watched(tmp_path, d: int) -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor, dynascope.Scope]:
+    """A d×d linear layer under SGD, watched at full coverage without θ₀, and one batch."""
+    torch.manual_seed(0)
+    model = nn.Linear(d, d)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scope = dynascope.watch(model, opt, run=tmp_path / "r", memory_budget=None, time_budget=None, reference=None,
+                            system_interval_s=None)
+    return model, opt, torch.randn(4, d), scope
+
+
+def test_weights_changed_during_the_pass_are_null(tmp_path, monkeypatch) -> None:
+    """A weight edited in place while the pass runs loses that step's weight statistics (NULL) and the step
+    gets a weights_changed event; the tensor the edit did not touch keeps its values."""
+    model, opt, x, scope = _watched(tmp_path, 8)
+    gate, started = threading.Event(), threading.Event()
+    passes = tensors.weight_pass
+
+    def held(*a, **k):  # the pass starts, then waits until the edit below is done
+        started.set()
+        assert gate.wait(30)
+        return passes(*a, **k)
+    monkeypatch.setattr(tensors, "weight_pass", held)
+    model(x).square().mean().backward()
+    opt.step()  # the post-hook hands the pass to its thread and returns
+    assert started.wait(30)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    gate.set()
+    opt.zero_grad(set_to_none=True)
+    monkeypatch.setattr(tensors, "weight_pass", passes)
+    _step(model, opt, x)  # its pre-hook waits for the held pass
+    scope.close()
+    store = open_store(tmp_path / "r")
+    rows = dict(((s, t), (u, g)) for s, t, u, g in store.rows(
+        "SELECT step, tensor, update_norm, grad_norm FROM tensor_stats"))
+    assert rows[(0, "weight")][0] is None and rows[(0, "weight")][1] is not None  # ‖g‖ was read in the step
+    assert rows[(0, "bias")][0] is not None
+    assert rows[(1, "weight")][0] is not None
+    events = store.rows("SELECT step, message FROM events WHERE event = 'weights_changed'")
+    assert [e[0] for e in events] == [0] and "weight" in events[0][1]
+
+
+def test_the_next_step_waits_for_the_pass(tmp_path) -> None:
+    """The optimizer never steps while the previous pass reads the weights: ΔW of every step is the step's."""
+    model, opt, x, scope = _watched(tmp_path, 16)
+    want = []
+    for _ in range(4):
+        before = model.weight.detach().clone()
+        _step(model, opt, x)
+        want.append(torch.linalg.vector_norm(model.weight.detach().double() - before.double()).item())
+    scope.close()
+    got = [u for (u,) in open_store(tmp_path / "r").rows(
+        "SELECT update_norm FROM tensor_stats WHERE tensor = 'weight' ORDER BY step")]
+    assert len(got) == 4 and all(abs(a - b) <= 1e-6 * b for a, b in zip(got, want, strict=True))
