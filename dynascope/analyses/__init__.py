@@ -13,7 +13,12 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the same names, for IDEs and type checkers
-    from dynascope.analyses.delta_sync import DTYPE_BYTES, delta_sync_bytes, delta_sync_summary
+    from dynascope.analyses.delta_sync import (
+        DTYPE_BYTES,
+        delta_sync_bytes,
+        delta_sync_summary,
+        summarize_delta_sync,
+    )
     from dynascope.analyses.dynamics import rank1_dominance, sparsity_comparison, sparsity_over_training
     from dynascope.analyses.dynamics_layers import update_share_by_layer
     from dynascope.analyses.dynamics_rank1 import rank1_linear_fit
@@ -54,7 +59,7 @@ if TYPE_CHECKING:  # the same names, for IDEs and type checkers
 
 # submodule → the public names it gives (what __getattr__ imports on first use)
 _EXPORTS: dict[str, tuple[str, ...]] = {
-    "delta_sync": ("DTYPE_BYTES", "delta_sync_bytes", "delta_sync_summary"),
+    "delta_sync": ("DTYPE_BYTES", "delta_sync_bytes", "delta_sync_summary", "summarize_delta_sync"),
     "dynamics": ("rank1_dominance", "sparsity_comparison", "sparsity_over_training"),
     "dynamics_layers": ("update_share_by_layer",),
     "dynamics_rank1": ("rank1_linear_fit",),
@@ -87,7 +92,7 @@ __all__ = ["DEFAULT_PROBE_COST", "DTYPE_BYTES", "EVENT_KINDS", "FLEET_COLUMNS", 
            "logprob_gap_by_step", "peak_tflops_for", "phase_shares", "probe_cost", "probe_cost_numbers",
            "rank1_dominance", "rank1_linear_fit", "ranked_findings", "rl_throughput", "rollout_long_tail",
            "rollout_train_overlap", "schedule_inputs", "schedule_staleness", "schedule_what_if", "sentence",
-           "sparsity_comparison", "sparsity_over_training", "step_breakdown", "straggler_scores",
+           "sparsity_comparison", "sparsity_over_training", "step_breakdown", "straggler_scores", "summarize_delta_sync",
            "tail_wait_numbers", "tail_wait_share", "tail_wait_summary", "temporal_breakdown", "throughput_mfu",
            "update_share_by_layer", "weight_sync_checks", "what_if", "what_if_node", "what_if_shared", "what_if_steps",
            "zero_variance_groups"]
