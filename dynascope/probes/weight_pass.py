@@ -41,7 +41,7 @@ def weight_pass(probe: TensorStats, rec: Record, plans: Plans, batched: Plans,
     """The record's weight statistics into ``rec``, and the copies for the next steps (module docstring)."""
     t0 = time.perf_counter()
     tracked, window = rec.tracked, rec.window
-    device = locals_[0].device
+    device = locals_[0].device if len(rec.tracked) else torch.device("cpu")  # no tensor tracked: an empty record
     for p, rows in batched:
         rec.add(p.key, p.outputs, rows, p.run_batched([locals_[i] for i in rows]).to(device))
     copies: dict[int, list[tuple[str, Reader]]] = {}
@@ -74,7 +74,7 @@ def _passes(probe: TensorStats, rec: Record, plans: Plans, inputs: dict[str, Cal
     for k, (_, rows) in enumerate(plans):
         for i in rows:
             covering.setdefault(i, []).append(k)
-    device = locals_[0].device
+    device = locals_[0].device if len(rec.tracked) else torch.device("cpu")  # no tensor tracked: an empty record
     results: dict[int, torch.Tensor] = {}
     for i, ks in covering.items():
         merged = probe._merged.get(tuple(ks))
