@@ -301,3 +301,7 @@ def demo(
 def entry() -> None:  # pragma: no cover - console script shim
     app()
     sys.exit(0)
+
+
+if __name__ == "__main__":  # python -m dynascope.cli, as the console script
+    entry()

@@ -124,3 +124,13 @@ def test_real_process_exit_codes_and_debug(run):
     ok = subprocess.run([*cmd, "sql", str(run), "SELECT count(*) AS n FROM scalars", "-f", "json"],
                         capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0 and json.loads(ok.stdout) == {"n": 300}
+
+
+def test_python_dash_m_runs_the_cli(run):
+    """``python -m dynascope.cli`` is the console script (it once exited 0 having run nothing)."""
+    out = subprocess.run([sys.executable, "-m", "dynascope.cli", "sql", str(run), "SELECT count(*) AS n FROM scalars",
+                          "-f", "json"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and json.loads(out.stdout) == {"n": 300}, out.stderr
+    bad = subprocess.run([sys.executable, "-m", "dynascope.cli", "sql", str(run), "SELEC"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1
