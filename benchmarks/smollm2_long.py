@@ -12,14 +12,17 @@ reproduction table gets a 95% bootstrap interval (``dynascope.demo.intervals``).
 the figures, the regime, the command, the wall time and what was recorded at which cadence; ``--render``
 prints the Markdown table README shows, from that file alone.
 
-The run takes ``/tmp/dynascope-smollm2.lock`` (one SmolLM2 process at a time on a shared machine: ~7.5 GB).
+The run takes ``/tmp/dynascope-smollm2.lock`` (one SmolLM2 process at a time on a shared machine: ~7.5 GB), or
+the lock ``flock /tmp/dynascope-smollm2.lock python benchmarks/smollm2_long.py ...`` already holds for it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import json
+import os
 import shlex
 import sys
 import time
@@ -62,6 +65,26 @@ def step_seconds(run_dir: Path) -> dict[str, float]:
     return {phase: round(float(s), 3) for phase, s in rows}
 
 
+@contextlib.contextmanager
+def smollm2_lock(path: str = LOCK):
+    """Hold the SmolLM2 lock, or the one ``flock LOCK python ...`` already holds for this process.
+
+    flock(1) passes its locked descriptor to the command; a second open of the same file is a second lock
+    that waits for the first, held by our own parent, for ever. A descriptor on the lock file that the
+    process inherited is locked through itself (a no-op when the parent holds it).
+    """
+    target = os.path.realpath(path)
+    for fd in sorted(map(int, os.listdir("/proc/self/fd"))) if os.path.isdir("/proc/self/fd") else []:
+        with contextlib.suppress(OSError):
+            if fd > 2 and os.readlink(f"/proc/self/fd/{fd}") == target:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                yield
+                return
+    with open(path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def run(args: argparse.Namespace) -> dict:
     from rich.console import Console
 
@@ -74,8 +97,7 @@ def run(args: argparse.Namespace) -> dict:
                      relex_fracs=tuple(args.relex_fracs))
     run_dir = Path(args.run)
     t0 = time.perf_counter()
-    with open(LOCK, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with smollm2_lock():
         run_smollm2(run_dir, steps=args.steps, device=args.device, seed=args.seed, console=Console(), **overrides)
     wall = time.perf_counter() - t0
     s = SmolSettings(run_dir=str(run_dir), seed=args.seed, device=args.device, rl_steps=args.steps, **overrides)
