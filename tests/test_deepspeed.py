@@ -43,7 +43,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, HF_HUB_OFFLINE="1", DYNASCOPE_STATISTICS=USER_STATS)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1",
            "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(HERE / "helpers" / "deepspeed_worker.py"),
-           str(out), *worker.CASES, "z3-no-optimizer", "hf-z2", "hf-z3"]
+           str(out), *worker.CASES, "z3-no-optimizer", "hf-z2", "hf-z3", "planted-period"]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return out
@@ -203,25 +203,71 @@ def test_fp32_masters_equal_plain_torch_training(runs: Path, case: str) -> None:
             assert torch.linalg.vector_norm(got[n] - w) <= 1e-6 * torch.linalg.vector_norm(w), (case, n)
 
 
+WINDOWED = ("update_norm", "changed_count", "drift_norm", "grad_zero_count", "bf16_unchanged_count")
+
+
+def windows_alike_and_exact(runs: Path, case: str, ref_run: Path) -> dict[int, list[str]]:
+    """Each step's windowed tensors, asserted the same on every rank (every windowed statistic of a tensor
+    on both ranks or on neither), and where combined equal to the single-process reference at full
+    coverage; no probe_error. Returns step → the window's tensors."""
+    record = torch.load(runs / f"{case}.pt")
+    raw = store(runs / case, "tensor_stats")
+    steps = len(record["weights"])
+    per = raw.group_by("step", "tensor").agg(pl.len().alias("rows"), *[pl.col(c).count() for c in WINDOWED])
+    assert per.height == steps * len(record["theta0"]) and set(per["rows"]) == {2}  # every step, both ranks
+    for c in WINDOWED:
+        assert set(per[c].to_list()) <= {0, 2}, (case, c, per.sort("step", "tensor").to_dicts())
+    got = combine_shards(raw)
+    ref = {(r["step"], r["tensor"]): r for r in reference_rows(record, ref_run, memory_budget=None).to_dicts()}
+    for r in got.filter(pl.col("update_norm").is_not_null()).to_dicts():
+        want = ref[(r["step"], r["tensor"])]
+        for c in WINDOWED + ("w_norm", "grad_norm", "drift_ratio", "changed_frac"):
+            assert math.isclose(r[c], want[c], rel_tol=1e-6, abs_tol=1e-12), (case, r["step"], r["tensor"], c)
+    ev = store(runs / case, "events")
+    assert ev.filter(pl.col("event") == "probe_error").is_empty(), ev.to_dicts()
+    window = per.filter(pl.col("update_norm") > 0).group_by("step").agg(pl.col("tensor").sort())
+    return {r["step"]: r["tensor"] for r in window.to_dicts()}
+
+
 @pytest.mark.slow
 def test_budgeted_windows_are_the_same_tensors_on_every_rank(runs: Path, tmp_path: Path) -> None:
     """Under a memory budget each rank's window is planned from rank-invariant sizes, so the shards of a
     windowed statistic are recorded at the same steps and combine; where combined, they are exact."""
-    case = "z3-budget"
-    record = torch.load(runs / f"{case}.pt")
-    raw = store(runs / case, "tensor_stats")
-    windowed = ("update_norm", "changed_count", "drift_norm", "grad_zero_count", "bf16_unchanged_count")
-    per = raw.group_by("step", "tensor").agg([pl.col(c).count() for c in windowed])
-    for c in windowed:
-        assert set(per[c].to_list()) <= {0, 2}, (c, per.sort("step", "tensor").to_dicts())
-    per_step = per.group_by("step").agg(pl.col("update_norm").sum())["update_norm"].to_list()
-    assert all(0 < n < 2 * len(record["theta0"]) for n in per_step), per_step  # a window, not everything
-    got = combine_shards(raw)
-    ref = {(r["step"], r["tensor"]): r for r in reference_rows(record, tmp_path / "ref", memory_budget=None).to_dicts()}
-    for r in got.filter(pl.col("update_norm").is_not_null()).to_dicts():
-        want = ref[(r["step"], r["tensor"])]
-        for c in windowed + ("w_norm", "grad_norm", "drift_ratio", "changed_frac"):
-            assert math.isclose(r[c], want[c], rel_tol=1e-6, abs_tol=1e-12), (r["step"], r["tensor"], c)
+    windows = windows_alike_and_exact(runs, "z3-budget", tmp_path / "ref")
+    n = len(worker.build_model().state_dict())
+    assert sorted(windows) == list(range(worker.STEPS))
+    assert all(0 < len(w) < n for w in windows.values()), windows  # a window, not everything
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["z2-time-budget", "z3-time-budget"])
+def test_time_budgeted_windows_are_the_same_tensors_on_every_rank(runs: Path, case: str, tmp_path: Path) -> None:
+    """Under a time budget far below a window's share of the step, each rank measures its own window time
+    and step time, yet every rank takes the same window at the same steps (the period the ranks agree on,
+    probes.agreement) and the combined figures are exact. The budget binds: the first two records take a
+    window (the first period is agreed before any window is measured), then at most every other one."""
+    windows = windows_alike_and_exact(runs, case, tmp_path / "ref")
+    n = len(worker.build_model().state_dict())
+    steps = worker.CASES[case]["steps"]
+    assert 0 in windows and all(0 < len(w) < n for w in windows.values()), windows
+    assert len(windows) <= steps - 3, windows  # a period of 2 or more from the third record on
+
+
+@pytest.mark.slow
+def test_ranks_agree_on_the_time_budgets_period(runs: Path) -> None:
+    """The planted boundary (tests/helpers/deepspeed_worker.py): windows costing 1.9% and 2.1% of a record
+    under a 1% budget ask for periods of 2 and 4. Each rank on its own period takes the window alone at
+    the odd multiples of 2 (the shards do not combine there); with the agreed period both take the same
+    windows at the same records, every 4th, and every window of the rotation comes round."""
+    (r0, r1) = torch.load(runs / "planted-period.pt")
+    own = [{k: w for k, w, _ in r["own"]} for r in (r0, r1)]
+    alone = sorted(set(own[0]) ^ set(own[1]))
+    assert alone and all(k % 4 == 2 for k in alone), alone  # the risk is real without the agreement
+    assert r0["agreed"] == r1["agreed"]  # the same records, windows and drift on both ranks
+    records = [k for k, _, _ in r0["agreed"]]
+    assert records[:2] == [0, 1] and all(k % 4 == 0 for k in records[2:]), records
+    assert len(records) == 2 + (worker.PLANTED_RECORDS - 1) // 4
+    assert set().union(*(w for _, w, _ in r0["agreed"])) == set(range(10))
 
 
 @pytest.mark.slow
@@ -233,9 +279,10 @@ def test_timings_come_from_the_engine(runs: Path) -> None:
         t = store(runs / case, "timings")
         n = t.group_by("rank", "phase").len()
         count = {(r["rank"], r["phase"]): r["len"] for r in n.to_dicts()}
-        micro = worker.STEPS * opts.get("gas", 1)
+        steps = opts.get("steps", worker.STEPS)
+        micro = steps * opts.get("gas", 1)
         for rank in (0, 1):
-            assert count[(rank, "step")] == count[(rank, "optimizer")] == worker.STEPS, (case, count)
+            assert count[(rank, "step")] == count[(rank, "optimizer")] == steps, (case, count)
             assert count[(rank, "forward")] == count[(rank, "backward")] == micro, (case, count)
 
 

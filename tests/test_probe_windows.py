@@ -1,64 +1,20 @@
 """Sharded runs' windows (``probes.window.Window`` over shards): ranks that measure different times still
 take the same window at shared records, every window of the rotation comes round, drift comes to each
 window and every rank agrees when, and the windows keep to the time budget. Unsharded tensors keep the
-free-running rotation."""
+free-running rotation. One process, one rank: the ranks' agreement on the period (``probes.agreement``) is
+held on two gloo ranks in tests/test_deepspeed.py."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import pytest
-import torch
-
-from dynascope.probes import window as window_mod
-from dynascope.probes.window import Window
-
-N = 10  # ten tensors of 1,000 bytes under a 0.4 budget: windows of three, 4 windows made 5 (odd)
+from helpers.windows import N, simulate
 
 
-@dataclass
-class Shard:
-    """What the window reads of a tracked tensor: its name, budget size, whether it is a shard, its data."""
-
-    name: str
-    sharded: bool = True
-    nbytes: int = 1000
-
-    def local(self) -> torch.Tensor:
-        return torch.empty(0, dtype=torch.float32)
-
-
-class Clock:
-    now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def simulate(cost: list[float], monkeypatch: pytest.MonkeyPatch, interval: float = 1.0, budget: float = 0.01,
-             records: int = 800, drift_every: int = 4, sharded: bool = True
-             ) -> list[tuple[int, tuple[int, ...], bool]]:
-    """(record, window, drift due) of every window one rank takes, its windows costing ``cost[k]`` seconds."""
-    clock = Clock()
-    monkeypatch.setattr(window_mod.time, "perf_counter", clock)
-    win = Window(0.4, budget, drift_every, lambda e: 4 * e)
-    tracked = [Shard(f"t{i}", sharded) for i in range(N)]
-    taken = []
-    for k in range(records):
-        clock.now = k * interval
-        win.tick()
-        window = win.next(tracked)  # type: ignore[arg-type]
-        if window:
-            taken.append((k, tuple(window), win.drift_due(tracked[window[0]].name)))
-            clock.now += cost[k]
-            win.charge(k * interval)
-    return taken
-
-
-def test_ranks_with_different_clocks_agree_where_both_take_a_window(monkeypatch: pytest.MonkeyPatch) -> None:
-    a = simulate([0.05] * 800, monkeypatch)  # 5 records of budget per window: period 8
-    b = simulate([0.05 * (1 + 0.8 * math.sin(k / 40)) for k in range(800)], monkeypatch)  # period 2 to 16
+def test_ranks_with_different_clocks_agree_where_both_take_a_window() -> None:
+    a = simulate([0.05] * 800)  # 5 records of budget per window: period 8
+    b = simulate([0.05 * (1 + 0.8 * math.sin(k / 40)) for k in range(800)])  # period 2 to 16
     by_record = {k: (w, d) for k, w, d in a}
     shared = [(k, w, d) for k, w, d in b if k in by_record]
     assert len(shared) >= len(a) // 4  # the records of the coarser period are shared
@@ -68,8 +24,8 @@ def test_ranks_with_different_clocks_agree_where_both_take_a_window(monkeypatch:
 
 
 @pytest.mark.parametrize("cost", [0.005, 0.03, 0.05, 0.2])
-def test_every_window_comes_round_within_the_budget(cost: float, monkeypatch: pytest.MonkeyPatch) -> None:
-    taken = simulate([cost] * 800, monkeypatch)
+def test_every_window_comes_round_within_the_budget(cost: float) -> None:
+    taken = simulate([cost] * 800)
     windows = {w for _, w, _ in taken}
     assert set().union(*windows) == set(range(N))
     spent = cost * len(taken)
@@ -79,14 +35,14 @@ def test_every_window_comes_round_within_the_budget(cost: float, monkeypatch: py
     assert drifted == windows  # drift comes to every window (drift_every made odd, the period a power of two)
 
 
-def test_without_a_time_budget_every_record_takes_the_next_window(monkeypatch: pytest.MonkeyPatch) -> None:
-    taken = simulate([100.0] * 5, monkeypatch, budget=None, records=5)  # type: ignore[arg-type]
+def test_without_a_time_budget_every_record_takes_the_next_window() -> None:
+    taken = simulate([100.0] * 5, budget=None, records=5)
     assert [w for _, w, _ in taken] == [(0, 1, 2), (3, 4, 5), (6, 7, 8), (9,), (0, 1, 2)]
 
 
-def test_unsharded_tensors_rotate_from_the_cursor_under_the_time_debt(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unsharded_tensors_rotate_from_the_cursor_under_the_time_debt() -> None:
     """Without shards the window runs on: each starts where the last one ended (wrapping round), and the
     time budget takes one whenever the time spent is paid back."""
-    taken = simulate([0.05] * 40, monkeypatch, records=40, sharded=False)
+    taken = simulate([0.05] * 40, records=40, sharded=False)
     assert [w for _, w, _ in taken[:4]] == [(0, 1, 2), (3, 4, 5), (6, 7, 8), (0, 1, 9)]
     assert [k for k, _, _ in taken[:3]] == [0, 5, 10]  # 0.05 s at 1% of 1 s a record: every 5th

@@ -44,7 +44,7 @@ class Record:
         self.host: torch.Tensor | None = None
         self.event: Any = None
         self.done: Any = None  # the future of a pass still computing this record's values (probes.background)
-        self.notes: list[str] = []  # what became NULL and why: one ``events`` row each
+        self.notes: list[tuple[str, str]] = []  # (event, message): what became NULL or changed and why
 
     def add(self, key: str, columns: tuple[str, ...], rows: list[int], values: torch.Tensor) -> None:
         self.blocks[key] = Block(columns, rows)

@@ -21,6 +21,7 @@ host (pinned memory, non-blocking, on CUDA); the resolver thread unpacks it into
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -139,6 +140,10 @@ class TensorStats(Probe):
         else:
             rec.window = self.window.next(tracked, self._resident_bytes(tracked))
         rec.chunk_elems = self.window.chunk
+        notice = self.window.take_notice()
+        if notice is not None:  # the ranks' windows may part from here: said once, as an event of this record
+            warnings.warn(f"dynascope: {notice}", RuntimeWarning, stacklevel=2)
+            rec.notes.append(("probe_error", notice))
         with_grad, grads = [], []
         for i, t in enumerate(tracked):
             g = t.grad()
@@ -207,9 +212,9 @@ class TensorStats(Probe):
             changed = {i for i, v0, v1 in zip(read, before, versions([locals_[i] for i in read]), strict=True) if v0 != v1}
             if changed:  # written by something other than the optimizer while the pass read them: no values
                 rec.drop_rows([p.key for p, _ in plans + batched], changed)
-                rec.notes.append(f"weights of {len(changed)} tensors changed between the optimizer step and the "
-                                 f"end of the probe's pass (e.g. {tracked[min(changed)].name}): their weight "
-                                 "statistics are NULL at this step")
+                rec.notes.append(("weights_changed", f"weights of {len(changed)} tensors changed between the "
+                                  f"optimizer step and the end of the probe's pass (e.g. {tracked[min(changed)].name}): "
+                                  "their weight statistics are NULL at this step"))
             rec.pack(device)
         # On a host the pass runs beside the next forward; the next step's pre-hook waits for it (background.py).
         if background:
@@ -259,10 +264,11 @@ class TensorStats(Probe):
     def _rows(self, recs: list[Record]) -> Rows:
         """The ``tensor_stats`` batch of consecutive records, and an ``events`` row per note they carry."""
         rows: dict[str, Any] = {"tensor_stats": tensor_stats_batch(recs, self._tracked_columns(recs[0].tracked))}
-        notes = [(r, n) for r in recs for n in r.notes]
+        notes = [(r, kind, n) for r in recs for kind, n in r.notes]
         if notes:
-            rows["events"] = {"step": [r.step for r, _ in notes], "time_us": [r.time_us for r, _ in notes],
-                              "event": "weights_changed", "severity": "warning", "message": [n for _, n in notes]}
+            rows["events"] = {"step": [r.step for r, _, _ in notes], "time_us": [r.time_us for r, _, _ in notes],
+                              "event": [k for _, k, _ in notes], "severity": "warning",
+                              "message": [n for _, _, n in notes]}
         return rows
 
     def _tracked_columns(self, tracked: list[Tracked]) -> dict[str, Any]:

@@ -16,15 +16,18 @@ Sharded runs (FSDP2, DeepSpeed ZeRO) record per-rank partial sums of each tensor
 statistic combines only if every rank computed it at the same record. Left to itself, each rank's time
 budget decides from its own clock, the ranks' cursors part within a few records, and almost no windowed
 statistic combines (docs/benchmarks.md, "DeepSpeed"). So when the tracked tensors are shards, the window
-is a function of the record's index ``k``, the same on every rank, and no message is exchanged:
+is a function of the record's index ``k`` and of a period the ranks agree on:
 
 * the rotation is planned once, from cursor 0, from rank-invariant sizes (``Tracked.nbytes``) into ``R``
   windows, made odd by taking the first window twice when ``R`` is even; record ``k`` holds window ``k mod R``;
 * the time budget takes a window at the records that are multiples of a period ``P``, a power of two each
-  rank sets from its own measurements (window time over the budget's share of the time between records),
-  with hysteresis. ``P`` a power of two and ``R`` odd make the windows taken at multiples of ``P`` visit
-  every window of the rotation, and two ranks whose periods differ (``P`` and ``2P``) still take the same
-  window at every multiple of ``2P``;
+  rank derives from its own measurements (window time over the budget's share of the time between records),
+  with hysteresis. Near a boundary the ranks' measurements give different periods (``P`` and ``2P``), and
+  at the odd multiples of ``P`` one rank would take the window alone, so the period used at record ``k``
+  is the largest the ranks derived at record ``k − 1`` (``probes.agreement``: one asynchronous all-reduce
+  of one integer per record on a group of its own, read a record later, when it has long completed).
+  ``P`` a power of two and ``R`` odd make the windows taken at multiples of ``P`` visit every window of
+  the rotation;
 * drift comes at the rotations ``m = (k − w) / R`` of window ``w`` that are multiples of ``drift_every``
   made odd, so again every window gets it and every rank agrees on when.
 """
@@ -35,6 +38,7 @@ import math
 import time
 from collections.abc import Callable
 
+from dynascope.probes.agreement import RankMax
 from dynascope.probes.params import Tracked
 from dynascope.stats.engine import DEFAULT_CHUNK_ELEMS
 
@@ -61,7 +65,7 @@ class Window:
     (the largest declared statistic's)."""
 
     def __init__(self, memory_budget: float | None, time_budget: float | None, drift_every: int,
-                 per_elem: Callable[[int], int]) -> None:
+                 per_elem: Callable[[int], int], agreement: RankMax | None = None) -> None:
         self.memory_budget = memory_budget
         self.time_budget = None if memory_budget is None else time_budget
         self.drift_every = int(drift_every)
@@ -73,7 +77,9 @@ class Window:
         self._last_t: float | None = None
         self._drift_visits: dict[str, int] = {}  # tensor name → windows it has been in
         # sharded runs (module docstring): the rotation, its key, the period and what sets it
-        self.period = 1
+        self.period = 1  # the period this record uses (sharded runs: agreed across ranks)
+        self.local_period = 1  # the period this rank's own measurements ask for
+        self._agreement = agreement if agreement is not None else RankMax()
         self._rotation: list[Planned] = []
         self._key: tuple | None = None
         self._sharded: tuple[int, bool] | None = None
@@ -114,13 +120,22 @@ class Window:
         if interval is not None and interval > 0:
             self._interval = interval if self._interval is None else (1 - EMA) * self._interval + EMA * interval
         if self.time_budget is None or self._cost is None or self._interval is None:
-            self.period = 1
-            return
-        need = self._cost / (self.time_budget * self._interval)  # records per window the budget allows
-        while need > self.period:
-            self.period *= 2
-        while self.period > 1 and need < LOWER * self.period:
-            self.period //= 2
+            self.local_period = 1
+        else:
+            need = self._cost / (self.time_budget * self._interval)  # records per window the budget allows
+            while need > self.local_period:
+                self.local_period *= 2
+            while self.local_period > 1 and need < LOWER * self.local_period:
+                self.local_period //= 2
+        self.period = self.local_period
+        if self.time_budget is not None and self._sharded is not None and self._sharded[1]:
+            # the same at every record on every rank: from the record after the first window on
+            self.period = self._agreement.exchange(self.local_period)
+
+    def take_notice(self) -> str | None:
+        """Why the ranks stopped agreeing on the period, once (then None): for the record's events."""
+        note, self._agreement.notice = self._agreement.notice, None
+        return note
 
     # ---- the window ------------------------------------------------------------------------------------
     def next(self, tracked: list[Tracked], resident: float = 0.0, timed: bool = True) -> list[int]:

@@ -31,6 +31,12 @@ deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 STEPS = 3
 LR = 1e-2
+# A time budget far below a window's share of a step here (a window takes ~2-4% of one): the period grows.
+TIME_BUDGET = {"memory_budget": 0.4, "time_budget": 0.005, "drift_every": 1}
+# The planted boundary: windows costing 1.9% and 2.1% of a record's time under a 1% budget ask for periods
+# of 2 and 4 records; each rank plans them against its own planted clock (tests/helpers/windows.py).
+PLANTED_COST = (0.019, 0.021)
+PLANTED_RECORDS = 64
 # case → stage (ZeRO stage), bf16, watch (what watch() is given: "engine" (default), "module" (engine.module
 # alone), "module+optimizer" (and engine.optimizer), "module+inner" (and the inner torch optimizer),
 # "integration" (dynascope.integrations.deepspeed.watch)), gas (micro-batches per step), zero (more
@@ -50,6 +56,8 @@ CASES: dict[str, dict[str, Any]] = {
     "z2-offload": {"stage": 2, "zero": {"offload_optimizer": {"device": "cpu"}}},
     "z3-offload": {"stage": 3, "zero": {"offload_optimizer": {"device": "cpu"}}},
     "z3-budget": {"stage": 3, "budget": {"memory_budget": 0.4, "time_budget": None, "drift_every": 1}},
+    "z2-time-budget": {"stage": 2, "steps": 8, "budget": TIME_BUDGET},
+    "z3-time-budget": {"stage": 3, "steps": 8, "budget": TIME_BUDGET},
 }
 
 
@@ -90,7 +98,7 @@ def run_case(out: Path, case: str) -> None:
     full = lambda: {n: safe_get_full_fp32_param(p).detach().clone() for n, p in params}  # noqa: E731
     record = {"theta0": full(), "grads": [], "weights": []}
     rank = dist.get_rank()
-    for step in range(STEPS):
+    for step in range(opts.get("steps", STEPS)):
         for micro in range(gas):
             x = batch(step, micro, rank).to(torch.bfloat16 if bf16 else torch.float32)
             engine.backward(engine(x).float().pow(2).mean())
@@ -158,6 +166,27 @@ def run_hf(out: Path, stage: int) -> None:
         torch.save({"weights": gather.weights}, out / f"hf-z{stage}.pt")
 
 
+def run_planted_period(out: Path) -> None:
+    """Each rank plans the windows of a planted clock whose costs straddle a power of two, with the ranks'
+    agreement on the period (``probes.agreement.RankMax``, over this gloo world) and with each rank's own
+    period; rank 0 saves both ranks' windows of both."""
+    from helpers.windows import simulate
+
+    from dynascope.probes.agreement import RankMax
+
+    class OwnPeriod(RankMax):
+        def exchange(self, value: int) -> int:
+            return value
+
+    cost = [PLANTED_COST[dist.get_rank()]] * PLANTED_RECORDS
+    got = {"agreed": simulate(cost, records=PLANTED_RECORDS),
+           "own": simulate(cost, records=PLANTED_RECORDS, agreement=OwnPeriod())}
+    both: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(both, got)
+    if dist.get_rank() == 0:
+        torch.save(both, out / "planted-period.pt")
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     dist.init_process_group("gloo")
@@ -166,6 +195,8 @@ def main() -> None:
             run_hf(out, int(case[4:]))
         elif case == "z3-no-optimizer":
             run_without_optimizer(out)
+        elif case == "planted-period":
+            run_planted_period(out)
         else:
             run_case(out, case)
     dist.destroy_process_group()
