@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import pytest
+
 from helpers.windows import N, simulate
 
 

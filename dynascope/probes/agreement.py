@@ -33,7 +33,7 @@ class RankMax:
     """``exchange(value)`` posts this rank's value and returns the largest value the ranks posted at the
     previous call (``first`` at the first call). ``notice`` holds the one-line reason after a failure."""
 
-    def __init__(self, first: int = 1, timeout_s: float = 60.0) -> None:
+    def __init__(self, first: int = 1, timeout_s: float = 30.0) -> None:
         self.first = first
         self.timeout_s = timeout_s
         self.notice: str | None = None

@@ -170,9 +170,9 @@ def run_planted_period(out: Path) -> None:
     """Each rank plans the windows of a planted clock whose costs straddle a power of two, with the ranks'
     agreement on the period (``probes.agreement.RankMax``, over this gloo world) and with each rank's own
     period; rank 0 saves both ranks' windows of both."""
-    from helpers.windows import simulate
-
     from dynascope.probes.agreement import RankMax
+
+    from helpers.windows import simulate
 
     class OwnPeriod(RankMax):
         def exchange(self, value: int) -> int:
