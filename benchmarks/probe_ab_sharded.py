@@ -15,8 +15,8 @@ and any waiting at collectives.
 
 Beside the A/B, a coverage run per engine (the default settings for ``--coverage-steps`` steps): how many
 (step, tensor) records of the windowed statistics were taken on both ranks (their shards combine) or on
-one only (the combined value is NULL): the windows are picked by the record's index (probes/window.py),
-so ranks disagree only where their time budgets' periods differ; with the memory budget alone, never.
+one only (the combined value is NULL): the windows are picked by the record's index and a time-budget
+period the ranks agree on (probes/window.py, probes/agreement.py), so none should be on one rank only.
 
     flock /tmp/dynascope-bench.lock python3 benchmarks/probe_ab_sharded.py --rounds 5
 """
