@@ -77,6 +77,22 @@ class RankMax:
         self._work.wait()  # raises the collective's own error, if it failed
         return int(self._buf[0])
 
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Free the group once the last post has completed (every rank closes after the same record)."""
+        work, group, self._work, self._group = self._work, self._group, None, None
+        if group is None:
+            return
+        try:
+            import torch.distributed as dist
+
+            deadline = time.monotonic() + timeout_s
+            while work is not None and not work.is_completed() and time.monotonic() < deadline:
+                time.sleep(POLL_S)
+            if work is None or work.is_completed():  # a group with a post in flight is left to the process's end
+                dist.destroy_process_group(group)
+        except Exception:  # closing never raises into the user's script; the group then lives to the end
+            pass
+
     def _post(self, value: int) -> None:
         import torch
         import torch.distributed as dist

@@ -312,6 +312,7 @@ class TensorStats(Probe):
     def close(self) -> None:
         self._pass.close()
         self.snapshot.close()
+        self.window.close()
         if self.history is not None:
             self.history.drop()
 

@@ -132,6 +132,10 @@ class Window:
             # the same at every record on every rank: from the record after the first window on
             self.period = self._agreement.exchange(self.local_period)
 
+    def close(self) -> None:
+        """Free what the ranks' agreement on the period holds (its process group)."""
+        self._agreement.close()
+
     def take_notice(self) -> str | None:
         """Why the ranks stopped agreeing on the period, once (then None): for the record's events."""
         note, self._agreement.notice = self._agreement.notice, None
