@@ -122,7 +122,9 @@ def compact_store(path: str | os.PathLike, grace_s: float = 60.0, *, settle_s: f
                     stats.skipped.append(f"{wdir}: {type(exc).__name__}: {first_line(exc)}")
             if all_done(files, done):  # no row will arrive: pool the run's tensor rows across ranks
                 try:
-                    stats.rollups_written += refresh(files, settle_us)
+                    valid_us = refresh(files, settle_us)
+                    stats.rollups_written += valid_us > 0
+                    last_valid = max(last_valid, valid_us)  # ``wait`` deletes the rollup it replaces too
                 except (OSError, pa.ArrowException, duckdb.Error, StoreError) as exc:
                     stats.skipped.append(f"{run_dir / BY_TENSOR}: {type(exc).__name__}: {first_line(exc)}")
     if wait and last_valid:

@@ -72,16 +72,16 @@ def covers(store: StoreConnection, run: str | None) -> bool:
     """Whether ``tensor_stats_by_tensor`` pooled every ``tensor_stats`` row of ``run`` (every run: None)
     as the store stands now, so queries may read it instead."""
     where = "" if run is None else f" WHERE run_id = {quote_literal(run)}"
-    got = store.rows(f"""
-        SELECT count(*) FILTER (WHERE r.n IS DISTINCT FROM t.n), count(*)
-        FROM (SELECT run_id, count(*) AS n FROM tensor_stats{where} GROUP BY run_id) r
-        FULL JOIN (SELECT run_id, sum(tensors) AS n FROM {BY_TENSOR}{where} GROUP BY run_id) t USING (run_id)""")
-    return bool(got) and got[0][0] == 0 and got[0][1] > 0
+    pooled = dict(store.rows(f"SELECT run_id, sum(tensors) FROM {BY_TENSOR}{where} GROUP BY run_id"))
+    if not pooled:  # never compacted since it finished (or live): no count of tensor_stats needed
+        return False
+    return pooled == dict(store.rows(f"SELECT run_id, count(*) FROM tensor_stats{where} GROUP BY run_id"))
 
 
 def refresh(files: RunFiles, settle_us: int) -> int:
     """Write the run's ``tensor_stats_by_tensor`` if it does not pool every ``tensor_stats`` row the run
-    holds now (the caller checked that no writer of the run writes any more); returns the files written."""
+    holds now (the caller checked that no writer of the run writes any more); returns the new file's
+    valid_from (µs), 0 if none was written."""
     with open_store(files.run_dir) as store:
         runs = [r for (r,) in store.rows("SELECT DISTINCT run_id FROM tensor_stats WHERE run_id IS NOT NULL")]
         stale = [r for r in runs if not covers(store, r)]
@@ -101,10 +101,11 @@ def refresh(files: RunFiles, settle_us: int) -> int:
         pq.write_table(table, tmp, **parquet_options(table.schema))
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
-        os.replace(tmp, mdir / segment_name(0, hi, time.time_ns() // 1000 + settle_us))
+        valid_us = time.time_ns() // 1000 + settle_us
+        os.replace(tmp, mdir / segment_name(0, hi, valid_us))
     finally:
         tmp.unlink(missing_ok=True)
-    return 1
+    return valid_us
 
 
 def all_done(files: RunFiles, done: dict[str, bool]) -> bool:
