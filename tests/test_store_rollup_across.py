@@ -108,3 +108,12 @@ def test_a_run_still_writing_gets_no_rollup(tmp_path):
             assert not covers(s, run.name) and s.rows(f"SELECT count(*) FROM {BY_TENSOR}")[0][0] == 0
     finally:
         live.close()
+
+
+def test_a_writer_cannot_append_to_the_rollup(tmp_path):
+    run = tmp_path / "r"
+    with RunWriter(run, rank=0) as w:
+        w.append(BY_TENSOR, {"step": [1], "tensor": [Q], "tensors": [1]})
+    with open_store(run) as s:
+        assert s.rows(f"SELECT count(*) FROM {BY_TENSOR}")[0][0] == 0
+        assert s.rows("SELECT count(*) FROM events WHERE event = 'bad_batch'")[0][0] == 1
