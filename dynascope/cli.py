@@ -78,7 +78,7 @@ def sql(
     max_rows: Annotated[int, typer.Option("--max-rows", help="Row cap for the result.")] = 100_000,
 ) -> None:
     """Run read-only SQL over a run (tables: runs, tensor_stats, tensor_stats_by_kind, tensor_stats_by_layer,
-    spectra, timings, samples, scalars, events, system)."""
+    tensor_stats_by_tensor, spectra, timings, samples, scalars, events, system)."""
     from dynascope.cli_output import write_result
     from dynascope.store import open_store, run_sql
 

@@ -101,3 +101,11 @@ def test_one_rank_and_all_shard_runs_skip_the_lowest_rank_window(tmp_path, monke
         assert fast.equals(delta_sync_bytes(sharded)) and fast["numel"].to_list() == [8_000] * 5
     _run(tmp_path / "one", rows[:2], rank=1)  # a second rank
     assert lowest_rank_sql(ds.as_store(run), "", "tensor")[0].startswith("min(rank) OVER")
+
+
+def test_a_tie_between_encodings_names_the_cheaper_every_time(tmp_path):
+    # after the first step, two steps choose value+index (1% changed) and two the bitmap (10%): a tie
+    rows = [_row(s, Q, 8_000, 8_000 - c) for s, c in ((1, 80), (2, 80), (3, 800), (4, 80), (5, 800))]
+    run = _run(tmp_path / "r", rows)
+    assert sorted(delta_sync_bytes(run)["encoding"].to_list()[1:]) == ["bitmap", "bitmap", "value+index", "value+index"]
+    assert {delta_sync_summary(run)["encoding"][0] for _ in range(20)} == {"value+index"}

@@ -19,6 +19,7 @@ from dynascope.store import flush as flush_mod
 from dynascope.store.catalog import list_runs
 from dynascope.store.compact import compact_store
 from dynascope.store.layout import COMMITS, MERGED, list_segments, segment_name
+from dynascope.store.rollup_across import BY_TENSOR, covers
 from dynascope.store.schema import TABLES
 from dynascope.store.snapshot import open_snapshot
 
@@ -26,13 +27,15 @@ from helpers.cluster_truth import planted_cluster
 from helpers.waiting import wait_until
 
 SMALL = ClusterSpec(ranks=64, steps=6, layers=1, tensor_every=3, checkpoint_every=3, samples_per_worker=8)
-COUNTS = "SELECT " + ", ".join(f"(SELECT count(*) FROM {t})" for t in TABLES)
+# The tables writers write; compaction adds its own rollup across ranks (BY_TENSOR) once a run is finished.
+WRITTEN = tuple(t for t in TABLES if t != BY_TENSOR)
+COUNTS = "SELECT " + ", ".join(f"(SELECT count(*) FROM {t})" for t in WRITTEN)
 
 
 def content(run) -> dict[str, tuple]:
     """Rows and an order-free hash of every row, per table."""
     with open_store(run) as s:
-        return {t: s.rows(f"SELECT count(*), sum(hash(COLUMNS(*))) FROM {t}")[0] for t in TABLES}
+        return {t: s.rows(f"SELECT count(*), sum(hash(COLUMNS(*))) FROM {t}")[0] for t in WRITTEN}
 
 
 def files_per_table(run) -> dict[str, int]:
@@ -51,7 +54,7 @@ def fold(run, **kw):
 def test_a_finished_run_folds_to_two_files_per_table_under_a_counting_reader(tmp_path):
     run, truth = planted_cluster(tmp_path, SMALL)
     before = content(run)
-    expected = tuple(before[t][0] for t in TABLES)
+    expected = tuple(before[t][0] for t in WRITTEN)
     assert before["timings"][0] == truth["rows"]["timings"] > 0
     assert max(files_per_table(run).values()) > 80  # one directory per writer per table, several segments each
     seen: list[tuple] = []
@@ -87,12 +90,15 @@ def test_a_finished_run_folds_to_two_files_per_table_under_a_counting_reader(tmp
     assert all(n <= 2 for n in files_per_table(run).values()), files_per_table(run)
     assert all({w.name for w in list_segments(run, t)} <= {"writer=_schema", MERGED} for t in TABLES)
     assert content(run) == before
+    with open_store(run) as s:  # every tensor_stats row pooled across ranks once, by the finished run's compaction
+        assert stats.rollups_written == 1 and covers(s, None)
+        assert s.rows(f"SELECT count(*) FROM {BY_TENSOR} WHERE sharded")[0][0] > 0
     (row,) = list_runs(run).iter_rows(named=True)
     assert (row["status"], row["ranks"], row["steps"]) == ("finished", 80, SMALL.steps)
     assert not any((run / COMMITS).iterdir())  # every writer closed: its commit and begin records went too
     assert all(sorted(live_files(run, t)) == sorted(str(p) for p in (run / t).rglob("*.parquet")) for t in TABLES)
     again = compact_store(run, grace_s=0.5, settle_s=0.1, wait=True, repair_after_s=0)
-    assert (again.new_segments, again.removed_segments, again.writers_folded) == (0, 0, 0)
+    assert (again.new_segments, again.removed_segments, again.writers_folded, again.rollups_written) == (0, 0, 0, 0)
 
 
 def test_writers_still_running_are_not_folded(tmp_path):
@@ -174,11 +180,11 @@ def test_snapshots_keep_what_they_planned_through_a_fold(tmp_path):
         assert any(f"/{MERGED}/" in f for f in after.files("timings"))
         assert not any(f"/{MERGED}/" in f for f in before.files("timings"))
         for snap in (before, after):
-            assert {t: counted(snap.files(t)) for t in TABLES} == want
+            assert {t: counted(snap.files(t)) for t in WRITTEN} == want
         before.release()
         fold(run)  # the sources may go now; the covers the second plan read stay
         assert all(os.path.exists(f) for t in TABLES for f in after.files(t))
-        assert {t: counted(after.files(t)) for t in TABLES} == want
+        assert {t: counted(after.files(t)) for t in WRITTEN} == want
         assert any(not os.path.exists(f) for f in before.files("timings"))
     finally:
         before.release()

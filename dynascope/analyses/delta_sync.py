@@ -22,10 +22,13 @@ import polars as pl
 
 from dynascope.analyses._common import StoreLike, as_store, frame, lowest_rank_sql, run_clause
 from dynascope.store import StoreError, quote_literal
+from dynascope.store.rollup_across import BY_TENSOR, covers
 
 __all__ = ["DTYPE_BYTES", "delta_sync_bytes", "delta_sync_summary", "summarize_delta_sync"]
 
 VALUE_BYTES, INDEX_BYTES = 2, 4
+ENCODINGS = ("value+index", "bitmap", "full")  # cheapest per changed element first
+_ENCODING_CODE = {e: i for i, e in enumerate(ENCODINGS)}
 # bytes per element of the dtype strings the probe records (torch's str(dtype) without "torch.")
 DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
@@ -55,20 +58,27 @@ def delta_sync_bytes(store: StoreLike, run: str | None = None, stage: str | None
     if "bf16_unchanged_count" not in _columns(con):
         raise StoreError("tensor_stats has no bf16_unchanged_count (PULSE S₁): record with a probe that writes it")
     where = run_clause(run) + ("" if stage is None else f" AND stage = {quote_literal(stage)}")
-    first_rank, one_rank = lowest_rank_sql(con, where, "run_id, step, tensor")
-    tensors = "count(*)" if one_rank else "count(DISTINCT tensor)"
-    per_step = frame(con, f"""
-        WITH rows AS (
-            SELECT run_id, stage, step, tensor, rank, sharded, numel, dtype, bf16_unchanged_count,
+    dtype_bytes = " ".join(f"WHEN {quote_literal(k)} THEN {v}" for k, v in DTYPE_BYTES.items())
+    if covers(con, run):  # compacted: a row per (step, tensor) across ranks, the same sums
+        rows, tensors = f"""
+            SELECT run_id, stage, step, tensor, rank, sharded, numel, dtype, tensors AS n, bf16_rows,
+                   bf16_unchanged_numel - bf16_unchanged_count AS changed, bitmap_bytes,
+                   min(rank) OVER (PARTITION BY run_id, step, tensor) AS first_rank
+            FROM {BY_TENSOR} WHERE step IS NOT NULL{where}""", "count(DISTINCT tensor)"
+    else:
+        first_rank, one_rank = lowest_rank_sql(con, where, "run_id, step, tensor")
+        rows, tensors = f"""
+            SELECT run_id, stage, step, tensor, rank, sharded, numel, dtype, 1 AS n,
+                   CASE WHEN bf16_unchanged_count IS NOT NULL THEN 1 ELSE 0 END AS bf16_rows,
+                   numel - bf16_unchanged_count AS changed, ceil(numel / 8.0) AS bitmap_bytes,
                    {first_rank} AS first_rank
-            FROM tensor_stats WHERE step IS NOT NULL{where}
-        )
+            FROM tensor_stats WHERE step IS NOT NULL{where}""", "count(*)" if one_rank else "count(DISTINCT tensor)"
+    per_step = frame(con, f"""
+        WITH rows AS ({rows})
         SELECT run_id, any_value(stage) AS stage, step, {tensors} AS tensors,
-               sum(numel)::BIGINT AS numel, count(bf16_unchanged_count) = count(*) AS complete,
-               sum(numel - bf16_unchanged_count)::BIGINT AS changed_count,
-               sum(ceil(numel / 8.0))::BIGINT AS bitmap_index_bytes,
-               sum(numel * CASE dtype {' '.join(f"WHEN {quote_literal(k)} THEN {v}" for k, v in DTYPE_BYTES.items())}
-                   ELSE 4 END)::BIGINT AS stored_bytes
+               sum(numel)::BIGINT AS numel, sum(bf16_rows) = sum(n) AS complete,
+               sum(changed)::BIGINT AS changed_count, sum(bitmap_bytes)::BIGINT AS bitmap_index_bytes,
+               sum(numel * CASE dtype {dtype_bytes} ELSE 4 END)::BIGINT AS stored_bytes
         FROM rows WHERE coalesce(sharded, false) OR rank = first_rank
         GROUP BY run_id, step ORDER BY run_id, step""")
     if per_step.is_empty():
@@ -120,8 +130,12 @@ def summarize_delta_sync(df: pl.DataFrame) -> pl.DataFrame:
     if df.is_empty():
         return pl.DataFrame(schema=schema)
     df = df.filter(pl.col("step") > pl.col("step").min().over("run_id", "stage"))
+    # The encoding most steps chose; a tie goes to the cheaper per element (``ENCODINGS`` order). Polars'
+    # mode lists tied values in no fixed order, so ``mode().first()`` named either one, run to run.
+    code = pl.col("encoding").replace_strict(_ENCODING_CODE, return_dtype=pl.Int8)
     out = df.group_by("run_id", "stage", maintain_order=True).agg(
         pl.len().alias("steps"), pl.col("changed_pct").median(), pl.col("delta_pct").median(),
-        pl.col("encoding").mode().first(), pl.col("full_bf16_bytes").median().cast(pl.Int64),
+        code.mode().min().alias("encoding"), pl.col("full_bf16_bytes").median().cast(pl.Int64),
         pl.col("full_bf16_sync_ms").median(), pl.col("delta_sync_ms").median())
+    out = out.with_columns(pl.col("encoding").replace_strict(dict(enumerate(ENCODINGS)), return_dtype=pl.String))
     return out.select([pl.col(c).cast(t) for c, t in schema.items()])

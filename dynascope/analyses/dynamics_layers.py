@@ -22,6 +22,7 @@ import polars as pl
 
 from dynascope.analyses._common import StoreLike, as_store, frame, lowest_rank_sql, run_clause
 from dynascope.store import quote_literal
+from dynascope.store.rollup_across import BY_TENSOR, covers
 
 __all__ = ["update_share_by_layer"]
 
@@ -42,20 +43,31 @@ def update_share_by_layer(store: StoreLike, run: str | None = None, stage: str |
     """
     where = run_clause(run) + ("" if stage is None else f" AND stage = {quote_literal(stage)}")
     con = as_store(store)
-    first_rank, _ = lowest_rank_sql(con, " AND numel > 0" + where, "run_id, stage, step, tensor")
+    if covers(con, run):  # compacted: a row per (step, tensor) across ranks, the same sums
+        source, first_rank = f"""
+            SELECT run_id, stage, step, tensor, layer, numel, update_sq,
+                   bf16_unchanged_numel - bf16_unchanged_count AS update_bf16_changed, drift_sq,
+                   drift_zero_numel - drift_zero_count AS drift_bf16_changed, drift_numel IS NOT NULL AS has_drift,
+                   sharded, rank
+            FROM {BY_TENSOR}""", "min(rank) OVER (PARTITION BY run_id, stage, step, tensor)"
+    else:
+        source = """
+            SELECT run_id, stage, step, tensor, layer, numel, update_norm * update_norm AS update_sq,
+                   numel - bf16_unchanged_count AS update_bf16_changed, drift_norm * drift_norm AS drift_sq,
+                   numel - drift_zero_count AS drift_bf16_changed, drift_norm IS NOT NULL AS has_drift,
+                   coalesce(sharded, false) AS sharded, rank
+            FROM tensor_stats"""
+        first_rank, _ = lowest_rank_sql(con, " AND numel > 0" + where, "run_id, stage, step, tensor")
     df = frame(con, f"""
         WITH rows AS (
-            SELECT run_id, stage, step, tensor, layer, numel, update_norm, bf16_unchanged_count, drift_norm,
-                   drift_zero_count, coalesce(sharded, false) AS sharded, rank,
-                   {first_rank} AS first_rank
-            FROM tensor_stats WHERE step IS NOT NULL AND numel > 0{where}),
+            SELECT *, {first_rank} AS first_rank FROM ({source}) WHERE step IS NOT NULL AND numel > 0{where}),
         one AS (SELECT * FROM rows WHERE sharded OR rank = first_rank),
         -- One pass over the rows to (step, tensor); everything after reads that small frame.
         per_step AS (
             SELECT run_id, stage, step, tensor, any_value(layer) AS layer, sum(numel) AS numel,
-                   sum(update_norm * update_norm) AS update_sq, sum(numel - bf16_unchanged_count) AS update_bf16_changed,
-                   sum(drift_norm * drift_norm) AS drift_sq, sum(numel - drift_zero_count) AS drift_bf16_changed,
-                   bool_or(drift_norm IS NOT NULL) AS has_drift
+                   sum(update_sq) AS update_sq, sum(update_bf16_changed) AS update_bf16_changed,
+                   sum(drift_sq) AS drift_sq, sum(drift_bf16_changed) AS drift_bf16_changed,
+                   bool_or(has_drift) AS has_drift
             FROM one GROUP BY run_id, stage, step, tensor),
         per_tensor AS (
             SELECT run_id, stage, tensor, any_value(layer) AS layer, sum(update_sq) AS update_sq,

@@ -53,9 +53,22 @@ def version(path: str) -> tuple[int, int, int]:
 
 
 def catalog(path: str) -> pl.DataFrame:
-    """The run list with status, cached until the store changes or ``STATUS_S`` passes: live/crashed also
-    depends on the clock (a run that stopped writing turns from live to finished), not only on files."""
-    return _catalog(path, version(path), int(time.time() // STATUS_S))
+    """The run list with status, cached until the store changes, and while a run is live or crashed until
+    ``STATUS_S`` passes: those statuses also depend on the clock (a run that stopped writing turns from live
+    to crashed; a writer taken for crashed may heartbeat again). A list of finished runs stays as it is until
+    the files change, so it is listed once, not every ``STATUS_S`` (at 1,024 ranks a listing costs 0.5-1.5 s,
+    which the first page visited after each boundary paid again)."""
+    token = version(path)
+    held = _SETTLED.get(path)
+    if held is not None and held[0] == token:
+        return held[1]
+    cat = _catalog(path, token, int(time.time() // STATUS_S))
+    if cat.height and not cat["status"].is_in(["live", "crashed"]).any():
+        _SETTLED[path] = (token, cat)
+    return cat
+
+
+_SETTLED: dict[str, tuple[tuple[int, int, int], pl.DataFrame]] = {}  # path -> (version, list of finished runs)
 
 
 @st.cache_resource(ttl=KEEP_S, show_spinner=False, max_entries=64)
@@ -119,6 +132,7 @@ def clear() -> None:
     """Forget every cached result (the sidebar's "Refresh now")."""
     for cached in (version, _catalog, _query, _analysis):
         cached.clear()
+    _SETTLED.clear()
 
 
 # cache_resource, not cache_data: results are returned as the same (immutable) polars frames instead of

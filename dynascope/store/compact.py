@@ -18,6 +18,8 @@ Before merging a run, ``repair.repair_rollups`` rebuilds the rollups of a writer
 records (runs written before them) if they do not account for its source rows. The directories of writers
 that will not write again (closed or crashed, ``finished``) are then folded together into
 ``writer=_merged`` (``compact_across``), so a finished run keeps a few files per table, not one per writer.
+Once no writer of a run writes any more, its ``tensor_stats`` rows are pooled across ranks per (step,
+tensor) into ``tensor_stats_by_tensor`` (``rollup_across``).
 
 A live writer keeps numbering its segments above any merged range, so its older segments are safe to merge
 while it runs. The ``writer=_schema`` directories (one empty typed file per table) are left alone.
@@ -33,15 +35,17 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dynascope.core.errors import first_line
+from dynascope.core.errors import StoreError, first_line
 from dynascope.store._columns import parquet_options
 from dynascope.store.compact_across import AcrossStats, fold_writers, remove_spent
 from dynascope.store.finished import done_writers
 from dynascope.store.layout import locate, segment_name, valid_from_us
 from dynascope.store.repair import REPAIR_AFTER_S, RepairResult, conform, repair_rollups
+from dynascope.store.rollup_across import BY_TENSOR, all_done, refresh
 from dynascope.store.runfiles import FOREVER_US, RunFiles, Seg, num_rows
 from dynascope.store.schema import TABLES
 from dynascope.store.snapshot import held_leases
@@ -63,6 +67,7 @@ class CompactStats:
     rows_merged: int = 0
     writers_folded: int = 0  # writer directories of finished writers moved into writer=_merged (``compact_across``)
     repaired_segments: int = 0  # rollup segments written for sources whose writer never wrote them (``repair``)
+    rollups_written: int = 0  # tensor_stats_by_tensor files of finished runs (``rollup_across``)
     skipped: list[str] = field(default_factory=list)  # one line per writer directory left alone, and why
 
 
@@ -115,6 +120,13 @@ def compact_store(path: str | os.PathLike, grace_s: float = 60.0, *, settle_s: f
                     last_valid = max(last_valid, _merge_dir(table, live, settle_us, target_rows, stats))
                 except (OSError, pa.ArrowException) as exc:
                     stats.skipped.append(f"{wdir}: {type(exc).__name__}: {first_line(exc)}")
+            if all_done(files, done):  # no row will arrive: pool the run's tensor rows across ranks
+                try:
+                    valid_us = refresh(files, settle_us)
+                    stats.rollups_written += valid_us > 0
+                    last_valid = max(last_valid, valid_us)  # ``wait`` deletes the rollup it replaces too
+                except (OSError, pa.ArrowException, duckdb.Error, StoreError) as exc:
+                    stats.skipped.append(f"{run_dir / BY_TENSOR}: {type(exc).__name__}: {first_line(exc)}")
     if wait and last_valid:
         pauses = [max(0.0, last_valid / 1e6 + grace_s - time.time())]  # the merged-away segments' grace
         if stats.writers_folded:  # then the covers', counted from the deletion of their sources

@@ -84,6 +84,15 @@ TABLES: dict[str, pa.Schema] = {
         ("run_id", _str), ("rank", _i32), ("role", _str),
         ("step", _i64), ("time_us", _i64), ("stage", _str), ("kind", _str), ("layer", _i32), *_POOLED,
     ]),
+    # Written by compaction once a run's writers are done (dynascope/store/rollup_across.py): one row per
+    # (step, tensor) across ranks, a sharded tensor's shards pooled into one (``rank``: the lowest), an
+    # unsharded tensor's rows one per rank; the pooled sums of the rollups above, plus what the delta-sync
+    # pricing needs (rows with S₁, Σnumel beside drift_zero_count, Σ⌈numel/8⌉ bitmap bytes).
+    "tensor_stats_by_tensor": pa.schema([
+        ("run_id", _str), ("rank", _i32), ("role", _str), ("step", _i64), ("time_us", _i64), ("stage", _str),
+        ("tensor", _str), ("layer", _i32), ("kind", _str), ("dtype", _str), ("sharded", _bool), *_POOLED,
+        ("bf16_rows", _i64), ("drift_zero_numel", _i64), ("bitmap_bytes", _i64),
+    ]),
     # Low-rank summary of the cumulative ΔW = W_t − W_0 for one 2-D tensor at one record.
     "spectra": pa.schema([
         ("run_id", _str), ("rank", _i32), ("role", _str),

@@ -42,6 +42,7 @@ from dynascope.store.flush import (
 )
 from dynascope.store.layout import MARKER, create_run, heartbeat_path, read_marker, safe_id, touch_heartbeat
 from dynascope.store.rollup import ROLLUP_TABLES
+from dynascope.store.rollup_across import BY_TENSOR
 from dynascope.store.schema import SCHEMA_VERSION, TABLES
 
 __all__ = ["RunWriter", "release_arrow_memory"]
@@ -139,6 +140,9 @@ class RunWriter:
             return
         if table not in TABLES:
             self._problem("bad_batch", f"unknown table {table!r}")
+            return
+        if table == BY_TENSOR:  # compaction's own: its rows stand for tensor_stats rows only as it wrote them
+            self._problem("bad_batch", f"{table} is written by `dynascope compact`, not appended to")
             return
         if n == 0:
             return

@@ -6,6 +6,7 @@ import polars as pl
 
 from dynascope.dashboard.queries import BUCKET, MAX_POINTS, bounds_cte, in_list
 from dynascope.store import StoreConnection, quote_literal
+from dynascope.store.rollup_across import BY_TENSOR, covers, pooled_sql
 from dynascope.store.schema import FIGURES, POOLED, ROLLUP_BLOCK_STEPS, Figure
 
 # Two scans feed the whole page: the writer's per-kind rollup (tensor_stats_by_kind, ~tensors-per-kind
@@ -24,19 +25,14 @@ _KEYS = "coalesce(kind, 'other') AS kind, coalesce(stage, '') AS stage"
 def _pooled_sql(names: tuple[str, ...], table: str) -> str:
     """``sum(...) AS <pooled column>`` for each of ``names``: the rollup's own column, or from tensor_stats
     the same pool of its rows (Σx², Σx, max, or Σnumel where the count, or ``where``, is not NULL)."""
-    by_name = {p[0]: p for p in POOLED}
-    out = []
-    for name in names:
-        _, how, src, where = by_name[name]
-        agg = "max" if how == "max" else "sum"
-        if table != "tensor_stats":
-            x = _ROLLUP_FALLBACK.get(name, name)
-        else:
-            x = {"sq": f"{src} * {src}", "sum": src, "max": src, "numel": "numel"}[how]
-            cond = where if where is not None else src if how == "numel" else None
-            x = f"CASE WHEN {cond} IS NOT NULL THEN {x} END" if cond is not None else x
-        out.append(f"CAST({agg}({x}) AS DOUBLE) AS {name}")
-    return ",\n    ".join(out)
+    how = {p[0]: p[1] for p in POOLED}
+
+    def agg(name: str) -> str:
+        if table == "tensor_stats":
+            return pooled_sql(name)
+        return f"{'max' if how[name] == 'max' else 'sum'}({_ROLLUP_FALLBACK.get(name, name)})"
+
+    return ",\n    ".join(f"CAST({agg(name)} AS DOUBLE) AS {name}" for name in names)
 
 
 def _figure(f: Figure) -> pl.Expr:
@@ -58,8 +54,10 @@ def param_cube(store: StoreConnection, run: str, max_points: int = MAX_POINTS) -
     (bucket, layer, kind, stage), bucket being the step rounded down to at most ``max_points``.
 
     The per-step rows come from the tensor_stats_by_kind rollup. The heat cells of a run of at least 1,600
-    steps are whole 16-step blocks (``heat_buckets``), read from the tensor_stats_by_layer rollup. A run
-    written before a rollup existed (none of its rows there) falls back to tensor_stats.
+    steps are whole 16-step blocks (``heat_buckets``), read from the tensor_stats_by_layer rollup; those of
+    a shorter run from tensor_stats_by_tensor once compaction wrote it (every row of the run pooled across
+    ranks per step and tensor). A run written before a rollup existed (none of its rows there) falls back
+    to tensor_stats.
     """
     where = f"run_id = {quote_literal(run)} AND step IS NOT NULL"
     per_step_sql = """
@@ -83,6 +81,9 @@ def param_cube(store: StoreConnection, run: str, max_points: int = MAX_POINTS) -
         heat = store.frame(heat_sql.format(bucket=BUCKET, s0=s0, w=width, keys=_KEYS,
                                             sums=_pooled_sql(_HEAT_SUMS, "tensor_stats_by_layer"),
                                             table="tensor_stats_by_layer", where=where))
+    if heat.height == 0 and covers(store, run):  # compacted: tensor_stats pooled across ranks per (step, tensor)
+        heat = store.frame(heat_sql.format(bucket=BUCKET, s0=s0, w=width, keys=_KEYS,
+                                            sums=_pooled_sql(_HEAT_SUMS, BY_TENSOR), table=BY_TENSOR, where=where))
     if heat.height == 0:
         heat = store.frame(heat_sql.format(bucket=BUCKET, s0=s0, w=width, keys=_KEYS,
                                             sums=_pooled_sql(_HEAT_SUMS, "tensor_stats"), table="tensor_stats", where=where))

@@ -38,6 +38,11 @@ def _body() -> None:
     if not runs:
         st.info("Pick one or more runs in the sidebar.")
         return
+    # Each chart below the first is its own scan of samples or timings: start them while the first is drawn.
+    data.prefetch(path, queries=[(Q.rewards, (runs,))],
+                  analyses=[(fn, {"run": r}) for fn in (analyses.tail_wait_share, analyses.tail_wait_summary,
+                                                        analyses.zero_variance_groups, analyses.async_staleness)
+                            for r in runs])
     left, right = st.columns(2)
     with left, data.guard("Response lengths"):
         ln = _lengths(path, runs)
