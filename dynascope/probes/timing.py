@@ -101,6 +101,12 @@ class Timer:
         with self._lock:
             self.done.append(rec)
 
+    def cancel(self, rec: PhaseRecord) -> None:
+        """Forget an open phase: no row (and anything opened inside it is closed with it)."""
+        st = self._stack()
+        if rec in st:
+            del st[st.index(rec):]
+
     def take(self) -> list[PhaseRecord]:
         with self._lock:
             out, self.done = self.done, []

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 __all__ = ["FusedKernel", "available", "kernel_for", "serial", "threads", "wait_compiled"]
 
 MIN_SPLIT = 1 << 16  # elements per thread at least: below that a thread's hand-off costs more than it saves
-_VERSION = "1"  # of the generated code and the ops below: part of every kernel's hash
+_VERSION = "2"  # of the generated code and the ops below: part of every kernel's hash
 _local = threading.local()
 _lock = threading.Lock()
 _kernels: dict[str, FusedKernel | Future | None] = {}
@@ -95,8 +95,8 @@ class FusedKernel:
     count or sum, the root of the summed squares, the maximum), as the statistics' chunk kernels give them."""
 
     def __init__(self, statistics: Sequence[Statistic], kinds: dict[str, str], copies: tuple[tuple[str, str], ...],
-                 fn: Any) -> None:
-        self.statistics, self.kinds, self.copies, self.fn = tuple(statistics), kinds, copies, fn
+                 fn: Any, many: Any = None) -> None:
+        self.statistics, self.kinds, self.copies, self.fn, self.many = tuple(statistics), kinds, copies, fn, many
         self.outputs = tuple(c for s in self.statistics for c in s.outputs)
         reduces = reduces_of(self.outputs)
         self._norm = np.array([r == "norm" for r in reduces])
@@ -252,16 +252,31 @@ def _source(statistics: Sequence[Statistic], kinds: dict[str, str], copies: tupl
     return "\n".join(lines) + "\n"
 
 
+def _many_source(statistics: Sequence[Statistic], kinds: dict[str, str], copies: tuple[tuple[str, str], ...]) -> str:
+    """``kernel_many(ptrs, lens, scalars, out)``: ``kernel`` over segments of many tensors in one call, segment s
+    being ``lens[s]`` elements at the addresses ``ptrs[s]`` (one per input, then per copy), its scalars
+    ``scalars[s]`` and its partial results ``out[s]`` (``stats.fused_many``)."""
+    views = []
+    for m, kind in enumerate([*kinds.values(), *(k for _, k in copies)]):
+        views += ([f"carray(ops.ptr_f32(p[{m}]), n)"] + ([f"carray(ops.ptr_i32(p[{m}]), n)"] if m < len(kinds) else [])
+                  if kind == "f32" else [f"carray(ops.ptr_i16(p[{m}]), n)"])
+    n_scalars = sum(1 for s in statistics for a in arguments(s.element) if a not in _views(s))  # type: ignore[arg-type]
+    return ("@njit(nogil=True, cache=True)\ndef kernel_many(ptrs, lens, scalars, out):\n"
+            "    for s in range(lens.shape[0]):\n        n = lens[s]\n        p = ptrs[s]\n"
+            f"        kernel({', '.join(views + [f'scalars[s, {j}]' for j in range(n_scalars)])}, out[s])\n")
+
+
 def _module_text(statistics: Sequence[Statistic], kinds: dict[str, str],
                  copies: tuple[tuple[str, str], ...]) -> tuple[str, str]:
     """(file name, text) of the generated module, named by the hash of everything the kernel inlines."""
     body = _source(statistics, kinds, copies)
-    head = ["import numpy as np", "from numba import njit", "from dynascope.stats.fused import jitted, OPS as ops"]
+    head = ["import numpy as np", "from numba import carray, njit", "from dynascope.stats.fused import jitted, OPS as ops"]
     for j, s in enumerate(statistics):
         fn = s.element
         head.append(f"from {fn.__module__} import {fn.__qualname__} as _e{j}")  # type: ignore[union-attr]
         head.append(f"e{j} = jitted(_e{j})")
-    text = "\n".join(head) + "\n\n\n@njit(nogil=True, cache=True, fastmath={'reassoc', 'contract'})\n" + body
+    text = ("\n".join(head) + "\n\n\n@njit(nogil=True, cache=True, fastmath={'reassoc', 'contract'})\n" + body
+            + "\n\n" + _many_source(statistics, kinds, copies))
     digest = hashlib.sha256((_VERSION + text + "".join(_code_of(s.element) for s in statistics)).encode()).hexdigest()
     return f"dynascope_fused_{digest[:24]}.py", text
 
@@ -304,7 +319,7 @@ def _build(statistics: tuple[Statistic, ...], kinds: dict[str, str], copies: tup
     mod = importlib.util.module_from_spec(spec)
     sys.modules[path.stem] = mod
     spec.loader.exec_module(mod)
-    fk = FusedKernel(statistics, kinds, copies, mod.kernel)
+    fk = FusedKernel(statistics, kinds, copies, mod.kernel, mod.kernel_many)
     _warm(fk)
     return fk
 
@@ -316,6 +331,8 @@ def _warm(fk: FusedKernel) -> None:
         arrays += [np.zeros(1, np.float32), np.zeros(1, np.int32)] if kind == "f32" else [np.zeros(1, np.int16)]
     arrays += [np.zeros(1, np.float32 if kind == "f32" else np.int16) for _, kind in fk.copies]
     fk.fn(*arrays, *[np.float32(0)] * len(fk._scalars), np.zeros(len(fk.outputs)))
+    fk.many(np.zeros((0, len(fk.kinds) + len(fk.copies)), np.int64), np.zeros(0, np.int64),
+            np.zeros((0, len(fk._scalars)), np.float32), np.zeros((0, len(fk.outputs))))
 
 
 # ---- what the element functions see as ``ops``, and the compiled form of the functions they call ------
@@ -348,6 +365,14 @@ def _make_ops() -> types.ModuleType:
             return builder.bitcast(args[0], ir.FloatType())
         return nt.float32(nt.int32), codegen
 
+    def pointer(to: Any) -> Any:  # an address (int64) → a typed pointer, for ``carray`` (kernel_many)
+        @intrinsic
+        def ptr(typingctx: Any, addr: Any) -> Any:
+            def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+                return builder.inttoptr(args[0], context.get_value_type(nt.CPointer(to)))
+            return nt.CPointer(to)(nt.int64), codegen
+        return ptr
+
     @njit(inline="always")
     def key_f32(b: Any) -> Any:
         # PyTorch's fp32 → bf16: round to nearest even on the bits; a tensor's cast gives every NaN 0xFFFF.
@@ -363,7 +388,8 @@ def _make_ops() -> types.ModuleType:
         return bf16_value(key_f32(bits(np.float32(x))))  # type: ignore[call-arg]
 
     mod = types.ModuleType("dynascope_fused_ops")
-    mod.__dict__.update(bits=bits, value=value, key_f32=key_f32, bf16_value=bf16_value, bf16_round=bf16_round)
+    mod.__dict__.update(bits=bits, value=value, key_f32=key_f32, bf16_value=bf16_value, bf16_round=bf16_round,
+                        ptr_f32=pointer(nt.float32), ptr_i32=pointer(nt.int32), ptr_i16=pointer(nt.int16))
     return mod
 
 
