@@ -47,7 +47,12 @@ class _Batch:
     """Segments waiting for one call of one kernel, and the tensors they point into (kept alive)."""
 
     def __init__(self, fk: FusedKernel) -> None:
-        self.fk, self.ptrs, self.lens, self.scalars, self.items, self.keep = fk, [], [], [], [], []
+        self.fk = fk
+        self.ptrs: list[list[int]] = []
+        self.lens: list[int] = []
+        self.scalars: list[list[float]] = []
+        self.items: list[int] = []
+        self.keep: list[list[Tensor]] = []
         self.elems = 0
         self.sizes = [_ELEM[k] for k in fk.kinds.values()] + [_ELEM[k] for _, k in fk.copies]
 

@@ -81,14 +81,14 @@ def _many_source(statistics: Sequence[Statistic], kinds: dict[str, str], copies:
     """``kernel_many(ptrs, lens, scalars, out)``: ``kernel`` over segments of many tensors in one call, segment s
     being ``lens[s]`` elements at the addresses ``ptrs[s]`` (one per input, then per copy), its scalars
     ``scalars[s]`` and its partial results ``out[s]`` (``stats.fused_many``)."""
-    views = []
+    arrays: list[str] = []
     for m, kind in enumerate([*kinds.values(), *(k for _, k in copies)]):
-        views += ([f"carray(ops.ptr_f32(p[{m}]), n)"] + ([f"carray(ops.ptr_i32(p[{m}]), n)"] if m < len(kinds) else [])
+        arrays += ([f"carray(ops.ptr_f32(p[{m}]), n)"] + ([f"carray(ops.ptr_i32(p[{m}]), n)"] if m < len(kinds) else [])
                   if kind == "f32" else [f"carray(ops.ptr_i16(p[{m}]), n)"])
-    n_scalars = sum(1 for s in statistics for a in arguments(s.element) if a not in views(s))  # type: ignore[arg-type]
+    n_scalars = len([a for s in statistics for a in arguments(s.element) if a not in views(s)])  # type: ignore[arg-type]
     return ("@njit(nogil=True, cache=True)\ndef kernel_many(ptrs, lens, scalars, out):\n"
             "    for s in range(lens.shape[0]):\n        n = lens[s]\n        p = ptrs[s]\n"
-            f"        kernel({', '.join(views + [f'scalars[s, {j}]' for j in range(n_scalars)])}, out[s])\n")
+            f"        kernel({', '.join(arrays + [f'scalars[s, {j}]' for j in range(n_scalars)])}, out[s])\n")
 
 
 def module_text(statistics: Sequence[Statistic], kinds: dict[str, str],
