@@ -95,20 +95,17 @@ def _split(ptrs: np.ndarray, lens: np.ndarray, scal: np.ndarray, items: np.ndarr
     ends = np.cumsum(lens)
     starts = ends - lens
     bounds = [int(ends[-1]) * j // parts for j in range(parts + 1)]
-    seg: list[int] = []
-    off: list[int] = []
-    n: list[int] = []
-    cuts = [0]
-    for a, b in zip(bounds, bounds[1:], strict=False):
-        for s in range(int(np.searchsorted(ends, a, "right")), int(np.searchsorted(starts, b, "left"))):
-            lo, hi = max(a, int(starts[s])), min(b, int(ends[s]))
-            if hi > lo:
-                seg.append(s)
-                off.append(lo - int(starts[s]))
-                n.append(hi - lo)
-        cuts.append(len(seg))
-    idx, offs = np.array(seg, dtype=np.int64), np.array(off, dtype=np.int64)
-    return ptrs[idx] + offs[:, None] * sizes[None, :], np.array(n, dtype=np.int64), scal[idx], items[idx], cuts
+    seg, lo, hi, cuts = [], [], [], [0]
+    for a, b in zip(bounds, bounds[1:], strict=False):  # the segments overlapping [a, b), clipped to it
+        s = np.arange(np.searchsorted(ends, a, "right"), np.searchsorted(starts, b, "left"))
+        s_lo, s_hi = np.maximum(starts[s], a), np.minimum(ends[s], b)
+        keep = s_hi > s_lo
+        seg.append(s[keep])
+        lo.append(s_lo[keep] - starts[s[keep]])
+        hi.append(s_hi[keep] - starts[s[keep]])
+        cuts.append(cuts[-1] + int(keep.sum()))
+    idx, off, end = np.concatenate(seg), np.concatenate(lo), np.concatenate(hi)
+    return ptrs[idx] + off[:, None] * sizes[None, :], end - off, scal[idx], items[idx], cuts
 
 
 def run_many(statistics: Sequence[Statistic], inputs: Sequence[str], items: Sequence[Item], settings: Settings,
@@ -140,7 +137,9 @@ def run_many(statistics: Sequence[Statistic], inputs: Sequence[str], items: Sequ
                 if fk is None or fk.many is None or not all(t.is_contiguous() for t in tensors):
                     break
                 scalars = _scalars(fk, _chunk(Chunk(it.numel, settings, it.given), inputs, tensors, it.copies))
-                batch = batches.setdefault(id(fk), _Batch(fk))
+                batch = batches.get(id(fk))
+                if batch is None:
+                    batch = batches[id(fk)] = _Batch(fk)
                 done[k] = True
             if batch.elems and batch.elems + (hi - lo) > limit:
                 batch.run(sums, maxima)
