@@ -222,3 +222,47 @@ def test_new_reference_drops_stale_caches():
     assert after["spectral_drift"] == fresh["spectral_drift"]
     (same,) = probe.record(3, "rl", [("x.weight", w * 1.01)], {"x.weight": ref_b.clone()})
     assert same["angle_left_deg"] is not None  # same θ₀ values (a new tensor object) keep the caches
+
+
+def test_live_spectra_run_beside_training_with_the_values_of_a_direct_record(tmp_path):
+    """Under watch() on a host the spectra run on the post-step pass thread: the rows are those a direct
+    record of the same weights gives, the training thread's random draws in between are the ones it would
+    get without the probe, and the next optimizer step waits for them."""
+    import threading
+
+    import dynascope
+    from dynascope.store import open_store
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(48, 64), torch.nn.Linear(64, 32))
+    w0 = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scope = dynascope.watch(model, opt, run=tmp_path / "run", spectral={"every": 1, "time_budget": None, "k": 4},
+                            memory_budget=None, time_budget=None)
+    threads: set[str] = set()
+    probe = scope.spectral
+    record = probe.record
+    probe.record = lambda *a: (threads.add(threading.current_thread().name), record(*a))[1]
+    snapshots, draws = [], []
+    for _ in range(3):
+        model(torch.randn(8, 48)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        snapshots.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        draws.append(torch.rand(4))  # drawn while the spectra may be running
+    scope.close()
+    torch.manual_seed(0)
+    torch.nn.Sequential(torch.nn.Linear(48, 64), torch.nn.Linear(64, 32))
+    for _ in range(3):
+        torch.randn(8, 48)
+        assert torch.equal(torch.rand(4), draws.pop(0))
+    assert threads == {t for t in threads if t.startswith("dynascope-pass")} and threads
+    with open_store(tmp_path / "run") as store:
+        got = store.rows("SELECT step, tensor, rank1_energy, spectral_drift FROM spectra ORDER BY step, tensor")
+    direct = SpectralProbe(k=4, time_budget=None)
+    want = []
+    for step, snap in enumerate(snapshots):
+        names = [n for n in snap if snap[n].ndim == 2]
+        rows = direct.record(step, None, [(n, snap[n]) for n in names], {n: w0[n] for n in names})
+        want += sorted((step, r["tensor"], r["rank1_energy"], r["spectral_drift"]) for r in rows)
+    assert [tuple(r) for r in got] == want

@@ -196,3 +196,45 @@ def test_a_kernel_that_fails_to_compile_warns_and_runs_on_chunk_tensors(monkeypa
     want = _direct(a, b, c, k)
     assert {n: (got[n], want[n]) for n in want if not _same(got[n], want[n]) and not
             (n.endswith("norm") and abs(got[n] - want[n]) <= 1e-6 * abs(want[n]))} == {}
+
+
+@pytest.mark.parametrize("threads,chunk_elems", [(1, None), (3, 50_000), (2, 7)])
+def test_many_tensors_in_one_call_equal_each_alone(threads: int, chunk_elems: int | None,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Pass.run_many`` (segments of many tensors per kernel call, cut over threads at element counts that fall
+    inside tensors, batches bounded by the chunk size) gives each tensor the direct computation's values, an
+    empty tensor included, and writes the copies over the inputs they read."""
+    a, b, c = _pairs()
+    sizes = [0, 1, 17, 5000, a.numel(), 3 * a.numel()]
+    tensors = [tuple(t.repeat(3)[:n].clone() for t in (a, b, c)) for n in sizes]
+    p = Pass(WEIGHT_STATS)
+    x = Chunk(a.numel(), Settings())
+    for name, t in (("new", a), ("old", b), ("ref", c), ("k_snapshot", b.to(torch.bfloat16))):
+        x.set(name, t)
+    x.copies = [("new", b.clone()), ("new", b.to(torch.bfloat16))]
+    assert fused.kernel_for(p.statistics, x, wait=True) is not None
+    monkeypatch.setattr(fused, "threads", lambda: threads)
+    monkeypatch.setattr(fused, "MIN_SPLIT", 1)
+    from dynascope.stats import fused_many
+
+    monkeypatch.setattr(fused_many, "threads", lambda: threads)
+    monkeypatch.setattr(fused_many, "MIN_SPLIT", 1)
+    items, olds, ks = [], [], []
+    for new, old, ref in tensors:
+        old, k = old.clone(), old.to(torch.bfloat16)
+        olds.append((old, old.clone()))
+        ks.append((k, k.clone()))
+        items.append(fused_many.Item({"new": lambda lo, hi, t=new: t[lo:hi], "old": lambda lo, hi, t=old: t[lo:hi],
+                                      "ref": lambda lo, hi, t=ref: t[lo:hi], "k_snapshot": lambda lo, hi, t=k: t[lo:hi]},
+                                     new.numel(), copies=[("new", lambda lo, hi, t=old: t[lo:hi]),
+                                                          ("new", lambda lo, hi, t=k: t[lo:hi])]))
+    got = p.run_many(items, chunk_elems=chunk_elems)
+    assert got.shape == (len(sizes), len(p.outputs))
+    for (new, _, ref), row, (old, old0), (k, k0) in zip(tensors, got.tolist(), olds, ks, strict=True):
+        want = _direct(new, old0, ref, k0) if new.numel() else dict(  # the tensor alone: 0 counts, 0 norms, max 0
+            zip(p.outputs, compute(p, {"new": new, "old": old0, "ref": ref, "k_snapshot": k0}).tolist(), strict=True))
+        got_row = dict(zip(p.outputs, row, strict=True))
+        assert {n: (got_row[n], want[n]) for n in want if not _same(got_row[n], want[n]) and not
+                (n.endswith("norm") and abs(got_row[n] - want[n]) <= 1e-12 * abs(want[n]))} == {}
+        assert torch.equal(old.view(torch.int32), new.view(torch.int32))
+        assert torch.equal(k.view(torch.int16), new.to(torch.bfloat16).view(torch.int16))

@@ -1,7 +1,7 @@
 """The post-step weight pass, off the training thread: it runs while the next forward and backward run.
 
 After the optimizer step, the statistics of the weights (ΔW against the pre-step snapshot, drift against
-θ₀, S_k) read W_t, which nothing changes until the next optimizer step: the training loop's zero_grad,
+θ₀, S_k) and the spectra of W_t − W₀ (``probes.spectral``) read W_t, which nothing changes until the next optimizer step: the training loop's zero_grad,
 forward and backward only read the weights. So on a host, at a record that covers every tensor, the probe
 hands that pass to one background thread and returns, and the next step's pre-hook waits for it (``wait``) before anything else: before the
 next snapshot overwrites the arena the pass reads, and before the optimizer changes the weights.
@@ -34,28 +34,29 @@ def versions(tensors: Sequence[Any]) -> list[int]:
 
 
 class PassThread:
-    """One background thread for the post-step pass; at most one pass in flight."""
+    """One background thread for the post-step passes (the weight pass, the spectra): jobs run in order,
+    and ``wait`` returns once every job submitted so far is done."""
 
     def __init__(self) -> None:
         self._pool: ThreadPoolExecutor | None = None
-        self._pending: Future | None = None
+        self._pending: list[Future] = []
         self._lock = threading.Lock()
 
     def submit(self, job: Callable[[], Any]) -> Future:
-        """Run ``job`` on the pass thread (after waiting for the one in flight)."""
-        self.wait()
+        """Queue ``job`` on the pass thread, after the jobs already queued."""
         with self._lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="dynascope-pass")
-            self._pending = self._pool.submit(_serial, job)
-            return self._pending
+            fut = self._pool.submit(_serial, job)
+            self._pending.append(fut)
+            return fut
 
     def wait(self) -> None:
-        """Block until the pass in flight, if any, is done (its errors are the resolver's to report)."""
-        pending = self._pending
-        if pending is not None:
-            pending.exception()
-            self._pending = None
+        """Block until every job queued so far is done (their errors are the resolver's to report)."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for fut in pending:
+            fut.exception()
 
     def close(self) -> None:
         self.wait()

@@ -14,6 +14,7 @@ its output (backward timing). Every call into a probe is guarded: an exception w
 from __future__ import annotations
 
 import functools
+import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -34,6 +35,8 @@ from dynascope.probes.timing import PROBE_PHASE, TimingProbe
 from dynascope.store.writer import RunWriter
 
 __all__ = ["Scope"]
+
+WAIT_ROW_S = 1e-3  # a wait for the passes at a step where no probe is due gets its own row from this long
 
 class Scope:
     """A live probe session; see ``watch``. Also a context manager (closes on exit).
@@ -172,11 +175,24 @@ class Scope:
     def _before(self, manual: bool) -> None:
         self._refresh()
         ctx = self._context(manual)
+        # The schedules wait for the post-step passes still reading W_t (probes.background): that wait is the
+        # probe's time in this step, so it is timed with the probes' own work (a step where nothing is due
+        # and nothing was waited for keeps no row).
+        timer = self.timer
+        rec = self._guard("timing", timer.start, PROBE_PHASE) if timer is not None and any(
+            p is not self.timing for p in self.probes) else None
+        t0 = time.perf_counter()
         self._due = [p for p in self.probes if self._guard(p.name, p.schedule, ctx.step)]
-        with self._own_work(self._due):
+        if rec is not None and not any(p is not self.timing for p in self._due) and time.perf_counter() - t0 < WAIT_ROW_S:
+            self._guard("timing", timer.cancel, rec)
+            rec = None
+        try:
             for p in self._due:  # a failed before() is reported; its after() still runs and may return nothing
                 if p is not self.timing:
                     self._guard(p.name, p.before, ctx)
+        finally:
+            if rec is not None:
+                self._guard("timing", timer.stop, rec)
         if self.timing in self._due:  # last: the optimizer phase starts when the probes are done
             self._guard(self.timing.name, self.timing.before, ctx)
 

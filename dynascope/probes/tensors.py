@@ -40,6 +40,7 @@ from dynascope.probes.window import Window
 from dynascope.stats.base import Settings, Statistic
 from dynascope.stats.builtin.grad import DEFAULT_GRAD_TOL
 from dynascope.stats.engine import Pass, Reader, flat_reader, passes, transient_bytes
+from dynascope.stats.fused_many import Item
 from dynascope.stats.registry import REGISTRY
 
 __all__ = ["DRIFT_EVERY", "TIME_BUDGET", "W_NORM_EVERY", "TensorStats"]
@@ -161,9 +162,10 @@ class TensorStats(Probe):
                 continue
             pos = [k for k, i in enumerate(with_grad) if p.tier == "every" or i in in_window]
             pos = [k for k in pos if all(g in given for g in p.given)]
-            out = [p.run({"grad": flat_reader(grads[k])}, grads[k].numel(), grads[k].device, self.settings,
-                         given={g: given[g][k] for g in p.given}, chunk_elems=rec.chunk_elems) for k in pos]
-            rec.add(p.key, p.outputs, [with_grad[k] for k in pos], _stacked(out, len(p.outputs), device))
+            items = [Item({"grad": flat_reader(grads[k])}, grads[k].numel(), {g: given[g][k] for g in p.given})
+                     for k in pos]
+            rec.add(p.key, p.outputs, [with_grad[k] for k in pos],
+                    p.run_many(items, self.settings, chunk_elems=rec.chunk_elems).to(device))
         del grads, given
         if snapshot and rec.window and self._needs_old:  # after the gradient counts, whose temporaries are gone
             self.snapshot.take([tracked[i].local() for i in rec.window])
@@ -315,10 +317,6 @@ class TensorStats(Probe):
         self.window.close()
         if self.history is not None:
             self.history.drop()
-
-
-def _stacked(out: list[torch.Tensor], width: int, device: torch.device) -> torch.Tensor:
-    return torch.stack(out) if out else torch.zeros((0, width), dtype=torch.float64, device=device)
 
 
 class _RecordRows:

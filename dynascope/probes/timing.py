@@ -13,9 +13,9 @@ backward pass is done. That stays right with gradient accumulation, losses compu
 model, and work between backward and the optimizer (clipping, logging), which would otherwise be
 billed to backward.
 
-The probes' own work on the training thread (statistics before and after the optimizer step) is timed
-as the phase ``PROBE_PHASE``, so that a step breakdown shows what watching costs instead of leaving it
-in the step's un-instrumented remainder.
+The probes' own work on the training thread (statistics before and after the optimizer step, and the
+pre-hook's wait for their post-step passes on the pass thread) is timed as the phase ``PROBE_PHASE``, so that
+a step breakdown shows what watching costs instead of leaving it in the step's un-instrumented remainder.
 """
 
 from __future__ import annotations
@@ -100,6 +100,12 @@ class Timer:
                 del st[st.index(rec):]
         with self._lock:
             self.done.append(rec)
+
+    def cancel(self, rec: PhaseRecord) -> None:
+        """Forget an open phase: no row (and anything opened inside it is closed with it)."""
+        st = self._stack()
+        if rec in st:
+            del st[st.index(rec):]
 
     def take(self) -> list[PhaseRecord]:
         with self._lock:

@@ -24,6 +24,7 @@ import torch
 
 from dynascope.core.naming import normalize_name
 from dynascope.stats.engine import Pass, Reader, flat_reader
+from dynascope.stats.fused_many import Item
 
 if TYPE_CHECKING:
     from dynascope.probes.params import LocalViews
@@ -75,14 +76,17 @@ def _passes(probe: TensorStats, rec: Record, plans: Plans, inputs: dict[str, Cal
         for i in rows:
             covering.setdefault(i, []).append(k)
     device = locals_[0].device if len(rec.tracked) else torch.device("cpu")  # no tensor tracked: an empty record
-    results: dict[int, torch.Tensor] = {}
+    groups: dict[tuple[int, ...], list[int]] = {}  # tensors covered by the same passes: one fused run of all
     for i, ks in covering.items():
-        merged = probe._merged.get(tuple(ks))
+        groups.setdefault(tuple(ks), []).append(i)
+    results: dict[int, torch.Tensor] = {}
+    for ks, rows in groups.items():
+        merged = probe._merged.get(ks)
         if merged is None:
-            merged = probe._merged[tuple(ks)] = Pass([s for k in ks for s in plans[k][0].statistics])
-        results[i] = merged.run({n: inputs[n](i) for n in merged.inputs}, locals_[i].numel(),  # type: ignore[misc]
-                                locals_[i].device, probe.settings, chunk_elems=rec.chunk_elems,
-                                copies=copies.get(i, ()))
+            merged = probe._merged[ks] = Pass([s for k in ks for s in plans[k][0].statistics])
+        items = [Item({n: inputs[n](i) for n in merged.inputs}, locals_[i].numel(),  # type: ignore[misc]
+                      copies=copies.get(i, ())) for i in rows]
+        results.update(zip(rows, merged.run_many(items, probe.settings, chunk_elems=rec.chunk_elems), strict=True))
     for i, dests in copies.items():
         if i not in covering:
             w = locals_[i].reshape(-1)

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from dynascope.stats.base import DEFAULT_CHUNK_ELEMS, Chunk, Settings, Statistic
 from dynascope.stats.fused import run_chunk
+from dynascope.stats.fused_many import Item, run_many
 from dynascope.stats.registry import REGISTRY
 
 __all__ = ["DEFAULT_CHUNK_ELEMS", "DRIFT_STATS", "DRIFT_STAT_COLUMNS", "UPDATE_STATS", "UPDATE_STAT_COLUMNS",
@@ -126,6 +127,27 @@ class Pass:
         is_norm, is_max = self._mask(device)
         out = torch.where(is_norm, m.square().sum(0).sqrt(), m.sum(0))
         return out if is_max is None else torch.where(is_max, m.amax(0), out)
+
+    def run_many(self, items: Sequence[Item], settings: Settings = Settings(), *,
+                 chunk_elems: int | None = DEFAULT_CHUNK_ELEMS) -> Tensor:
+        """float64 [len(items), len(outputs)]: ``run`` of each tensor (``stats.fused_many.Item``: its readers,
+        numel, given values and copies). Host tensors that run fused go through one kernel call per
+        ``chunk_elems`` elements of all of them (``stats.fused_many``); the rest run one at a time."""
+        if not items:
+            return torch.zeros((0, len(self.outputs)), dtype=torch.float64)
+        res, done = run_many(self.statistics, self.inputs, items, settings, chunk_elems) if self.element_wise else (
+            None, [False] * len(items))
+        if all(done):
+            return torch.from_numpy(res)
+        rows = []
+        for k, it in enumerate(items):
+            if done[k]:
+                rows.append(torch.from_numpy(res[k]))  # type: ignore[index]
+                continue
+            device = it.readers[self.inputs[0]](0, 0).device
+            rows.append(self.run(it.readers, it.numel, device, settings, given=it.given, chunk_elems=chunk_elems,
+                                 copies=it.copies))
+        return torch.stack([r.to(rows[-1].device) for r in rows])
 
     def _mask(self, device: torch.device) -> tuple[Tensor, Tensor | None]:
         masks = self._masks.get(device)

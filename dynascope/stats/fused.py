@@ -20,9 +20,7 @@ The kernels release the GIL; a chunk is split over ``threads()`` threads (the ca
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
-import inspect
 import os
 import sys
 import tempfile
@@ -38,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dynascope.stats.elementwise import arguments, reduces_of
+from dynascope.stats.fused_source import module_text, views
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -47,7 +46,6 @@ if TYPE_CHECKING:
 __all__ = ["FusedKernel", "available", "kernel_for", "serial", "threads", "wait_compiled"]
 
 MIN_SPLIT = 1 << 16  # elements per thread at least: below that a thread's hand-off costs more than it saves
-_VERSION = "1"  # of the generated code and the ops below: part of every kernel's hash
 _local = threading.local()
 _lock = threading.Lock()
 _kernels: dict[str, FusedKernel | Future | None] = {}
@@ -95,13 +93,13 @@ class FusedKernel:
     count or sum, the root of the summed squares, the maximum), as the statistics' chunk kernels give them."""
 
     def __init__(self, statistics: Sequence[Statistic], kinds: dict[str, str], copies: tuple[tuple[str, str], ...],
-                 fn: Any) -> None:
-        self.statistics, self.kinds, self.copies, self.fn = tuple(statistics), kinds, copies, fn
+                 fn: Any, many: Any = None) -> None:
+        self.statistics, self.kinds, self.copies, self.fn, self.many = tuple(statistics), kinds, copies, fn, many
         self.outputs = tuple(c for s in self.statistics for c in s.outputs)
         reduces = reduces_of(self.outputs)
         self._norm = np.array([r == "norm" for r in reduces])
         self._max = np.array([r == "max" for r in reduces])
-        self._scalars = [n for s in self.statistics for n in arguments(s.element) if n not in _views(s)]  # type: ignore[arg-type]
+        self._scalars = [n for s in self.statistics for n in arguments(s.element) if n not in views(s)]  # type: ignore[arg-type]
 
     def _arrays(self, x: Chunk) -> list[np.ndarray]:
         import torch
@@ -140,14 +138,6 @@ class FusedKernel:
         out[self._norm] = np.sqrt(out[self._norm])
         out[self._max] = rows[:, self._max].max(0)
         return out
-
-
-def _views(s: Statistic) -> set[str]:
-    """The element function's arguments that are views of inputs (the rest are scalars)."""
-    names: set[str] = set()
-    for i in s.inputs:
-        names.update((i, f"{i}_bits", f"{i}_key"))
-    return names
 
 
 def _workers() -> ThreadPoolExecutor:
@@ -206,76 +196,6 @@ def _compile_pool() -> ThreadPoolExecutor:
     return _compiler
 
 
-# ---- code generation --------------------------------------------------------------------------------
-def _source(statistics: Sequence[Statistic], kinds: dict[str, str], copies: tuple[tuple[str, str], ...]) -> str:
-    """The kernel's source: one loop over the elements, each element function inlined, one accumulator
-    per output (int64 counts, float64 sums of squares, the maximum of a non-negative fp32 term as its
-    int32 bits, which order as the values do with NaN above +Inf, so the maximum vectorises and NaN wins)."""
-    from dynascope.stats.registry import REGISTRY
-
-    args: list[str] = []
-    for name, kind in kinds.items():
-        args += [f"{name}_v", f"{name}_b"] if kind == "f32" else [f"{name}_b"]
-    args += [f"dest{m}" for m in range(len(copies))]
-    lines = ["def kernel(" + ", ".join(args + [f"s{j}_{n}" for j, s in enumerate(statistics)
-                                               for n in arguments(s.element) if n not in _views(s)]  # type: ignore[arg-type]
-                                      + ["out"]) + "):",
-             f"    n = {args[0]}.shape[0]"]
-    accs: list[tuple[str, str]] = []
-    for j, s in enumerate(statistics):
-        for k, c in enumerate(s.outputs):
-            how = REGISTRY.column[c].reduce
-            init = "np.int32(0)" if how == "max" else "0" if REGISTRY.column[c].integer else "0.0"
-            accs.append((f"a{j}_{k}", how or "sum"))
-            lines.append(f"    a{j}_{k} = {init}")
-    lines.append("    for i in range(n):")
-    for name, kind in kinds.items():
-        if kind == "f32":
-            lines += [f"        {name} = {name}_v[i]", f"        {name}_bits = {name}_b[i]",
-                      f"        {name}_key = ops.key_f32({name}_bits)"]
-        else:
-            lines += [f"        {name}_bits = {name}_b[i]", f"        {name}_key = np.int32({name}_bits)",
-                      f"        {name} = ops.bf16_value({name}_key)"]
-    for j, s in enumerate(statistics):
-        call = ", ".join(n if n in _views(s) else f"s{j}_{n}" for n in arguments(s.element))  # type: ignore[arg-type]
-        lines.append(f"        t{j} = e{j}(ops, {call})")
-        for k, c in enumerate(s.outputs):
-            how = REGISTRY.column[c].reduce
-            acc = f"a{j}_{k}"
-            lines.append(f"        {acc} = max({acc}, ops.bits(t{j}[{k}]))" if how == "max" else
-                         f"        {acc} += t{j}[{k}]" if REGISTRY.column[c].integer else
-                         f"        {acc} += np.float64(t{j}[{k}])")
-    for m, (name, kind) in enumerate(copies):  # last: an input's element is read before its memory is written
-        lines.append(f"        dest{m}[i] = {name}" if kind == "f32" else f"        dest{m}[i] = np.int16({name}_key)")
-    for i, (acc, how) in enumerate(accs):
-        lines.append(f"    out[{i}] = ops.value({acc})" if how == "max" else f"    out[{i}] = {acc}")
-    return "\n".join(lines) + "\n"
-
-
-def _module_text(statistics: Sequence[Statistic], kinds: dict[str, str],
-                 copies: tuple[tuple[str, str], ...]) -> tuple[str, str]:
-    """(file name, text) of the generated module, named by the hash of everything the kernel inlines."""
-    body = _source(statistics, kinds, copies)
-    head = ["import numpy as np", "from numba import njit", "from dynascope.stats.fused import jitted, OPS as ops"]
-    for j, s in enumerate(statistics):
-        fn = s.element
-        head.append(f"from {fn.__module__} import {fn.__qualname__} as _e{j}")  # type: ignore[union-attr]
-        head.append(f"e{j} = jitted(_e{j})")
-    text = "\n".join(head) + "\n\n\n@njit(nogil=True, cache=True, fastmath={'reassoc', 'contract'})\n" + body
-    digest = hashlib.sha256((_VERSION + text + "".join(_code_of(s.element) for s in statistics)).encode()).hexdigest()
-    return f"dynascope_fused_{digest[:24]}.py", text
-
-
-def _code_of(fn: Any) -> str:
-    """An element function's source and that of the plain functions it calls (their change means a new hash)."""
-    out = inspect.getsource(fn)
-    for name in fn.__code__.co_names:
-        g = fn.__globals__.get(name)
-        if isinstance(g, types.FunctionType):
-            out += _code_of(g)
-    return out
-
-
 def _cache_dir() -> Path:
     for d in (os.environ.get("DYNASCOPE_CACHE"), os.path.join(os.environ.get("XDG_CACHE_HOME") or
                                                                 os.path.expanduser("~/.cache"), "dynascope"),
@@ -293,7 +213,7 @@ def _cache_dir() -> Path:
 
 
 def _build(statistics: tuple[Statistic, ...], kinds: dict[str, str], copies: tuple[tuple[str, str], ...]) -> FusedKernel:
-    name, text = _module_text(statistics, kinds, copies)
+    name, text = module_text(statistics, kinds, copies)
     path = _cache_dir() / name
     if not path.exists():
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -304,7 +224,7 @@ def _build(statistics: tuple[Statistic, ...], kinds: dict[str, str], copies: tup
     mod = importlib.util.module_from_spec(spec)
     sys.modules[path.stem] = mod
     spec.loader.exec_module(mod)
-    fk = FusedKernel(statistics, kinds, copies, mod.kernel)
+    fk = FusedKernel(statistics, kinds, copies, mod.kernel, mod.kernel_many)
     _warm(fk)
     return fk
 
@@ -316,6 +236,8 @@ def _warm(fk: FusedKernel) -> None:
         arrays += [np.zeros(1, np.float32), np.zeros(1, np.int32)] if kind == "f32" else [np.zeros(1, np.int16)]
     arrays += [np.zeros(1, np.float32 if kind == "f32" else np.int16) for _, kind in fk.copies]
     fk.fn(*arrays, *[np.float32(0)] * len(fk._scalars), np.zeros(len(fk.outputs)))
+    fk.many(np.zeros((0, len(fk.kinds) + len(fk.copies)), np.int64), np.zeros(0, np.int64),
+            np.zeros((0, len(fk._scalars)), np.float32), np.zeros((0, len(fk.outputs))))
 
 
 # ---- what the element functions see as ``ops``, and the compiled form of the functions they call ------
@@ -348,6 +270,14 @@ def _make_ops() -> types.ModuleType:
             return builder.bitcast(args[0], ir.FloatType())
         return nt.float32(nt.int32), codegen
 
+    def pointer(to: Any) -> Any:  # an address (int64) → a typed pointer, for ``carray`` (kernel_many)
+        @intrinsic
+        def ptr(typingctx: Any, addr: Any) -> Any:
+            def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+                return builder.inttoptr(args[0], context.get_value_type(nt.CPointer(to)))
+            return nt.CPointer(to)(nt.int64), codegen
+        return ptr
+
     @njit(inline="always")
     def key_f32(b: Any) -> Any:
         # PyTorch's fp32 → bf16: round to nearest even on the bits; a tensor's cast gives every NaN 0xFFFF.
@@ -363,7 +293,8 @@ def _make_ops() -> types.ModuleType:
         return bf16_value(key_f32(bits(np.float32(x))))  # type: ignore[call-arg]
 
     mod = types.ModuleType("dynascope_fused_ops")
-    mod.__dict__.update(bits=bits, value=value, key_f32=key_f32, bf16_value=bf16_value, bf16_round=bf16_round)
+    mod.__dict__.update(bits=bits, value=value, key_f32=key_f32, bf16_value=bf16_value, bf16_round=bf16_round,
+                        ptr_f32=pointer(nt.float32), ptr_i32=pointer(nt.int32), ptr_i16=pointer(nt.int16))
     return mod
 
 

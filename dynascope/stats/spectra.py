@@ -8,9 +8,9 @@ record's ΔW subspaces (for rotation angles) and a per-record time budget that r
 The live probe (``probes.spectral.SpectralProbe``, which adds its schedule) and ``dynascope diff`` both
 record through it.
 
-Randomized SVD draws its test matrix from a seed derived from the tensor's name, inside
-``torch.random.fork_rng``: the user's RNG stream is left untouched and the live probe and the offline
-diff get bit-identical results on the same device.
+Randomized SVD draws its test matrix from a private generator seeded from the tensor's name: the user's
+RNG stream is left untouched (from any thread) and the live probe and the offline diff get bit-identical
+results on the same device.
 """
 
 from __future__ import annotations
@@ -67,14 +67,26 @@ def top_k_svd(a: Tensor, k: int, *, niter: int = 4, oversample: int = 8, seed: i
     if q >= min(a.shape):
         U, S, Vh = torch.linalg.svd(a, full_matrices=False)
         return Basis(U[:, :k], S[:k], Vh[:k].mT)
-    devices = [a.device.index or 0] if a.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        if a.device.type == "cuda":
-            torch.cuda.default_generators[a.device.index or 0].manual_seed(seed)
-        else:
-            torch.default_generator.manual_seed(seed)
-        U, S, V = torch.svd_lowrank(a, q=q, niter=niter)
+    U, S, V = _svd_lowrank(a, q, niter, torch.Generator(device=a.device).manual_seed(seed))
     return Basis(U[:, :k], S[:k], V[:, :k])
+
+
+def _svd_lowrank(a: Tensor, q: int, niter: int, generator: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
+    """``torch.svd_lowrank(a, q, niter)`` (Halko et al.'s algorithm 4.4, as torch/_lowrank.py writes it) with
+    its test matrix drawn from ``generator``: the same values as seeding the default generator, without
+    touching it, so the spectra can run beside training on another thread (whose draws the default
+    generator serves) and leave the user's random stream alone."""
+    m, n = a.shape[-2:]
+    if m < n:
+        a = a.mH
+    r = torch.randn(a.shape[-1], q, dtype=a.dtype, device=a.device, generator=generator)
+    Q = torch.linalg.qr(torch.matmul(a, r)).Q
+    for _ in range(niter):
+        Q = torch.linalg.qr(torch.matmul(a.mH, Q)).Q
+        Q = torch.linalg.qr(torch.matmul(a, Q)).Q
+    U, S, Vh = torch.linalg.svd(torch.matmul(Q.mH, a), full_matrices=False)
+    U, V = Q.matmul(U), Vh.mH
+    return (V, S, U) if m < n else (U, S, V)
 
 
 def canonical_sign(u: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
