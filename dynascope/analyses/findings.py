@@ -16,13 +16,14 @@ import json
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict
+from functools import partial
 from typing import Any
 
 import polars as pl
 
 from dynascope.analyses import findings_consistency as C
 from dynascope.analyses import findings_sql as S
-from dynascope.analyses._common import StoreLike, as_store, frame, shared_reads
+from dynascope.analyses._common import StoreLike, as_store, frame, in_parallel, shared_reads
 from dynascope.analyses._findings import Finding
 from dynascope.analyses._findings import first_row as _first_row
 from dynascope.analyses._findings import found as _found
@@ -299,15 +300,18 @@ def collect_findings(store: StoreLike, run: str | None = None, *,
     runs = [run] if run is not None else frame(con, "SELECT DISTINCT run_id FROM runs ORDER BY 1")["run_id"].to_list()
     found: list[Finding] = []
     notes: list[str] = []
-    with shared_reads():  # the what-ifs and the schedule replay read the timing rows once
-        for r in runs:
-            for gen in GENERATORS:
-                try:
-                    with warnings.catch_warnings():
-                        warnings.simplefilter("ignore")
-                        found.extend(_mfu(con, r, peak_tflops) if gen is _mfu else gen(con, r))
-                except Exception as exc:  # one analysis failing must not sink the report; say why it is missing
-                    notes.append(f"{gen.__name__.lstrip('_')}: {first_line(exc)}")
+    calls = [(r, gen) for r in runs for gen in GENERATORS]
+    # The analyses run two at a time, reading the timing rows once (shared_reads); their warnings are
+    # the report's notes or nothing. One analysis failing must not sink the report: say why it is missing.
+    with shared_reads(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        results = in_parallel([partial(_mfu, con, r, peak_tflops) if gen is _mfu else partial(gen, con, r)
+                               for r, gen in calls])
+    for (_, gen), res in zip(calls, results, strict=True):
+        if isinstance(res, Exception):
+            notes.append(f"{gen.__name__.lstrip('_')}: {first_line(res)}")
+        else:
+            found.extend(res)
     found.sort(key=lambda f: (-f.at_stake_ms, _SEVERITY.get(f.severity, 3), f.finding))
     return found, notes
 
