@@ -188,7 +188,10 @@ def _by_rank_step(grp: np.ndarray, step: np.ndarray, rank: np.ndarray,
     if p is not None:  # one integer sort; the rank-step is the key without its start bits
         packed, bits = p
         order = np.argsort(packed, kind="stable")
-        first = runs_of(packed[order] >> bits[-1])
+        key = packed[order]
+        del packed
+        key >>= bits[-1]  # in place: a fresh array's pages cost more than the shift
+        first = runs_of(key)
     else:
         order = np.lexsort((start, rank, step, grp))
         first = runs_of(grp[order], step[order], rank[order])
