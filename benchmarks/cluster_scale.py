@@ -38,8 +38,8 @@ from cluster_run import census  # noqa: E402  (benchmarks/ is on sys.path when r
 
 REPO = Path(__file__).resolve().parents[1]
 GOALS = {"report": 15.0, "analysis": 3.0, "page": 4.0, "rss_mb": 4096.0}
-# name -> code run in the child with ``A`` (dynascope.analyses), ``store`` (open), ``run`` (its path) and ``SPEC``
-# (the run's synthetic.ClusterSpec as a dict).
+# name -> code run in the child with ``A`` (dynascope.analyses), ``store`` (open), ``run`` (its path), ``SPEC``
+# (the run's synthetic.ClusterSpec as a dict) and ``PLANTED`` (its planted faults).
 CALLS = {
     "open + count(timings)": "store.rows('SELECT count(*) FROM timings')",
     "straggler_scores": "A.straggler_scores(store)",
@@ -47,6 +47,9 @@ CALLS = {
     # two trainer ranks per device, so the shared-device replay runs (one rank per device is what_if_steps)
     "what_if_shared": "A.what_if_shared(store, devices=max(1, SPEC['ranks'] // 2))",
     "schedule_what_if": "A.schedule_what_if(store)",
+    "cluster_outliers": "A.cluster_outliers(store)",
+    # the report prices each slow node it names: one host's replay (every host is one replay each)
+    "what_if_node": "A.what_if_node(store, hosts=[PLANTED.get('slow_node', {}).get('host', 'node-0000')])",
     "step_breakdown": "A.step_breakdown(store)",
     "rollout_long_tail": "A.rollout_long_tail(store)",
     "tail_wait_share": "A.tail_wait_share(store)",
@@ -73,8 +76,9 @@ def child(name: str, run: str) -> None:
     t1 = time.perf_counter()
     store = open_store(run)
     t2 = time.perf_counter()
-    spec = json.loads((Path(run) / "planted.json").read_text())["spec"]
-    out = eval(CALLS[name], {"A": A, "store": store, "run": Path(run), "SPEC": spec})  # noqa: S307 - our own table
+    planted = json.loads((Path(run) / "planted.json").read_text())
+    out = eval(CALLS[name], {"A": A, "store": store, "run": Path(run), "SPEC": planted["spec"],  # noqa: S307 - our own table
+                             "PLANTED": planted["planted"]})
     t3 = time.perf_counter()
     rows = getattr(out, "height", None) or (len(out) if isinstance(out, list) else None)
     print(json.dumps({"import_s": t1 - t0, "open_s": t2 - t1, "call_s": t3 - t2, "rows": rows}))

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from contextvars import ContextVar, copy_context
+from typing import Any, TypeVar
+
 import polars as pl
 
 from dynascope.store import StoreConnection, StoreLike, as_store, quote_literal
 from dynascope.store.reader import Params
 
-__all__ = ["StoreLike", "as_store", "frame", "run_clause"]  # StoreLike and as_store are the store's
+T = TypeVar("T")
+
+__all__ = ["StoreLike", "as_store", "frame", "in_parallel", "once", "run_clause", "shared_reads"]  # StoreLike and as_store are the store's
 
 
 def run_clause(run: str | None, column: str = "run_id") -> str:
@@ -31,3 +40,60 @@ def lowest_rank_sql(store: StoreConnection, where: str, partition: str) -> tuple
     if all(one or shards for one, shards in shapes):
         return "rank", all(one for one, _ in shapes)
     return f"min(rank) OVER (PARTITION BY {partition})", False
+
+
+# What one ``shared_reads`` block has read, per thread (a ContextVar: a dashboard thread running another
+# analysis on the same store never sees it; ``in_parallel`` hands it to its workers).
+class _Reads:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.locks: dict[tuple[Any, ...], threading.Lock] = {}  # one per key: a second reader waits for the first
+        self.values: dict[tuple[Any, ...], Any] = {}
+
+
+_SHARED: ContextVar[_Reads | None] = ContextVar("dynascope_shared_reads", default=None)
+
+
+@contextmanager
+def shared_reads() -> Iterator[None]:
+    """Within this block, a read that several analyses make of the same rows (``once``) runs once: the
+    report asks the what-ifs, the node what-if and the schedule replay for the same timing rows, and
+    reading them again each time cost more than all of the replays. The rows are those of the first read
+    (a live run's later rows wait for the next block). A block inside another shares the outer one's."""
+    if _SHARED.get() is not None:
+        yield
+        return
+    token = _SHARED.set(_Reads())
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
+
+
+def once(key: tuple[Any, ...], read: Callable[[], T]) -> T:
+    """``read()``, or inside ``shared_reads`` the result of the block's first call with this ``key``
+    (whose first item is the store); a call while another thread reads the same key waits for it."""
+    reads = _SHARED.get()
+    if reads is None:
+        return read()
+    with reads.lock:
+        lock = reads.locks.setdefault(key, threading.Lock())
+    with lock:
+        if key not in reads.values:
+            reads.values[key] = read()
+        return reads.values[key]
+
+
+def in_parallel(calls: Sequence[Callable[[], T]], workers: int = 2) -> list[T | Exception]:
+    """Each call's result (or the exception it raised), in order, from ``workers`` threads that share the
+    caller's ``shared_reads``. DuckDB and NumPy release the GIL, and one analysis's Python and
+    single-threaded steps leave a core that another's query uses."""
+    def run(call: Callable[[], T]) -> T | Exception:
+        try:
+            return call()
+        except Exception as exc:  # the caller decides what a failed call means
+            return exc
+
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        futures = [pool.submit(copy_context().run, run, call) for call in calls]
+        return [f.result() for f in futures]

@@ -25,10 +25,11 @@ def runs_of(*keys: np.ndarray) -> np.ndarray:
 
 
 def at_runs(starts: np.ndarray, n: int) -> np.ndarray:
-    """For each of ``n`` positions, the index of the run (from ``runs_of``) it belongs to."""
-    mark = np.zeros(n, dtype=np.int64)
-    mark[starts[1:]] = 1
-    return np.cumsum(mark)
+    """For each of ``n`` positions, the index of the run (from ``runs_of``) it belongs to. (One array of
+    ``n``: a fresh array's pages cost more than filling it, at millions of rows.)"""
+    if not len(starts):
+        return np.zeros(n, dtype=np.int64)
+    return np.repeat(np.arange(len(starts), dtype=np.int64), np.diff(starts, append=n))
 
 
 def ends_of(starts: np.ndarray, n: int) -> np.ndarray:
@@ -46,10 +47,12 @@ def pack(*keys: np.ndarray) -> tuple[np.ndarray, list[int]] | None:
     if sum(bits) > 62:
         return None
     packed = np.zeros(len(keys[0]), dtype=np.int64)
+    part = np.empty_like(packed)  # one buffer for every key's offsets
     for k, m, b in zip(keys, lo, bits, strict=True):
         if b:  # a constant key orders nothing
             packed <<= b
-            packed |= k.astype(np.int64, copy=False) - m
+            np.subtract(k, m, out=part, casting="unsafe")
+            packed |= part
     return packed, bits
 
 

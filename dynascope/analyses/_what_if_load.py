@@ -32,7 +32,7 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from dynascope.analyses._common import run_clause
+from dynascope.analyses._common import once, run_clause
 from dynascope.analyses._sorted_runs import Arrays, as_numpy, at_runs, codes, pack, runs_of
 from dynascope.analyses.steps import REMAINDER, STEP_ROW, SYNC, TOP_LEVEL
 from dynascope.store import StoreConnection, quote_literal
@@ -107,7 +107,21 @@ def load_rank_steps(store: StoreConnection, run: str | None,
                     after_read: Callable[[], object] | None = None) -> RankSteps:
     """The top-level and step rows of ``run`` (None: every run) as ``RankSteps``. ``after_read`` runs once
     DuckDB has read the rows, before the arrays are built (a caller starts other reads there, which then
-    share the cores with NumPy instead of with this read)."""
+    share the cores with NumPy instead of with this read). Inside ``shared_reads`` the rows are read once
+    for every what-if of the block; their arrays are read-only, since every caller shares them."""
+    called = []
+
+    def read() -> RankSteps:
+        called.append(True)
+        return _loaded(store, run, after_read)
+
+    rs = once((store, "rank_steps", run), read)
+    if after_read is not None and not called:  # read before: the caller's other reads start now
+        after_read()
+    return rs
+
+
+def _loaded(store: StoreConnection, run: str | None, after_read: Callable[[], object] | None) -> RankSteps:
     t = _read(store, run)
     if after_read is not None:
         after_read()
@@ -160,6 +174,8 @@ def load_rank_steps(store: StoreConnection, run: str | None,
         ends = np.append(runs_of(rows["rs"])[1:], len(keep)) - 1
         last[rows["rs"][ends]] = rows["seg"][ends]
     steps["last_seg"] = last
+    for a in (*rows.values(), *steps.values()):
+        a.flags.writeable = False
     return RankSteps(rows, steps, groups, phases)
 
 
@@ -172,7 +188,10 @@ def _by_rank_step(grp: np.ndarray, step: np.ndarray, rank: np.ndarray,
     if p is not None:  # one integer sort; the rank-step is the key without its start bits
         packed, bits = p
         order = np.argsort(packed, kind="stable")
-        first = runs_of(packed[order] >> bits[-1])
+        key = packed[order]
+        del packed
+        key >>= bits[-1]  # in place: a fresh array's pages cost more than the shift
+        first = runs_of(key)
     else:
         order = np.lexsort((start, rank, step, grp))
         first = runs_of(grp[order], step[order], rank[order])

@@ -16,19 +16,21 @@ import json
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict
+from functools import partial
 from typing import Any
 
 import polars as pl
 
 from dynascope.analyses import findings_consistency as C
 from dynascope.analyses import findings_sql as S
-from dynascope.analyses._common import StoreLike, as_store, frame
+from dynascope.analyses._common import StoreLike, as_store, frame, in_parallel, shared_reads
 from dynascope.analyses._findings import Finding
 from dynascope.analyses._findings import first_row as _first_row
 from dynascope.analyses._findings import found as _found
 from dynascope.analyses._findings import rnd as _r
 from dynascope.analyses.findings_cluster import MIN_CLUSTER_RANKS, slow_nodes
 from dynascope.analyses.findings_dynamics import delta_sync, dynamics
+from dynascope.analyses.findings_steps import idle, remainder
 from dynascope.analyses.goodput import goodput_summary
 from dynascope.analyses.instability import detect_instability
 from dynascope.analyses.outliers import cluster_outliers
@@ -39,7 +41,6 @@ from dynascope.analyses.rollouts import (
     tail_wait_summary,
     zero_variance_groups,
 )
-from dynascope.analyses.steps import REMAINDER, idle_time, step_breakdown
 from dynascope.analyses.stragglers import straggler_scores
 from dynascope.analyses.throughput import throughput_mfu
 from dynascope.analyses.what_if_rank import what_if
@@ -60,9 +61,6 @@ MIN_IMBALANCE_PCT = 2.0  # evenly fast ranks still lose this much to ordinary sp
 MIN_TAIL_PCT = 1.0  # tail wait under 1% of step time is sampling noise
 WARN_TAIL_PCT = 10.0
 WARN_ZERO_VARIANCE_PCT = 20.0  # a fifth of the groups teaching nothing is worth changing the batch for
-MIN_IDLE_PCT = 2.0
-WARN_IDLE_PCT = 10.0
-MIN_UNINSTRUMENTED_PCT = 10.0  # the probe's own boundaries leave a few percent outside any phase
 MIN_PROBE_PCT = 3.0  # watch()'s defaults cost ~1.5-2% of a step: above 3% the run asked for more coverage
 SQL_STEPS_SHOWN = 50  # instability queries list at most this many steps
 
@@ -178,38 +176,6 @@ def _zero_variance(con, run: str) -> list[Finding]:
                    S.zero_variance_sql(run), stake)]
 
 
-def _idle(con, run: str) -> list[Finding]:
-    df = idle_time(con, run).filter(pl.col("step_ms").is_not_null())
-    if df.is_empty() or df["rank"].n_unique() < 2:
-        return []
-    per = df.group_by("rank").agg(pl.col("idle_ms").sum(), pl.col("step_ms").sum()).with_columns(
-        pct=100 * pl.col("idle_ms") / pl.col("step_ms")).sort("pct", descending=True)
-    pct = 100 * per["idle_ms"].sum() / per["step_ms"].sum()
-    if pct < MIN_IDLE_PCT:
-        return []
-    stake = per["idle_ms"].sum() / per.height  # wall time: the mean rank's idle time
-    # the rank that waits most is a victim: name the rank the others' wait is charged to (findings_sql)
-    cause = _first_row(con, S.waited_for_sql(run))  # idle_sql returns it beside the idle numbers
-    n = {"idle_pct": _r(pct, 2), "worst_rank": per["rank"][0], "worst_rank_idle_pct": _r(per["pct"][0], 2),
-         **{k: _r(cause.get(k)) for k in ("waited_for_role", "waited_for_rank", "waited_for_host",
-                                             "waited_for_phase", "waited_for_ms", "waited_for_pct")}}
-    return [_found(run, "idle", "warning" if pct >= WARN_IDLE_PCT else "info", n, S.idle_sql(run), stake, pct)]
-
-
-def _remainder(con, run: str) -> list[Finding]:
-    b = step_breakdown(con, run).filter(pl.col("step_ms").is_not_null())
-    rem = b.filter(pl.col("phase") == REMAINDER)
-    if rem.is_empty():
-        return []
-    pct = 100 * rem["dur_ms"].sum() / rem["step_ms"].sum()
-    if pct < MIN_UNINSTRUMENTED_PCT:
-        return []
-    stake = rem["dur_ms"].sum() / rem["rank"].n_unique()
-    return [_found(run, "uninstrumented", "info", {"uninstrumented_pct": _r(pct, 2), "uninstrumented_ms": _r(
-                       rem["dur_ms"].sum())},
-                   S.uninstrumented_sql(run), stake, pct)]
-
-
 def probe_cost_numbers(row: dict[str, Any]) -> dict[str, Any]:
     """The numbers of the probe-cost sentence from a ``probe_cost`` row (report finding, dashboard caption)."""
     return {"probe_pct": _r(row["probe_pct"], 2), "probe_ms": _r(row["probe_ms"]), "steps": row["steps"],
@@ -320,7 +286,7 @@ def _schedule(con, run: str) -> list[Finding]:
 
 
 GENERATORS: list[Callable[[Any, str], list[Finding]]] = [
-    _stragglers, _tail, _zero_variance, _idle, _remainder, _probe_cost, _async, _goodput, _instability, _mfu, dynamics,
+    _stragglers, _tail, _zero_variance, idle, remainder, _probe_cost, _async, _goodput, _instability, _mfu, dynamics,
     delta_sync, _schedule, C.weight_sync_mismatch, C.logprob_gap, C.kl_to_base]
 
 
@@ -334,15 +300,18 @@ def collect_findings(store: StoreLike, run: str | None = None, *,
     runs = [run] if run is not None else frame(con, "SELECT DISTINCT run_id FROM runs ORDER BY 1")["run_id"].to_list()
     found: list[Finding] = []
     notes: list[str] = []
-    for r in runs:
-        for gen in GENERATORS:
-            name = gen.__name__.lstrip("_")
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    found.extend(_mfu(con, r, peak_tflops) if gen is _mfu else gen(con, r))
-            except Exception as exc:  # one analysis failing must not sink the report; say why it is missing
-                notes.append(f"{name}: {first_line(exc)}")
+    calls = [(r, gen) for r in runs for gen in GENERATORS]
+    # The analyses run two at a time, reading the timing rows once (shared_reads); their warnings are
+    # the report's notes or nothing. One analysis failing must not sink the report: say why it is missing.
+    with shared_reads(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        results = in_parallel([partial(_mfu, con, r, peak_tflops) if gen is _mfu else partial(gen, con, r)
+                               for r, gen in calls])
+    for (_, gen), res in zip(calls, results, strict=True):
+        if isinstance(res, Exception):
+            notes.append(f"{gen.__name__.lstrip('_')}: {first_line(res)}")
+        else:
+            found.extend(res)
     found.sort(key=lambda f: (-f.at_stake_ms, _SEVERITY.get(f.severity, 3), f.finding))
     return found, notes
 

@@ -33,18 +33,32 @@ _SCHEMA = {"run_id": pl.String, "role": pl.String, "kind": pl.String, "host": pl
            "steps": pl.Int64, "threshold_x": pl.Float64, "excess_ms": pl.Float64}
 
 
-def _ratios(con, run: str | None) -> pl.DataFrame:
-    """Per (run, role, rank, step, phase): the rank's time over the step's cross-rank median, with its host."""
+def _per_rank(con, run: str | None, k: float, min_step_excess: float) -> pl.DataFrame:
+    """Per (run, role, phase, rank, host): over the steps the rank ran the phase with at least two other
+    ranks, slowdown_x (the median of its ``ratio``: its time over the step's cross-rank median), steps,
+    excess_ms (its time beyond that median, summed) and slow_steps_count (steps whose ratio is above 1 by
+    more than ``k`` spreads of every (rank, step) ratio of the phase, and ``min_step_excess``); and the
+    phase's median time ``med_us``. A rank without a host in ``runs`` is its own host.
+
+    Aggregated here, not over the ratios as a frame: that frame holds a row per rank, step and phase (1.8M
+    at 1,024 ranks × 500 steps), and building it took longer than every sum over it."""
     return frame(con, f"""
         WITH d AS ({phase_times_sql(run, " AND rank IS NOT NULL")}),
         m AS (SELECT *, median(dur_us) OVER (PARTITION BY run_id, role, step, phase) AS med_us,
                         COUNT(*) OVER (PARTITION BY run_id, role, step, phase) AS nranks FROM d),
         h AS (SELECT run_id, coalesce(role, '') AS role, rank, any_value(host) AS host FROM runs
-              WHERE rank IS NOT NULL{run_clause(run)} GROUP BY ALL)
-        SELECT m.run_id, m.role, m.rank, m.step, m.phase, dur_us, dur_us / med_us AS ratio,
-               greatest(dur_us - med_us, 0) / 1000.0 AS excess_ms, coalesce(h.host, 'rank ' || m.rank) AS host
-        FROM m LEFT JOIN h USING (run_id, role, rank)
-        WHERE nranks >= 3 AND med_us > 0""")
+              WHERE rank IS NOT NULL{run_clause(run)} GROUP BY ALL),
+        r AS (SELECT m.run_id, m.role, m.rank, m.phase, dur_us, dur_us / med_us AS ratio,
+                     greatest(dur_us - med_us, 0) / 1000.0 AS excess_ms, coalesce(h.host, 'rank ' || m.rank) AS host
+              FROM m LEFT JOIN h USING (run_id, role, rank) WHERE nranks >= 3 AND med_us > 0),
+        g AS (SELECT run_id, role, phase, median(ratio) AS ratio_med, median(dur_us) AS med_us FROM r GROUP BY ALL),
+        s AS (SELECT run_id, role, phase, any_value(g.med_us) AS med_us,
+                     1 + greatest({float(k)} * {_MAD} * median(abs(ratio - ratio_med)), {float(min_step_excess)}) AS cut
+              FROM r JOIN g USING (run_id, role, phase) GROUP BY ALL)
+        SELECT run_id, role, phase, rank, host, median(ratio) AS slowdown_x, COUNT(*) AS steps,
+               SUM(excess_ms) AS excess_ms, COUNT(*) FILTER (ratio > cut) AS slow_steps_count,
+               any_value(s.med_us) AS med_us
+        FROM r JOIN s USING (run_id, role, phase) GROUP BY ALL""")
 
 
 def cluster_outliers(store: StoreLike, run: str | None = None, *, k: float = 4.0, min_excess: float = 0.03,
@@ -60,25 +74,17 @@ def cluster_outliers(store: StoreLike, run: str | None = None, *, k: float = 4.0
     node: its slowest rank's). Rows come most excess first. Phases whose median is under ``min_median_ms``
     are left out; a phase needs three ranks of a role in a step to be compared.
     """
-    r = _ratios(as_store(store), run)
-    if r.is_empty():
+    per = _per_rank(as_store(store), run, k, min_step_excess)
+    if per.is_empty():
         return pl.DataFrame(schema=_SCHEMA)
     grp = ["run_id", "role", "phase"]
-    r = r.with_columns(dev=(pl.col("ratio") - pl.col("ratio").median().over(grp)).abs())
-    step_noise = r.group_by(grp).agg(step_sigma=_MAD * pl.col("dev").median())
-    per = (r.join(step_noise, on=grp)
-           .with_columns(step_cut=1 + pl.max_horizontal(k * pl.col("step_sigma"), pl.lit(min_step_excess)))
-           .group_by([*grp, "rank", "host"])
-           .agg(slowdown_x=pl.col("ratio").median(), steps=pl.len(), excess_ms=pl.col("excess_ms").sum(),
-                slow_steps_count=(pl.col("ratio") > pl.col("step_cut")).sum()))
     per = per.with_columns(
         threshold_x=1 + pl.max_horizontal(
             k * _MAD * (pl.col("slowdown_x") - pl.col("slowdown_x").median().over(grp)).abs().median().over(grp),
             pl.lit(min_excess)))
     per = per.with_columns(status=pl.when(pl.col("slowdown_x") > pl.col("threshold_x")).then(pl.lit("persistent"))
                            .when(pl.col("slow_steps_count") >= min_slow_steps).then(pl.lit("intermittent")))
-    worth = r.group_by(grp).agg(pl.col("dur_us").median()).filter(pl.col("dur_us") >= 1000 * min_median_ms)
-    per = per.join(worth.select(grp), on=grp)
+    per = per.filter(pl.col("med_us") >= 1000 * min_median_ms).drop("med_us")
     # nodes: hosts whose ranks of a role are slow together in a phase
     hosts = (per.group_by([*grp, "host"])
              .agg(ranks_count=pl.len(), slow=(pl.col("status") == "persistent").sum(),
