@@ -109,7 +109,8 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--render", metavar="JSON", help="print the README table of a results file and exit")
+    p.add_argument("--render", metavar="JSON", help="print the Markdown table of a results file and exit")
+    p.add_argument("--short", action="store_true", help="with --render: without the note column (README's form)")
     p.add_argument("--steps", type=int, default=200, help="GRPO steps after SFT")
     p.add_argument("--eval-n", type=int, default=256, help="held-out problems")
     p.add_argument("--eval-every", type=int, default=50, help="RL steps between held-out evaluations")
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     from dynascope.demo.reproduction import markdown_table
 
     if args.render:
-        print(markdown_table(json.loads(Path(args.render).read_text())), end="")
+        print(markdown_table(json.loads(Path(args.render).read_text()), notes=not args.short), end="")
         return
     doc = run(args)
     out = Path(args.out)

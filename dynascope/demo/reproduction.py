@@ -143,8 +143,9 @@ def reproduction_rows(doc: dict[str, Any]) -> list[Row]:
     return rows
 
 
-def markdown_table(doc: dict[str, Any]) -> str:
-    """The reproduction table in Markdown (README), with the run's regime and size above it."""
+def markdown_table(doc: dict[str, Any], notes: bool = True) -> str:
+    """The reproduction table in Markdown, with the run's regime and size above it; ``notes=False`` is
+    README's short form: each measure by its name, without its definition and the note column."""
     r = doc.get("regime", {})
     head = (f"SmolLM2-135M-Instruct, {r.get('dtype')} master weights, {r.get('rollout_dtype')} rollout copy, AdamW; "
             f"SFT {r.get('sft_steps')} steps × {r.get('sft_batch')} at lr {r.get('sft_lr')}; GRPO {doc['rl_steps']} "
@@ -155,8 +156,12 @@ def markdown_table(doc: dict[str, Any]) -> str:
         step = doc.get("rl_step_s", {}).get("step")
         head += (f"\n\nCommand: `{doc['command']}` ({doc.get('wall_s', 0) / 3600:.1f} h"
                  + (f", {step:.0f} s per RL step" if step else "") + ").")
-    lines = [head, "", "| measure (definition) | paper | this run | note |", "|---|---|---|---|"]
-    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in reproduction_rows(doc)]
+    cols = 4 if notes else 3
+    names = ("measure (definition)", "paper", "this run", "note") if notes else ("measure", "paper", "this run")
+    lines = [head, "", "| " + " | ".join(names) + " |",
+             "|" + "---|" * cols]
+    rows = [row if notes else (row[0].split(": ")[0], *row[1:3]) for row in reproduction_rows(doc)]  # short: no definition
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row[:cols]) + " |" for row in rows]
     return "\n".join(lines) + "\n"
 
 
