@@ -152,13 +152,13 @@ def test_a_name_written_during_the_read_reads_the_rows_again(tmp_path, monkeypat
 
     run = plant(tmp_path / "live", ranks=2)
     calls = []
-    enum = load._enum
+    enum = load.enum_sql
 
     def late(values: list[str]) -> str:  # the first read of the phase names misses "optimizer"
         calls.append(values)
         return enum([v for v in values if v != "optimizer"] if len(calls) == 3 else values)
 
-    monkeypatch.setattr(load, "_enum", late)
+    monkeypatch.setattr(load, "enum_sql", late)
     rs = load_rank_steps(open_store(run), None)
     assert len(calls) == 6 and "optimizer" in rs.phases  # three ENUMs per read, two reads
 

@@ -63,6 +63,27 @@ def sort_order(*keys: np.ndarray) -> np.ndarray:
     return np.lexsort(keys[::-1]) if p is None else np.argsort(p[0], kind="stable")
 
 
+def order_in_runs(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """The order that sorts each run (from ``starts``) of ``values`` by value, stably, runs in place: as
+    ``np.lexsort((values, run index))``. When the runs are of about one size (a step's ranks) and hold no
+    NaN, the runs become the rows of a grid padded with +inf (after any value, stably), sorted along its
+    rows at once: several times faster than the lexsort."""
+    n = len(values)
+    if not n:
+        return np.zeros(0, dtype=np.int64)
+    sizes = np.diff(starts, append=n)
+    width = int(sizes.max())
+    run = at_runs(starts, n)
+    if len(starts) * width > 2 * n + 1024 or np.isnan(values).any():
+        return np.lexsort((values, run))
+    at = np.arange(n) - starts[run]
+    grid = np.full((len(starts), width), np.inf)
+    grid[run, at] = values
+    pos = grid.argsort(axis=1, kind="stable")
+    pos += starts[:, None]
+    return pos[np.arange(width) < sizes[:, None]]
+
+
 def sum_by(keys: list[np.ndarray], weights: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
     """Sums of ``weights`` per distinct combination of ``keys`` (small integer codes: ranks, phases,
     groups): the combinations, in the order of their combined code, and their sums."""

@@ -27,14 +27,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
-import duckdb
 import numpy as np
 import polars as pl
 import pyarrow as pa
 
 from dynascope.analyses._common import once, run_clause
 from dynascope.analyses._sorted_runs import Arrays, as_numpy, at_runs, codes, pack, runs_of
-from dynascope.analyses.steps import REMAINDER, STEP_ROW, SYNC, TOP_LEVEL
+from dynascope.analyses.steps import REMAINDER, STEP_ROW, SYNC, TOP_LEVEL, enum_sql, with_names
 from dynascope.store import StoreConnection, quote_literal
 
 
@@ -64,32 +63,25 @@ def step_ids(rs: RankSteps) -> tuple[np.ndarray, np.ndarray]:
     return at_runs(starts, len(rs)), starts
 
 
-def _enum(values: list[str]) -> str:
-    return "ENUM(" + ", ".join(quote_literal(v) for v in sorted(set(values))) + ")"
-
-
 def _read(store: StoreConnection, run: str | None) -> pa.Table:
     """The rows, with run_id, role and phase as ENUMs of the names present (DuckDB returns them
-    dictionary-coded). A name written between reading the names and the rows (a live run) fails the
-    cast; the rows are then read again with the names read anew."""
+    dictionary-coded; ``with_names`` reads them again if a name is written in between)."""
     placed = "rank IS NOT NULL AND start_us IS NOT NULL AND dur_us IS NOT NULL" + (
         " AND run_id IS NOT NULL" if run is None else run_clause(run))
-    for attempt in range(3):
+
+    def read() -> pa.Table:
         runs, roles, phases = store.rows(f"""
             SELECT list(DISTINCT run_id), list(DISTINCT coalesce(role, '')),
                    list(DISTINCT phase) FILTER (WHERE phase IS NOT NULL)
             FROM timings WHERE step IS NOT NULL AND {placed}""")[0]
-        run_id = "" if run is not None else f"run_id::{_enum(runs or [''])} AS run_id, "  # one run: a constant
-        try:
-            return store.arrow(f"""
-                SELECT {run_id}coalesce(role, '')::{_enum(roles or [''])} AS role, rank, step,
-                       coalesce(phase, {quote_literal(REMAINDER)})::{_enum([*(phases or []), REMAINDER])} AS phase,
-                       ({STEP_ROW}) AS is_step, {SYNC} AS sync, start_us, dur_us
-                FROM timings WHERE (({TOP_LEVEL}) OR ({STEP_ROW})) AND {placed}""")
-        except duckdb.ConversionException:
-            if attempt == 2:
-                raise
-    raise AssertionError("unreachable")
+        run_id = "" if run is not None else f"run_id::{enum_sql(runs or [''])} AS run_id, "  # one run: a constant
+        return store.arrow(f"""
+            SELECT {run_id}coalesce(role, '')::{enum_sql(roles or [''])} AS role, rank, step,
+                   coalesce(phase, {quote_literal(REMAINDER)})::{enum_sql([*(phases or []), REMAINDER])} AS phase,
+                   ({STEP_ROW}) AS is_step, {SYNC} AS sync, start_us, dur_us
+            FROM timings WHERE (({TOP_LEVEL}) OR ({STEP_ROW})) AND {placed}""")
+
+    return with_names(read)
 
 
 _GROUPS = {"grp": pl.Int64, "run_id": pl.String, "role": pl.String}

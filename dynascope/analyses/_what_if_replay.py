@@ -28,7 +28,7 @@ from typing import NamedTuple
 import numpy as np
 import polars as pl
 
-from dynascope.analyses._sorted_runs import Arrays, at_runs, ends_of, runs_of, sort_order
+from dynascope.analyses._sorted_runs import Arrays, at_runs, ends_of, order_in_runs, runs_of, sort_order
 from dynascope.analyses._what_if_load import RankSteps, step_ids
 
 
@@ -148,8 +148,9 @@ class Segments(NamedTuple):
 
 def segments(sid: np.ndarray, seg: np.ndarray, busy: np.ndarray) -> Segments:
     """The rank-segments (step index, segment, busy) grouped per (step, segment), busiest last."""
-    order = sort_order(sid, seg, busy)
-    starts = runs_of(sid[order], seg[order])
+    by = sort_order(sid, seg)  # then by busy within each (step, segment): the same order, stably
+    starts = runs_of(sid[by], seg[by])
+    order = by[order_in_runs(busy[by], starts)]
     of = np.empty(len(order), dtype=np.int64)
     of[order] = at_runs(starts, len(order))
     return Segments(order, starts, ends_of(starts, len(order)), sid[order][starts], of)
@@ -183,9 +184,10 @@ def shared_time(sid: np.ndarray, seg: np.ndarray, work: np.ndarray, share: Calla
     per rank, all started together) takes on processor-shared devices, where ``share(k)`` is each of k
     running processes' share. The jobs finish in order of their work; between two finishes the k still
     running each do (the next one's work − the last one's) at ``share(k)``."""
-    order = sort_order(sid, seg, work)
-    w = work[order]
+    order = sort_order(sid, seg)  # only the sorted work of each (step, segment) matters, not which rank's
     starts = runs_of(sid[order], seg[order])
+    w = work[order]
+    w = w[order_in_runs(w, starts)]
     n = np.diff(np.append(starts, len(w)))
     left = np.repeat(n + starts, n) - np.arange(len(w))  # this job and the ones still running with it
     done = np.concatenate([[0.0], w[:-1]])

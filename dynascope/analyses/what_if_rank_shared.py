@@ -21,6 +21,7 @@ import numpy as np
 import polars as pl
 
 from dynascope.analyses._common import StoreLike, as_store
+from dynascope.analyses._sorted_runs import sort_order
 from dynascope.analyses._what_if_load import Devices, RankSteps, load_rank_steps, measured_devices, step_ids
 from dynascope.analyses._what_if_replay import (
     joins_next,
@@ -52,7 +53,7 @@ def work_of(rs: RankSteps, dev: Devices) -> tuple[np.ndarray, np.ndarray]:
         syncs = rows[r["sync"][rows]]
         t = np.concatenate([s_start[steps], start[syncs], s_end[steps], end[syncs]])
         d = np.concatenate([np.ones(len(steps)), -np.ones(len(syncs)), -np.ones(len(steps)), np.ones(len(syncs))])
-        order = np.lexsort((d, t))
+        order = sort_order(t, d)  # one integer sort: the times are whole µs
         t, n = t[order], np.cumsum(d[order])  # busy ranks from each event to the next
         counts, which = np.unique(n, return_inverse=True)  # a few distinct busy counts: one share each
         rate = np.array([dev.share(float(k) + dev.background) for k in counts])[which]
