@@ -115,6 +115,11 @@ def _layers_row(doc: dict[str, Any]) -> Row:
             this, f"{len(layers)} layer groups; weight-space shares, not the paper's layer contribution")
 
 
+def _census(m: dict[str, Any]) -> str:
+    """Mukherjee et al.'s sparsity is one count over every weight: no sampling unit, so no interval."""
+    return f"{fmt(m)} (a count over every weight: no interval)" if m.get("value") is not None else fmt(m)
+
+
 def reproduction_rows(doc: dict[str, Any]) -> list[Row]:
     """(measure, paper, this run, note) for every figure of ``reproduction_figures``' dict."""
     p, mr, ms, ds = doc["pulse_s1"], doc["mukherjee_rl"], doc["mukherjee_sft"], doc["delta_sync"]
@@ -129,11 +134,10 @@ def reproduction_rows(doc: dict[str, Any]) -> list[Row]:
          f"first RL step {_pct(p.get('first_step'), 2)} (Adam's first update moves every weight by ≈η); "
          "interval resamples steps"),
         ("Mukherjee update sparsity, RL vs its base: bf16(W_t) − bf16(W₀), |Δ| ≤ 1e-5",
-         "70–95% (RL updates 5–30%; arXiv 2505.11711)", fmt(mr),
-         f"after {mr.get('steps')} steps; exact-zero share {_pct(mr.get('zero_share'))}; one count over every weight, "
-         "no interval"),
+         "70–95% (RL updates 5–30%; arXiv 2505.11711)", _census(mr),
+         f"after {mr.get('steps')} steps; exact-zero share {_pct(mr.get('zero_share'))}"),
         ("Mukherjee update sparsity, SFT vs pretrained (same definition)",
-         "much lower than RL (SFT updates are dense)", fmt(ms),
+         "much lower than RL (SFT updates are dense)", _census(ms),
          f"after {ms.get('steps')} steps; exact-zero share {_pct(ms.get('zero_share'))}"),
         _alpharl_row(doc), *_relex_rows(doc),
         ("bf16 delta weight sync: bytes of changed elements (cheapest of value+index, bitmap, full)",
