@@ -81,3 +81,20 @@ def test_replicas_pass_through_and_nulls_stay_null() -> None:
     assert out["sh"]["update_ratio"] is None
     assert out["sh"]["w_norm"] == pytest.approx(float(t.norm()))
     assert out["sh"]["drift_norm"] == 0.0 and out["sh"]["drift_ratio"] == 0.0
+
+
+def test_a_missing_shard_gives_null_not_a_smaller_tensor() -> None:
+    g = torch.Generator().manual_seed(1)
+    old = torch.randn(8, 6, generator=g)
+    new = old + 0.01 * torch.randn(8, 6, generator=g)
+    halves = [(0, 3), (3, 8)]
+    rows = [dict(row_for("w", r, True, new[a:b], old[a:b], old[a:b], new[a:b]), step=step)
+            for step in (3, 4) for r, (a, b) in enumerate(halves) if (step, r) != (4, 1)]  # rank 1 lost step 4
+    out = {r["step"]: r for r in combine_shards(pl.DataFrame(rows)).to_dicts()}
+    assert out[3]["w_norm"] == pytest.approx(float(new.norm()), rel=1e-6) and out[3]["numel"] == 48
+    lost = out[4]
+    assert lost["shards"] == 1 and lost["numel"] == 18  # what was seen, said as such
+    stats = [c for c, v in out[3].items() if isinstance(v, float)]
+    assert "w_norm" in stats and "update_norm" in stats and "changed_frac" in stats
+    assert all(lost[c] is None for c in stats), {c: lost[c] for c in stats if lost[c] is not None}
+    assert lost["tensor"] == "w" and lost["dtype"] == "float32"

@@ -40,7 +40,7 @@ _SCHEMA = {"run_id": pl.String, "stage": pl.String, "step": pl.Int64, "tensors":
 
 
 def _columns(con) -> set[str]:
-    return {r[0] for r in con._con.sql("DESCRIBE tensor_stats").fetchall()}
+    return {r[0] for r in con.rows("SELECT column_name FROM (DESCRIBE tensor_stats)")}
 
 
 def delta_sync_bytes(store: StoreLike, run: str | None = None, stage: str | None = None) -> pl.DataFrame:

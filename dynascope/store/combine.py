@@ -4,7 +4,8 @@ Rows in, frame out, as the column registry says (``store.schema.TENSOR_STATS_COL
 records its local shard, and every column declares how shards combine (``Column.reduce``): norms as
 the root of the sum of squares, counts as sums, max-abs as a max. Fractions and ratios are then
 re-derived from the combined states (``frac_of``, ``ratio``), never averaged. A combined value is NULL
-if any shard's is NULL. Unsharded rows (DDP replicas hold identical weights) pass through once, from
+if any shard's is NULL, and every statistic of a step is NULL where its shards hold fewer elements than
+the tensor's fullest step (a shard's row missing). Unsharded rows (DDP replicas hold identical weights) pass through once, from
 the lowest rank. It sits beside the rollups (``rollup.py``), the other reader of the registry's
 reductions: both pool stored rows exactly, one across tensors, this one across ranks.
 
@@ -71,6 +72,14 @@ def combine_shards(rows: Any) -> pl.DataFrame:
         + [(pl.col(c.frac_of) / pl.col("numel")).alias(c.name)
            for c in present if c.frac_of is not None and c.frac_of in out.columns]
     ).drop("ref_norm")
+    # A step where a shard's row is missing (a rank lost its writes, or recorded another step) would combine
+    # into a smaller tensor's plausible statistics: NULL them where fewer elements were seen than at the
+    # tensor's fullest step. Counting elements rather than ranks keeps a run resharded onto another world
+    # size whole.
+    partial = pl.col("numel") < pl.col("numel").max().over(["run_id", "role", "tensor"])
+    keep = {*_KEYS, "numel", "shards", "sharded", "time_us", "stage", *(c.name for c in present if c.reduce == "first")}
+    out = out.with_columns([pl.when(partial).then(None).otherwise(pl.col(c)).alias(c)
+                            for c in out.columns if c not in keep])
     cols = [c for c in df.columns if c != "rank"] + ["shards"]
     out = out.select([c for c in cols if c in out.columns])
     return pl.concat([whole.select(out.columns), out], how="vertical_relaxed").sort(_KEYS)
