@@ -134,6 +134,23 @@ def test_rank1_linear_fit_on_exactly_linear_records_with_sign_flips(tmp_path):
     assert bent["rel_error_last"] > 0.5 and bent["r2_all"] < 0.9
 
 
+def test_rank1_linear_fit_fits_the_last_stage_only(tmp_path):
+    """SFT's records (ΔW against the pretrained θ₀) before RL's linear ones do not enter RL's line."""
+    rng = np.random.default_rng(1)
+    c, p, v = rng.standard_normal(30), rng.standard_normal(30), _unit(20, rng)
+
+    def rec(step, m, stage):
+        return {"step": step, "stage": stage, "tensor": Q, "layer": 0, "kind": "q", "rows": 30, "cols": 20,
+                "drift_norm": float(np.linalg.norm(m)), "sigma": [float(np.linalg.norm(m))],
+                "u1": (m / np.linalg.norm(m)).astype(np.float32), "v1": v.astype(np.float32)}
+
+    sft = [rec(s, 5.0 * rng.standard_normal(30), "sft") for s in (0, 5, 9)]  # another θ₀: unrelated records
+    rl = [rec(s, c + 0.05 * s * p, "rl") for s in range(10, 110, 10)]
+    row = rank1_linear_fit(_spectra_run(tmp_path / "r", sft + rl), fit_frac=0.3).row(0, named=True)
+    assert row["records"] == 10 and row["first_step"] == 10 and row["fit_last_step"] == 30
+    assert row["r2_all"] == pytest.approx(1.0, abs=1e-9) and row["rel_error_last"] < 1e-5
+
+
 def _save_trajectory(tmp_path, steps, target):
     """Checkpoints of W_t = W_0 + (c + t·p)vᵀ + tiny noise: σ₁u₁ is linear in t (and rotates)."""
     g = torch.Generator().manual_seed(0)

@@ -62,13 +62,20 @@ def linear_weights(t_fit: np.ndarray, t_eval: np.ndarray) -> np.ndarray:
 
 
 def rank1_tracks(store: StoreLike, run: str | None = None) -> list[Rank1Track]:
-    """Every tensor's rank-1 records (ΔW ≠ 0, lowest rank when several ranks recorded it)."""
+    """Every tensor's rank-1 records (ΔW ≠ 0, lowest rank when several ranks recorded it) of its last stage.
+
+    Only the stage of a tensor's last record counts: in an SFT → RL run θ₀ moves to the SFT weights at the
+    switch (and the dynamics change with the objective), so one line through both stages' ΔW would fit two
+    different trajectories."""
     con = as_store(store)
     df = frame(con, f"""
-        SELECT run_id, tensor, layer, kind, rows, cols, step, sigma[1] AS sigma1, drift_norm, u1, v1
-        FROM spectra
-        WHERE u1 IS NOT NULL AND v1 IS NOT NULL AND drift_norm > 0 AND step IS NOT NULL{run_clause(run)}
-        QUALIFY row_number() OVER (PARTITION BY run_id, tensor, step ORDER BY rank) = 1
+        SELECT run_id, tensor, layer, kind, rows, cols, step, sigma1, drift_norm, u1, v1 FROM (
+            SELECT run_id, tensor, layer, kind, rows, cols, step, sigma[1] AS sigma1, drift_norm, u1, v1, stage,
+                   arg_max(stage, step) OVER (PARTITION BY run_id, tensor) AS last_stage
+            FROM spectra
+            WHERE u1 IS NOT NULL AND v1 IS NOT NULL AND drift_norm > 0 AND step IS NOT NULL{run_clause(run)}
+            QUALIFY row_number() OVER (PARTITION BY run_id, tensor, step ORDER BY rank) = 1)
+        WHERE stage IS NOT DISTINCT FROM last_stage
         ORDER BY run_id, tensor, step""")
     out = []
     for (run_id, tensor), g in df.group_by(["run_id", "tensor"], maintain_order=True):
@@ -123,7 +130,7 @@ def rank1_linear_fit(store: StoreLike, run: str | None = None, fit_frac: float =
     (R² of the same line over all records), rel_error_u_last (‖σ̂₁û₁ − σ₁u₁‖/‖σ₁u₁‖ at the last record),
     rel_error_last (the same for the rank-1 matrix σ₁u₁v₁ᵀ, relative Frobenius error), u_cos_first_last
     (|u₁(first)·u₁(last)|, how steady the direction is) and rank1_energy_last. Tensors with fewer than
-    2 records are left out.
+    2 records are left out; a tensor's records are those of its last stage (see ``rank1_tracks``).
     """
     if not 0 < fit_frac <= 1:
         raise ValueError(f"fit_frac must be in (0, 1], not {fit_frac}")
