@@ -249,6 +249,10 @@ def _mfu(con, run: str, peak_tflops: float | None = None) -> list[Finding]:
         return []
     phase = "train" if "train" in df["phase"].to_list() else "step"
     d = df.filter(pl.col("phase") == phase)
+    # Each role's rows share out the same samples' tokens, so one role speaks for the run: the trainer's
+    # when the phase is "step" on several roles (rollout workers time steps too), else the only one.
+    roles = sorted(set(d["role"].to_list()))
+    d = d.filter(pl.col("role") == ("trainer" if "trainer" in roles else roles[0]))
     n = {"phase": phase, "mfu_pct": _r(d["mfu_pct"].mean(), 2), "peak_tflops": d["peak_tflops"][0],
          "achieved_tflops": _r(d["achieved_tflops"].mean(), 4), "tokens_per_s": _r(d["tokens_per_s"].mean(), 1),
          "tokens": _r(d["tokens"].sum(), 1)}
