@@ -145,22 +145,47 @@ def test_a_measured_time_slice_efficiency_above_one_is_replayed_as_one(tmp_path)
         schedule_what_if(run, devices=2, target_background=-1)
 
 
-def test_a_name_written_during_the_read_reads_the_rows_again(tmp_path, monkeypatch):
-    # A live run: a phase written between reading the names and the rows fails DuckDB's ENUM cast; the load
-    # reads both again.
+@pytest.mark.parametrize("listed", [64, 0])  # names coded by list_position; by an ENUM cast
+def test_a_name_written_during_the_read_reads_the_rows_again(tmp_path, monkeypatch, listed):
+    # A live run: a phase written between reading the names and the rows has no code (list_position's NULL,
+    # or a failed ENUM cast); the load reads both again.
     import dynascope.analyses._what_if_load as load
 
     run = plant(tmp_path / "live", ranks=2)
+    monkeypatch.setattr(load, "_LISTED", listed)
     calls = []
-    enum = load.enum_sql
+    code_sql = load._code_sql
 
-    def late(values: list[str]) -> str:  # the first read of the phase names misses "optimizer"
-        calls.append(values)
-        return enum([v for v in values if v != "optimizer"] if len(calls) == 3 else values)
+    def late(expr: str, names: list[str]) -> str:  # the first read of the phase names misses "optimizer"
+        calls.append(names)
+        return code_sql(expr, [v for v in names if v != "optimizer"] if len(calls) == 2 else names)
 
-    monkeypatch.setattr(load, "enum_sql", late)
+    monkeypatch.setattr(load, "_code_sql", late)
     rs = load_rank_steps(open_store(run), None)
-    assert len(calls) == 6 and "optimizer" in rs.phases  # three ENUMs per read, two reads
+    assert len(calls) == 4 and "optimizer" in rs.phases  # role and phase codes per read (one run), two reads
+
+
+def test_names_coded_by_position_or_enum_load_the_same(tmp_path, monkeypatch):
+    # Up to _LISTED names are coded by list_position, more by an ENUM cast: the same codes either way, with
+    # several runs (a run_id code), NULL roles and NULL phases of step rows among them.
+    import dynascope.analyses._what_if_load as load
+
+    root = tmp_path / "root"
+    for i in range(2):
+        random_run(root / f"r{i}", 3, seed=i)
+    with RunWriter(root / "r1", rank=0, role=None) as w:
+        w.append("timings", {"phase": [None, "forward"], "category": ["step", "phase"], "step": [50, 50],
+                             "start_us": [10**9, 10**9], "dur_us": [500, 200]})
+    loaded = {}
+    for listed in (64, 0):
+        monkeypatch.setattr(load, "_LISTED", listed)
+        loaded[listed] = load_rank_steps(open_store(root), None)
+    a, b = loaded[64], loaded[0]
+    assert a.phases == b.phases and "(uninstrumented)" in a.phases and len(a.groups) == 3
+    assert a.groups.equals(b.groups)
+    for part in ("rows", "steps"):
+        for col, x in getattr(a, part).items():
+            assert np.array_equal(x, getattr(b, part)[col]), (part, col)
 
 
 def test_arrow_columns_read_from_their_buffers():
@@ -205,3 +230,30 @@ def test_empty_and_trace_only_stores_load_no_rank_steps(tmp_path):
         w.append("timings", {**rows, "step": 0})
     assert len(load_rank_steps(open_store(tmp_path / "nostep"), None)) == 0
     assert what_if(tmp_path / "nostep").is_empty() and schedule_inputs(tmp_path / "nostep").is_empty()
+
+
+def test_sorts_equal_their_references():
+    # sort_order's np.sort of keys with their positions in the low bits is np.lexsort's (stable) order, and
+    # sorted_in_runs is order_in_runs' values, on ties, several keys, keys too wide for the positions (the
+    # stable argsort), runs of unequal size and NaN (the lexsort)
+    from dynascope.analyses._sorted_runs import order_in_runs, sort_order, sorted_in_runs, stable_order
+
+    rng = np.random.default_rng(0)
+    for n in (0, 1, 7, 5_000):
+        a, b = rng.integers(0, 4, n), rng.integers(-3, 3, n)
+        assert np.array_equal(sort_order(a, b), np.lexsort((b, a)))
+        assert np.array_equal(sort_order(a.astype(float)), np.argsort(a, kind="stable"))
+        wide = rng.integers(0, 2**60, n)
+        wide[: n // 2] = wide[0] if n else 0  # ties
+        assert np.array_equal(stable_order(wide, 60), np.argsort(wide, kind="stable"))
+        for sizes in ([n], [1] * n, list(rng.integers(1, 9, n // 4 + 1))):
+            starts = np.cumsum([0, *sizes])[:-1]
+            starts = starts[starts < n]
+            v = rng.integers(0, 5, n).astype(float)
+            if n > 3:
+                v[3] = np.nan
+            for values in (v, np.nan_to_num(v)):
+                want = values[order_in_runs(values, starts)]
+                assert np.array_equal(sorted_in_runs(values, starts), want, equal_nan=True)
+                run = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, n)))
+                assert np.array_equal(order_in_runs(values, starts), np.lexsort((values, run)))

@@ -60,7 +60,22 @@ def sort_order(*keys: np.ndarray) -> np.ndarray:
     """``np.lexsort`` order of ``keys`` (most significant first): one integer sort when the keys, all
     integer-valued, pack into 63 bits, which is several times faster than sorting on each key in turn."""
     p = pack(*keys)
-    return np.lexsort(keys[::-1]) if p is None else np.argsort(p[0], kind="stable")
+    return np.lexsort(keys[::-1]) if p is None else stable_order(p[0], sum(p[1]))
+
+
+def stable_order(packed: np.ndarray, bits: int) -> np.ndarray:
+    """``np.argsort(packed, kind="stable")`` of non-negative keys below 2**bits. When the keys leave room
+    for each one's position in their low bits, the keys are distinct and a plain ``np.sort`` of them (a
+    vectorised quicksort, several times faster than the stable argsort's merge sort) gives the same order."""
+    n = len(packed)
+    at = max(n - 1, 0).bit_length()
+    if bits + at > 63:
+        return np.argsort(packed, kind="stable")
+    key = packed << at
+    key |= np.arange(n, dtype=np.int64)
+    key.sort()
+    key &= (1 << at) - 1
+    return key
 
 
 def order_in_runs(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
@@ -82,6 +97,23 @@ def order_in_runs(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
     pos = grid.argsort(axis=1, kind="stable")
     pos += starts[:, None]
     return pos[np.arange(width) < sizes[:, None]]
+
+
+def sorted_in_runs(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """``values`` with each run (from ``starts``) sorted, runs in place: ``values[order_in_runs(values,
+    starts)]``, for a caller that needs the values only (a grid's rows sorted by value, no order kept)."""
+    n = len(values)
+    if not n:
+        return values[:0].copy()
+    sizes = np.diff(starts, append=n)
+    width = int(sizes.max())
+    if len(starts) * width > 2 * n + 1024 or np.isnan(values).any():
+        return values[order_in_runs(values, starts)]
+    run = at_runs(starts, n)
+    grid = np.full((len(starts), width), np.inf)
+    grid[run, np.arange(n) - starts[run]] = values
+    grid.sort(axis=1)
+    return grid[np.arange(width) < sizes[:, None]]
 
 
 def sum_by(keys: list[np.ndarray], weights: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
+import duckdb
 import numpy as np
 import polars as pl
 import pyarrow as pa
@@ -63,23 +64,55 @@ def step_ids(rs: RankSteps) -> tuple[np.ndarray, np.ndarray]:
     return at_runs(starts, len(rs)), starts
 
 
-def _read(store: StoreConnection, run: str | None) -> pa.Table:
-    """The rows, with run_id, role and phase as ENUMs of the names present (DuckDB returns them
-    dictionary-coded; ``with_names`` reads them again if a name is written in between)."""
+# Up to this many names, a column's codes are DuckDB's list_position in the sorted names (half the CPU of a
+# cast to an ENUM at millions of rows); beyond, the ENUM's hash lookup beats a scan of the list per row.
+_LISTED = 64
+
+
+def _code_sql(expr: str, names: list[str]) -> str:
+    """SQL for ``expr``'s code among ``names`` (sorted, distinct): an ENUM, or a 1-based position (NULL for a
+    name not among them)."""
+    if len(names) > _LISTED:
+        return f"{expr}::{enum_sql(names)}"
+    return f"list_position([{', '.join(quote_literal(v) for v in names)}], {expr})"
+
+
+def _codes_of(col: pa.ChunkedArray) -> np.ndarray:
+    """The 0-based codes of a column ``_code_sql`` made."""
+    if pa.types.is_dictionary(col.type):
+        return codes(col)[0]
+    if col.null_count:  # a name written since they were listed: list them and read again
+        raise duckdb.ConversionException("a name not listed")
+    c = as_numpy(col).astype(np.int64)
+    c -= 1
+    return c
+
+
+Read = tuple[pa.Table, list[list[str]], Arrays]
+
+
+def _read(store: StoreConnection, run: str | None) -> Read:
+    """The rows with run_id, role and phase as codes of their names present, and those names (runs, roles,
+    phases), each sorted, and the codes as NumPy. A name written in between (a live run) makes ``with_names``
+    read them again. With one run there is no run_id column (its code is 0)."""
     placed = "rank IS NOT NULL AND start_us IS NOT NULL AND dur_us IS NOT NULL" + (
         " AND run_id IS NOT NULL" if run is None else run_clause(run))
 
-    def read() -> pa.Table:
+    def read() -> Read:
         runs, roles, phases = store.rows(f"""
             SELECT list(DISTINCT run_id), list(DISTINCT coalesce(role, '')),
                    list(DISTINCT phase) FILTER (WHERE phase IS NOT NULL)
             FROM timings WHERE step IS NOT NULL AND {placed}""")[0]
-        run_id = "" if run is not None else f"run_id::{enum_sql(runs or [''])} AS run_id, "  # one run: a constant
-        return store.arrow(f"""
-            SELECT {run_id}coalesce(role, '')::{enum_sql(roles or [''])} AS role, rank, step,
-                   coalesce(phase, {quote_literal(REMAINDER)})::{enum_sql([*(phases or []), REMAINDER])} AS phase,
+        names = [[run] if run is not None else sorted(set(runs or [""])), sorted(set(roles or [""])),
+                 sorted({*(phases or []), REMAINDER})]
+        run_id = "" if len(names[0]) == 1 else f"{_code_sql('run_id', names[0])} AS run_id, "  # one run: code 0
+        t = store.arrow(f"""
+            SELECT {run_id}{_code_sql("coalesce(role, '')", names[1])} AS role, rank, step,
+                   {_code_sql(f"coalesce(phase, {quote_literal(REMAINDER)})", names[2])} AS phase,
                    ({STEP_ROW}) AS is_step, {SYNC} AS sync, start_us, dur_us
             FROM timings WHERE (({TOP_LEVEL}) OR ({STEP_ROW})) AND {placed}""")
+        columns = {c: _codes_of(t[c]) for c in ("run_id", "role", "phase") if c in t.column_names}
+        return t, names, columns
 
     return with_names(read)
 
@@ -114,15 +147,14 @@ def load_rank_steps(store: StoreConnection, run: str | None,
 
 
 def _loaded(store: StoreConnection, run: str | None, after_read: Callable[[], object] | None) -> RankSteps:
-    t = _read(store, run)
+    t, (runs, roles, phases), c = _read(store, run)  # the remainder's name is one of the phases
     if after_read is not None:
         after_read()
     n = t.num_rows
     if not n:
         return _empty()
-    run_c, runs = (np.zeros(n, dtype=np.int64), [run]) if run is not None else codes(t["run_id"])
-    role_c, roles = codes(t["role"])
-    phase_c, phases = codes(t["phase"])  # the remainder's name is one of them
+    run_c = c["run_id"] if "run_id" in c else np.zeros(n, dtype=np.int64)
+    role_c, phase_c = c["role"], c["phase"]
     n_roles = max(len(roles), 1)
     if len(runs) * n_roles == 1:  # one (run, role): no pairs to number
         grp_ids, grp = np.zeros(1, dtype=np.int64), np.zeros(n, dtype=np.int64)

@@ -28,7 +28,15 @@ from typing import NamedTuple
 import numpy as np
 import polars as pl
 
-from dynascope.analyses._sorted_runs import Arrays, at_runs, ends_of, order_in_runs, runs_of, sort_order
+from dynascope.analyses._sorted_runs import (
+    Arrays,
+    at_runs,
+    ends_of,
+    order_in_runs,
+    runs_of,
+    sort_order,
+    sorted_in_runs,
+)
 from dynascope.analyses._what_if_load import RankSteps, step_ids
 
 
@@ -135,11 +143,12 @@ def merged(sid: np.ndarray, seg: np.ndarray, rank: np.ndarray, *values: np.ndarr
 
 
 class Segments(NamedTuple):
-    """Rank-segments grouped per (step, segment): ``order`` sorts them by (step, segment, busy), ``starts``
-    begins each (step, segment) in that order, ``ends`` ends it, ``sid`` is its step index, ``of`` is each
-    rank-segment's (step, segment)."""
+    """Rank-segments grouped per (step, segment): ``order`` sorts them by (step, segment, busy), ``by`` by
+    (step, segment) alone, ``starts`` begins each (step, segment) in either order, ``ends`` ends it,
+    ``sid`` is its step index, ``of`` is each rank-segment's (step, segment)."""
 
     order: np.ndarray
+    by: np.ndarray
     starts: np.ndarray
     ends: np.ndarray
     sid: np.ndarray
@@ -153,7 +162,7 @@ def segments(sid: np.ndarray, seg: np.ndarray, busy: np.ndarray) -> Segments:
     order = by[order_in_runs(busy[by], starts)]
     of = np.empty(len(order), dtype=np.int64)
     of[order] = at_runs(starts, len(order))
-    return Segments(order, starts, ends_of(starts, len(order)), sid[order][starts], of)
+    return Segments(order, by, starts, ends_of(starts, len(order)), sid[order][starts], of)
 
 
 def slowest(g: Segments, busy: np.ndarray) -> np.ndarray:
@@ -179,20 +188,18 @@ def per_step(g: Segments, t: np.ndarray, n_steps: int) -> np.ndarray:
     return np.bincount(g.sid, weights=t, minlength=n_steps)
 
 
-def shared_time(sid: np.ndarray, seg: np.ndarray, work: np.ndarray, share: Callable[[float], float]) -> np.ndarray:
-    """Per (step, segment), in ``segments``' order: the time its ranks' ``work`` (device-µs, one process
-    per rank, all started together) takes on processor-shared devices, where ``share(k)`` is each of k
-    running processes' share. The jobs finish in order of their work; between two finishes the k still
-    running each do (the next one's work − the last one's) at ``share(k)``."""
-    order = sort_order(sid, seg)  # only the sorted work of each (step, segment) matters, not which rank's
-    starts = runs_of(sid[order], seg[order])
-    w = work[order]
-    w = w[order_in_runs(w, starts)]
+def shared_time(g: Segments, work: np.ndarray, share: Callable[[float], float]) -> np.ndarray:
+    """Per (step, segment) of ``g``: the time its ranks' ``work`` (device-µs, one process per rank, all
+    started together) takes on processor-shared devices, where ``share(k)`` is each of k running processes'
+    share. The jobs finish in order of their work; between two finishes the k still running each do (the
+    next one's work − the last one's) at ``share(k)``."""
+    starts = g.starts
+    w = sorted_in_runs(work[g.by], starts)  # only the sorted work of each (step, segment) matters, not whose
     n = np.diff(np.append(starts, len(w)))
     left = np.repeat(n + starts, n) - np.arange(len(w))  # this job and the ones still running with it
     done = np.concatenate([[0.0], w[:-1]])
     done[starts] = 0.0
-    ks = np.unique(left)
+    ks = np.flatnonzero(np.bincount(left))  # the job counts present (small: a segment's ranks at most)
     rate = np.zeros(int(ks.max(initial=0)) + 1)
     rate[ks] = [share(float(k)) for k in ks]
     return np.add.reduceat((w - done) / rate[left], starts) if len(w) else np.zeros(0)

@@ -43,24 +43,44 @@ def work_of(rs: RankSteps, dev: Devices) -> tuple[np.ndarray, np.ndarray]:
     """Each row's and each rank-step's work (device-µs) from the busy ranks of its (run, role) over time:
     ranks are busy inside their step rows and outside their sync rows."""
     r, st = rs.rows, rs.steps
-    start, end = r["start_us"].astype(float), (r["start_us"] + r["dur_us"]).astype(float)
-    s_start = st["step_start_us"].astype(float)
+    start, end = r["start_us"], r["start_us"] + r["dur_us"]
+    s_start = st["step_start_us"]
     s_end = s_start + st["step_us"]
     row_grp = st["grp"][r["rs"]]
     row_work, step_work = np.zeros(len(start)), np.zeros(len(rs))
     for g in range(rs.groups.height):
         rows, steps = np.flatnonzero(row_grp == g), np.flatnonzero(st["grp"] == g)
-        syncs = rows[r["sync"][rows]]
-        t = np.concatenate([s_start[steps], start[syncs], s_end[steps], end[syncs]])
-        d = np.concatenate([np.ones(len(steps)), -np.ones(len(syncs)), -np.ones(len(steps)), np.ones(len(syncs))])
+        if not len(steps):  # a (run, role) whose rank-steps all lack a step row: nothing to replay
+            continue
+        sync = r["sync"][rows]
+        syncs, busy = rows[sync], rows[~sync]
+        ns, ny = len(steps), len(syncs)
+        t = np.concatenate([s_start[steps], start[syncs], s_end[steps], end[syncs]]).astype(float)
+        d = np.concatenate([np.ones(ns), -np.ones(ny), -np.ones(ns), np.ones(ny)])
         order = sort_order(t, d)  # one integer sort: the times are whole µs
-        t, n = t[order], np.cumsum(d[order])  # busy ranks from each event to the next
-        counts, which = np.unique(n, return_inverse=True)  # a few distinct busy counts: one share each
-        rate = np.array([dev.share(float(k) + dev.background) for k in counts])[which]
-        cum = np.concatenate([[0.0], np.cumsum(rate[:-1] * np.diff(t))])
-        row_work[rows] = np.interp(end[rows], t, cum) - np.interp(start[rows], t, cum)
-        step_work[steps] = np.interp(s_end[steps], t, cum) - np.interp(s_start[steps], t, cum)
+        n = np.cumsum(d[order])  # busy ranks from each event to the next
+        t = t[order]
+        cum = np.concatenate([[0.0], np.cumsum(_rates(n, dev)[:-1] * np.diff(t))])
+        # An event's own time is in t: its integral is read at its place (what np.interp returns there, since
+        # events at one time share one value), and only the busy rows' ends are interpolated.
+        at = np.empty(len(order), dtype=np.int64)
+        at[order] = np.arange(len(order))
+        c = cum[at]
+        step_work[steps] = c[ns + ny:2 * ns + ny] - c[:ns]
+        row_work[syncs] = c[2 * ns + ny:] - c[ns:ns + ny]
+        row_work[busy] = np.interp(end[busy].astype(float), t, cum) - np.interp(start[busy].astype(float), t, cum)
     return row_work, step_work
+
+
+def _rates(n: np.ndarray, dev: Devices) -> np.ndarray:
+    """Each busy rank's rate while ``n`` ranks are busy (plus the background), from one share per count."""
+    lo, hi = (int(n.min()), int(n.max())) if len(n) else (0, -1)
+    counts = np.arange(lo, hi + 1)
+    if len(counts) > 4 * len(n) + 1024:  # counts far apart: one share per count present
+        counts, n = np.unique(n, return_inverse=True)
+        lo = 0
+    rate = np.array([dev.share(float(k) + dev.background) for k in counts])
+    return rate[(n - lo).astype(np.int64)]
 
 
 def what_if_shared(store: StoreLike, run: str | None = None, *, ranks: Iterable[int] | str | None = None,
@@ -94,5 +114,5 @@ def what_if_shared(store: StoreLike, run: str | None = None, *, ranks: Iterable[
     def share(k: float) -> float:
         return dev.share(k + dev.target_background)
 
-    return steps_frame(rs, m, per_step(g, shared_time(sid, seg, busy, share) + least_wait, m.height),
-                       per_step(g, shared_time(sid, seg, new, share) + least_wait, m.height))
+    return steps_frame(rs, m, per_step(g, shared_time(g, busy, share) + least_wait, m.height),
+                       per_step(g, shared_time(g, new, share) + least_wait, m.height))
