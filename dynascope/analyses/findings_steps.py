@@ -17,32 +17,34 @@ import polars as pl
 from dynascope.analyses import findings_sql as S
 from dynascope.analyses._common import frame, once
 from dynascope.analyses._findings import Finding, first_row, found, rnd
-from dynascope.analyses.steps import KEYS, step_rows_sql, top_level_sql
+from dynascope.analyses.steps import step_rows_sql, top_level_sql
 
 __all__: list[str] = []  # generators for ``findings.GENERATORS``, not public analyses
 
 MIN_IDLE_PCT = 2.0
 WARN_IDLE_PCT = 10.0
 MIN_UNINSTRUMENTED_PCT = 10.0  # the probe's own boundaries leave a few percent outside any phase
+_KEYS = "role, rank, step"  # steps.KEYS within one run
 
 
 def _per_rank_sql(run: str) -> str:
     """Per rank (over its roles, as the findings count ranks): ``idle_time``'s idle and step µs summed over
     the rank-steps that have both top-level rows and a step row, and ``step_breakdown``'s remainder and
     step µs summed over the rank-steps with a step row."""
+    # one run's rows: grouped and joined without the run_id key
     return f"""
-        WITH ph AS ({top_level_sql(run)}), st AS ({step_rows_sql(run)}),
+        WITH ph AS ({top_level_sql(run, with_run=False)}), st AS ({step_rows_sql(run, with_run=False)}),
         per AS (
-            SELECT {KEYS}, SUM(CASE WHEN sync THEN 0 ELSE dur_us END) AS busy_us,
+            SELECT {_KEYS}, SUM(CASE WHEN sync THEN 0 ELSE dur_us END) AS busy_us,
                    SUM(CASE WHEN sync THEN dur_us ELSE 0 END) AS wait_us, SUM(dur_us) AS phases_us, true AS top
             FROM ph GROUP BY ALL),
-        w AS (SELECT *, MAX(busy_us) OVER (PARTITION BY run_id, role, step) - busy_us AS sync_us FROM per)
+        w AS (SELECT *, MAX(busy_us) OVER (PARTITION BY role, step) - busy_us AS sync_us FROM per)
         SELECT rank,
                SUM(greatest(wait_us, sync_us)) FILTER (step_us IS NOT NULL AND top)::DOUBLE AS idle_us,
                SUM(step_us) FILTER (top)::DOUBLE AS idle_step_us,
                SUM(greatest(step_us - coalesce(phases_us, 0), 0)) FILTER (step_us IS NOT NULL)::DOUBLE AS rem_us,
                SUM(step_us)::DOUBLE AS rem_step_us
-        FROM st FULL JOIN w USING ({KEYS})
+        FROM st FULL JOIN w USING ({_KEYS})
         GROUP BY rank"""
 
 

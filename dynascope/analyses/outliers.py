@@ -43,9 +43,13 @@ def _per_rank(con, run: str | None, k: float, min_step_excess: float) -> pl.Data
     Aggregated here, not over the ratios as a frame: that frame holds a row per rank, step and phase (1.8M
     at 1,024 ranks × 500 steps), and building it took longer than every sum over it."""
     return frame(con, f"""
-        WITH d AS ({phase_times_sql(run, " AND rank IS NOT NULL")}),
-        m AS (SELECT *, median(dur_us) OVER (PARTITION BY run_id, role, step, phase) AS med_us,
-                        COUNT(*) OVER (PARTITION BY run_id, role, step, phase) AS nranks FROM d),
+        WITH d AS MATERIALIZED ({phase_times_sql(run, " AND rank IS NOT NULL")}),
+        -- the step's cross-rank median and rank count, grouped and joined back (as straggler_scores does)
+        m AS (SELECT d.*, c.med_us, c.nranks FROM d
+              JOIN (SELECT run_id, role, step, phase, median(dur_us) AS med_us, COUNT(*) AS nranks
+                    FROM d GROUP BY ALL) c
+                ON d.run_id IS NOT DISTINCT FROM c.run_id AND d.role = c.role AND d.step = c.step
+                   AND d.phase = c.phase),
         h AS (SELECT run_id, coalesce(role, '') AS role, rank, any_value(host) AS host FROM runs
               WHERE rank IS NOT NULL{run_clause(run)} GROUP BY ALL),
         r AS (SELECT m.run_id, m.role, m.rank, m.phase, dur_us, dur_us / med_us AS ratio,
