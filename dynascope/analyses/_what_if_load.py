@@ -33,7 +33,7 @@ import polars as pl
 import pyarrow as pa
 
 from dynascope.analyses._common import once, run_clause
-from dynascope.analyses._sorted_runs import Arrays, as_numpy, at_runs, codes, pack, runs_of
+from dynascope.analyses._sorted_runs import Arrays, as_numpy, at_runs, codes, pack, runs_of, stable_order
 from dynascope.analyses.steps import REMAINDER, STEP_ROW, SYNC, TOP_LEVEL, enum_sql, with_names
 from dynascope.store import StoreConnection, quote_literal
 
@@ -169,8 +169,9 @@ def _loaded(store: StoreConnection, run: str | None, after_read: Callable[[], ob
                            "role": [roles[g % n_roles] for g in grp_ids]}, schema=_GROUPS)
     rank, step = as_numpy(t["rank"]).astype(np.int64), as_numpy(t["step"])
     start, dur = as_numpy(t["start_us"]), as_numpy(t["dur_us"])
-    order, rs, first = _by_rank_step(grp, step, rank, start)
-    is_step = as_numpy(t["is_step"])[order]
+    is_step = as_numpy(t["is_step"])
+    order, rs, first = _by_rank_step(grp, step, rank, start, is_step)
+    is_step = is_step[order]
     # the rank-steps with a step row, numbered in that order (their step row: the longest, the earliest start)
     srow = np.flatnonzero(is_step)
     s_first = runs_of(rs[srow])
@@ -203,11 +204,24 @@ def _loaded(store: StoreConnection, run: str | None, after_read: Callable[[], ob
     return RankSteps(rows, steps, groups, phases)
 
 
-def _by_rank_step(grp: np.ndarray, step: np.ndarray, rank: np.ndarray,
-                  start: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The rows' order by (grp, step, rank, start), the rank-step index of each row in that order, and each
-    rank-step's first row. Each writer wrote a rank's rows by step, so the sort merges a few long runs; the
-    rank-steps come out in (grp, step, rank) order, each one's rows contiguous and by start."""
+def _by_rank_step(grp: np.ndarray, step: np.ndarray, rank: np.ndarray, start: np.ndarray,
+                  is_step: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """An order of the rows by (grp, step, rank), each rank-step's rows other than its step rows by start,
+    stably (its step rows anywhere in it: they are only ever reduced per rank-step), the rank-step index of
+    each row in that order, and each rank-step's first row. The rank-steps come out in (grp, step, rank)
+    order."""
+    p = pack(grp, step, rank)
+    if p is not None:
+        # A writer writes a step's rows in time order, so the rows as read are usually by start within each
+        # rank-step already: then the order by rank-step alone is the order, and a plain sort of the keys
+        # with their positions gives it (a stable sort that includes the start costs several times more).
+        packed, bits = p
+        order = stable_order(packed, sum(bits))
+        rows = order[~is_step[order]]
+        key, at = packed[rows], start[rows]
+        if not np.any((key[1:] == key[:-1]) & (at[1:] < at[:-1])):
+            first = runs_of(packed[order])
+            return order, at_runs(first, len(order)), first
     p = pack(grp, step, rank, start)
     if p is not None:  # one integer sort; the rank-step is the key without its start bits
         packed, bits = p
