@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -72,3 +73,43 @@ def test_the_next_step_waits_for_the_pass(tmp_path) -> None:
     got = [u for (u,) in open_store(tmp_path / "r").rows(
         "SELECT update_norm FROM tensor_stats WHERE tensor = 'weight' ORDER BY step")]
     assert len(got) == 4 and all(abs(a - b) <= 1e-6 * b for a, b in zip(got, want, strict=True))
+
+
+def test_the_first_snapshot_is_copied_before_the_first_step(tmp_path) -> None:
+    """At full coverage watch() has the pass thread copy the weights for the first step's snapshot; the first
+    step uses that copy only if nothing wrote the weights since, so ΔW of step 0 is the step's either way."""
+    for edit in (False, True):
+        model, opt, x, scope = _watched(tmp_path / str(edit), 16)
+        scope.stats._pass.wait()
+        assert scope.stats.snapshot._carried is not None  # copied off the training thread, before any step
+        if edit:
+            with torch.no_grad():
+                model.weight.mul_(2.0)  # after the copy: the first step must not compare against it
+        before = model.weight.detach().clone()
+        _step(model, opt, x)
+        want = torch.linalg.vector_norm(model.weight.detach().double() - before.double()).item()
+        scope.close()
+        (got,), = open_store(tmp_path / str(edit) / "r").rows(
+            "SELECT update_norm FROM tensor_stats WHERE tensor = 'weight' AND step = 0")
+        assert abs(got - want) <= 1e-6 * want
+
+
+def test_watch_loads_the_kernels_the_first_records_use(tmp_path, monkeypatch) -> None:
+    """The fused kernels watch() starts loading at full coverage are the ones the records then ask for
+    (gradient counts; the merged weight pass with θ₀, with and without S_k and its snapshot's copy)."""
+    from dynascope.stats import fused
+
+    if not fused.available():
+        pytest.skip("numba is not installed")
+    monkeypatch.setattr(fused, "_kernels", {})
+    torch.manual_seed(0)
+    model = nn.Linear(16, 16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scope = dynascope.watch(model, opt, run=tmp_path / "r", memory_budget=None, time_budget=None, bf16_k=2,
+                            system_interval_s=None)
+    prepared = set(fused._kernels)
+    x = torch.randn(4, 16)
+    for _ in range(5):  # S_k's snapshot at steps 0 and 2, compared at 2 and 4
+        _step(model, opt, x)
+    scope.close()
+    assert prepared and set(fused._kernels) == prepared

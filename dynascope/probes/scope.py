@@ -78,6 +78,8 @@ class Scope:
         if reference is not None:
             self._guard("reference", self.set_reference, reference)
         self._attach()
+        if self.stats is not None:  # full coverage: the first record's snapshot and kernels, off this thread
+            self._guard(self.stats.name, self.stats.prepare, self.tracked, self._step)
         if self.optimizer is None:  # manual boundaries: step 0 starts now
             self._guard("boundary", self._before, True)
 

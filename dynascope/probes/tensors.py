@@ -35,7 +35,7 @@ from dynascope.probes.protocol import Probe, Rows, StepContext, resolved_rows
 from dynascope.probes.rows import Record, summarize, tensor_stats_batch, tracked_columns
 from dynascope.probes.schedule import Schedule, every
 from dynascope.probes.snapshots import Bf16History, StepSnapshot
-from dynascope.probes.weight_pass import weight_pass
+from dynascope.probes.weight_pass import prepare, weight_pass
 from dynascope.probes.window import Window
 from dynascope.stats.base import Settings, Statistic
 from dynascope.stats.builtin.grad import DEFAULT_GRAD_TOL
@@ -106,6 +106,11 @@ class TensorStats(Probe):
         pass is waited for here, so the optimizer never changes weights that pass is still reading."""
         self._pass.wait()
         return bool(self._schedule(step)) or self._snapshot_due(step)
+
+    def prepare(self, tracked: list[Tracked], step: int) -> None:
+        """Before the first record: at full coverage on a host, its snapshot and kernels readied off the
+        training thread (``weight_pass.prepare``)."""
+        prepare(self, tracked, step)
 
     def _resident_bytes(self, tracked: list[Tracked]) -> float:
         held = sum(t.nbytes for t in tracked) if self.reference is not None and self.reference.resident else 0

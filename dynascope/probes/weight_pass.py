@@ -12,6 +12,12 @@ writes what the following steps compare against, element by element as it reads 
 * S_k's next bf16 snapshot when one is due and resident (``Bf16History.buffers``), over the one used up.
 
 ``TensorStats.after`` runs this on the probe's background thread on a host (``probes.background``).
+
+Before the first record at full coverage on a host (``prepare``, when ``watch()`` returns), the same thread
+copies the weights into the arena as a carried snapshot, which the first pre-hook takes over unless
+something wrote them since, and the compile thread loads the fused kernels the first records use: a first
+record otherwise allocated and faulted in the arena and copied the weights inside the step, and ran its
+passes on chunk tensors while the kernels loaded (docs/benchmarks.md, "Full coverage").
 """
 
 from __future__ import annotations
@@ -27,11 +33,11 @@ from dynascope.stats.engine import Pass, Reader, flat_reader
 from dynascope.stats.fused_many import Item
 
 if TYPE_CHECKING:
-    from dynascope.probes.params import LocalViews
+    from dynascope.probes.params import LocalViews, Tracked
     from dynascope.probes.rows import Record
     from dynascope.probes.tensors import TensorStats
 
-__all__ = ["weight_pass"]
+__all__ = ["prepare", "weight_pass"]
 
 Plans = list[tuple[Pass, list[int]]]
 
@@ -81,9 +87,7 @@ def _passes(probe: TensorStats, rec: Record, plans: Plans, inputs: dict[str, Cal
         groups.setdefault(tuple(ks), []).append(i)
     results: dict[int, torch.Tensor] = {}
     for ks, rows in groups.items():
-        merged = probe._merged.get(ks)
-        if merged is None:
-            merged = probe._merged[ks] = Pass([s for k in ks for s in plans[k][0].statistics])
+        merged = _merged(probe, ks, [p for p, _ in plans])
         items = [Item({n: inputs[n](i) for n in merged.inputs}, locals_[i].numel(),  # type: ignore[misc]
                       copies=copies.get(i, ())) for i in rows]
         results.update(zip(rows, merged.run_many(items, probe.settings, chunk_elems=rec.chunk_elems), strict=True))
@@ -101,3 +105,42 @@ def _passes(probe: TensorStats, rec: Record, plans: Plans, inputs: dict[str, Cal
                 torch.zeros((0, len(p.outputs)), dtype=torch.float64, device=device))
         if rows and "k_snapshot" in p.inputs:
             rec.constants[p.key] = {"bf16_k_steps": probe.history.k}  # type: ignore[union-attr]
+
+
+def _merged(probe: TensorStats, ks: tuple[int, ...], chunked: list[Pass]) -> Pass:
+    """The one pass of the chunked weight passes ``ks`` (indices into ``chunked``), made once per probe."""
+    merged = probe._merged.get(ks)
+    if merged is None:
+        merged = probe._merged[ks] = Pass([s for k in ks for s in chunked[k].statistics])
+    return merged
+
+
+def prepare(probe: TensorStats, tracked: list[Tracked], step: int) -> None:
+    """Ahead of the first record at full coverage on a host: its pre-step snapshot copied on the pass thread,
+    and the fused kernels of the gradient passes and of the merged weight passes loading (module docstring)."""
+    locals_ = [t.local() for t in tracked]
+    if (probe.memory_budget is not None or not locals_ or any(w.device.type != "cpu" for w in locals_)
+            or not probe._schedule(step)):
+        return
+    for dtype in {w.dtype for w in locals_}:
+        for p in probe.grad_passes:
+            if not p.batched:
+                p.prepare({"grad": dtype})
+        chunked = [p for p in probe.weight_passes if not p.batched]
+        dtypes = {"new": dtype, "old": dtype, "ref": dtype, "k_snapshot": torch.bfloat16}
+        base = {"new", "old"} | ({"ref"} if probe.reference is not None else set())  # θ₀ at every full record
+        # (inputs held, copies): every record; S_k's snapshot steps; its compare steps, which take the next one
+        shapes = [(base, [("new", dtype)])]
+        if probe.history is not None:
+            shapes += [(base, [("new", dtype), ("new", torch.bfloat16)]),
+                       (base | {"k_snapshot"}, [("new", dtype), ("new", torch.bfloat16)])]
+        for held, copies in shapes:
+            ks = tuple(k for k, p in enumerate(chunked) if held.issuperset(p.inputs))
+            if ks:
+                _merged(probe, ks, chunked).prepare(dtypes, copies)
+    if probe._needs_old:
+        def job() -> None:
+            views = probe.snapshot.carry_views(locals_)
+            torch._foreach_copy_(views, locals_)
+            probe.snapshot.carried()
+        probe._pass.submit(job)

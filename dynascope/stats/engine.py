@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from dynascope.stats.base import DEFAULT_CHUNK_ELEMS, Chunk, Settings, Statistic
-from dynascope.stats.fused import run_chunk
+from dynascope.stats.fused import prepare, run_chunk
 from dynascope.stats.fused_many import Item, run_many
 from dynascope.stats.registry import REGISTRY
 
@@ -92,6 +92,17 @@ class Pass:
         "cadence" tiers: one fused pass over every tensor)."""
         parts = [s.batched(tensors) for s in self.statistics]  # type: ignore[misc]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    def prepare(self, dtypes: dict[str, torch.dtype], copies: Sequence[tuple[str, torch.dtype]] = ()) -> None:
+        """Start loading the fused kernel this pass will use for host inputs of ``dtypes`` (and copies into
+        destinations of those dtypes) in the background (``stats.fused.prepare``); nothing where it runs unfused."""
+        if not self.element_wise:
+            return
+        x = Chunk(1, Settings())
+        for name in self.inputs:
+            x.set(name, torch.zeros(1, dtype=dtypes[name]))
+        x.copies = [(name, torch.zeros(1, dtype=d)) for name, d in copies]
+        prepare(self.statistics, x)
 
     def run(self, readers: dict[str, Reader], numel: int, device: torch.device, settings: Settings = Settings(), *,
             given: dict[str, Tensor] | None = None, chunk_elems: int | None = DEFAULT_CHUNK_ELEMS,

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
     from dynascope.stats.base import Chunk, Statistic
 
-__all__ = ["FusedKernel", "available", "kernel_for", "serial", "threads", "wait_compiled"]
+__all__ = ["FusedKernel", "available", "kernel_for", "prepare", "serial", "threads", "wait_compiled"]
 
 MIN_SPLIT = 1 << 16  # elements per thread at least: below that a thread's hand-off costs more than it saves
 _local = threading.local()
@@ -152,6 +152,34 @@ def kernel_for(statistics: Sequence[Statistic], x: Chunk, wait: bool = False) ->
     """The fused kernel of ``statistics`` for the inputs of chunk ``x``, or None when they cannot run fused
     (not all element-wise, an input that is not a host fp32/bf16 tensor, inputs of different dtypes) or
     while it compiles (in the background; ``wait`` compiles it now)."""
+    key = _submit(statistics, x)
+    if key is None:
+        return None
+    with _lock:
+        got = _kernels[key]
+    if isinstance(got, Future):
+        if not (wait or got.done() or os.environ.get("DYNASCOPE_FUSED") == "sync"):
+            return None
+        try:
+            got = got.result()
+        except Exception as exc:  # a statistic numba cannot compile runs on chunk tensors for good
+            warnings.warn(f"dynascope: fused statistics kernel not compiled ({type(exc).__name__}: {exc}); "
+                          "these statistics run on chunk tensors, same values, slower", RuntimeWarning, stacklevel=2)
+            got = None
+        with _lock:
+            _kernels[key] = got
+    return got
+
+
+def prepare(statistics: Sequence[Statistic], x: Chunk) -> None:
+    """Start compiling (or loading from the cache) the kernel ``kernel_for`` will want for chunks like ``x``,
+    on the compile thread, so that a run's first record finds it ready instead of running on chunk tensors."""
+    _submit(statistics, x)
+
+
+def _submit(statistics: Sequence[Statistic], x: Chunk) -> str | None:
+    """The kernel's key, its build submitted if it was not yet; None where the statistics cannot run fused on
+    ``x``'s inputs."""
     if not available() or any(s.element is None for s in statistics):
         return None
     inputs = dict.fromkeys(i for s in statistics for i in s.inputs)
@@ -165,21 +193,9 @@ def kernel_for(statistics: Sequence[Statistic], x: Chunk, wait: bool = False) ->
     key = ("|".join(f"{s.name}" for s in statistics) + "|" + ",".join(f"{i}:{k}" for i, k in kinds.items())
            + "|" + ",".join(f"{i}>{k}" for i, k in copies))
     with _lock:
-        got = _kernels.get(key)
-        if got is None and key not in _kernels:
-            got = _kernels[key] = _compile_pool().submit(_build, tuple(statistics), kinds, copies)  # type: ignore[arg-type]
-    if isinstance(got, Future):
-        if not (wait or got.done() or os.environ.get("DYNASCOPE_FUSED") == "sync"):
-            return None
-        try:
-            got = got.result()
-        except Exception as exc:  # a statistic numba cannot compile runs on chunk tensors for good
-            warnings.warn(f"dynascope: fused statistics kernel not compiled ({type(exc).__name__}: {exc}); "
-                          "these statistics run on chunk tensors, same values, slower", RuntimeWarning, stacklevel=2)
-            got = None
-        with _lock:
-            _kernels[key] = got
-    return got
+        if key not in _kernels:
+            _kernels[key] = _compile_pool().submit(_build, tuple(statistics), kinds, copies)  # type: ignore[arg-type]
+    return key
 
 
 def wait_compiled() -> None:

@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 
 __all__ = ["VERSION", "module_text", "views"]
 
-VERSION = "2"  # of the generated code and of the ops in stats.fused: part of every kernel's hash
+VERSION = "3"  # of the generated code and of the ops in stats.fused: part of every kernel's hash
+BLOCK = 4096  # elements per block of a kernel with copies (its inputs' block stays in cache for the copies)
 
 
 def views(s: Statistic) -> set[str]:
@@ -53,25 +54,41 @@ def _source(statistics: Sequence[Statistic], kinds: dict[str, str], copies: tupl
             init = "np.int32(0)" if how == "max" else "0" if REGISTRY.column[c].integer else "0.0"
             accs.append((f"a{j}_{k}", how or "sum"))
             lines.append(f"    a{j}_{k} = {init}")
-    lines.append("    for i in range(n):")
+    # With copies, the loop runs over blocks of BLOCK elements: the statistics of a block first, then its
+    # copies, so an input is read before its memory is written (a copy may overwrite an input: the next
+    # snapshot over this one) and the statistics' loop stores nothing. One loop that also stored could write
+    # where it reads, so LLVM's vectorised loop came with a check for overlap and, the arena's copy
+    # overlapping the snapshot exactly, ran the scalar loop instead: ~6x slower (docs/benchmarks.md).
+    pad, x = ("            ", "_blk") if copies else ("        ", "")  # in blocks: loops over views of each block
+    if copies:
+        arrays = [a for a in args if not a.startswith("dest")] + [f"dest{m}" for m in range(len(copies))]
+        lines += [f"    for b0 in range(0, n, {BLOCK}):", f"        b1 = min(b0 + {BLOCK}, n)"]
+        lines += [f"        {a}{x} = {a}[b0:b1]" for a in arrays]
+        lines.append(f"        for i in range({args[0]}{x}.shape[0]):")  # range(n): known >= 0, no wraparound
+    else:
+        lines.append("    for i in range(n):")
     for name, kind in kinds.items():
         if kind == "f32":
-            lines += [f"        {name} = {name}_v[i]", f"        {name}_bits = {name}_b[i]",
-                      f"        {name}_key = ops.key_f32({name}_bits)"]
+            lines += [f"{pad}{name} = {name}_v{x}[i]", f"{pad}{name}_bits = {name}_b{x}[i]",
+                      f"{pad}{name}_key = ops.key_f32({name}_bits)"]
         else:
-            lines += [f"        {name}_bits = {name}_b[i]", f"        {name}_key = np.int32({name}_bits)",
-                      f"        {name} = ops.bf16_value({name}_key)"]
+            lines += [f"{pad}{name}_bits = {name}_b{x}[i]", f"{pad}{name}_key = np.int32({name}_bits)",
+                      f"{pad}{name} = ops.bf16_value({name}_key)"]
     for j, s in enumerate(statistics):
         call = ", ".join(n if n in views(s) else f"s{j}_{n}" for n in arguments(s.element))  # type: ignore[arg-type]
-        lines.append(f"        t{j} = e{j}(ops, {call})")
+        lines.append(f"{pad}t{j} = e{j}(ops, {call})")
         for k, c in enumerate(s.outputs):
             how = REGISTRY.column[c].reduce
             acc = f"a{j}_{k}"
-            lines.append(f"        {acc} = max({acc}, ops.bits(t{j}[{k}]))" if how == "max" else
-                         f"        {acc} += t{j}[{k}]" if REGISTRY.column[c].integer else
-                         f"        {acc} += np.float64(t{j}[{k}])")
-    for m, (name, kind) in enumerate(copies):  # last: an input's element is read before its memory is written
-        lines.append(f"        dest{m}[i] = {name}" if kind == "f32" else f"        dest{m}[i] = np.int16({name}_key)")
+            lines.append(f"{pad}{acc} = max({acc}, ops.bits(t{j}[{k}]))" if how == "max" else
+                         f"{pad}{acc} += t{j}[{k}]" if REGISTRY.column[c].integer else
+                         f"{pad}{acc} += np.float64(t{j}[{k}])")
+    if copies:
+        lines.append(f"        for i in range({args[0]}{x}.shape[0]):")
+    for m, (name, kind) in enumerate(copies):
+        lines.append(f"            dest{m}{x}[i] = {name}_v{x}[i]" if kind == "f32" else
+                     f"            dest{m}{x}[i] = np.int16(ops.key_f32({name}_b{x}[i]))" if kinds[name] == "f32" else
+                     f"            dest{m}{x}[i] = {name}_b{x}[i]")
     for i, (acc, how) in enumerate(accs):
         lines.append(f"    out[{i}] = ops.value({acc})" if how == "max" else f"    out[{i}] = {acc}")
     return "\n".join(lines) + "\n"
