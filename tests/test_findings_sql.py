@@ -55,9 +55,11 @@ RANKS, STEPS = 4, 24
 FORWARD, BACKWARD, OPTIMIZER, GAP, SYNC = 60.0, 120.0, 30.0, 50.0, 4.0  # ms
 
 
-def _write_phases(run_dir: Path, slow: dict[tuple[int, int], float], loss_spike_at: int | None = None) -> Path:
+def _write_phases(run_dir: Path, slow: dict[tuple[int, int], float], loss_spike_at: int | None = None,
+                  probe_ms: float = 0.0) -> Path:
     """A 4-rank synchronous run; ``slow[(step, rank)]`` scales that rank's busy phases in that step. A gap of
-    GAP ms per step is left uninstrumented; rank 0 syncs weights each step and logs a loss."""
+    GAP ms per step is left uninstrumented (``probe_ms`` of it is the probe's own phase, with a tensor row
+    per rank and step); rank 0 syncs weights each step and logs a loss."""
     rng = random.Random(1)
     writers = [RunWriter(run_dir, rank=r, world_size=RANKS, flush_secs=60) for r in range(RANKS)]
     t0 = T0
@@ -69,6 +71,10 @@ def _write_phases(run_dir: Path, slow: dict[tuple[int, int], float], loss_spike_
             d = {**busy[r], "allreduce": top - sum(busy[r].values()) + int(SYNC * 1000), "optimizer": int(OPTIMIZER * 1000)}
             if r == 0:
                 d["weight_sync"] = 2000
+            if probe_ms:
+                d["dynascope"] = int(probe_ms * 1000)
+                writers[r].append("tensor_stats", {"step": [step], "tensor": ["w"], "numel": [16],
+                                                   "update_norm": [0.1]})
             t, rows = t0, {"phase": [], "start_us": [], "dur_us": [], "category": [], "step": step}
             for p, us in d.items():
                 rows["phase"].append(p)
@@ -101,7 +107,7 @@ def runs(tmp_path_factory, quick_demo) -> list[Path]:
         # rank 3 is 1.2× slower in every busy phase: below the straggler score, but a whole rank's cost
         _write_phases(root / "rank_cost", {(s, 3): 1.2 for s in range(STEPS)}, loss_spike_at=15),
         # each step a different rank is 1.3× slower: no rank stands out, yet time is lost to the spread
-        _write_phases(root / "imbalance", {(s, s % RANKS): 1.3 for s in range(STEPS)}),
+        _write_phases(root / "imbalance", {(s, s % RANKS): 1.3 for s in range(STEPS)}, probe_ms=20.0),
     ]
     cluster, _ = planted_cluster(root / "cluster")  # 80 ranks on 10 hosts, one of them slow: a node finding
     return [demo, *planted, cluster, *sorted(p for p in store.iterdir() if p.is_dir())]

@@ -135,8 +135,8 @@ def _dynamics(s: DemoSettings, con: StoreConnection, console: Console) -> None:
 # What the tiny demo's probe share means (shown under its step breakdown).
 PROBE_NOTE = ("dynascope = the probe's own work on the training thread, and its waits for the probe's "
               "background passes. The demo records every statistic of "
-              "every tensor at every step (watch(memory_budget=None): the window holds every tensor), so it costs "
-              f"far more than watch()'s defaults, a rotating window under a 1% time budget: {DEFAULT_PROBE_COST}.")
+              "every tensor at every step (watch(memory_budget=None): the window holds every tensor); watch()'s "
+              f"defaults, a rotating window under a 1% time budget, cost {DEFAULT_PROBE_COST}.")
 
 
 def _time(con: StoreConnection, console: Console) -> None:
