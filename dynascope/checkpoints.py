@@ -122,7 +122,8 @@ def rank1_reconstruction(store: StoreLike, base_checkpoint: str | os.PathLike, o
     """Write W_0 + ‖ΔW‖_F·u₁v₁ᵀ per recorded 2-D tensor to ``out_path`` (safetensors).
 
     Uses each tensor's last record at or before ``step`` (default: its last record) among the records of
-    its last stage (``rank1_tracks``); tensors without one are copied from the base. Returns the same per-tensor table as ``extrapolate``.
+    its last stage (``rank1_tracks``); tensors without one are copied from the base. Returns the same
+    per-tensor table as ``extrapolate``.
     """
     con = as_store(store)
     run_id = _one_run(con, run)

@@ -17,14 +17,14 @@ import polars as pl
 from dynascope.analyses import findings_sql as S
 from dynascope.analyses._common import frame, once
 from dynascope.analyses._findings import Finding, first_row, found, rnd
-from dynascope.analyses.steps import step_rows_sql, top_level_sql
+from dynascope.analyses.steps import KEYS, step_rows_sql, top_level_sql
 
 __all__: list[str] = []  # generators for ``findings.GENERATORS``, not public analyses
 
 MIN_IDLE_PCT = 2.0
 WARN_IDLE_PCT = 10.0
 MIN_UNINSTRUMENTED_PCT = 10.0  # the probe's own boundaries leave a few percent outside any phase
-_KEYS = "role, rank, step"  # steps.KEYS within one run
+_KEYS = KEYS.removeprefix("run_id, ")  # within one run (``with_run=False``)
 
 
 def _per_rank_sql(run: str) -> str:

@@ -122,11 +122,11 @@ def prepare(probe: TensorStats, tracked: list[Tracked], step: int) -> None:
     if (probe.memory_budget is not None or not locals_ or any(w.device.type != "cpu" for w in locals_)
             or not probe._schedule(step)):
         return
+    chunked = [p for p in probe.weight_passes if not p.batched]
     for dtype in {w.dtype for w in locals_}:
         for p in probe.grad_passes:
             if not p.batched:
                 p.prepare({"grad": dtype})
-        chunked = [p for p in probe.weight_passes if not p.batched]
         dtypes = {"new": dtype, "old": dtype, "ref": dtype, "k_snapshot": torch.bfloat16}
         base = {"new", "old"} | ({"ref"} if probe.reference is not None else set())  # θ₀ at every full record
         # (inputs held, copies): every record; S_k's snapshot steps; its compare steps, which take the next one

@@ -4,9 +4,9 @@ Rows in, frame out, as the column registry says (``store.schema.TENSOR_STATS_COL
 records its local shard, and every column declares how shards combine (``Column.reduce``): norms as
 the root of the sum of squares, counts as sums, max-abs as a max. Fractions and ratios are then
 re-derived from the combined states (``frac_of``, ``ratio``), never averaged. A combined value is NULL
-if any shard's is NULL, and every statistic of a step is NULL where its shards hold fewer elements than
-the tensor's fullest step (a shard's row missing). Unsharded rows (DDP replicas hold identical weights) pass through once, from
-the lowest rank. It sits beside the rollups (``rollup.py``), the other reader of the registry's
+if any shard's is NULL, and every statistic of a step is NULL where its shards hold fewer elements
+than the tensor's fullest step (a shard's row missing). Unsharded rows (DDP replicas hold identical
+weights) pass through once, from the lowest rank. It sits beside the rollups (``rollup.py``), the other reader of the registry's
 reductions: both pool stored rows exactly, one across tensors, this one across ranks.
 
 One caveat: ``grad_near_zero_count`` uses each shard's own rms as the threshold, so its combined sum
@@ -26,6 +26,7 @@ __all__ = ["REDUCTIONS", "combine_shards"]
 REDUCTIONS: dict[str, str] = {c.name: c.reduce for c in TENSOR_STATS_COLUMNS if c.reduce in ("sum", "norm", "max")}
 _REDUCED = frozenset(REDUCTIONS.values())
 _KEYS = ["run_id", "role", "step", "tensor"]
+_CARRIED = ("time_us", "stage")  # per-step columns taken from the first shard
 
 
 def _reduce(col: str, how: str) -> pl.Expr:
@@ -63,7 +64,7 @@ def combine_shards(rows: Any) -> pl.DataFrame:
     aggs = ([pl.col(c.name).first() for c in present if c.reduce == "first"]
             + [pl.col(c.name).all() for c in present if c.reduce == "all"]
             + [_reduce(c.name, c.reduce) for c in present if c.reduce is not None and c.reduce in _REDUCED]
-            + [pl.col(c).first() for c in ("time_us", "stage") if c in df.columns]
+            + [pl.col(c).first() for c in _CARRIED if c in df.columns]
             + [_reduce("ref_norm", "norm"), pl.len().alias("shards"), pl.lit(True).alias("sharded")])
     out = sharded.group_by(_KEYS, maintain_order=True).agg(aggs)
     out = out.with_columns(
@@ -77,7 +78,7 @@ def combine_shards(rows: Any) -> pl.DataFrame:
     # tensor's fullest step. Counting elements rather than ranks keeps a run resharded onto another world
     # size whole.
     partial = pl.col("numel") < pl.col("numel").max().over(["run_id", "role", "tensor"])
-    keep = {*_KEYS, "numel", "shards", "sharded", "time_us", "stage", *(c.name for c in present if c.reduce == "first")}
+    keep = {*_KEYS, *_CARRIED, "numel", "shards", "sharded", *(c.name for c in present if c.reduce == "first")}
     out = out.with_columns([pl.when(partial).then(None).otherwise(pl.col(c)).alias(c)
                             for c in out.columns if c not in keep])
     cols = [c for c in df.columns if c != "rank"] + ["shards"]
