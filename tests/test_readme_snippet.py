@@ -88,6 +88,13 @@ def reader_names(seed: int = 0) -> dict:
             "grpo_loss": grpo_loss}
 
 
+def unbudgeted(watch, *args, **kwargs):
+    """``watch`` as the snippet calls it, with the probe's and the spectral records' time budgets lifted."""
+    if isinstance(kwargs.get("spectral"), dict):
+        kwargs["spectral"] = {**kwargs["spectral"], "time_budget": None}
+    return watch(*args, **kwargs, time_budget=None)
+
+
 def run_snippet(code: str, names: dict) -> list:
     """Execute the snippet, keeping the value of every top-level expression statement in order."""
     tree = ast.parse(code)
@@ -103,10 +110,11 @@ def run_snippet(code: str, names: dict) -> list:
 
 def test_readme_python_snippet_runs_and_gives_numbers(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the snippet writes runs/grpo-1 relative to where it runs
-    # Which steps the window covers is set by the time budget, a share of the measured step time, so on a
-    # model this small it depends on the machine's load (test_probe_scope covers the budget itself).
-    # Lifting it here makes the snippet's coverage, and so every number below, the same on any machine.
-    monkeypatch.setattr(dynascope, "watch", functools.partial(dynascope.watch, time_budget=None))
+    # Which steps the window covers, and which tensors each spectral record reaches, are set by time
+    # budgets, shares of the measured step time, so on a model this small they depend on the machine's load
+    # (test_probe_scope and test_spectral cover the budgets themselves). Lifting both here makes the
+    # snippet's coverage, and so every number below, the same on any machine.
+    monkeypatch.setattr(dynascope, "watch", functools.partial(unbudgeted, dynascope.watch))
     values = [v for v in run_snippet(readme_snippet(), reader_names()) if isinstance(v, pl.DataFrame)]
     first, stragglers, what_if, sparsity, fit = values
     # The first query: one row per step whose window covered a tensor, a real ratio on every row.
