@@ -113,3 +113,59 @@ def test_watch_loads_the_kernels_the_first_records_use(tmp_path, monkeypatch) ->
         _step(model, opt, x)
     scope.close()
     assert prepared and set(fused._kernels) == prepared
+
+
+def test_pass_jobs_run_on_their_own_openmp_count() -> None:
+    """A weight-pass job's torch ops run on one OpenMP thread, a job that asks for the caller's count (the
+    spectra) gets it, and neither changes the count of the training thread or of threads started later."""
+    from dynascope.probes.background import PassThread, set_openmp_threads
+
+    if not set_openmp_threads(torch.get_num_threads()) or torch.get_num_threads() < 2:
+        pytest.skip("needs torch's OpenMP runtime and 2 or more intra-op threads")
+    passes = PassThread()
+    try:
+        assert passes.submit(torch.get_num_threads).result() == 1
+        assert passes.submit(torch.get_num_threads, threads=None).result() == torch.get_num_threads()
+        assert passes.submit(torch.get_num_threads).result() == 1  # each job sets its own, on the same thread
+    finally:
+        passes.close()
+    later: list[int] = []
+    t = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+    t.start()
+    t.join()
+    assert later == [torch.get_num_threads()] and torch.get_num_threads() >= 2
+
+
+def test_spectra_on_the_carried_copies_do_not_hold_the_next_step(tmp_path, monkeypatch) -> None:
+    """At full coverage the spectra read the copy of W_t the weight pass carries into the arena: the next
+    optimizer step runs while they are still running, and they see W_t, not the weights that step wrote."""
+    from dynascope.probes.spectral import SpectralProbe
+
+    torch.manual_seed(0)
+    model = nn.Linear(16, 16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gate, seen = threading.Event(), {}
+    record = SpectralProbe.record
+
+    def held(self, step, stage, named, reference):  # step 0's record waits until step 1 is done
+        if step == 0:
+            seen["released"] = gate.wait(timeout=120)
+            seen["w"] = {n: w.clone() for n, w in named}
+        return record(self, step, stage, named, reference)
+
+    monkeypatch.setattr(SpectralProbe, "record", held)
+    scope = dynascope.watch(model, opt, run=tmp_path / "r", memory_budget=None, time_budget=None,
+                            reference="init", spectral={"every": 1, "time_budget": None, "k": 2},
+                            system_interval_s=None)
+    x = torch.randn(4, 16)
+    _step(model, opt, x)
+    w0 = model.weight.detach().clone()  # W after step 0's optimizer step
+    _step(model, opt, x)  # its pre-hook would wait for the gated spectra if they held the step
+    gate.set()
+    scope.close()
+    assert seen["released"], "step 1 waited for step 0's spectra"
+    assert not torch.equal(model.weight, w0) and torch.equal(seen["w"]["weight"], w0)
+    with open_store(tmp_path / "r") as con:
+        rows = con.frame("SELECT step, tensor, rank1_energy FROM spectra ORDER BY step")
+        events = con.frame("SELECT event FROM events WHERE event = 'weights_changed'")
+    assert rows["step"].to_list() == [0, 1] and rows["rank1_energy"].is_not_null().all() and events.is_empty()

@@ -76,7 +76,7 @@ def watch(model: Any, optimizer: Any = None, run: str | os.PathLike = "runs/defa
                                       bf16_k=s.bf16_k, run_dir=writer.run_dir, rank=writer.rank,
                                       drift_every=s.drift_every, w_norm_every=s.w_norm_every)]
     failed: list[tuple[str, Exception]] = []
-    for name, make in (("spectral", lambda: _spectral_probe(s.spectral, built[0]._pass) if s.spectral else None),
+    for name, make in (("spectral", lambda: _spectral_probe(s.spectral, built[0]) if s.spectral else None),
                        ("system", lambda: SystemSampler(writer, s.system_interval_s, local_rank)
                         if s.system_interval_s else None)):
         try:
@@ -124,11 +124,12 @@ def _device_of(model: Any) -> torch.device | None:
         return None
 
 
-def _spectral_probe(spec: Any, passes: Any) -> Probe:
+def _spectral_probe(spec: Any, weights: TensorStats) -> Probe:
     from dynascope.probes.spectral import SpectralProbe
 
     kw = dict(spec) if isinstance(spec, dict) else {}
-    kw.setdefault("passes", passes)  # one pass thread: the spectra queue behind the weight pass
+    kw.setdefault("passes", weights._pass)  # one pass thread: the spectra queue behind the weight pass
+    kw.setdefault("weights", weights)  # and read the copies of W_t it writes, where it writes them
     if "every" in kw:
         kw["schedule"] = every(int(kw.pop("every")))
     return SpectralProbe(**kw)

@@ -79,14 +79,17 @@ class StepSnapshot:
         return self._snap is not None
 
     @torch.no_grad()
-    def take(self, params: list[Tensor]) -> None:
+    def take(self, params: list[Tensor], before_copy: Callable[[], None] | None = None) -> None:
         """Copy ``params`` (before the optimizer step), unless ``carry`` copied exactly these since their
-        last change: every in-place write bumps a tensor's version counter, the optimizer's included."""
+        last change: every in-place write bumps a tensor's version counter, the optimizer's included.
+        ``before_copy`` runs before the arena is written (the spectra may still be reading the carried copies)."""
         carried, self._carried = self._carried, None
         if carried is not None and carried[1] == _identity(params) and all(
                 c.shape == p.shape and c.dtype == p.dtype for c, p in zip(carried[0], params, strict=True)):
             self._snap = carried[0]
             return
+        if before_copy is not None:
+            before_copy()
         self._snap = self.arena.views(params)
         if params:
             torch._foreach_copy_(self._snap, params)

@@ -98,6 +98,8 @@ class TensorStats(Probe):
         self._k_bytes = 0  # S_k's snapshot as the budget counts it (when resident)
         self._pass = PassThread()  # the post-step weight pass, beside the next forward (probes.background)
         self._merged: dict[tuple[int, ...], Pass] = {}
+        self._carry_step: int | None = None  # the step whose pass carries W_t into the arena (``copies``)
+        self._copies: tuple[int, dict[str, torch.Tensor]] | None = None
 
     def schedule(self, step: int) -> bool:
         """The user's schedule, plus the steps at which S_k takes its snapshot (k steps before a record).
@@ -132,7 +134,7 @@ class TensorStats(Probe):
         if ctx.manual or ctx.grads_after:  # the gradients are not this step's yet: after() reads them
             self._early_window = self.window.next(ctx.tracked, self._resident_bytes(ctx.tracked), timed=False)
             if self._needs_old:
-                self.snapshot.take([ctx.tracked[i].local() for i in self._early_window])
+                self.snapshot.take([ctx.tracked[i].local() for i in self._early_window], self._finish_pass)
             return
         self._grads(ctx, snapshot=True)
 
@@ -173,7 +175,7 @@ class TensorStats(Probe):
                     p.run_many(items, self.settings, chunk_elems=rec.chunk_elems).to(device))
         del grads, given
         if snapshot and rec.window and self._needs_old:  # after the gradient counts, whose temporaries are gone
-            self.snapshot.take([tracked[i].local() for i in rec.window])
+            self.snapshot.take([tracked[i].local() for i in rec.window], self._finish_pass)
         self._rec = rec
         if rec.window:
             self.window.charge(t0)
@@ -211,11 +213,15 @@ class TensorStats(Probe):
         # Beside the next forward only at full coverage: a windowed record's small pass on a third thread stalled
         # the forward's intra-op threads at their barriers on 2 cores (default set 1.17x vs 0.99x inline).
         background = device.type == "cpu" and not ctx.manual and len(rec.window) == len(tracked)
+        # With every tensor in the record and the next step recorded, the pass copies W_t into the arena as
+        # the next pre-step snapshot (weight_pass), where the spectra can read it while the next step runs.
+        carry = self._needs_old and background and bool(rec.window) and bool(self._schedule(ctx.step + 1))
         before = versions([locals_[i] for i in read])
+        self._carry_step = ctx.step if carry else None
         step = ctx.step
 
         def job() -> None:
-            weight_pass(self, rec, plans, batched, inputs, locals_, step, background)
+            weight_pass(self, rec, plans, batched, inputs, locals_, step, carry)
             changed = {i for i, v0, v1 in zip(read, before, versions([locals_[i] for i in read]), strict=True) if v0 != v1}
             if changed:  # written by something other than the optimizer while the pass read them: no values
                 rec.drop_rows([p.key for p, _ in plans + batched], changed)
@@ -310,14 +316,29 @@ class TensorStats(Probe):
     def summarize(self, rows: Rows) -> dict[str, float]:
         return summarize(rows.get("tensor_stats", {}))
 
+    def carries(self, step: int) -> bool:
+        """Whether this step's queued weight pass copies every tracked tensor's W_t into the arena."""
+        return self._carry_step == step
+
+    def copies(self, step: int) -> dict[str, torch.Tensor] | None:
+        """Tensor name → its W_t in the arena, once this step's weight pass has copied it there; valid on the
+        pass thread until the next weight pass overwrites it (a pre-hook that copies into the arena itself
+        first waits for every job, ``_finish_pass``). None where this step's pass copied nothing."""
+        copies = self._copies
+        return copies[1] if copies is not None and copies[0] == step else None
+
+    def _finish_pass(self) -> None:
+        self._pass.wait(everything=True)
+
     def discard(self) -> None:
-        self._pass.wait()
-        self._rec = None
+        self._pass.wait(everything=True)
+        self._rec, self._copies, self._carry_step = None, None, None
         self._early_window = None
         self.snapshot.reset()
 
     def close(self) -> None:
         self._pass.close()
+        self._copies = None
         self.snapshot.close()
         self.window.close()
         if self.history is not None:

@@ -44,19 +44,18 @@ Plans = list[tuple[Pass, list[int]]]
 
 def weight_pass(probe: TensorStats, rec: Record, plans: Plans, batched: Plans,
                 inputs: dict[str, Callable[[int], Reader | None]], locals_: LocalViews, step: int,
-                background: bool) -> None:
-    """The record's weight statistics into ``rec``, and the copies for the next steps (module docstring)."""
+                carry: bool) -> None:
+    """The record's weight statistics into ``rec``, and the copies for the next steps (module docstring);
+    ``carry``: W_t into the arena as the next pre-step snapshot (every tensor in the record, on a host)."""
     t0 = time.perf_counter()
     tracked, window = rec.tracked, rec.window
     device = locals_[0].device if len(rec.tracked) else torch.device("cpu")  # no tensor tracked: an empty record
     for p, rows in batched:
         rec.add(p.key, p.outputs, rows, p.run_batched([locals_[i] for i in rows]).to(device))
     copies: dict[int, list[tuple[str, Reader]]] = {}
-    carry = (probe._needs_old and background and len(window) == len(tracked) and bool(window)
-             and probe._schedule(step + 1))
-    if carry:
-        for i, v in zip(window, probe.snapshot.carry_views([locals_[i] for i in window]), strict=True):
-            copies.setdefault(i, []).append(("new", flat_reader(v)))
+    carried = probe.snapshot.carry_views([locals_[i] for i in window]) if carry else []
+    for i, v in zip(window if carry else [], carried, strict=True):
+        copies.setdefault(i, []).append(("new", flat_reader(v)))
     hist, names = probe.history, [normalize_name(t.name) for t in tracked]
     held = None if hist is None else hist.buffers(step, probe._schedule, list(zip(names, locals_, strict=True)),
                                                   lambda: probe.history_resident(tracked, list(locals_)))
@@ -68,6 +67,7 @@ def weight_pass(probe: TensorStats, rec: Record, plans: Plans, batched: Plans,
         probe.window.charge(t0)
     if carry:
         probe.snapshot.carried()
+        probe._copies = (step, {tracked[i].name: v for i, v in zip(window, carried, strict=True)})
     if held is not None:
         hist.adopt(step, list(zip(names, locals_, strict=True)), held)  # type: ignore[union-attr]
     elif hist is not None:
