@@ -159,6 +159,22 @@ def test_rollout_train_overlap_and_weight_sync(tmp_path, run):
     assert not rollouts.rollout_train_overlap(run)["disaggregated"][0]
 
 
+def test_weight_syncs_are_the_overlapping_parts_of_one_step(tmp_path):
+    """Two trainer ranks broadcasting at once are one sync; a rollout worker's load that its own step count
+    also calls step 0, long after, is a sync of its own, not one 100 ms span with the trainers'."""
+    ms = 1000
+    for rank, (start, dur) in enumerate([(0, 10), (5, 7)]):
+        with RunWriter(tmp_path / "syncs", rank=rank, world_size=3, role="trainer") as w:
+            w.append("timings", {"phase": "weight_sync", "category": "comm", "step": 0,
+                                 "start_us": T0 + start * ms, "dur_us": dur * ms})
+    with RunWriter(tmp_path / "syncs", rank=2, world_size=3, role="rollout") as w:
+        w.append("timings", {"phase": "weight_sync", "category": "phase", "step": [0, None],
+                             "start_us": [T0 + 100 * ms, None], "dur_us": [3 * ms, 4 * ms]})
+    with open_store(tmp_path / "syncs") as con:
+        spans = sorted(r[2] for r in con.sql(rollouts.weight_syncs_sql()).fetchall())
+    assert spans == [3 * ms, 4 * ms, 12 * ms]
+
+
 def test_throughput_mfu_matches_hand_computed_flops(tmp_path):
     cfg = {"n_params": 1_000_000, "model": {"num_hidden_layers": 2, "hidden_size": 64}}
     for r in range(2):

@@ -27,14 +27,25 @@ WEIGHT_SYNC_PHASES = ("weight_sync", "sync_weights", "update_weights")
 
 
 def weight_syncs_sql(where: str = "") -> str:
-    """One row per weight sync (``run_id, step, span_us``): the weight-sync rows of one run and step are the
-    ranks' parts of one sync (trainers broadcasting, workers loading), its time the wall-clock span from the
-    first part's start to the last part's end. A row without a step is a sync of its own. ``where``: extra
+    """One row per weight sync (``run_id, step, span_us``): the weight-sync rows of one run and step whose
+    intervals overlap, directly or through each other, are the ranks' parts of one sync (trainers
+    broadcasting while workers load), its time the wall-clock span from the first part's start to the last
+    part's end. The step alone does not tie rows together: in asynchronous RL a trainer's publish and a
+    rollout worker's load carry their own roles' step counts, so the same number names unrelated moments.
+    A row without a step or a start is a sync of its own, its duration its time. ``where``: extra
     conditions on ``timings``, each starting with AND."""
-    return f"""SELECT run_id, step, MAX(start_us + dur_us) - MIN(start_us) AS span_us
-        FROM (SELECT *, CASE WHEN step IS NULL THEN row_number() OVER () END AS alone FROM timings
-              WHERE phase IN {_in(WEIGHT_SYNC_PHASES)} AND stream IS NULL AND dur_us IS NOT NULL{where})
-        GROUP BY run_id, step, alone"""
+    return f"""WITH w AS (
+            SELECT run_id, step, start_us AS s, start_us + dur_us AS e, dur_us FROM timings
+            WHERE phase IN {_in(WEIGHT_SYNC_PHASES)} AND stream IS NULL AND dur_us IS NOT NULL{where}),
+        o AS (SELECT *, MAX(e) OVER (PARTITION BY run_id, step ORDER BY s, e
+                                     ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS prev_e
+              FROM w WHERE step IS NOT NULL AND s IS NOT NULL),
+        isl AS (SELECT *, SUM(CASE WHEN prev_e IS NULL OR s > prev_e THEN 1 ELSE 0 END)
+                          OVER (PARTITION BY run_id, step ORDER BY s, e ROWS UNBOUNDED PRECEDING) AS part FROM o)
+        SELECT run_id, step, MAX(e) - MIN(s) AS span_us FROM isl GROUP BY run_id, step, part
+        UNION ALL SELECT run_id, step, dur_us FROM w WHERE step IS NULL OR s IS NULL"""
+
+
 _GEN_MS = "coalesce(gen_ms, (gen_end_us - gen_start_us) / 1000.0)"
 
 
@@ -190,8 +201,8 @@ def rollout_train_overlap(store: StoreLike, run: str | None = None, *,
     last of those intervals; in a synchronous run it is only the jitter between ranks. ``disaggregated``
     is true when no actor (role, rank) ran both rollout and train phases, as in asynchronous RL with
     separate rollout workers. Columns: run_id, wall_ms, rollout_ms, train_ms, overlap_ms, overlap_pct,
-    disaggregated, weight_syncs, weight_sync_ms (one sync per step, its wall-clock span over the ranks:
-    ``weight_syncs_sql``).
+    disaggregated, weight_syncs, weight_sync_ms (a sync's time is the wall-clock span of its overlapping
+    parts over the ranks and roles: ``weight_syncs_sql``).
     """
     rp, tp, npar = _in(rollout_phases), _in(train_phases), _in(NOT_TRAIN_PARENTS)
     return frame(as_store(store), f"""
