@@ -109,3 +109,28 @@ def test_a_tie_between_encodings_names_the_cheaper_every_time(tmp_path):
     run = _run(tmp_path / "r", rows)
     assert sorted(delta_sync_bytes(run)["encoding"].to_list()[1:]) == ["bitmap", "bitmap", "value+index", "value+index"]
     assert {delta_sync_summary(run)["encoding"][0] for _ in range(20)} == {"value+index"}
+
+
+def test_a_step_missing_a_shard_row_is_left_out_raw_compacted_and_in_the_finding(tmp_path):
+    """Rank 1's shard of MLP at step 3 was lost: that step holds 1,000 of its 2,000 elements, so it is not
+    priced (as combine_shards gives it NULL statistics), before and after `dynascope compact`, and the
+    report's SQL counts the same steps as the analysis."""
+    from dynascope.analyses.findings_sql import delta_sync_sql
+    from dynascope.store import open_store, run_sql
+    from dynascope.store.compact import compact_store
+
+    run = tmp_path / "r"
+    steps = range(1, 6)
+    _run(run, [_row(s, MLP, 1_000, 1_000 - s, sharded=True) for s in steps])
+    _run(run, [_row(s, MLP, 1_000, 1_000 - 2 * s, sharded=True) for s in steps if s != 3], rank=1)
+    raw = delta_sync_bytes(run)
+    assert raw["step"].to_list() == [1, 2, 4, 5] and set(raw["numel"]) == {2_000}
+    assert raw["changed_count"].to_list() == [3 * s for s in (1, 2, 4, 5)]
+    with open_store(run) as con:
+        (run_id,), = con.sql("SELECT DISTINCT run_id FROM tensor_stats").fetchall()
+        said = run_sql(con, delta_sync_sql(run_id, "rl")).to_pylist()[0]
+    compact_store(run)
+    assert delta_sync_bytes(run).equals(raw)
+    summary = delta_sync_summary(run).row(0, named=True)
+    assert summary["steps"] == said["steps"] == 3  # steps 2, 4, 5: the first (1) left out, 3 not whole
+    assert summary["changed_pct"] == pytest.approx(said["changed_pct"]) == pytest.approx(100 * 12 / 2_000)

@@ -78,9 +78,11 @@ def test_readers_answer_the_same_from_the_rollup_and_fall_back_when_rows_arrive(
         assert rolled[name].height > 0, name
         assert_frame_equal(rolled[name], raw[name], check_exact=False, rel_tol=1e-12, abs_tol=1e-12)
 
-    # A writer back after the compaction (a resumed run): its rows count at once, the rollup no longer does.
-    with RunWriter(run, rank=0, world_size=3) as w:
-        w.append("tensor_stats", _rows(0, range(8, 9), 3_000))
+    # Writers back after the compaction (a resumed run, the two ranks that hold MLP's elements, so that
+    # step 8 is whole): their rows count at once, the rollup no longer does.
+    for rank in (0, 1):
+        with RunWriter(run, rank=rank, world_size=3) as w:
+            w.append("tensor_stats", _rows(rank, range(8, 9), 3_000))
     with open_store(run) as s:
         assert not covers(s, run.name)
         assert delta_sync_bytes(s, run.name)["step"].max() == 8 and update_share_by_layer(s, run=run.name)["steps"].max() == 5

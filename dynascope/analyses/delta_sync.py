@@ -52,7 +52,8 @@ def delta_sync_bytes(store: StoreLike, run: str | None = None, stage: str | None
     delta_pct (delta_bytes / full_bf16_bytes), weight_sync_ms (the run's median measured sync, null
     without ``weight_sync`` timings), sync_bytes_per_s, full_bf16_sync_ms and delta_sync_ms (implied).
     A tensor counts once per step: summed over ranks when sharded, else from its lowest rank. Steps
-    where some tensor has no S₁ (outside the probe's window) are left out rather than undercounted.
+    where some tensor has no S₁ (outside the probe's window), or whose rows hold fewer elements than the
+    run's fullest step (a shard's row lost), are left out rather than priced from part of the weights.
     """
     con = as_store(store)
     if "bf16_unchanged_count" not in _columns(con):
@@ -91,7 +92,8 @@ def delta_sync_bytes(store: StoreLike, run: str | None = None, stage: str | None
     if sync.is_empty():
         sync = pl.DataFrame(schema={"run_id": pl.String, "weight_sync_ms": pl.Float64})
     stored = per_step.group_by("run_id").agg(pl.col("stored_bytes").median().alias("full_stored_bytes"))
-    df = (per_step.filter(pl.col("complete")).join(stored, on="run_id", how="left")
+    whole = pl.col("complete") & (pl.col("numel") == pl.col("numel").max().over("run_id"))
+    df = (per_step.filter(whole).join(stored, on="run_id", how="left")
           .join(sync, on="run_id", how="left"))
     full = 2 * pl.col("numel")
     vi = (VALUE_BYTES + INDEX_BYTES) * pl.col("changed_count")

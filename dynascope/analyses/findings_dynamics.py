@@ -60,21 +60,22 @@ def _update_sparsity(con, run: str, a: str, b: str) -> list[Finding]:
     both = a in bf16 and b in bf16
     n = {"stage_a": a, "stage_b": b, "dtype": dtype,
          "measure": "bf16" if both and dtype != "bfloat16" else "bit_exact",
-         **{k: rnd(v, 4) for k, v in r.items() if isinstance(v, float)}}
+         **{k: v for k, v in r.items() if isinstance(v, float)}}  # unrounded: the sentence rounds once, as the demo
     for side, stage in (("a", a), ("b", b)):
         row = bf16.get(stage)
-        n[f"bf16_changed_pct_{side}"] = rnd(row["changed_pct"], 4) if row else None
+        n[f"bf16_changed_pct_{side}"] = row["changed_pct"] if row else None
         n[f"bf16_steps_{side}"] = row["steps"] if row else None
     return [found(run, "update_sparsity", "info", n, S.update_sparsity_sql(run, a, b, bool(bf16)))]
 
 
 def delta_sync_numbers(row: dict[str, Any]) -> dict[str, Any]:
     """The numbers of a delta-sync sentence from a ``delta_sync_summary`` row (the report's finding and the
-    dashboard's caption say the same thing from it)."""
-    return {"stage": row["stage"], "steps": row["steps"], "changed_pct": rnd(row["changed_pct"], 4),
-            "delta_pct": rnd(row["delta_pct"], 4), "encoding": row["encoding"],
-            "full_bf16_bytes": row["full_bf16_bytes"], "delta_sync_ms": rnd(row["delta_sync_ms"], 6),
-            "full_bf16_sync_ms": rnd(row["full_bf16_sync_ms"], 6)}
+    dashboard's caption say the same thing from it). Not rounded here: the sentence rounds once, as the
+    demo's table does from the same row (rounding twice, to 6 decimals and then to 3 significant digits,
+    turned 0.003875038 ms into "0.00387 ms" where the analysis' value reads "0.00388 ms")."""
+    return {"stage": row["stage"], "steps": row["steps"], "changed_pct": row["changed_pct"],
+            "delta_pct": row["delta_pct"], "encoding": row["encoding"], "full_bf16_bytes": row["full_bf16_bytes"],
+            "delta_sync_ms": row["delta_sync_ms"], "full_bf16_sync_ms": row["full_bf16_sync_ms"]}
 
 
 def delta_sync(con, run: str) -> list[Finding]:

@@ -153,9 +153,10 @@ def rank1_sql(run: str) -> str:
 
 
 def _bf16_steps(run: str) -> str:
-    """CTEs ending in ``c``: per step whose every tensor has S₁, its stage, numel, elements whose bf16 cast
-    changed and the bitmap bytes, a tensor counted once (summed when sharded, else its lowest rank), with
-    ``first`` the stage's first such step (as ``delta_sync_bytes`` and ``delta_sync_summary``)."""
+    """CTEs ending in ``c``: per step whose every tensor has S₁ and whose rows hold the run's full element
+    count, its stage, numel, elements whose bf16 cast changed and the bitmap bytes, a tensor counted once
+    (summed when sharded, else its lowest rank), with ``first`` the stage's first such step (as
+    ``delta_sync_bytes`` and ``delta_sync_summary``)."""
     return f"""r AS (SELECT step, stage, tensor, rank, sharded, numel, bf16_unchanged_count,
         min(rank) OVER (PARTITION BY step, tensor) AS first_rank FROM tensor_stats
         WHERE run_id = {q(run)} AND step IS NOT NULL),
@@ -163,7 +164,8 @@ def _bf16_steps(run: str) -> str:
         sum(numel - bf16_unchanged_count) AS changed, sum(ceil(numel / 8.0)) AS bitmap,
         count(bf16_unchanged_count) = count(*) AS complete FROM r
         WHERE coalesce(sharded, false) OR rank = first_rank GROUP BY step),
-        c AS (SELECT *, min(step) OVER (PARTITION BY stage) AS first FROM s WHERE complete)"""
+        c AS (SELECT *, min(step) OVER (PARTITION BY stage) AS first FROM s
+              WHERE complete AND numel = (SELECT max(numel) FROM s))"""
 
 
 def update_sparsity_sql(run: str, a: str, b: str, bf16: bool) -> str:
