@@ -108,10 +108,15 @@ def set_openmp_threads(n: int) -> bool:
 
 @functools.cache
 def _omp_set_num_threads() -> Callable[[int], None] | None:
-    """``omp_set_num_threads`` of the OpenMP runtime torch loaded (libgomp, or LLVM's/Intel's libomp)."""
+    """``omp_set_num_threads`` of the OpenMP runtime torch loaded (libgomp, or LLVM's/Intel's libomp); the
+    one in torch's own directory first, where another package brought a second runtime."""
     try:
+        import torch
+
+        home = os.path.dirname(torch.__file__)
         with open("/proc/self/maps", encoding="utf-8") as maps:
-            paths = sorted({line.split()[-1] for line in maps if "omp" in line})
+            paths = sorted({line.split()[-1] for line in maps if "omp" in line},
+                           key=lambda p: (not p.startswith(home), p))
         for path in paths:
             if os.path.basename(path).startswith(("libgomp", "libomp", "libiomp")):
                 fn = ctypes.CDLL(path).omp_set_num_threads
