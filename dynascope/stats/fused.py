@@ -294,15 +294,27 @@ def _make_ops() -> types.ModuleType:
             return nt.CPointer(to)(nt.int64), codegen
         return ptr
 
-    @njit(inline="always")
-    def key_f32(b: Any) -> Any:
-        # PyTorch's fp32 → bf16: round to nearest even on the bits; a tensor's cast gives every NaN 0xFFFF.
-        r = (b + np.int32(0x7FFF) + ((b >> np.int32(16)) & np.int32(1))) >> np.int32(16)
-        return np.int32(-1) if (b & np.int32(0x7FFFFFFF)) > np.int32(0x7F800000) else r
+    # The bf16 cast on the int32 bits, written in LLVM IR so that it stays 32-bit: in numba, int32 arithmetic
+    # types as int64, and the loop vectorised over 64-bit lanes (half the elements per instruction). Its adds
+    # cannot overflow except for a NaN pattern, whose result the select replaces.
+    @intrinsic
+    def key_f32(typingctx: Any, b: Any) -> Any:
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            # PyTorch's fp32 → bf16: round to nearest even on the bits; a tensor's cast gives every NaN 0xFFFF.
+            i32 = ir.IntType(32)
+            x = context.cast(builder, args[0], signature.args[0], nt.int32)
+            odd = builder.and_(builder.lshr(x, i32(16)), i32(1))
+            r = builder.ashr(builder.add(builder.add(x, i32(0x7FFF)), odd), i32(16))
+            nan = builder.icmp_signed(">", builder.and_(x, i32(0x7FFFFFFF)), i32(0x7F800000))
+            return builder.select(nan, i32(-1), r)
+        return nt.int32(b), codegen
 
-    @njit(inline="always")
-    def bf16_value(key: Any) -> Any:
-        return value(np.int32(key) << np.int32(16))  # type: ignore[call-arg]
+    @intrinsic
+    def bf16_value(typingctx: Any, key: Any) -> Any:  # a bf16 pattern (int32, its sign extended) → the fp32 value
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            key32 = context.cast(builder, args[0], signature.args[0], nt.int32)
+            return builder.bitcast(builder.shl(key32, ir.IntType(32)(16)), ir.FloatType())
+        return nt.float32(key), codegen
 
     @njit(inline="always")
     def bf16_round(x: Any) -> Any:

@@ -21,8 +21,8 @@ if TYPE_CHECKING:
 
 __all__ = ["VERSION", "module_text", "views"]
 
-VERSION = "3"  # of the generated code and of the ops in stats.fused: part of every kernel's hash
-BLOCK = 4096  # elements per block of a kernel with copies (its inputs' block stays in cache for the copies)
+VERSION = "4"  # of the generated code and of the ops in stats.fused: part of every kernel's hash
+BLOCK = 4096  # elements per block: its inputs stay in cache across the block's loops (and fit int32 counts)
 
 
 def views(s: Statistic) -> set[str]:
@@ -34,9 +34,20 @@ def views(s: Statistic) -> set[str]:
 
 
 def _source(statistics: Sequence[Statistic], kinds: dict[str, str], copies: tuple[tuple[str, str], ...]) -> str:
-    """The kernel's source: one loop over the elements, each element function inlined, one accumulator
-    per output (int64 counts, float64 sums of squares, the maximum of a non-negative fp32 term as its
-    int32 bits, which order as the values do with NaN above +Inf, so the maximum vectorises and NaN wins)."""
+    """The kernel's source: loops over blocks of the elements, each element function inlined, one accumulator
+    per output (int64 counts, float64 sums of squares, the maximum of a non-negative fp32 term as its int32
+    bits, which order as the values do with NaN above +Inf, so the maximum vectorises and NaN wins).
+
+    Each block runs up to three loops, so that LLVM vectorises each over as many elements as a register
+    holds: LLVM picks a loop's vector width from its widest type, so one loop with float64 sums ran 8 lanes
+    where the 32-bit work could run 16 (AVX-512). The first loop counts, into int32 counters per block
+    (a block's count cannot overflow them; added to int64 after the block), and takes the maxima; the
+    second sums the float64 terms; the third copies. Each loop calls only the element functions that feed
+    it, and LLVM drops the terms a loop does not use. The block's inputs stay in cache between its loops,
+    and an input is read before its memory is written (a copy may overwrite an input: the next snapshot
+    over this one), so the statistics' loops store nothing: one loop that also stored could write where it
+    reads, and LLVM's vectorised loop came with a check for overlap which, the arena's copy overlapping
+    the snapshot exactly, ran the scalar loop instead: ~6x slower (docs/benchmarks.md)."""
     from dynascope.stats.registry import REGISTRY
 
     args: list[str] = []
@@ -47,50 +58,53 @@ def _source(statistics: Sequence[Statistic], kinds: dict[str, str], copies: tupl
                                                for n in arguments(s.element) if n not in views(s)]  # type: ignore[arg-type]
                                       + ["out"]) + "):",
              f"    n = {args[0]}.shape[0]"]
-    accs: list[tuple[str, str]] = []
+    how: dict[str, str] = {}  # accumulator → "count", "max" or "sum" (float64)
     for j, s in enumerate(statistics):
         for k, c in enumerate(s.outputs):
-            how = REGISTRY.column[c].reduce
-            init = "np.int32(0)" if how == "max" else "0" if REGISTRY.column[c].integer else "0.0"
-            accs.append((f"a{j}_{k}", how or "sum"))
-            lines.append(f"    a{j}_{k} = {init}")
-    # With copies, the loop runs over blocks of BLOCK elements: the statistics of a block first, then its
-    # copies, so an input is read before its memory is written (a copy may overwrite an input: the next
-    # snapshot over this one) and the statistics' loop stores nothing. One loop that also stored could write
-    # where it reads, so LLVM's vectorised loop came with a check for overlap and, the arena's copy
-    # overlapping the snapshot exactly, ran the scalar loop instead: ~6x slower (docs/benchmarks.md).
-    pad, x = ("            ", "_blk") if copies else ("        ", "")  # in blocks: loops over views of each block
+            col = REGISTRY.column[c]
+            how[f"a{j}_{k}"] = "max" if col.reduce == "max" else "count" if col.integer else "sum"
+    for acc, h in how.items():
+        lines.append(f"    {acc} = " + ("np.int32(0)" if h == "max" else "0" if h == "count" else "0.0"))
+    lines += [f"    for b0 in range(0, n, {BLOCK}):", f"        b1 = min(b0 + {BLOCK}, n)"]
+    # Views of the block, indexed from 0 by range(len): known >= 0, so no wraparound (range(b0, b1) on the
+    # whole arrays was 5x slower).
+    lines += [f"        {a}_blk = {a}[b0:b1]" for a in args]
+    lines += [f"        c{acc[1:]} = np.int32(0)" for acc, h in how.items() if h == "count"]
+    for part in (("count", "max"), ("sum",)):
+        used = [j for j in range(len(statistics)) if any(how[f"a{j}_{k}"] in part
+                                                         for k in range(len(statistics[j].outputs)))]
+        if not used:
+            continue
+        lines.append(f"        for i in range({args[0]}_blk.shape[0]):")
+        pad = "            "
+        for name, kind in kinds.items():
+            if kind == "f32":
+                lines += [f"{pad}{name} = {name}_v_blk[i]", f"{pad}{name}_bits = {name}_b_blk[i]",
+                          f"{pad}{name}_key = ops.key_f32({name}_bits)"]
+            else:
+                lines += [f"{pad}{name}_bits = {name}_b_blk[i]", f"{pad}{name}_key = np.int32({name}_bits)",
+                          f"{pad}{name} = ops.bf16_value({name}_key)"]
+        for j in used:
+            s = statistics[j]
+            call = ", ".join(n if n in views(s) else f"s{j}_{n}" for n in arguments(s.element))  # type: ignore[arg-type]
+            lines.append(f"{pad}t{j} = e{j}(ops, {call})")
+            for k in range(len(s.outputs)):
+                acc, h = f"a{j}_{k}", how[f"a{j}_{k}"]
+                if h not in part:
+                    continue
+                # int32 + bool types as int64 in numba: the cast back keeps the counter (and the loop) 32-bit
+                lines.append(f"{pad}{acc} = max({acc}, ops.bits(t{j}[{k}]))" if h == "max" else
+                             f"{pad}c{acc[1:]} = np.int32(c{acc[1:]} + t{j}[{k}])" if h == "count" else
+                             f"{pad}{acc} += np.float64(t{j}[{k}])")
     if copies:
-        arrays = [a for a in args if not a.startswith("dest")] + [f"dest{m}" for m in range(len(copies))]
-        lines += [f"    for b0 in range(0, n, {BLOCK}):", f"        b1 = min(b0 + {BLOCK}, n)"]
-        lines += [f"        {a}{x} = {a}[b0:b1]" for a in arrays]
-        lines.append(f"        for i in range({args[0]}{x}.shape[0]):")  # range(n): known >= 0, no wraparound
-    else:
-        lines.append("    for i in range(n):")
-    for name, kind in kinds.items():
-        if kind == "f32":
-            lines += [f"{pad}{name} = {name}_v{x}[i]", f"{pad}{name}_bits = {name}_b{x}[i]",
-                      f"{pad}{name}_key = ops.key_f32({name}_bits)"]
-        else:
-            lines += [f"{pad}{name}_bits = {name}_b{x}[i]", f"{pad}{name}_key = np.int32({name}_bits)",
-                      f"{pad}{name} = ops.bf16_value({name}_key)"]
-    for j, s in enumerate(statistics):
-        call = ", ".join(n if n in views(s) else f"s{j}_{n}" for n in arguments(s.element))  # type: ignore[arg-type]
-        lines.append(f"{pad}t{j} = e{j}(ops, {call})")
-        for k, c in enumerate(s.outputs):
-            how = REGISTRY.column[c].reduce
-            acc = f"a{j}_{k}"
-            lines.append(f"{pad}{acc} = max({acc}, ops.bits(t{j}[{k}]))" if how == "max" else
-                         f"{pad}{acc} += t{j}[{k}]" if REGISTRY.column[c].integer else
-                         f"{pad}{acc} += np.float64(t{j}[{k}])")
-    if copies:
-        lines.append(f"        for i in range({args[0]}{x}.shape[0]):")
+        lines.append(f"        for i in range({args[0]}_blk.shape[0]):")
     for m, (name, kind) in enumerate(copies):
-        lines.append(f"            dest{m}{x}[i] = {name}_v{x}[i]" if kind == "f32" else
-                     f"            dest{m}{x}[i] = np.int16(ops.key_f32({name}_b{x}[i]))" if kinds[name] == "f32" else
-                     f"            dest{m}{x}[i] = {name}_b{x}[i]")
-    for i, (acc, how) in enumerate(accs):
-        lines.append(f"    out[{i}] = ops.value({acc})" if how == "max" else f"    out[{i}] = {acc}")
+        lines.append(f"            dest{m}_blk[i] = {name}_v_blk[i]" if kind == "f32" else
+                     f"            dest{m}_blk[i] = np.int16(ops.key_f32({name}_b_blk[i]))" if kinds[name] == "f32" else
+                     f"            dest{m}_blk[i] = {name}_b_blk[i]")
+    lines += [f"        {acc} += c{acc[1:]}" for acc, h in how.items() if h == "count"]
+    for i, (acc, h) in enumerate(how.items()):
+        lines.append(f"    out[{i}] = ops.value({acc})" if h == "max" else f"    out[{i}] = {acc}")
     return "\n".join(lines) + "\n"
 
 
