@@ -1,7 +1,7 @@
 """The source of a fused kernel: one generated module per pass of statistics, per input dtypes and copies.
 
-``kernel(...)`` is one loop over a chunk's elements with every element function inlined and one accumulator
-per output; ``kernel_many(ptrs, lens, scalars, out)`` runs it over segments of many tensors given as
+``kernel(...)`` is one pass over a chunk's elements, in blocks (a loop of counts and maxima, one of float64
+sums, one of copies per block), with every element function inlined and one accumulator per output; ``kernel_many(ptrs, lens, scalars, out)`` runs it over segments of many tensors given as
 addresses (``stats.fused_many``). The module is named by a hash of its text and of every element function's
 code (and ``VERSION``), so a change to any of them compiles a new kernel (``stats.fused``).
 """
