@@ -16,7 +16,7 @@ from dynascope.store.reader import Params
 
 T = TypeVar("T")
 
-__all__ = ["StoreLike", "as_store", "frame", "in_parallel", "once", "run_clause", "shared_reads"]  # StoreLike and as_store are the store's
+__all__ = ["StoreLike", "as_store", "frame", "in_parallel", "intervals_union_sql", "once", "run_clause", "shared_reads"]  # StoreLike and as_store are the store's
 
 
 def run_clause(run: str | None, column: str = "run_id") -> str:
@@ -97,3 +97,17 @@ def in_parallel(calls: Sequence[Callable[[], T]], workers: int = 2) -> list[T | 
     with ThreadPoolExecutor(max(1, workers)) as pool:
         futures = [pool.submit(copy_context().run, run, call) for call in calls]
         return [f.result() for f in futures]
+
+
+def intervals_union_sql(source: str, keys: str) -> str:
+    """A query over the intervals ``(s, e)`` of the query ``source``: their union per ``keys`` (columns of
+    ``source``, comma-separated), one row ``(keys, s, e)`` per island of intervals that overlap or touch,
+    directly or through each other. Sorted by start, an interval opens an island when it starts after the
+    furthest end before it."""
+    order = f"PARTITION BY {keys} ORDER BY s, e"
+    return f"""SELECT {keys}, min(s) AS s, max(e) AS e FROM (
+            SELECT *, sum(CASE WHEN pm IS NULL OR s > pm THEN 1 ELSE 0 END) OVER ({order} ROWS UNBOUNDED PRECEDING)
+                      AS island
+            FROM (SELECT *, max(e) OVER ({order} ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS pm
+                  FROM ({source})))
+        GROUP BY {keys}, island"""

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 
 import polars as pl
 
-from dynascope.analyses._common import StoreLike, as_store, frame, run_clause
+from dynascope.analyses._common import StoreLike, as_store, frame, intervals_union_sql, run_clause
 from dynascope.store import StoreConnection, StoreError
 
 __all__ = ["comm_comp_overlap", "kernel_type_breakdown", "temporal_breakdown"]
@@ -88,17 +88,6 @@ def _kernels_sql(run: str | None, exclude_last_step: bool, rounding: str) -> str
           WHERE {keep})"""
 
 
-def _merged_sql(groups: str) -> str:
-    """CTE ``merged(run_id, rank, grp, s, e)``: intervals of ``iv(run_id, rank, grp, s, e)`` unioned per group."""
-    part = "PARTITION BY run_id, rank, grp"
-    return f"""
-    prev AS (SELECT *, max(e) OVER ({part} ORDER BY s, e ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS pm
-             FROM ({groups})),
-    isl AS (SELECT *, sum(CASE WHEN pm IS NULL OR s > pm THEN 1 ELSE 0 END)
-                      OVER ({part} ORDER BY s, e ROWS UNBOUNDED PRECEDING) AS island FROM prev),
-    merged AS (SELECT run_id, rank, grp, min(s) AS s, max(e) AS e FROM isl GROUP BY run_id, rank, grp, island)"""
-
-
 @contextmanager
 def _opened(store: StoreLike) -> Iterator[StoreConnection]:
     """The store as a connection, closed afterwards only if this call opened it."""
@@ -160,7 +149,8 @@ def _state_durations(con: StoreConnection, run: str | None, classes: list[str], 
     inlist = ", ".join(f"'{c}'" for c in classes)
     sql = f"""
     WITH {_kernels_sql(run, exclude_last_step, rounding)},
-    {_merged_sql(f"SELECT run_id, rank, cls AS grp, s, e FROM k WHERE cls IN ({inlist})")},
+    merged AS ({intervals_union_sql(f"SELECT run_id, rank, cls AS grp, s, e FROM k WHERE cls IN ({inlist})",
+                                    "run_id, rank, grp")}),
     edges AS (SELECT run_id, rank, s AS t, CASE grp {bits} END AS d FROM merged
               UNION ALL SELECT run_id, rank, e, -(CASE grp {bits} END) FROM merged),
     sweep AS (SELECT run_id, rank, t,

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 import polars as pl
 
-from dynascope.analyses._common import StoreLike, as_store, frame, run_clause
+from dynascope.analyses._common import StoreLike, as_store, frame, intervals_union_sql, run_clause
 from dynascope.analyses.steps import STEP_ROW
 from dynascope.store import quote_literal
 
@@ -34,15 +34,11 @@ def weight_syncs_sql(where: str = "") -> str:
     rollout worker's load carry their own roles' step counts, so the same number names unrelated moments.
     A row without a step or a start is a sync of its own, its duration its time. ``where``: extra
     conditions on ``timings``, each starting with AND."""
+    parts = intervals_union_sql("SELECT * FROM w WHERE step IS NOT NULL AND s IS NOT NULL", "run_id, step")
     return f"""WITH w AS (
             SELECT run_id, step, start_us AS s, start_us + dur_us AS e, dur_us FROM timings
-            WHERE phase IN {_in(WEIGHT_SYNC_PHASES)} AND stream IS NULL AND dur_us IS NOT NULL{where}),
-        o AS (SELECT *, MAX(e) OVER (PARTITION BY run_id, step ORDER BY s, e
-                                     ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS prev_e
-              FROM w WHERE step IS NOT NULL AND s IS NOT NULL),
-        isl AS (SELECT *, SUM(CASE WHEN prev_e IS NULL OR s > prev_e THEN 1 ELSE 0 END)
-                          OVER (PARTITION BY run_id, step ORDER BY s, e ROWS UNBOUNDED PRECEDING) AS part FROM o)
-        SELECT run_id, step, MAX(e) - MIN(s) AS span_us FROM isl GROUP BY run_id, step, part
+            WHERE phase IN {_in(WEIGHT_SYNC_PHASES)} AND stream IS NULL AND dur_us IS NOT NULL{where})
+        SELECT run_id, step, e - s AS span_us FROM ({parts})
         UNION ALL SELECT run_id, step, dur_us FROM w WHERE step IS NULL OR s IS NULL"""
 
 
@@ -212,13 +208,7 @@ def rollout_train_overlap(store: StoreLike, run: str | None = None, *,
             FROM timings
             WHERE coalesce(category, 'phase') = 'phase' AND stream IS NULL AND dur_us > 0 AND start_us IS NOT NULL
               AND (phase IN {rp} OR (phase IN {tp} AND coalesce(parent, '') NOT IN {npar})){run_clause(run)}),
-        o AS (
-            SELECT *, MAX(e) OVER (PARTITION BY run_id, kind ORDER BY s, e
-                                   ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS prev_e FROM iv),
-        isl AS (
-            SELECT *, SUM(CASE WHEN prev_e IS NULL OR s > prev_e THEN 1 ELSE 0 END)
-                      OVER (PARTITION BY run_id, kind ORDER BY s, e) AS island FROM o),
-        u AS (SELECT run_id, kind, island, MIN(s) AS s, MAX(e) AS e FROM isl GROUP BY ALL),
+        u AS ({intervals_union_sql("SELECT run_id, kind, s, e FROM iv", "run_id, kind")}),
         both_ AS (SELECT run_id, COUNT(*) AS n FROM (
                      SELECT run_id, role, rank FROM iv GROUP BY ALL HAVING COUNT(DISTINCT kind) = 2)
                   GROUP BY run_id),
