@@ -53,9 +53,11 @@ def weight_pass(probe: TensorStats, rec: Record, plans: Plans, batched: Plans,
     for p, rows in batched:
         rec.add(p.key, p.outputs, rows, p.run_batched([locals_[i] for i in rows]).to(device))
     copies: dict[int, list[tuple[str, Reader]]] = {}
-    carried = probe.snapshot.carry_views([locals_[i] for i in window]) if carry else []
-    for i, v in zip(window if carry else [], carried, strict=True):
-        copies.setdefault(i, []).append(("new", flat_reader(v)))
+    carried: list[torch.Tensor] = []
+    if carry:
+        carried = probe.snapshot.carry_views([locals_[i] for i in window])
+        for i, v in zip(window, carried, strict=True):
+            copies.setdefault(i, []).append(("new", flat_reader(v)))
     hist, names = probe.history, [normalize_name(t.name) for t in tracked]
     held = None if hist is None else hist.buffers(step, probe._schedule, list(zip(names, locals_, strict=True)),
                                                   lambda: probe.history_resident(tracked, list(locals_)))
