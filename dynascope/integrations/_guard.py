@@ -3,8 +3,9 @@ warning, never an exception in the user's fit."""
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
+
+from dynascope.core.warn import warn
 
 
 class GuardedCallback:
@@ -21,8 +22,8 @@ class GuardedCallback:
         except Exception as exc:
             if not self._warned:
                 self._warned = True
-                warnings.warn(f"dynascope: {self.framework} callback problem ({type(exc).__name__}: {exc}); "
-                              "continuing", RuntimeWarning, stacklevel=3)
+                warn(f"dynascope: {self.framework} callback problem ({type(exc).__name__}: {exc}); "
+                     "continuing", RuntimeWarning, stacklevel=3)
             return None
 
     def _close_scope(self) -> None:

@@ -16,10 +16,10 @@ extra to install when DeepSpeed is missing. What each ZeRO stage records: docs/i
 from __future__ import annotations
 
 import os
-import warnings
 from typing import Any
 
 from dynascope.core.extras import require
+from dynascope.core.warn import warn
 from dynascope.probes.attach import watch as _watch
 from dynascope.probes.scope import Scope
 from dynascope.probes.zero import is_engine
@@ -33,6 +33,6 @@ def watch(engine: Any, run: str | os.PathLike = "runs/deepspeed", **options: Any
     """``dynascope.watch(engine, run=run, **options)`` for the engine ``deepspeed.initialize`` returned;
     anything else is watched as a plain model, with a warning."""
     if not is_engine(engine):
-        warnings.warn(f"dynascope.integrations.deepspeed.watch: expected a DeepSpeedEngine, got "
-                      f"{type(engine).__name__}; watching it as a model", RuntimeWarning, stacklevel=2)
+        warn(f"dynascope.integrations.deepspeed.watch: expected a DeepSpeedEngine, got "
+             f"{type(engine).__name__}; watching it as a model", RuntimeWarning, stacklevel=2)
     return _watch(engine, None, run, **options)

@@ -18,10 +18,10 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 from dynascope.core.extras import require
+from dynascope.core.warn import warn
 from dynascope.integrations._guard import GuardedCallback
 
 try:  # the unified "lightning" package, or the standalone "pytorch_lightning"
@@ -62,8 +62,8 @@ class DynascopeCallback(GuardedCallback, pl.Callback):
 
         optimizers = list(getattr(trainer, "optimizers", []) or [])
         if len(optimizers) > 1:
-            warnings.warn("dynascope: several optimizers; probing the first one's parameters only",
-                          RuntimeWarning, stacklevel=2)
+            warn("dynascope: several optimizers; probing the first one's parameters only",
+                 RuntimeWarning, stacklevel=2)
         kw = dict(self.watch_kwargs)
         if kw.get("writer") is None:
             rank, world = kw.pop("rank", None), kw.pop("world_size", None)

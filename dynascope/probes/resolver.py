@@ -25,9 +25,10 @@ import queue
 import sys
 import threading
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
+
+from dynascope.core.warn import warn
 
 __all__ = ["BACKGROUND_NICE", "RESOLVE_BATCH", "RESOLVE_DELAY_S", "Resolver", "lower_priority"]
 
@@ -119,7 +120,7 @@ class Resolver:
         done = threading.Event()
         self.submit(done.set)
         if not done.wait(timeout_s):
-            warnings.warn("dynascope: resolver did not drain in time", RuntimeWarning, stacklevel=2)
+            warn("dynascope: resolver did not drain in time", RuntimeWarning, stacklevel=2)
 
     def close(self, timeout_s: float = 30.0) -> None:
         self.drain(timeout_s)

@@ -19,7 +19,6 @@ Both cost one pass over what they read and one host copy per call, not per tenso
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +27,7 @@ import torch
 from torch import Tensor
 
 from dynascope.core.naming import normalize_name
+from dynascope.core.warn import warn
 
 __all__ = ["LOGPROB_GAP_THRESHOLD_NATS", "Fingerprint", "SyncMismatch", "compare_fingerprints",
            "logprob_gap_columns", "verify_weight_sync", "weight_fingerprints"]
@@ -180,7 +180,7 @@ def verify_weight_sync(scope: Any, trainer: Any, rollout: Any, *, max_named: int
         want = weight_fingerprints(list(trainer_named.items()), dtypes)
         bad = [_measured(m, trainer_named, rollout_named) for m in compare_fingerprints(want, got)]
     except Exception as exc:  # the check must not stop training
-        warnings.warn(f"dynascope: weight-sync check failed: {type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=2)
+        warn(f"dynascope: weight-sync check failed: {type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=2)
         scope.event("probe_error", f"weight_sync_check: {type(exc).__name__}: {exc}", severity="warning",
                     check="weight_sync")
         return []

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import functools
 import time
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from dynascope.core.clock import now_us
+from dynascope.core.warn import warn
 from dynascope.probes import zero_params
 from dynascope.probes.delivery import Delivery
 from dynascope.probes.memory import MemoryProbe
@@ -100,7 +100,7 @@ class Scope:
         msg = f"{probe}: {type(exc).__name__}: {exc}"
         if probe not in self._warned:
             self._warned.add(probe)
-            warnings.warn(f"dynascope: probe {msg} (training continues)", RuntimeWarning, stacklevel=3)
+            warn(f"dynascope: probe {msg} (training continues)", RuntimeWarning, stacklevel=3)
         self.writer.event("probe_error", msg, step=self._step, severity="warning", probe=probe)
 
     def _resolver_error(self, probe: str, exc: BaseException) -> None:

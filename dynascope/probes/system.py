@@ -8,10 +8,10 @@ temperature, SM clock — so a node's GPUs are sampled once, not once per rank.
 from __future__ import annotations
 
 import threading
-import warnings
 from typing import Any
 
 from dynascope.core.clock import now_us
+from dynascope.core.warn import warn
 from dynascope.probes.protocol import Probe
 from dynascope.probes.resolver import lower_priority
 from dynascope.store.writer import RunWriter
@@ -95,8 +95,8 @@ class SystemSampler(Probe):
     def _failed(self, exc: Exception) -> None:
         """The one warning and ``probe_error`` event of a failed sample; the sampler takes no more."""
         self._broken = True
-        warnings.warn(f"dynascope: system sampler stopped: {type(exc).__name__}: {exc}",
-                      RuntimeWarning, stacklevel=1)
+        warn(f"dynascope: system sampler stopped: {type(exc).__name__}: {exc}",
+             RuntimeWarning, stacklevel=1)
         self.writer.event("probe_error", f"system sampler: {type(exc).__name__}: {exc}",
                           severity="warning", probe="system")
 

@@ -21,7 +21,6 @@ host (pinned memory, non-blocking, on CUDA); the resolver thread unpacks it into
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from typing import Any
 import torch
 
 from dynascope.core.naming import normalize_name
+from dynascope.core.warn import warn
 from dynascope.probes.background import PassThread, versions
 from dynascope.probes.params import LocalViews, Tracked
 from dynascope.probes.protocol import Probe, Rows, StepContext, resolved_rows
@@ -150,7 +150,7 @@ class TensorStats(Probe):
         rec.chunk_elems = self.window.chunk
         notice = self.window.take_notice()
         if notice is not None:  # the ranks' windows may part from here: said once, as an event of this record
-            warnings.warn(f"dynascope: {notice}", RuntimeWarning, stacklevel=2)
+            warn(f"dynascope: {notice}", RuntimeWarning, stacklevel=2)
             rec.notes.append(("probe_error", notice))
         with_grad, grads = [], []
         for i, t in enumerate(tracked):

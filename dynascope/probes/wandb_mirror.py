@@ -11,11 +11,11 @@ the trainer's own wandb step counter. Per-tensor rows stay in the dynascope stor
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
 from dynascope.core.extras import require
+from dynascope.core.warn import warn
 
 __all__ = ["PREFIX", "STEP_KEY", "WandbMirror"]
 
@@ -76,7 +76,7 @@ class WandbMirror:
     def _warn_once(self, kind: str, message: str) -> None:
         if kind not in self._warned:
             self._warned.add(kind)
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
+            warn(message, RuntimeWarning, stacklevel=3)
 
 
 def _as_float(value: Any) -> float | None:

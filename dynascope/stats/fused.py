@@ -26,7 +26,6 @@ import sys
 import tempfile
 import threading
 import types
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -35,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dynascope.core.warn import warn
 from dynascope.stats.elementwise import arguments, reduces_of
 from dynascope.stats.fused_source import module_text, views
 
@@ -163,8 +163,8 @@ def kernel_for(statistics: Sequence[Statistic], x: Chunk, wait: bool = False) ->
         try:
             got = got.result()
         except Exception as exc:  # a statistic numba cannot compile runs on chunk tensors for good
-            warnings.warn(f"dynascope: fused statistics kernel not compiled ({type(exc).__name__}: {exc}); "
-                          "these statistics run on chunk tensors, same values, slower", RuntimeWarning, stacklevel=2)
+            warn(f"dynascope: fused statistics kernel not compiled ({type(exc).__name__}: {exc}); "
+                 "these statistics run on chunk tensors, same values, slower", RuntimeWarning, stacklevel=2)
             got = None
         with _lock:
             _kernels[key] = got

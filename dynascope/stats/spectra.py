@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +25,7 @@ import torch
 from torch import Tensor
 
 from dynascope.core.naming import tensor_kind, tensor_layer
+from dynascope.core.warn import warn
 
 __all__ = [
     "Basis", "Spectra", "canonical_sign", "effective_rank", "name_seed", "off_principal_energy",
@@ -269,4 +269,4 @@ class Spectra:
     def _warn(self, message: str) -> None:
         if not self._warned:
             self._warned = True
-            warnings.warn(f"dynascope: {message}", RuntimeWarning, stacklevel=3)
+            warn(f"dynascope: {message}", RuntimeWarning, stacklevel=3)

@@ -21,7 +21,6 @@ import os
 import socket
 import threading
 import uuid
-import warnings
 import weakref
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ import pyarrow as pa
 
 from dynascope.core.clock import now_us
 from dynascope.core.version import __version__
+from dynascope.core.warn import warn
 from dynascope.store.buffer import TableBuffer, batch_len, drop_oldest, salvage, to_arrow
 from dynascope.store.flush import (
     Flushed,
@@ -298,7 +298,7 @@ class RunWriter:
     def _problem(self, kind: str, message: str, emit_event: bool = True) -> None:
         if kind not in self._warned:
             self._warned.add(kind)
-            warnings.warn(f"dynascope: {message}", RuntimeWarning, stacklevel=3)
+            warn(f"dynascope: {message}", RuntimeWarning, stacklevel=3)
         if emit_event:
             with self._lock:
                 self._pending_events.append({"event": kind, "severity": "warning", "message": message})
