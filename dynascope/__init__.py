@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from dynascope.core.version import __version__
 
 if TYPE_CHECKING:
-    from dynascope.probes.attach import watch
+    from dynascope.alerts.attach import watch
     from dynascope.probes.scope import Scope
     from dynascope.probes.settings import WatchSettings
     from dynascope.store import open_store
@@ -25,7 +25,7 @@ def __getattr__(name: str) -> Any:
     if name == "open_store":
         from dynascope.store import open_store as value
     elif name == "watch":
-        from dynascope.probes.attach import watch as value
+        from dynascope.alerts.attach import watch as value
     elif name == "Scope":
         from dynascope.probes.scope import Scope as value
     elif name == "WatchSettings":

@@ -117,12 +117,20 @@ def export(
     run: Annotated[Path, typer.Argument(help="Run directory (or store root).")],
     out: Annotated[Path | None, typer.Argument(help="Output .duckdb file.")] = None,
     parquet: Annotated[Path | None, typer.Option("--parquet", help="Write one Parquet file per table here instead.")] = None,
+    perfetto: Annotated[Path | None, typer.Option("--perfetto", help="Write the timings and events as a Chrome-trace "
+                                                  "JSON file for Perfetto instead.")] = None,
 ) -> None:
-    """Write a self-contained DuckDB file (or Parquet files) for sharing."""
+    """Write a self-contained DuckDB file (or Parquet files, or a Perfetto timeline) for sharing."""
     from dynascope.store.export import export_store
 
-    if (out is None) == (parquet is None):
-        raise UserError("give exactly one of OUT.duckdb or --parquet DIR")
+    if sum(x is not None for x in (out, parquet, perfetto)) != 1:
+        raise UserError("give exactly one of OUT.duckdb, --parquet DIR or --perfetto FILE.json")
+    if perfetto is not None:
+        from dynascope.store.perfetto import export_perfetto
+
+        written = export_perfetto(run, perfetto)
+        console.print(f"wrote {perfetto}: " + ", ".join(f"{n} {k}" for k, n in written.items()), highlight=False)
+        return
     counts = export_store(run, duckdb_path=out, parquet_dir=parquet)
     console.print(f"wrote {out or parquet}: " + ", ".join(f"{t} {n}" for t, n in counts.items() if n), highlight=False)
 
@@ -152,6 +160,16 @@ def compact(
         console.print(f"folded the directories of {stats.writers_folded} finished writers together", highlight=False)
     for line in stats.skipped:
         err_console.print(f"warning: skipped {line}", highlight=False, markup=False, soft_wrap=True)
+
+
+def _register_alert_commands() -> None:
+    """`watch-run` (dynascope/cli_alerts.py): alert rules over a live run, from any machine."""
+    from dynascope import cli_alerts
+
+    app.command("watch-run")(guarded(cli_alerts.watch_run))
+
+
+_register_alert_commands()
 
 
 def _register_fleet_commands() -> None:

@@ -29,16 +29,19 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "dynascope"
 
 # The flow, bottom first: a part may import only parts before it (its contract says which of them).
-ORDER = ("core", "stats", "store", "probes", "<root>", "analyses", "importers", "dashboard", "integrations", "checkpoints",
-         "report", "cli_output", "demo", "cli_fleet", "cli")
+ORDER = ("core", "stats", "store", "probes", "analyses", "alerts", "<root>", "importers", "dashboard", "integrations", "checkpoints",
+         "report", "cli_output", "demo", "cli_fleet", "cli_alerts", "cli")
 # part → the parts it may import (every part above the store may use the declarations it is built from)
 CONTRACTS: dict[str, frozenset[str]] = {
     "core": frozenset(),
     "stats": frozenset({"core"}),
     "store": frozenset({"core", "stats"}),
     "probes": frozenset({"core", "stats", "store"}),
-    "<root>": frozenset({"core", "stats", "store", "probes"}),  # the public API: open_store, watch, Scope, WatchSettings
     "analyses": frozenset({"core", "stats", "store"}),
+    # live rules over what the store holds: the analyses' detectors, and the scope they stop
+    "alerts": frozenset({"core", "stats", "store", "probes", "analyses"}),
+    # the public API: open_store, watch (the probes, with the alerts' monitor), Scope, WatchSettings
+    "<root>": frozenset({"core", "stats", "store", "probes", "alerts"}),
     "importers": frozenset({"core", "stats", "store"}),  # dynascope diff: statistics, not the probes
     "dashboard": frozenset({"core", "stats", "store", "analyses"}),
     "integrations": frozenset({"<root>", "core", "stats", "store", "probes"}),
@@ -48,6 +51,7 @@ CONTRACTS: dict[str, frozenset[str]] = {
     "demo": frozenset({"<root>", "core", "stats", "store", "probes", "analyses", "importers", "integrations", "checkpoints",
                        "report"}),
     "cli_fleet": frozenset({"core", "stats", "store", "analyses", "cli_output"}),  # `dynascope files` and `fleet`
+    "cli_alerts": frozenset({"core", "stats", "store", "analyses", "alerts"}),  # `dynascope watch-run`
     "cli": frozenset(ORDER[:-1]),
 }
 ROOT_AT_IMPORT = frozenset({"core"})  # what dynascope/__init__.py may import at module level

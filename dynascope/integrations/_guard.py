@@ -26,6 +26,10 @@ class GuardedCallback:
                      "continuing", RuntimeWarning, stacklevel=3)
             return None
 
+    def _stop_asked(self) -> bool:
+        """Whether an alert rule asked training to stop (``Scope.should_stop``); never raises."""
+        return bool(self.scope is not None and self._guard(lambda: self.scope.should_stop))
+
     def _close_scope(self) -> None:
         """Close the scope, then the writer this callback made for it (scope first: it flushes rows)."""
         if self.scope is not None:

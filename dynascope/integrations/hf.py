@@ -129,6 +129,8 @@ class DynascopeCallback(GuardedCallback, transformers.TrainerCallback):
     # ---- logs and the end ---------------------------------------------------------------------------------
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._close_train()
+        if self._stop_asked():  # an alert's stop action: the Trainer ends after this step, cleanly
+            control.should_training_stop = True
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
         if self.scope is None or not logs:

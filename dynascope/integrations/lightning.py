@@ -108,6 +108,8 @@ class DynascopeCallback(GuardedCallback, pl.Callback):
         every = max(int(getattr(trainer, "log_every_n_steps", 1) or 1), 1)
         if self.scope is not None and trainer.global_step % every == 0:
             self._guard(lambda: self._log(trainer))
+        if self._stop_asked():  # an alert's stop action: Lightning ends the fit after this batch
+            trainer.should_stop = True
 
     def _log(self, trainer: Any) -> None:
         scalars = {}

@@ -57,6 +57,8 @@ class Scope:
         self._warned: set[str] = set()
         self._handles: list[Any] = []
         self._closed = False
+        self._stop: tuple[int | None] | None = None  # (step to stop at, or None: now) once a stop is asked
+        self._services: list[Any] = []  # background parts with close(), closed before the writer
         self.delivery = Delivery(writer, self._report)
         self.resolver = Resolver(self._resolver_error, self.delivery.deliver)
         writer_thread = getattr(writer, "_thread", None)
@@ -307,6 +309,21 @@ class Scope:
         attached, the resolver converts each step's rows on their own, not a few seconds' worth at once)."""
         self.delivery.listeners.append(fn)
 
+    @property
+    def should_stop(self) -> bool:
+        """True once a stop was asked (an alert rule's ``stop`` action) and its step is reached; the
+        integrations end training on it, a plain loop reads it after ``optimizer.step()``."""
+        return self._stop is not None and (self._stop[0] is None or self._step >= self._stop[0])
+
+    def request_stop(self, at_step: int | None = None) -> None:
+        """Ask the training loop to stop, now or at ``at_step`` (every rank at the same step)."""
+        if self._stop is None:
+            self._stop = (at_step,)
+
+    def add_service(self, service: Any) -> None:
+        """A background part (the alert monitor) whose ``close()`` runs at ``close``, before the writer's."""
+        self._services.append(service)
+
     def flush(self) -> None:
         """Resolve pending records and write buffered rows now."""
         self.resolver.drain()
@@ -329,6 +346,10 @@ class Scope:
             close = getattr(fn, "close", None)
             if callable(close):
                 self._guard("listener", close)
+        if self._services:  # they read the rows just written: flush first, then let them write theirs
+            self._guard("flush", self.writer.flush)
+            for service in self._services:
+                self._guard("service", service.close)
         if self._own_writer:
             self.writer.close()
         else:

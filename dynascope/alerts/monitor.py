@@ -1,0 +1,215 @@
+"""The monitor: evaluates alert rules over the rows a live run has written, off the training thread.
+
+Each poll opens the store, reads each rule's quantity from the step after the last it judged, and judges
+the steps every series has moved past (a step's rows can arrive from its ranks one flush apart: a step is
+judged once the series has a later one, and every step at ``close``). Ranks that do not evaluate rules
+still run a monitor, to see the stop request of the one that does.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from dynascope.alerts.actions import Webhooks, read_stop, write_stop
+from dynascope.alerts.quantities import DETECTORS, series
+from dynascope.alerts.rules import Rule
+from dynascope.core.errors import StoreError
+from dynascope.core.warn import warn
+from dynascope.store import open_store
+
+__all__ = ["Firing", "Monitor"]
+
+Key = tuple[str, str, int | None]  # (run_id, role, rank)
+
+
+@dataclass(frozen=True)
+class Firing:
+    """One alert: which rule, on which series, at which step, with what value."""
+
+    rule: Rule
+    run_id: str
+    role: str | None
+    rank: int | None
+    step: int
+    value: float | None
+
+    @property
+    def message(self) -> str:
+        where = f"{self.role or 'run'} rank {self.rank}" if self.rank is not None else self.run_id
+        value = "" if self.value is None else f" = {self.value:.4g}"
+        return self.rule.message or f"{self.rule.label}: {self.rule.quantity}{value} at step {self.step} ({where})"
+
+    def body(self) -> dict[str, Any]:
+        return {"rule": self.rule.label, "quantity": self.rule.quantity, "condition": self.rule.condition,
+                "value": self.value, "threshold": self.rule.threshold, "severity": self.rule.severity,
+                "step": self.step, "run_id": self.run_id, "role": self.role, "rank": self.rank,
+                "message": self.message}
+
+
+@dataclass
+class _Series:
+    judged: int = -1        # last step judged
+    streak: int = 0         # consecutive judged steps the condition held on, ending at ``judged``
+    quiet_until: int = -1   # no firing at or before this step (hold-down)
+
+
+class Monitor:
+    """Rules over ``run_dir``; ``event`` writes an alert's events row (the scope's or a follower's writer),
+    ``on_stop(step)`` is told the step the run is asked to stop at. ``world_size`` > 1: the stop step is
+    ``stop_margin`` steps past the newest step in the store, so every rank reads the request before it."""
+
+    def __init__(self, run_dir: str | Path, rules: Sequence[Rule], *,
+                 event: Callable[..., None] | None = None, on_stop: Callable[[int | None], None] | None = None,
+                 interval_s: float = 2.0, world_size: int = 1, stop_margin: int = 10) -> None:
+        self.run_dir = Path(run_dir)
+        self.rules = list(rules)
+        self.interval_s, self.world_size, self.stop_margin = interval_s, world_size, stop_margin
+        self._event, self._on_stop = event, on_stop
+        self.webhooks = Webhooks()
+        self.fired: list[Firing] = []
+        self.polls = self.errors = 0
+        self.stop_at: int | None = None
+        self._state: dict[str, dict[Key, _Series]] = {r.label: {} for r in self.rules}
+        self._stop_seen = False
+        self._closing = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---- one pass ---------------------------------------------------------------------------------------
+    def poll(self, final: bool = False) -> list[Firing]:
+        """Judge what is new once; returns the firings (their actions are done)."""
+        self.polls += 1
+        new: list[Firing] = []
+        newest: int | None = None
+        if self.rules:
+            try:
+                store = open_store(self.run_dir)
+            except StoreError:  # nothing flushed yet
+                store = None
+            if store is not None:
+                with store:
+                    for rule in self.rules:
+                        try:
+                            new += self._judge(rule, store, final)
+                        except Exception as exc:  # a bad rule or a query failure: reported, not raised
+                            self.errors += 1
+                            self._report(f"alert rule {rule.label} failed: {type(exc).__name__}: {exc}")
+                    newest = self._newest(store) if any("stop" in f.rule.actions for f in new) else None
+        for f in new:
+            self._act(f, newest)
+        self._check_stop_file()
+        return new
+
+    def _judge(self, rule: Rule, store: Any, final: bool) -> list[Firing]:
+        state = self._state[rule.label]
+        since = min((s.judged for s in state.values()), default=-1) + 1
+        df = series(store, rule.quantity, since).sort("step")
+        out: list[Firing] = []
+        detector = rule.quantity in DETECTORS
+        for (run_id, role, rank), g in df.group_by(["run_id", "role", "rank"], maintain_order=True):
+            key: Key = (str(run_id), str(role) if role is not None else "", rank)
+            s = state.setdefault(key, _Series())
+            last = int(g["step"].max())  # type: ignore[arg-type]
+            for step, value in g.select("step", "value").iter_rows():
+                if step <= s.judged or (not final and not detector and step >= last):
+                    continue
+                holds = rule.holds(value)
+                s.streak = s.streak + 1 if holds else 0
+                s.judged = step
+                if holds and s.streak >= (1 if detector else rule.window) and step > s.quiet_until:
+                    s.quiet_until = step + rule.hold_down - 1 if rule.hold_down else step - 1
+                    out.append(Firing(rule, key[0], role, rank, int(step), value))
+        return out
+
+    def _newest(self, store: Any) -> int:
+        rows = store.rows("SELECT max(step) FROM timings UNION ALL SELECT max(step) FROM scalars")
+        return max((int(r[0]) for r in rows if r[0] is not None), default=0)
+
+    # ---- actions ----------------------------------------------------------------------------------------
+    def _act(self, f: Firing, newest: int | None) -> None:
+        self.fired.append(f)
+        body = f.body()
+        if self._event is not None:
+            try:
+                self._event("alert", f.message, step=f.step, severity=f.rule.severity,
+                            **{k: v for k, v in body.items() if k not in ("message", "step", "severity")})
+            except Exception as exc:
+                self._report(f"alert event not written: {type(exc).__name__}: {exc}")
+        if "warn" in f.rule.actions:
+            warn(f"dynascope alert: {f.message}")
+        if "webhook" in f.rule.actions and f.rule.url:
+            self.webhooks.post(f.rule.url, body)
+        if "stop" in f.rule.actions:
+            at = None if self.world_size <= 1 else (newest or f.step) + self.stop_margin
+            if at is not None:
+                try:
+                    write_stop(self.run_dir, at, f.message)
+                except OSError as exc:
+                    self._report(f"stop request not written: {exc}")
+            self._stop(at)
+
+    def _stop(self, at: int | None) -> None:
+        if self._stop_seen:
+            return
+        self._stop_seen, self.stop_at = True, at
+        if self._on_stop is not None:
+            self._on_stop(at)
+
+    def _check_stop_file(self) -> None:
+        if not self._stop_seen and (req := read_stop(self.run_dir)) is not None:
+            self._stop(int(req["stop_at_step"]))
+
+    def _report(self, message: str) -> None:
+        warn(message)
+        if self._event is not None:
+            try:
+                self._event("alert_error", message, severity="warning")
+            except Exception:
+                pass
+
+    # ---- the thread -------------------------------------------------------------------------------------
+    def start(self) -> Monitor:
+        self._thread = threading.Thread(target=self._loop, name="dynascope-alerts", daemon=True)
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._closing.wait(self.interval_s):
+            try:
+                self.poll()
+            except Exception as exc:  # never let the thread die silently
+                self.errors += 1
+                self._report(f"alert monitor: {type(exc).__name__}: {exc}")
+
+    def close(self, timeout_s: float = 5.0, final: bool = True) -> None:
+        """Stop the thread and judge the last steps once (within ``timeout_s``: a pass still running after
+        it is left to finish on its daemon thread)."""
+        deadline = time.monotonic() + timeout_s
+        self._closing.set()
+        if self._thread is not None:
+            self._thread.join(max(0.0, deadline - time.monotonic()))
+            if self._thread.is_alive():
+                return
+        if final:
+            done = threading.Event()
+
+            def last() -> None:
+                try:
+                    self.poll(final=True)
+                except Exception:
+                    pass
+                done.set()
+
+            threading.Thread(target=last, name="dynascope-alerts-final", daemon=True).start()
+            done.wait(max(0.0, deadline - time.monotonic()))
+        self.webhooks.close(max(0.0, min(1.0, deadline - time.monotonic())))
+
+    def frame(self) -> pl.DataFrame:
+        """The firings so far, one row each."""
+        return pl.DataFrame([f.body() for f in self.fired])
