@@ -163,10 +163,11 @@ def compact(
 
 
 def _register_alert_commands() -> None:
-    """`watch-run` (dynascope/cli_alerts.py): alert rules over a live run, from any machine."""
+    """`watch-run` and `metrics` (dynascope/cli_alerts.py): alert rules and /metrics over a live run."""
     from dynascope import cli_alerts
 
     app.command("watch-run")(guarded(cli_alerts.watch_run))
+    app.command("metrics")(guarded(cli_alerts.metrics))
 
 
 _register_alert_commands()

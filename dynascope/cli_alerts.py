@@ -1,4 +1,4 @@
-"""``dynascope watch-run``: follow a live run from any machine and evaluate alert rules over what it writes.
+"""``dynascope watch-run`` and ``dynascope metrics``: follow a live run from any machine and evaluate alert rules over what it writes.
 
 Registered on the main app by ``cli.py``. Firings are printed one per line, written to the run's
 ``events`` (by a writer of role ``monitor``) and acted on; a ``stop`` action writes the run's stop
@@ -66,3 +66,30 @@ def watch_run(
         monitor.webhooks.close()
         writer.close(timeout_s=10.0)
     _out.print(f"{len(monitor.fired)} alerts from {len(chosen)} rules over {monitor.polls} passes")
+
+
+def metrics(
+    run: Annotated[Path, typer.Argument(help="Run directory (or store root) to serve.")],
+    port: Annotated[int, typer.Option("--port", help="TCP port for /metrics.")] = 9464,
+    addr: Annotated[str, typer.Option("--addr", help="Address to bind (127.0.0.1: this machine only).")] = "127.0.0.1",
+    min_interval_s: Annotated[float, typer.Option("--min-interval-s", help="Read the store at most this often.")] = 5.0,
+    duration_s: Annotated[float | None, typer.Option("--duration-s", help="Serve this long, then stop.")] = None,
+) -> None:
+    """Serve the run's newest figures at http://ADDR:PORT/metrics for Prometheus; Ctrl-C stops."""
+    from dynascope.alerts.metrics import serve_metrics
+    from dynascope.store import open_store
+
+    open_store(run).close()  # a directory that is not a store: StoreError, one line
+    try:
+        server, _, _ = serve_metrics(run, port, addr, min_interval_s)
+    except OSError as exc:
+        raise UserError(f"cannot serve on {addr}:{port}: {exc.strerror or exc}") from None
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
+    _out.print(f"serving http://{addr}:{server.server_port}/metrics", soft_wrap=True)
+    try:
+        stop.wait(duration_s)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        server.shutdown()
+        server.server_close()

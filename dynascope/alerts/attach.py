@@ -16,16 +16,28 @@ __all__ = ["watch"]
 
 
 def watch(model: Any, optimizer: Any = None, run: str | os.PathLike = "runs/default", *, alerts: Any = None,
-          alert_interval_s: float = 2.0, **kwargs: Any) -> Scope:
+          alert_interval_s: float = 2.0, metrics_port: int | None = None, metrics_addr: str = "127.0.0.1",
+          **kwargs: Any) -> Scope:
     """``dynascope.probes.attach.watch`` (every argument of it), and with ``alerts``: rules evaluated live.
 
     ``alerts=True`` turns the default rules on (``dynascope.alerts.DEFAULT_RULES``); a list of ``Rule`` (or
     of dicts), or a YAML file's path, gives one's own. Rank 0 evaluates them every ``alert_interval_s``
     over the rows flushed so far, on a thread of its own; every rank follows stop requests. A rule list
     that does not parse raises ``ValueError`` before anything is attached.
+
+    ``metrics_port``: rank 0 serves the run's ``/metrics`` (``dynascope.alerts.metrics``) on
+    ``metrics_addr:metrics_port``; a port that cannot be bound is a warning, and training goes on.
     """
     rules = rules_from(alerts)
     scope = watch_probes(model, optimizer, run, **kwargs)
+    if metrics_port is not None and scope.writer.rank == 0:
+        try:
+            from dynascope.alerts.metrics import serve_metrics
+
+            server, _, _ = serve_metrics(scope.run_dir, int(metrics_port), metrics_addr)
+            scope.add_service(_Stopper(server))
+        except Exception as exc:
+            warn(f"dynascope: /metrics not served on {metrics_addr}:{metrics_port}: {type(exc).__name__}: {exc}")
     if not alerts:
         return scope
     try:
@@ -50,3 +62,14 @@ def _world_size(given: Any) -> int:
     except Exception:
         pass
     return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+
+class _Stopper:
+    """Closes the metrics server with the scope (``shutdown`` waits for the serving loop's next poll)."""
+
+    def __init__(self, server: Any) -> None:
+        self.server = server
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
