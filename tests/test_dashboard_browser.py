@@ -322,6 +322,24 @@ def test_new_run_appears_with_auto_refresh(dashboard):
     assert page.locator('[data-testid="stException"]').count() == 0
 
 
+# Beside the auto-refresh test: an alert fired while the page is open appears, without a reload.
+@needs_browser
+@pytest.mark.slow
+def test_alerts_panel_shows_what_fired_live(dashboard):
+    from dynascope.store import RunWriter
+
+    root, base, page = dashboard
+    open_page(page, base, "runs")
+    page.get_by_text("No alert fired", exact=False).first.wait_for(timeout=30_000)
+    page.get_by_text("Auto-refresh").click()
+    with RunWriter(root / "grpo-sync", role="monitor", flush_secs=60) as w:
+        w.event("alert", "gradient-norm spike: grad_norm = 41.2 at step 17 (trainer rank 1)", step=17,
+                severity="warning", rule="gradient-norm spike", role="trainer", rank=1, value=41.2, threshold=None)
+    page.get_by_text("1 alert: 1 warning", exact=False).first.wait_for(timeout=45_000)
+    page.screenshot(path=str(ARTIFACTS / "dashboard-alerts.png"), full_page=True)
+    assert page.locator('[data-testid="stException"]').count() == 0
+
+
 # ---- without a browser: the launcher and the numbers behind the charts --------------------------------
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):

@@ -156,3 +156,22 @@ def test_prometheus_scrapes_and_alertmanager_delivers(tmp_path: Path) -> None:
                 p.kill()
         metrics.shutdown()
         hook.shutdown()
+
+
+def test_grafana_dashboard_queries_metrics_the_endpoint_serves(tmp_path: Path) -> None:
+    """Every metric the shipped Grafana dashboard and Prometheus rules query is one /metrics serves."""
+    import re
+
+    run = _run(tmp_path)
+    server, _, _ = serve_metrics(run, 0)
+    try:
+        families = _scrape(server.server_port)
+        served = set(families) | {s.name for samples in families.values() for s in samples}
+    finally:
+        server.shutdown()
+        server.server_close()
+    dash = json.loads((REPO / "deploy" / "grafana" / "dynascope.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    exprs += [r["expr"] for r in yaml.safe_load(RULES.read_text())["groups"][0]["rules"]]
+    used = {m for e in exprs for m in re.findall(r"\bdynascope_[a-z_]+", e)}
+    assert len(exprs) >= 10 and used and used <= served, used - served

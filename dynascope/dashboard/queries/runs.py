@@ -76,3 +76,17 @@ def step_context(store: StoreConnection, run: str, step: int) -> dict[str, pl.Da
                                 "ORDER BY (grad_nan_count + grad_inf_count + w_nan_count + w_inf_count) DESC, update_ratio DESC NULLS LAST "
                                 "LIMIT 10"),
     }
+
+
+def alerts(store: StoreConnection, runs: tuple[str, ...], limit: int = 500) -> pl.DataFrame:
+    """The alerts fired in the runs (``dynascope.alerts``: ``alert`` events), newest first, with the rule,
+    the series (role, rank) and the value that fired it."""
+    return store.frame(f"""
+        SELECT make_timestamp(time_us) AS time, run_id, step, severity,
+               json_extract_string(fields_json, '$.rule') AS rule,
+               json_extract_string(fields_json, '$.role') AS role,
+               TRY_CAST(json_extract_string(fields_json, '$.rank') AS INTEGER) AS rank,
+               TRY_CAST(json_extract_string(fields_json, '$.value') AS DOUBLE) AS value,
+               TRY_CAST(json_extract_string(fields_json, '$.threshold') AS DOUBLE) AS threshold, message
+        FROM events WHERE event = 'alert' AND {in_list('run_id', runs)}
+        ORDER BY time_us DESC LIMIT {int(limit)}""")

@@ -1,4 +1,5 @@
-"""Runs page: every run under the store with its status, size and progress; compare a scalar across runs."""
+"""Runs page: every run under the store with its status, size and progress, the alerts that fired; compare a
+scalar across runs."""
 
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ def _body() -> None:
     if not runs:
         st.info("Pick one or more runs in the sidebar.")
         return
+    with data.guard("Alerts"):
+        _alerts(path, runs)
     left, right = st.columns(2)
     with left, data.guard("Rows per table"):
         rows = data.query(Q.table_rows, path, runs)
@@ -50,3 +53,16 @@ def _body() -> None:
         df = data.query(Q.scalar_series, path, runs, key)
         if not data.empty(df, f"'{key}' values"):
             charts.show(charts.banded(df, "step", "mean", "lo", "hi", ["run_id", "stage"], key), "runs_scalar_chart")
+
+
+def _alerts(path: str, runs: tuple[str, ...]) -> None:
+    """What the run's alert rules fired (docs/alerts.md), newest first; live with the page's auto-refresh."""
+    fired = data.query(Q.alerts, path, runs)
+    st.subheader("Alerts")
+    if fired.height == 0:
+        st.caption("No alert fired in the selected runs (rules: `watch(..., alerts=True)` or "
+                   "`dynascope watch-run RUN`).")
+        return
+    by = fired.group_by("severity").len().sort("len", descending=True)
+    st.caption(f"{fired.height} alert{'' if fired.height == 1 else 's'}: " + ", ".join(f"{n} {s}" for s, n in by.iter_rows()))
+    st.dataframe(fired, hide_index=True, width="stretch", key="runs_alerts")
