@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from dynascope.alerts.monitor import Monitor
 from dynascope.alerts.rules import rules_from
 from dynascope.core.warn import warn
 from dynascope.probes.attach import watch as watch_probes
@@ -41,6 +40,8 @@ def watch(model: Any, optimizer: Any = None, run: str | os.PathLike = "runs/defa
     if not alerts:
         return scope
     try:
+        from dynascope.alerts.monitor import Monitor  # the analyses it reads are imported only when asked for
+
         writer = scope.writer
         monitor = Monitor(scope.run_dir, rules if writer.rank == 0 else [], event=writer.event,
                           on_stop=scope.request_stop, interval_s=alert_interval_s,
