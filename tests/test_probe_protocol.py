@@ -111,7 +111,10 @@ def test_settings_and_keywords_build_one_configuration(tmp_path: Path) -> None:
         dynascope.watch(model, opt, run=tmp_path / "t", memory_budgte=0.5)
     assert not (tmp_path / "t").exists()
     assert not hasattr(dynascope, "Run") and dynascope.Scope is dynascope.probes.scope.Scope
-    assert dynascope.watch is dynascope.probes.watch and dynascope.WatchSettings is dynascope.probes.WatchSettings
+    # dynascope.watch is the probes' watch with the live parts (alert rules, /metrics) on top.
+    from dynascope.alerts import attach
+
+    assert dynascope.watch is attach.watch and dynascope.WatchSettings is dynascope.probes.WatchSettings
 
 
 def test_a_step_the_optimizer_skipped_still_closes_with_its_step_row(tmp_path: Path) -> None:

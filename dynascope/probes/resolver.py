@@ -30,11 +30,12 @@ from typing import Any
 
 from dynascope.core.warn import warn
 
-__all__ = ["BACKGROUND_NICE", "RESOLVE_BATCH", "RESOLVE_DELAY_S", "Resolver", "lower_priority"]
+__all__ = ["BACKGROUND_NICE", "PUT_WAIT_S", "RESOLVE_BATCH", "RESOLVE_DELAY_S", "Resolver", "lower_priority"]
 
 BACKGROUND_NICE = 10
 RESOLVE_BATCH = 64  # records resolved together at most
 RESOLVE_DELAY_S = 2.0  # the longest a record waits for others before it is resolved
+PUT_WAIT_S = 1.0  # the longest the training thread waits on a full resolver queue before dropping a record
 
 
 def lower_priority(thread: threading.Thread | None = None, nice: int = BACKGROUND_NICE) -> bool:
@@ -64,18 +65,39 @@ class Resolver:
         self._resolve_batch = resolve_batch
         self.batch = max(int(RESOLVE_BATCH if batch is None else batch), 1)
         self.delay_s = float(RESOLVE_DELAY_S if delay_s is None else delay_s)
+        self.dropped = 0  # records and jobs dropped because the queue stayed full (see submit)
+        self._stuck = False
         self._thread = threading.Thread(target=self._loop, name="dynascope-resolver", daemon=True)
         self._thread.start()
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Queue ``fn(*args)``; it runs after every record collected before it is resolved. Blocks only if
-        ``max_pending`` jobs are waiting (back-pressure rather than unbounded pinned memory when the host
-        falls behind)."""
-        self._q.put((fn, args))
+    def submit(self, fn: Callable[..., Any], *args: Any) -> bool:
+        """Queue ``fn(*args)``; it runs after every record collected before it is resolved. With
+        ``max_pending`` jobs waiting, waits up to ``PUT_WAIT_S`` (back-pressure rather than unbounded pinned
+        memory when the host falls behind), then drops the job and counts it (``dropped``); once one was
+        dropped, none waits again until the queue has emptied, so a stuck resolver costs training nothing
+        per step. Returns whether the job was queued."""
+        return self._put((fn, args))
 
-    def collect(self, item: Any) -> None:
-        """Queue ``item`` for ``resolve_batch``, which gets it with the others collected beside it."""
-        self._q.put((_collect, (item,)))
+    def collect(self, item: Any) -> bool:
+        """Queue ``item`` for ``resolve_batch``, which gets it with the others collected beside it (or drop
+        it, as ``submit``)."""
+        return self._put((_collect, (item,)))
+
+    def _put(self, item: tuple[Callable[..., Any], tuple]) -> bool:
+        try:
+            if self._stuck:
+                self._q.put_nowait(item)
+            else:
+                self._q.put(item, timeout=PUT_WAIT_S)
+            return True
+        except queue.Full:
+            self._stuck = True
+            self.dropped += 1
+            if self.dropped == 1:
+                self._on_error("resolver", TimeoutError(
+                    f"the resolver is {self._q.maxsize} records behind: records are dropped, and counted, until "
+                    "it catches up"))
+            return False
 
     def _loop(self) -> None:
         lower_priority()
@@ -87,6 +109,8 @@ class Resolver:
             except queue.Empty:  # the oldest held item has waited delay_s
                 held = self._run_batch(held)
                 continue
+            if self._stuck and self._q.empty():  # caught up: back-pressure may wait again
+                self._stuck = False
             try:
                 if item is None:
                     self._run_batch(held)
@@ -118,14 +142,26 @@ class Resolver:
     def drain(self, timeout_s: float = 30.0) -> None:
         """Wait until every submitted job ran and every collected item was resolved (``flush``/``close``)."""
         done = threading.Event()
-        self.submit(done.set)
-        if not done.wait(timeout_s):
+        deadline = time.monotonic() + timeout_s
+        try:  # flush and close may wait (up to their timeout), unlike a training step
+            self._q.put((done.set, ()), timeout=timeout_s)
+            queued = True
+        except queue.Full:
+            queued = False
+        if not queued or not done.wait(max(deadline - time.monotonic(), 0.0)):
             warn("dynascope: resolver did not drain in time", RuntimeWarning, stacklevel=2)
 
     def close(self, timeout_s: float = 30.0) -> None:
+        """Drain and stop the thread, within ``timeout_s`` in all (a thread still busy then is left: daemon)."""
+        deadline = time.monotonic() + timeout_s
         self.drain(timeout_s)
-        self._q.put(None)
-        self._thread.join(timeout_s)
+        try:
+            self._q.put(None, timeout=max(deadline - time.monotonic(), 0.01))
+        except queue.Full:
+            return
+        self._thread.join(max(deadline - time.monotonic(), 0.01))
+        if self.dropped:
+            self._on_error("resolver", RuntimeError(f"{self.dropped} records dropped while the resolver was behind"))
 
 
 def _collect(item: Any) -> None:

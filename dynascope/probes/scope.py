@@ -24,6 +24,7 @@ from dynascope.core.clock import now_us
 from dynascope.core.warn import warn
 from dynascope.probes import zero_params
 from dynascope.probes.delivery import Delivery
+from dynascope.probes.listeners import LISTENER_DEADLINE_S, IsolatedListener
 from dynascope.probes.memory import MemoryProbe
 from dynascope.probes.params import Tracked, discover, optimizer_fingerprint
 from dynascope.probes.protocol import Listener, Probe, StepContext
@@ -304,10 +305,12 @@ class Scope:
             self.writer.event("reference_set", f"θ₀ = {self.reference.kind}", step=self._step,
                               resident=resident, path=str(self.reference.path or ""))
 
-    def add_listener(self, fn: Listener) -> None:
-        """``fn(step, summary)`` is called on the resolver thread after each recorded step (with a listener
-        attached, the resolver converts each step's rows on their own, not a few seconds' worth at once)."""
-        self.delivery.listeners.append(fn)
+    def add_listener(self, fn: Listener, deadline_s: float = LISTENER_DEADLINE_S) -> None:
+        """``fn(step, summary)`` is called after each recorded step, on a thread of its own
+        (``probes.listeners``): one that raises is reported, one that runs past ``deadline_s`` is dropped;
+        neither can hold the resolver or training. (With a listener attached, the resolver converts each
+        step's rows on their own, not a few seconds' worth at once.)"""
+        self.delivery.listeners.append(IsolatedListener(fn, self._resolver_error, self.writer.event, deadline_s))
 
     @property
     def should_stop(self) -> bool:
@@ -329,31 +332,37 @@ class Scope:
         self.resolver.drain()
         self.writer.flush()
 
-    def close(self) -> None:
-        """Detach hooks, resolve what is pending, stop threads, close the writer if this scope made it."""
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Detach hooks, resolve what is pending, stop threads, close the writer if this scope made it.
+
+        Each wait (the resolver, each listener, the writer) gets what is left of ``timeout_s``; what a part
+        could not finish by then is left to its daemon thread and reported, never waited for."""
         if self._closed:
             return
         self._closed = True
+        deadline = time.monotonic() + timeout_s
+
+        def left() -> float:
+            return max(deadline - time.monotonic(), 0.1)
+
         for h in self._handles:
-            h.remove()
-        self.resolver.close()
+            self._guard("detach", h.remove)
+        self._guard("resolver", self.resolver.close, left())
         if self.timing is not None:  # phases that ended after the last boundary (no listener call: no step)
             for table, cols in (self._guard("timing", self.timing.leftover) or {}).items():
                 self.writer.append(table, cols)
         for p in self.probes:
             self._guard(p.name, p.close)
         for fn in self.delivery.listeners:
-            close = getattr(fn, "close", None)
-            if callable(close):
-                self._guard("listener", close)
+            self._guard("listener", fn.close, min(left(), 5.0))
         if self._services:  # they read the rows just written: flush first, then let them write theirs
             self._guard("flush", self.writer.flush)
             for service in self._services:
                 self._guard("service", service.close)
         if self._own_writer:
-            self.writer.close()
+            self._guard("writer", self.writer.close, left())
         else:
-            self.writer.flush()
+            self._guard("writer", self.writer.flush)
 
     def __enter__(self) -> Scope:
         return self

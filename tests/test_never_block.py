@@ -1,0 +1,106 @@
+"""Faults the probe must absorb without an exception or a stall in the training loop: warnings turned
+into errors, a probe that raises, a listener that raises, one that never returns, a resolver that stops."""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+import dynascope
+from dynascope.probes.protocol import Probe
+from dynascope.probes.resolver import PUT_WAIT_S, Resolver
+from dynascope.store import open_store
+
+from helpers.waiting import wait_until
+
+STEPS = 150
+
+
+class _Raises(Probe):
+    name = "raises"
+
+    def after(self, ctx):
+        raise ValueError("planted probe failure")
+
+
+def _events(run: Path) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    with open_store(run) as store:
+        for event, message in store.rows("SELECT event, message FROM events"):
+            out.setdefault(event, []).append(message)
+    return out
+
+
+def _close_within(scope, timeout_s: float) -> None:
+    """Run close() on a thread; fail if it is still running long after its own timeout."""
+    t = threading.Thread(target=scope.close, kwargs={"timeout_s": timeout_s}, daemon=True)
+    t.start()
+    t.join(timeout_s + 60)  # slack for a loaded machine; a hang never returns at all
+    assert not t.is_alive(), "close() hung"
+
+
+def test_warnings_as_errors_a_raising_probe_and_listeners_that_raise_or_hang(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    run = tmp_path / "run"
+    release = threading.Event()
+    entered = threading.Event()
+
+    def raising(step, summary):
+        raise RuntimeError("planted listener failure")
+
+    def hanging(step, summary):  # a wandb.log on a dead network
+        entered.set()
+        release.wait(600)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scope = dynascope.watch(model, opt, run, probes=[_Raises()], listeners=[raising], system_interval_s=None)
+        scope.add_listener(hanging, deadline_s=0.5)
+        hung = scope.delivery.listeners[-1]
+        for step in range(STEPS):
+            loss = model(torch.randn(8, 16)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if step == 20:  # let the hanging call pass its deadline, so the next steps find it hung
+                wait_until(entered.is_set, "the hanging listener's first call")
+                wait_until(lambda: hung._busy_since is not None and time.monotonic() - hung._busy_since > 1.0,
+                           "the hanging listener's deadline")
+        assert scope.step_index == STEPS
+        _close_within(scope, 5.0)
+    release.set()
+    events = _events(run)
+    errors = events["probe_error"]
+    assert any("raises: ValueError: planted probe failure" in m for m in errors)
+    assert any("listener:raising: RuntimeError: planted listener failure" in m for m in errors)
+    (dropped,) = events["listener_dropped"]
+    assert "listener hanging has not returned in 0.5 s" in dropped
+    with open_store(run) as store:  # the rows of every step are there despite all of it
+        assert store.rows("SELECT count(DISTINCT step) FROM timings WHERE category = 'step'") == [(STEPS,)]
+
+
+def test_a_stuck_resolver_drops_records_instead_of_blocking_the_step() -> None:
+    stuck, errors, resolved = threading.Event(), [], []
+
+    def resolve(items):
+        stuck.wait(600)
+        resolved.extend(items)
+
+    r = Resolver(lambda name, exc: errors.append(str(exc)), resolve, max_pending=4, batch=1, delay_s=0.0)
+    # Returns at all (a blocking put never would): the first full queue waits PUT_WAIT_S once, and every
+    # later record is dropped at once.
+    queued = [r.collect(i) for i in range(40)]
+    assert PUT_WAIT_S > 0 and sum(queued) <= 6 and r.dropped == 40 - sum(queued)
+    assert len(errors) == 1 and "records are dropped" in errors[0]
+    stuck.set()
+    r.drain(timeout_s=60)
+    assert resolved == [i for i, q in enumerate(queued) if q]
+    assert r.collect(99) and not r._stuck  # caught up: records queue again
+    r.close(timeout_s=60)
+    assert f"{r.dropped} records dropped" in errors[-1]
