@@ -104,3 +104,65 @@ def test_a_stuck_resolver_drops_records_instead_of_blocking_the_step() -> None:
     assert r.collect(99) and not r._stuck  # caught up: records queue again
     r.close(timeout_s=60)
     assert f"{r.dropped} records dropped" in errors[-1]
+
+
+def _train_with_loader(run: Path, workers: int) -> int:
+    """A watched loop whose DataLoader forks ``workers`` workers each epoch; returns the steps taken."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
+    steps = 0
+    with dynascope.watch(model, opt, run, system_interval_s=None) as scope:
+        for _ in range(3):
+            loader = torch.utils.data.DataLoader(data, batch_size=8, num_workers=workers,
+                                                 multiprocessing_context="fork")
+            for x, y in loader:
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+                scope.log(loss=1.0)
+                steps += 1
+    return steps
+
+
+def test_fork_during_training_neither_hangs_nor_duplicates(tmp_path: Path) -> None:
+    steps = _train_with_loader(tmp_path / "run", workers=2)
+    with open_store(tmp_path / "run") as store:
+        per_step = store.rows("SELECT step, count(*) FROM timings WHERE category = 'step' GROUP BY step")
+        writers = store.rows("SELECT count(*) FROM events WHERE event = 'run_end'")
+    assert sorted(s for s, _ in per_step) == list(range(steps)) and {n for _, n in per_step} == {1}
+    assert writers == [(1,)]  # the workers' inherited copies never wrote, not even at their exit
+
+
+def test_a_forked_child_that_watches_gets_its_own_writer(tmp_path: Path) -> None:
+    import os
+
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    parent = dynascope.watch(model, opt, tmp_path / "parent", system_interval_s=None)
+    for _ in range(3):
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+    pid = os.fork()
+    if pid == 0:  # the child: the inherited scope is inert; its own scope records into its own run
+        code = 1
+        try:
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()  # the inherited hooks: nothing recorded, nothing waited for
+            parent.close()
+            child_opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            with dynascope.watch(model, child_opt, tmp_path / "child", system_interval_s=None):
+                for _ in range(2):
+                    model(torch.ones(2, 4)).sum().backward()
+                    child_opt.step()
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    parent.close()
+    with open_store(tmp_path / "parent") as store:
+        assert store.rows("SELECT count(*) FROM timings WHERE category = 'step'") == [(3,)]
+    with open_store(tmp_path / "child") as store:
+        assert store.rows("SELECT count(*) FROM timings WHERE category = 'step'") == [(2,)]

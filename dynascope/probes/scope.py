@@ -22,7 +22,7 @@ from typing import Any
 
 from dynascope.core.clock import now_us
 from dynascope.core.warn import warn
-from dynascope.probes import zero_params
+from dynascope.probes import forks, zero_params
 from dynascope.probes.delivery import Delivery
 from dynascope.probes.listeners import LISTENER_DEADLINE_S, IsolatedListener
 from dynascope.probes.memory import MemoryProbe
@@ -60,6 +60,8 @@ class Scope:
         self._closed = False
         self._stop: tuple[int | None] | None = None  # (step to stop at, or None: now) once a stop is asked
         self._services: list[Any] = []  # background parts with close(), closed before the writer
+        self.forked = False  # a copy inherited through fork: inert (probes.forks)
+        forks.track(self)
         self.delivery = Delivery(writer, self._report)
         self.resolver = Resolver(self._resolver_error, self.delivery.deliver)
         writer_thread = getattr(writer, "_thread", None)
@@ -149,11 +151,15 @@ class Scope:
             self._handles += self.timing.attach(self.model, self._guard)
 
     def _pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.forked:
+            return
         # the hook gets step()'s own arguments: (optimizer, closure?) and its keywords
         self._grads_after = (kwargs or {}).get("closure", args[1] if len(args) > 1 else None) is not None
         self._before(manual=False)
 
     def _post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.forked:
+            return
         if self.timing is not None:
             self.timing.optimizer_done()
         self._stepped = True
@@ -244,7 +250,7 @@ class Scope:
     def step(self) -> None:
         """Close the current step. With an optimizer attached, its ``step()`` is the boundary and this
         only closes a step in which the optimizer did not step (e.g. skipped by a GradScaler)."""
-        if self._closed:
+        if self._closed or self.forked:
             return
         if self.optimizer is not None and self._stepped:
             self._stepped = False
@@ -337,7 +343,7 @@ class Scope:
 
         Each wait (the resolver, each listener, the writer) gets what is left of ``timeout_s``; what a part
         could not finish by then is left to its daemon thread and reported, never waited for."""
-        if self._closed:
+        if self._closed or self.forked:  # a copy inherited through fork has nothing of its own to close
             return
         self._closed = True
         deadline = time.monotonic() + timeout_s

@@ -98,6 +98,7 @@ class RunWriter:
         self._room = threading.Condition(self._lock)  # a blocked append waits here for space
         self._flush_lock = threading.Lock()  # one flush at a time (thread, close, explicit flush)
         self._closed = False
+        self.forked = False  # a copy inherited through fork (``_forget_in_child``): inert
         self._failing = False  # inside a streak of failed segment writes
         self._warned: set[str] = set()
         self._pending_events: list[dict[str, Any]] = []
@@ -345,6 +346,27 @@ class RunWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _forget_in_child() -> None:
+    """After ``fork``: the child holds copies of the parent's writers, whose rows are the parent's to write
+    and whose threads do not exist here (a lock one of them held at the fork stays held for good). Each
+    copy gets fresh locks and is closed with its buffers emptied, so the child neither writes them again
+    nor waits on them, at exit or ever; a ``RunWriter`` the child makes is its own (its own writer id)."""
+    for w in list(_LIVE_WRITERS):
+        w._lock = threading.Lock()
+        w._wake, w._room = threading.Condition(w._lock), threading.Condition(w._lock)
+        w._flush_lock = threading.Lock()
+        w._buffers = {t: TableBuffer() for t in TABLES}
+        w._buffered = 0
+        w._pending_events = []
+        w._closed = True
+        w.forked = True
+    _LIVE_WRITERS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 @atexit.register

@@ -1,0 +1,33 @@
+"""Scopes across ``fork``: the child's inherited copies are inert.
+
+A DataLoader worker or a forked rollout process inherits the parent's scopes, but not their threads
+(resolver, writer, listeners): a queue there has nobody reading it, and the rows buffered are the parent's.
+So after a fork every scope alive in the parent is marked ``forked`` in the child, and its hooks and
+``close`` do nothing; ``watch()`` in the child makes a scope and a writer of its own. The writers do the
+same for themselves (``store.writer._forget_in_child``).
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from typing import Any
+
+__all__ = ["track"]
+
+_LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def track(scope: Any) -> None:
+    """Mark ``scope`` inert in any child forked from now on (until it is collected)."""
+    _LIVE.add(scope)
+
+
+def _inert_in_child() -> None:
+    for scope in list(_LIVE):
+        scope.forked = True
+    _LIVE.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_inert_in_child)
