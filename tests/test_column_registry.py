@@ -24,8 +24,9 @@ def test_every_kernel_output_is_a_column_that_combines_across_chunks_as_across_r
             assert col.reduce in ("sum", "norm", "max"), name  # the engine combines chunks by it, combine_shards ranks
             assert col.stored or any(name in (c.ratio or ()) for c in TENSOR_STATS_COLUMNS), name  # ‖θ₀‖ feeds drift_ratio
     outputs = {o for s in REGISTRY.statistics for o in s.outputs}
-    derived = {c.name for c in TENSOR_STATS_COLUMNS if c.derived} | {"tensor", "layer", "kind", "shape", "dtype",
-                                                                    "numel", "sharded", "bf16_k_steps"}
+    from dynascope.stats.base import TENSOR_COLUMNS  # the tensor's description: name, shape, place on a mesh
+
+    derived = {c.name for c in TENSOR_STATS_COLUMNS if c.derived} | {c.name for c in TENSOR_COLUMNS} | {"bf16_k_steps"}
     assert {c.name for c in TENSOR_STATS_COLUMNS} - derived <= outputs  # every stored value has a kernel
     assert {"bf16_unchanged_count", "drift_unchanged_count", "drift_zero_count", "grad_max_abs"} <= outputs
 

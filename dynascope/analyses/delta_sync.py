@@ -22,6 +22,7 @@ import polars as pl
 
 from dynascope.analyses._common import StoreLike, as_store, frame, lowest_rank_sql, run_clause
 from dynascope.store import StoreError, quote_literal
+from dynascope.store.pooling import counted_sql
 from dynascope.store.rollup_across import BY_TENSOR, covers
 
 __all__ = ["DTYPE_BYTES", "delta_sync_bytes", "delta_sync_summary", "summarize_delta_sync"]
@@ -62,14 +63,15 @@ def delta_sync_bytes(store: StoreLike, run: str | None = None, stage: str | None
     dtype_bytes = " ".join(f"WHEN {quote_literal(k)} THEN {v}" for k, v in DTYPE_BYTES.items())
     if covers(con, run):  # compacted: a row per (step, tensor) across ranks, the same sums
         rows, tensors = f"""
-            SELECT run_id, stage, step, tensor, rank, sharded, numel, dtype, tensors AS n, bf16_rows,
+            SELECT run_id, stage, step, tensor, rank, sharded, NULL::INTEGER AS replica, numel, dtype, tensors AS n,
+                   bf16_rows,
                    bf16_unchanged_numel - bf16_unchanged_count AS changed, bitmap_bytes,
                    min(rank) OVER (PARTITION BY run_id, step, tensor) AS first_rank
             FROM {BY_TENSOR} WHERE step IS NOT NULL{where}""", "count(DISTINCT tensor)"
     else:
         first_rank, one_rank = lowest_rank_sql(con, where, "run_id, step, tensor")
         rows, tensors = f"""
-            SELECT run_id, stage, step, tensor, rank, sharded, numel, dtype, 1 AS n,
+            SELECT run_id, stage, step, tensor, rank, sharded, replica, numel, dtype, 1 AS n,
                    CASE WHEN bf16_unchanged_count IS NOT NULL THEN 1 ELSE 0 END AS bf16_rows,
                    numel - bf16_unchanged_count AS changed, ceil(numel / 8.0) AS bitmap_bytes,
                    {first_rank} AS first_rank
@@ -80,7 +82,7 @@ def delta_sync_bytes(store: StoreLike, run: str | None = None, stage: str | None
                sum(numel)::BIGINT AS numel, sum(bf16_rows) = sum(n) AS complete,
                sum(changed)::BIGINT AS changed_count, sum(bitmap_bytes)::BIGINT AS bitmap_index_bytes,
                sum(numel * CASE dtype {dtype_bytes} ELSE 4 END)::BIGINT AS stored_bytes
-        FROM rows WHERE coalesce(sharded, false) OR rank = first_rank
+        FROM rows WHERE {counted_sql("first_rank")}
         GROUP BY run_id, step ORDER BY run_id, step""")
     if per_step.is_empty():
         return pl.DataFrame(schema=_SCHEMA)

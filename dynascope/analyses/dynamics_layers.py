@@ -22,6 +22,7 @@ import polars as pl
 
 from dynascope.analyses._common import StoreLike, as_store, frame, lowest_rank_sql, run_clause
 from dynascope.store import quote_literal
+from dynascope.store.pooling import counted_sql
 from dynascope.store.rollup_across import BY_TENSOR, covers
 
 __all__ = ["update_share_by_layer"]
@@ -48,20 +49,20 @@ def update_share_by_layer(store: StoreLike, run: str | None = None, stage: str |
             SELECT run_id, stage, step, tensor, layer, numel, update_sq,
                    bf16_unchanged_numel - bf16_unchanged_count AS update_bf16_changed, drift_sq,
                    drift_zero_numel - drift_zero_count AS drift_bf16_changed, drift_numel IS NOT NULL AS has_drift,
-                   sharded, rank
+                   sharded, NULL::INTEGER AS replica, rank
             FROM {BY_TENSOR}""", "min(rank) OVER (PARTITION BY run_id, stage, step, tensor)"
     else:
         source = """
             SELECT run_id, stage, step, tensor, layer, numel, update_norm * update_norm AS update_sq,
                    numel - bf16_unchanged_count AS update_bf16_changed, drift_norm * drift_norm AS drift_sq,
                    numel - drift_zero_count AS drift_bf16_changed, drift_norm IS NOT NULL AS has_drift,
-                   coalesce(sharded, false) AS sharded, rank
+                   coalesce(sharded, false) AS sharded, replica, rank
             FROM tensor_stats"""
         first_rank, _ = lowest_rank_sql(con, " AND numel > 0" + where, "run_id, stage, step, tensor")
     df = frame(con, f"""
         WITH rows AS (
             SELECT *, {first_rank} AS first_rank FROM ({source}) WHERE step IS NOT NULL AND numel > 0{where}),
-        one AS (SELECT * FROM rows WHERE sharded OR rank = first_rank),
+        one AS (SELECT * FROM rows WHERE {counted_sql("first_rank")}),
         -- One pass over the rows to (step, tensor); everything after reads that small frame.
         per_step AS (
             SELECT run_id, stage, step, tensor, any_value(layer) AS layer, sum(numel) AS numel,

@@ -13,6 +13,7 @@ from dynascope.analyses.goodput import checkpoints_sql
 from dynascope.analyses.rollouts import weight_syncs_sql
 from dynascope.analyses.steps import STEP_ROW, TOP_LEVEL, step_rows_sql, top_level_sql
 from dynascope.store import quote_literal
+from dynascope.store.pooling import counted_sql
 
 q = quote_literal
 
@@ -157,13 +158,13 @@ def _bf16_steps(run: str) -> str:
     count, its stage, numel, elements whose bf16 cast changed and the bitmap bytes, a tensor counted once
     (summed when sharded, else its lowest rank), with ``first`` the stage's first such step (as
     ``delta_sync_bytes`` and ``delta_sync_summary``)."""
-    return f"""r AS (SELECT step, stage, tensor, rank, sharded, numel, bf16_unchanged_count,
+    return f"""r AS (SELECT step, stage, tensor, rank, sharded, replica, numel, bf16_unchanged_count,
         min(rank) OVER (PARTITION BY step, tensor) AS first_rank FROM tensor_stats
         WHERE run_id = {q(run)} AND step IS NOT NULL),
         s AS (SELECT step, any_value(stage) AS stage, sum(numel) AS numel,
         sum(numel - bf16_unchanged_count) AS changed, sum(ceil(numel / 8.0)) AS bitmap,
         count(bf16_unchanged_count) = count(*) AS complete FROM r
-        WHERE coalesce(sharded, false) OR rank = first_rank GROUP BY step),
+        WHERE {counted_sql("first_rank")} GROUP BY step),
         c AS (SELECT *, min(step) OVER (PARTITION BY stage) AS first FROM s
               WHERE complete AND numel = (SELECT max(numel) FROM s))"""
 
@@ -239,17 +240,23 @@ def logprob_gap_sql(run: str) -> str:
 
 def kl_to_base_sql(run: str) -> str:
     """The forward KL to the pretrained and SFT bases at the first and the last RL-stage evaluation (the
-    ``eval/forward_kl_*_nats`` scalars), and how far the weights moved by the last RL step with drift."""
+    ``eval/forward_kl_*_nats`` scalars), and how far the weights moved by the last RL step with drift.
+
+    The drift figures are over the rows that carry them (under a memory budget the drift columns cover the
+    window's tensors only): each a ratio of sums over the same rows, never over the step's every row."""
     kl = "'eval/forward_kl_pretrained_nats', 'eval/forward_kl_sft_nats'"
     return f"""WITH e AS (SELECT step, key, arg_max(value, time_us) AS v FROM scalars WHERE run_id = {q(run)}
         AND key IN ({kl}) GROUP BY step, key),
         rl AS (SELECT min(step) AS first, max(step) AS last FROM e WHERE key = 'eval/forward_kl_sft_nats'),
         w AS (SELECT max(step) AS step FROM tensor_stats WHERE run_id = {q(run)} AND stage = 'rl'
               AND drift_norm IS NOT NULL AND w_norm IS NOT NULL),
-        d AS (SELECT sqrt(sum(drift_norm * drift_norm)) / sqrt(sum(w_norm * w_norm)) AS drift_ratio,
-              100.0 * sum(numel - drift_zero_count) / sum(numel) AS bf16_changed_pct FROM tensor_stats
-              WHERE run_id = {q(run)} AND stage = 'rl' AND step = (SELECT step FROM w)
-              AND (rank = 0 OR coalesce(sharded, false)))
+        t AS (SELECT *, min(rank) OVER (PARTITION BY step, tensor) AS first_rank FROM tensor_stats
+              WHERE run_id = {q(run)} AND stage = 'rl' AND step = (SELECT step FROM w)),
+        d AS (SELECT sqrt(sum(drift_norm * drift_norm) FILTER (WHERE w_norm IS NOT NULL))
+                     / sqrt(sum(w_norm * w_norm) FILTER (WHERE drift_norm IS NOT NULL)) AS drift_ratio,
+              100.0 * sum(numel - drift_zero_count) / sum(numel) FILTER (WHERE drift_zero_count IS NOT NULL)
+                  AS bf16_changed_pct
+              FROM t WHERE {counted_sql("first_rank")})
         SELECT (SELECT v FROM e WHERE key = 'eval/forward_kl_pretrained_nats' AND step = rl.first) AS kl_sft_nats,
         (SELECT v FROM e WHERE key = 'eval/forward_kl_pretrained_nats' AND step = rl.last) AS kl_final_nats,
         (SELECT v FROM e WHERE key = 'eval/forward_kl_sft_nats' AND step = rl.last) AS kl_rl_base_nats,

@@ -27,6 +27,7 @@ import polars as pl
 
 from dynascope.analyses._common import StoreLike, as_store, frame, run_clause
 from dynascope.store import quote_literal
+from dynascope.store.pooling import counted_sql
 
 __all__ = ["PEAK_TFLOPS", "peak_tflops_for", "throughput_mfu"]
 
@@ -86,8 +87,9 @@ def _model(con, run: str | None) -> dict[str, dict[str, Any]]:
     numel = frame(con, f"""
         WITH f AS (SELECT run_id, MIN(step) AS s FROM tensor_stats WHERE step IS NOT NULL{run_clause(run)}
                    GROUP BY run_id),
-        t AS (SELECT t.run_id, tensor, CASE WHEN bool_or(sharded) THEN SUM(numel) ELSE MAX(numel) END AS n
-              FROM tensor_stats t JOIN f ON t.run_id = f.run_id AND t.step = f.s GROUP BY t.run_id, tensor)
+        r AS (SELECT t.*, min(t.rank) OVER (PARTITION BY t.run_id, tensor) AS first_rank
+              FROM tensor_stats t JOIN f ON t.run_id = f.run_id AND t.step = f.s),
+        t AS (SELECT run_id, tensor, SUM(numel) AS n FROM r WHERE {counted_sql("first_rank")} GROUP BY run_id, tensor)
         SELECT run_id, SUM(n)::DOUBLE AS n FROM t GROUP BY run_id""")
     for run_id, n in numel.iter_rows():
         d = out.setdefault(run_id, {})

@@ -44,10 +44,14 @@ class Tracked:
     shape: str = ""
     dtype: str = ""
     meta: dict = field(default_factory=dict)
+    dtensor: bool = False  # a DTensor: sharded, replicated (a TP bias), or both (HSDP)
+    mesh: str | None = None  # the mesh's shape, "2x2" (DTensor only)
+    shard: str | None = None  # this rank's coordinates along the sharding mesh dimensions
+    replica: int | None = None  # its index along the replicating mesh dimensions (0 counts)
 
     def local(self) -> Tensor:
         """The data this rank holds (the local shard under FSDP2), detached."""
-        p = self.param.to_local() if self.sharded else self.param
+        p = self.param.to_local() if self.dtensor or self.sharded else self.param
         return p.detach()
 
     def grad(self) -> Tensor | None:
@@ -56,7 +60,7 @@ class Tracked:
         g = self.param.grad
         if g is None:
             return None
-        if self.sharded and _is_dtensor(g):
+        if (self.dtensor or self.sharded) and _is_dtensor(g):
             g = g.to_local()
         return g.detach() if g.requires_grad else g
 
@@ -115,17 +119,41 @@ def discover(model: Any, optimizer: Any) -> tuple[list[Tracked], list[tuple[str,
             continue
         seen.add(id(p))
         name = normalize_name(raw)  # the name θ₀ and checkpoints use: no DDP/compile/FSDP1 wrapper prefix
-        sharded = _is_dtensor(p)
-        local = p.to_local() if sharded else p
+        dtensor = _is_dtensor(p)
+        local = p.to_local() if dtensor else p
         reason = _skip_reason(local)
         if reason is not None:
             skipped.append((name, reason))
             continue
+        place = placement(p) if dtensor else {}
+        sharded = bool(place.get("shard"))
         tracked.append(Tracked(name=name, param=p, sharded=sharded, layer=tensor_layer(name),
                                kind=tensor_kind(name), shape="x".join(str(s) for s in p.shape),
                                dtype=str(local.dtype).replace("torch.", ""),
-                               meta={"plan_bytes": _largest_shard_bytes(p)} if sharded else {}))
+                               meta={"plan_bytes": _largest_shard_bytes(p)} if sharded else {},
+                               dtensor=dtensor, **place))
     return tracked, skipped
+
+
+def placement(p: Any) -> dict[str, Any]:
+    """A DTensor's place on its mesh, as ``tensor_stats`` records it (``mesh``, ``shard``, ``replica``).
+
+    Mesh dimensions whose placement is ``Shard`` split the tensor: this rank's coordinates along them say
+    which piece it holds. Dimensions that ``Replicate`` it (HSDP's outer one; every dimension for a TP
+    bias) hold copies: the coordinates along them, flattened, are the replica index, and only replica 0's
+    rows count when ranks pool. A rank outside the mesh holds nothing: replica -1."""
+    mesh = p.device_mesh
+    coords = mesh.get_coordinate()
+    shape = tuple(mesh.shape)
+    shard_dims = [d for d, pl in enumerate(p.placements) if pl.is_shard()]
+    rep_dims = [d for d, pl in enumerate(p.placements) if pl.is_replicate()]
+    if coords is None:
+        return {"mesh": "x".join(map(str, shape)), "shard": "", "replica": -1}
+    replica = 0
+    for d in rep_dims:
+        replica = replica * shape[d] + coords[d]
+    return {"mesh": "x".join(map(str, shape)), "shard": ",".join(str(coords[d]) for d in shard_dims),
+            "replica": replica}
 
 
 def _largest_shard_bytes(p: Any) -> int:

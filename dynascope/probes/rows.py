@@ -90,6 +90,8 @@ def tracked_columns(tracked: list[Tracked]) -> dict[str, Any]:
     return {"tensor": [t.name for t in tracked], "layer": [t.layer for t in tracked],
             "kind": [t.kind for t in tracked], "shape": [t.shape for t in tracked],
             "dtype": [t.dtype for t in tracked], "sharded": [t.sharded for t in tracked],
+            "mesh": [t.mesh for t in tracked], "shard": [t.shard for t in tracked],
+            "replica": [t.replica for t in tracked],
             "numel": np.array([int(t.local().numel()) for t in tracked], dtype=np.int64)}
 
 

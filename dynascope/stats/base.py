@@ -102,6 +102,11 @@ TENSOR_COLUMNS: tuple[Column, ...] = (
     Column("shape", STR, reduce="first"), Column("dtype", STR, reduce="first"),
     Column("numel", I64, "elements", "sum", pool=(("numel", "sum", None),)),
     Column("sharded", BOOL),
+    # Where the row sits in its device mesh (DTensor: FSDP2, HSDP, tensor parallel; NULL without one):
+    # ``mesh`` the mesh's shape ("2x2"), ``shard`` this rank's coordinates along the dimensions that shard
+    # the tensor ("1"; "" when none does), ``replica`` its index along the dimensions that replicate it
+    # (HSDP's replicate dimension). Replicas hold the same shard: only replica 0's rows count (``store.pooling``).
+    Column("mesh", STR, reduce="first"), Column("shard", STR), Column("replica", I32),
 )
 
 # What a kernel may read, per flat chunk of one tensor: the weights after the step (``new``), before it

@@ -6,7 +6,8 @@ the root of the sum of squares, counts as sums, max-abs as a max. Fractions and 
 re-derived from the combined states (``frac_of``, ``ratio``), never averaged. A combined value is NULL
 if any shard's is NULL, and every statistic of a step is NULL where its shards hold fewer elements
 than the tensor's fullest step (a shard's row missing). Unsharded rows (DDP replicas hold identical
-weights) pass through once, from the lowest rank. It sits beside the rollups (``rollup.py``), the other reader of the registry's
+weights) pass through once, from the lowest rank, and the rows of HSDP's further replicas (``replica`` > 0)
+are left out (``store.pooling``). It sits beside the rollups (``rollup.py``), the other reader of the registry's
 reductions: both pool stored rows exactly, one across tensors, this one across ranks.
 
 One caveat: ``grad_near_zero_count`` uses each shard's own rms as the threshold, so its combined sum
@@ -50,8 +51,11 @@ def combine_shards(rows: Any) -> pl.DataFrame:
     df = rows if isinstance(rows, pl.DataFrame) else pl.DataFrame(rows)
     if df.is_empty():
         return df.with_columns(pl.lit(0).alias("shards"))
-    sharded = df.filter(pl.col("sharded").fill_null(False))
-    whole = (df.filter(~pl.col("sharded").fill_null(False)).sort("rank")
+    # store.pooling's rule: shards of replica 0 combine; a replica's rows are copies; whole tensors once.
+    is_shard = pl.col("sharded").fill_null(False)
+    replica = pl.col("replica").fill_null(0) if "replica" in df.columns else pl.lit(0)
+    sharded = df.filter(is_shard & (replica == 0))
+    whole = (df.filter(~is_shard).sort("rank")
              .group_by(_KEYS, maintain_order=True).first().with_columns(pl.lit(1).alias("shards")))
     if sharded.is_empty():
         return whole.drop("rank")
@@ -65,7 +69,10 @@ def combine_shards(rows: Any) -> pl.DataFrame:
             + [pl.col(c.name).all() for c in present if c.reduce == "all"]
             + [_reduce(c.name, c.reduce) for c in present if c.reduce is not None and c.reduce in _REDUCED]
             + [pl.col(c).first() for c in _CARRIED if c in df.columns]
-            + [_reduce("ref_norm", "norm"), pl.len().alias("shards"), pl.lit(True).alias("sharded")])
+            + [_reduce("ref_norm", "norm"), pl.len().alias("shards"), pl.lit(True).alias("sharded")]
+            # the combined row is the whole tensor: no one shard's coordinates; the replica that counted
+            + ([pl.lit(None, dtype=pl.String).alias("shard")] if "shard" in df.columns else [])
+            + ([pl.col("replica").first()] if "replica" in df.columns else []))
     out = sharded.group_by(_KEYS, maintain_order=True).agg(aggs)
     out = out.with_columns(
         [(pl.when(pl.col(c.ratio[1]) > 0).then(pl.col(c.ratio[0]) / pl.col(c.ratio[1])).otherwise(None)).alias(c.name)
@@ -78,7 +85,8 @@ def combine_shards(rows: Any) -> pl.DataFrame:
     # tensor's fullest step. Counting elements rather than ranks keeps a run resharded onto another world
     # size whole.
     partial = pl.col("numel") < pl.col("numel").max().over(["run_id", "role", "tensor"])
-    keep = {*_KEYS, *_CARRIED, "numel", "shards", "sharded", *(c.name for c in present if c.reduce == "first")}
+    keep = {*_KEYS, *_CARRIED, "numel", "shards", "sharded", "shard", "replica",
+            *(c.name for c in present if c.reduce == "first")}
     out = out.with_columns([pl.when(partial).then(None).otherwise(pl.col(c)).alias(c)
                             for c in out.columns if c not in keep])
     cols = [c for c in df.columns if c != "rank"] + ["shards"]

@@ -33,6 +33,7 @@ import pyarrow.parquet as pq
 
 from dynascope.store._columns import parquet_options
 from dynascope.store.layout import HEARTBEATS, MERGED, is_writer_dir, segment_name
+from dynascope.store.pooling import NOT_A_REPLICA_SQL
 from dynascope.store.reader import StoreConnection, open_store, quote_literal
 from dynascope.store.runfiles import RunFiles
 from dynascope.store.schema import POOLED, TABLES, sql_type
@@ -63,7 +64,7 @@ def _build_sql(run: str) -> str:
     cols = [f"CAST({extra.get(f.name) or (f.name if f.name in keys else pooled_sql(f.name))} AS {sql_type(f.type)})"
             f" AS {f.name}" for f in schema]
     return f"""
-        SELECT {', '.join(cols)} FROM tensor_stats WHERE run_id = {quote_literal(run)}
+        SELECT {', '.join(cols)} FROM tensor_stats WHERE run_id = {quote_literal(run)} AND {NOT_A_REPLICA_SQL}
         GROUP BY {', '.join(keys)}, coalesce(sharded, false), coalesce(numel > 0, false),
                  CASE WHEN coalesce(sharded, false) THEN NULL ELSE rank END"""
 

@@ -26,3 +26,18 @@ def naive_grad(g: torch.Tensor, tol: float = 1e-8) -> list[float]:
     rms = norm / math.sqrt(max(len(v), 1))
     return [norm, max((abs(x) for x in v), default=0.0), sum(x == 0 for x in v),
             sum(abs(x) <= tol * rms for x in v), sum(math.isnan(x) for x in v), sum(math.isinf(x) for x in v)]
+
+
+def assert_row_matches(r: dict, upd: list[float], grad: list[float], drift: list[float]) -> None:
+    """A combined ``tensor_stats`` row against ``naive_update``/``naive_grad`` of the full tensors."""
+    import pytest
+
+    assert r["w_norm"] == pytest.approx(upd[0], rel=1e-5)
+    assert r["update_norm"] == pytest.approx(upd[1], rel=1e-5)
+    assert [r["changed_count"], r["changed_rel_count"], r["sign_flip_count"]] == upd[2:5]
+    assert r["grad_norm"] == pytest.approx(grad[0], rel=1e-5)
+    assert r["grad_max_abs"] == pytest.approx(grad[1], rel=1e-5)
+    assert r["grad_zero_count"] == grad[2]
+    assert r["drift_norm"] == pytest.approx(drift[1], rel=1e-5, abs=1e-9)
+    assert r["drift_changed_count"] == drift[2]
+    assert r["changed_frac"] == pytest.approx(upd[2] / r["numel"])
