@@ -1,4 +1,5 @@
-"""Scopes across ``fork``: the child's inherited copies are inert.
+"""Scopes across ``fork`` and SIGTERM: the child's inherited copies are inert; a terminated process
+resolves its pending records before its writers flush (``store.preempt``).
 
 A DataLoader worker or a forked rollout process inherits the parent's scopes, but not their threads
 (resolver, writer, listeners): a queue there has nobody reading it, and the rows buffered are the parent's.
@@ -13,14 +14,25 @@ import os
 import weakref
 from typing import Any
 
+from dynascope.store import preempt
+
 __all__ = ["track"]
 
 _LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def track(scope: Any) -> None:
-    """Mark ``scope`` inert in any child forked from now on (until it is collected)."""
+    """Mark ``scope`` inert in any child forked from now on, and drain its resolver on SIGTERM (until it
+    is collected)."""
     _LIVE.add(scope)
+    ref = weakref.ref(scope)
+
+    def drain(timeout_s: float) -> None:
+        s = ref()
+        if s is not None and not s.forked and not getattr(s, "_closed", False):
+            s.resolver.drain(timeout_s)
+
+    preempt.on_term(drain)
 
 
 def _inert_in_child() -> None:

@@ -5,7 +5,7 @@ touches the disk, so it cannot block training (unless ``max_block_s`` asks it to
 thread converts the queued batches to Arrow and writes them every ``flush_rows`` rows or ``flush_secs``
 seconds, and at ``close``/atexit, as one commit (``flush``: a table's segment with its rollups, and one
 commit record naming them); it also touches the writer's heartbeat file so ``dynascope runs`` can tell
-live from crashed. ``close`` records a ``run_end`` event.
+live from crashed. ``close`` records a ``run_end`` event, within its timeout whatever the disk does.
 
 Failures never propagate into the caller: a failed write keeps its rows (bounded by ``max_buffer_rows``,
 oldest dropped first and counted), warns once per kind, and is retried; the run directory is recreated if
@@ -20,6 +20,7 @@ import json
 import os
 import socket
 import threading
+import time
 import uuid
 import weakref
 from pathlib import Path
@@ -30,6 +31,7 @@ import pyarrow as pa
 from dynascope.core.clock import now_us
 from dynascope.core.version import __version__
 from dynascope.core.warn import warn
+from dynascope.store import preempt
 from dynascope.store.buffer import TableBuffer, batch_len, drop_oldest, salvage, to_arrow
 from dynascope.store.flush import (
     Flushed,
@@ -99,6 +101,7 @@ class RunWriter:
         self._flush_lock = threading.Lock()  # one flush at a time (thread, close, explicit flush)
         self._closed = False
         self.forked = False  # a copy inherited through fork (``_forget_in_child``): inert
+        self.close_timed_out = False  # close() returned at its deadline with a flush still running
         self._failing = False  # inside a streak of failed segment writes
         self._warned: set[str] = set()
         self._pending_events: list[dict[str, Any]] = []
@@ -113,6 +116,7 @@ class RunWriter:
         self._thread = threading.Thread(target=self._loop, name=f"dynascope-writer-{self.rank}", daemon=True)
         self._thread.start()
         _LIVE_WRITERS.add(self)
+        preempt.install(_close_all)  # SIGTERM flushes, then chains to the handler that was there
 
     def _init_run(self, name: str | None, world_size: int, framework: str, config: dict) -> str:
         run_id = safe_id(self.run_dir.name)
@@ -306,14 +310,32 @@ class RunWriter:
 
     # ---- shutdown -----------------------------------------------------------------------------------
     def close(self, timeout_s: float = 30.0) -> None:
-        """Flush what is buffered and stop the thread. Idempotent."""
+        """Flush what is buffered and stop the thread, within ``timeout_s`` whatever the disk does. Idempotent.
+
+        The last flushes run on a thread of their own: on a stalled file system (an NFS or Lustre hang)
+        ``close`` returns at the deadline and reports the rows still unwritten; a flush that lands later
+        is whole (its commit record), and a writer without ``run_end`` reads as crashed."""
         if self._closed:
             return
+        deadline = time.monotonic() + timeout_s
         with self._lock:
             self._closed = True
             self._wake.notify_all()
             self._room.notify_all()
         self._thread.join(timeout_s)
+        last = threading.Thread(target=self._final_flushes, name=f"dynascope-writer-close-{self.rank}", daemon=True)
+        last.start()
+        last.join(max(deadline - time.monotonic(), 0.0))
+        if last.is_alive():
+            with self._lock:
+                pending = sum(b.rows for b in self._buffers.values())
+            self.close_timed_out = True
+            self._problem("close_timeout", f"close gave up after {timeout_s:g} s with the disk not answering: "
+                          f"{pending} rows still buffered and a flush in progress; they are written if the disk "
+                          "comes back before the process exits", emit_event=False)
+        _LIVE_WRITERS.discard(self)
+
+    def _final_flushes(self) -> None:
         for attempt in range(4):  # later passes write events produced by earlier ones, and retry failed writes
             if attempt == 1:
                 # run_end lets `dynascope runs` tell a finished run from a crashed one (one per writer).
@@ -339,7 +361,6 @@ class RunWriter:
                           emit_event=False)
         self._heartbeat()
         release_arrow_memory()  # the final flushes ran on this thread: its heap kept their pages
-        _LIVE_WRITERS.discard(self)
 
     def __enter__(self) -> RunWriter:
         return self
@@ -349,19 +370,15 @@ class RunWriter:
 
 
 def _forget_in_child() -> None:
-    """After ``fork``: the child holds copies of the parent's writers, whose rows are the parent's to write
-    and whose threads do not exist here (a lock one of them held at the fork stays held for good). Each
-    copy gets fresh locks and is closed with its buffers emptied, so the child neither writes them again
-    nor waits on them, at exit or ever; a ``RunWriter`` the child makes is its own (its own writer id)."""
+    """After ``fork`` the child's copies of the parent's writers (their rows the parent's, their threads
+    and any lock held at the fork gone) get fresh locks, no buffers, and are closed: never written or
+    waited on; a ``RunWriter`` the child makes is its own."""
     for w in list(_LIVE_WRITERS):
         w._lock = threading.Lock()
         w._wake, w._room = threading.Condition(w._lock), threading.Condition(w._lock)
         w._flush_lock = threading.Lock()
-        w._buffers = {t: TableBuffer() for t in TABLES}
-        w._buffered = 0
-        w._pending_events = []
-        w._closed = True
-        w.forked = True
+        w._buffers, w._buffered, w._pending_events = {t: TableBuffer() for t in TABLES}, 0, []
+        w._closed = w.forked = True
     _LIVE_WRITERS.clear()
 
 
@@ -369,10 +386,14 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_in_child)
 
 
+EXIT_TIMEOUT_S = 10.0  # what the writers still open at exit may take, all together
+
+
 @atexit.register
-def _close_all() -> None:
+def _close_all(timeout_s: float = EXIT_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
     for w in list(_LIVE_WRITERS):
         try:
-            w.close(timeout_s=10)
+            w.close(timeout_s=max(deadline - time.monotonic(), 0.1))
         except Exception:
             pass

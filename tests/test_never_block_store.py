@@ -1,0 +1,107 @@
+"""The writer's end under real faults: a disk that stops answering, SIGTERM from a launcher. ``close()``
+keeps its deadline, and a terminated job's finished steps are in the store, its own handler still called."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+from helpers.waiting import wait_until
+
+from dynascope.core.net import free_port
+from dynascope.store import RunWriter, open_store
+
+TESTS = Path(__file__).resolve().parent
+
+
+class _StalledDisk:
+    """The writer's commit seam, made to hang until released (an NFS server gone away)."""
+
+    def __init__(self, writer: RunWriter) -> None:
+        self.release, self.entered = threading.Event(), threading.Event()
+        real = writer._commit
+
+        def commit(groups):
+            self.entered.set()
+            self.release.wait(600)
+            return real(groups)
+
+        writer._commit = commit  # type: ignore[method-assign]
+
+
+def test_close_keeps_its_deadline_on_a_stalled_disk_and_the_flush_lands_whole_later(tmp_path: Path) -> None:
+    w = RunWriter(tmp_path / "run", flush_secs=3600)
+    w.append("scalars", {"step": list(range(100)), "key": "loss", "value": 1.0, "time_us": 1})
+    disk = _StalledDisk(w)
+    closer = threading.Thread(target=w.close, kwargs={"timeout_s": 1.0}, daemon=True)
+    closer.start()
+    closer.join(60)  # a hang never returns; slack for a loaded machine
+    assert not closer.is_alive() and disk.entered.is_set() and w.close_timed_out
+    disk.release.set()  # the disk comes back: the flush that was under way commits, whole
+    wait_until(lambda: _count(tmp_path / "run") == 100, "the late flush to land")
+
+
+def _count(run: Path) -> int:
+    try:
+        with open_store(run) as store:
+            return store.rows("SELECT count(*) FROM scalars")[0][0]
+    except Exception:
+        return -1
+
+
+WORKER = textwrap.dedent("""
+    import os, signal, sys, torch, torch.distributed as dist
+    import dynascope
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    called = []
+    signal.signal(signal.SIGTERM, lambda *a: (called.append(1), open(f"{RUN}.handler{rank}", "w").close(),
+                                              sys.exit(143)))  # the user's own handler: must still run
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scope = dynascope.watch(model, opt, run=RUN, system_interval_s=None)  # flushes every 10 s by default
+    step = 0
+    while True:
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        step += 1
+        with open(f"{RUN}.step{rank}.tmp", "w") as f:
+            f.write(str(step))
+        os.replace(f"{RUN}.step{rank}.tmp", f"{RUN}.step{rank}")
+""")
+
+
+def test_sigterm_under_torchrun_keeps_every_finished_step(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER.replace("RUN", repr(str(run))))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1",
+                             "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        def steps(rank: int) -> int:
+            try:
+                return int(Path(f"{run}.step{rank}").read_text() or 0)
+            except (OSError, ValueError):
+                return 0
+
+        wait_until(lambda: steps(0) >= 20 and steps(1) >= 20, "both ranks to train 20 steps", 240, 0.05)
+        proc.send_signal(signal.SIGTERM)  # to torchrun's agent, which forwards it to the workers
+        proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    done = {r: steps(r) for r in (0, 1)}
+    for r in (0, 1):
+        assert Path(f"{run}.handler{r}").exists(), f"rank {r}: the user's SIGTERM handler did not run"
+    with open_store(run) as store:
+        recorded = dict(store.rows("SELECT rank, count(DISTINCT step) FROM timings WHERE category = 'step' GROUP BY 1"))
+    for r in (0, 1):  # every step whose optimizer.step() returned (one more may have, after its marker)
+        assert recorded.get(r, 0) >= done[r] > 0, (r, recorded, done)
