@@ -11,10 +11,10 @@ import textwrap
 import threading
 from pathlib import Path
 
-from helpers.waiting import wait_until
-
 from dynascope.core.net import free_port
 from dynascope.store import RunWriter, open_store
+
+from helpers.waiting import wait_until
 
 TESTS = Path(__file__).resolve().parent
 
