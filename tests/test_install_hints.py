@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from dynascope.cli import app
+from dynascope.cli_fleet import JAVA_HINT
 from dynascope.core.extras import COMMANDS, EXTRAS, install_command
 from dynascope.demo.smollm2 import NEEDS
 
@@ -87,3 +91,37 @@ def test_each_demo_variant_has_its_own_default_run():
 
     dirs = [default_run(), default_run(ranks=4), default_run(use_async=True), default_run("smollm2")]
     assert dirs[0] == "runs/demo" and len(set(dirs)) == len(dirs)
+
+
+@pytest.fixture(scope="module")
+def fleet_root(tmp_path_factory) -> Path:
+    from helpers.fleet_runs import write_synthetic_run
+
+    root = tmp_path_factory.mktemp("fleet") / "runs"
+    write_synthetic_run(root / "single", ranks=1, steps=12, seed=2)
+    return root
+
+
+def test_fleet_spark_without_pyspark(monkeypatch, fleet_root):
+    _hide(monkeypatch, "pyspark")
+    line = _one_error_line(CliRunner().invoke(app, ["fleet", str(fleet_root), "--engine", "spark"]))
+    assert "'pyspark'" in line and line.endswith("pip install -e '.[spark]'"), line
+
+
+def _fleet(root: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dynascope.cli", "fleet", str(root), *args], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, **env})
+
+
+def test_fleet_spark_without_java_says_to_install_one(fleet_root, tmp_path):
+    pytest.importorskip("pyspark")
+    done = _fleet(fleet_root, "--engine", "spark", JAVA_HOME=str(tmp_path / "no-java"))
+    assert done.returncode == 2, done.stderr
+    last = done.stderr.strip().splitlines()[-1]  # above it, Spark's launcher script says what it could not run
+    assert last == f"error: {JAVA_HINT}", done.stderr
+
+
+def test_fleet_through_a_pipe_writes_nothing_to_stderr(fleet_root):
+    done = _fleet(fleet_root)
+    assert done.returncode == 0 and "single" in done.stdout, done.stderr
+    assert done.stderr == ""
