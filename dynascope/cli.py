@@ -76,12 +76,12 @@ def sql(
     path: Annotated[Path, typer.Argument(help="Run directory or store root.")],
     query: Annotated[str, typer.Argument(help="A read-only SQL query over the store's tables.")],
     format: Annotated[str, typer.Option("--format", "-f", help=FORMAT_HELP + " | csv | json | parquet")] = "auto",
-    out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the result to this file.")] = None,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the result to this file, in the format its extension names (.parquet, .csv, .json, .tsv, .txt) unless --format says it.")] = None,
     max_rows: Annotated[int, typer.Option("--max-rows", help="Row cap for the result.")] = 100_000,
 ) -> None:
     """Run read-only SQL over a run (tables: runs, tensor_stats, tensor_stats_by_kind, tensor_stats_by_layer,
     tensor_stats_by_tensor, spectra, timings, samples, scalars, events, system)."""
-    from dynascope.cli_output import write_result
+    from dynascope.cli_output import out_format, write_result
     from dynascope.store import open_store, run_sql
 
     if format not in ("auto", "table", "tsv", "csv", "json", "parquet"):
@@ -90,6 +90,8 @@ def sql(
         raise UserError("--format parquet needs --out FILE")
     if max_rows < 1:
         raise UserError("--max-rows must be at least 1")
+    if out is not None:
+        format = out_format(format, out)
     with open_store(path) as store:
         result = run_sql(store, query, max_rows=max_rows + 1)  # one extra row tells us the cap was hit
     if result.num_rows > max_rows:
