@@ -17,6 +17,24 @@ from rich.console import Console
 
 from dynascope.core.errors import UserError
 
+
+def _flags_without_a_type() -> None:
+    """Help shows an on/off flag bare (``--quick``): typer 0.29's help labels every flag ``<bool>``, as if it
+    took a value (``--quick <bool>``), which it does not."""
+    from typer.core import TyperOption
+
+    shown = getattr(TyperOption, "display_type_rich", None)
+    if shown is None or getattr(shown, "flags_bare", False):
+        return
+
+    def display_type_rich(self: TyperOption, ctx: Any) -> str | None:
+        return None if self.is_flag else shown(self, ctx)
+
+    display_type_rich.flags_bare = True  # type: ignore[attr-defined]
+    TyperOption.display_type_rich = display_type_rich  # type: ignore[method-assign]
+
+
+_flags_without_a_type()
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="dynascope: parameter-update dynamics and cluster bottlenecks of LLM training.")
 import_app = typer.Typer(no_args_is_help=True, help="Import external data (profiler traces, wandb runs) into a run.")
