@@ -159,6 +159,16 @@ def _time(con: StoreConnection, console: Console) -> None:
         console.print(f"[dim]{PROBE_NOTE}[/]", highlight=False)
 
 
+def slowest_rank_sentence(w: dict) -> str:
+    """The rank that costs the most time, from its ``straggler_scores`` row; a rank the scores do not flag
+    (status ok) is said to stand out in nothing, rather than be called "1.0× slower"."""
+    where = (f"[bold]rank {w['rank']}[/] ({w['role']}) in phase [bold]{w['phase']}[/]: {fmt_ms(w['median_ms'])} "
+             f"median vs {fmt_ms(w['cross_rank_median_ms'])} across ranks")
+    if w["status"] == "ok":
+        return f"Slowest rank: none stands out (the closest, {where}, {w['slowdown_x']:.2f}× the median)."
+    return f"Slowest rank: {where} ({w['slowdown_x']:.1f}× slower, score {w['score']:.2f}, {w['status']})."
+
+
 def _bottlenecks(con: StoreConnection, console: Console) -> None:
     scores = analyses.straggler_scores(con)
     if scores.is_empty():
@@ -167,9 +177,7 @@ def _bottlenecks(con: StoreConnection, console: Console) -> None:
         # The rank that costs the most time: excess over the cross-rank median, times the steps it recurs in.
         w = (scores.with_columns(((pl.col("median_ms") - pl.col("cross_rank_median_ms")) * pl.col("steps"))
                                  .alias("excess_ms")).sort("excess_ms", descending=True).row(0, named=True))
-        console.print(f"Slowest rank: [bold]rank {w['rank']}[/] ({w['role']}) in phase [bold]{w['phase']}[/]: "
-                      f"{fmt_ms(w['median_ms'])} median vs {fmt_ms(w['cross_rank_median_ms'])} across ranks "
-                      f"({w['slowdown_x']:.1f}× slower, score {w['score']:.2f}, {w['status']}).", highlight=False)
+        console.print(slowest_rank_sentence(w), highlight=False)
     tail = analyses.rollout_long_tail(con)
     if tail.height:
         console.print(f"Rollout long tail: median step's slowest sample took {tail['gen_tail_x'].median():.1f}× "
