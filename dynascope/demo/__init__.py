@@ -11,12 +11,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from rich.console import Console
 
 from dynascope.core.net import free_port
+from dynascope.demo.clock import Clock
 
 __all__ = ["DEFAULT_RUN", "default_run", "run_demo"]
 
@@ -100,7 +100,7 @@ def run_demo(run_dir: str | os.PathLike | None = None, quick: bool = False, rank
     settings_path.write_text(s.to_json())
     mode = "async Ray" if use_async else (f"torchrun ×{ranks}" if ranks > 1 else "single process")
     console.print(f"[bold]dynascope demo[/] ({mode}{', quick' if quick else ''}) → {run_dir}", highlight=False)
-    t0 = time.perf_counter()
+    clock = Clock()
     if use_async:
         from dynascope.demo.async_ray import run_async
 
@@ -113,5 +113,5 @@ def run_demo(run_dir: str | os.PathLike | None = None, quick: bool = False, rank
         train_rank(s)
     from dynascope.demo.report import print_report
 
-    print_report(s, console, train_s=time.perf_counter() - t0)
+    print_report(s, console, train_s=clock.wall_s(), cpu_s=clock.cpu_s())
     return run_dir

@@ -196,11 +196,14 @@ def _bottlenecks(con: StoreConnection, console: Console) -> None:
                       f"took {fmt_ms(ov['weight_sync_ms'])}.", highlight=False)
 
 
-def print_report(s: DemoSettings, console: Console, train_s: float) -> None:
-    """Print the report for the finished run ``s.run_dir``."""
+def print_report(s: DemoSettings, console: Console, train_s: float, cpu_s: float | None = None) -> None:
+    """Print the report for the finished run ``s.run_dir`` (trained in ``train_s`` of wall time and ``cpu_s``
+    of CPU time)."""
+    from dynascope.demo.clock import trained_in
+
     run_dir = Path(s.run_dir)
     with open_store(run_dir) as con:
-        console.rule(f"dynascope demo — trained in {fmt_ms(1000 * train_s)}")
+        console.rule(f"dynascope demo — {trained_in(train_s, cpu_s)}")
         _reward_table(s, con, console)
         _dynamics(s, con, console)
         _time(con, console)
