@@ -17,6 +17,24 @@ from rich.console import Console
 
 from dynascope.core.errors import UserError
 
+
+def _flags_without_a_type() -> None:
+    """Help shows an on/off flag bare (``--quick``): typer 0.29's help labels every flag ``<bool>``, as if it
+    took a value (``--quick <bool>``), which it does not."""
+    from typer.core import TyperOption
+
+    shown = getattr(TyperOption, "display_type_rich", None)
+    if shown is None or getattr(shown, "flags_bare", False):
+        return
+
+    def display_type_rich(self: TyperOption, ctx: Any) -> str | None:
+        return None if self.is_flag else shown(self, ctx)
+
+    display_type_rich.flags_bare = True  # type: ignore[attr-defined]
+    TyperOption.display_type_rich = display_type_rich  # type: ignore[method-assign]
+
+
+_flags_without_a_type()
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="dynascope: parameter-update dynamics and cluster bottlenecks of LLM training.")
 import_app = typer.Typer(no_args_is_help=True, help="Import external data (profiler traces, wandb runs) into a run.")
@@ -51,8 +69,10 @@ def guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
             from rich.text import Text
 
             from dynascope.core.errors import StoreError, first_line
+            from dynascope.core.extras import MissingExtraError
 
-            known = isinstance(exc, (UserError, StoreError, FileNotFoundError, ValueError, PermissionError))
+            known = isinstance(exc, (UserError, StoreError, FileNotFoundError, ValueError, PermissionError,
+                                     MissingExtraError))
             msg = first_line(exc)
             # User data (paths, names) may hold invalid UTF-8 (surrogate escapes) or rich markup: print it inert.
             msg = msg.encode("utf-8", "backslashreplace").decode("utf-8")
@@ -74,12 +94,12 @@ def sql(
     path: Annotated[Path, typer.Argument(help="Run directory or store root.")],
     query: Annotated[str, typer.Argument(help="A read-only SQL query over the store's tables.")],
     format: Annotated[str, typer.Option("--format", "-f", help=FORMAT_HELP + " | csv | json | parquet")] = "auto",
-    out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the result to this file.")] = None,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the result to this file, in the format its extension names (.parquet, .csv, .json, .tsv, .txt) unless --format says it.")] = None,
     max_rows: Annotated[int, typer.Option("--max-rows", help="Row cap for the result.")] = 100_000,
 ) -> None:
     """Run read-only SQL over a run (tables: runs, tensor_stats, tensor_stats_by_kind, tensor_stats_by_layer,
     tensor_stats_by_tensor, spectra, timings, samples, scalars, events, system)."""
-    from dynascope.cli_output import write_result
+    from dynascope.cli_output import out_format, write_result
     from dynascope.store import open_store, run_sql
 
     if format not in ("auto", "table", "tsv", "csv", "json", "parquet"):
@@ -88,6 +108,8 @@ def sql(
         raise UserError("--format parquet needs --out FILE")
     if max_rows < 1:
         raise UserError("--max-rows must be at least 1")
+    if out is not None:
+        format = out_format(format, out)
     with open_store(path) as store:
         result = run_sql(store, query, max_rows=max_rows + 1)  # one extra row tells us the cap was hit
     if result.num_rows > max_rows:
@@ -298,7 +320,7 @@ def import_wandb(
 @guarded
 def demo(
     quick: Annotated[bool, typer.Option("--quick", help="A < 60 s version for tests.")] = False,
-    run: Annotated[Path | None, typer.Option("--run", help="Run directory to write (default: runs/demo, or runs/demo-smollm2 with --model smollm2).")] = None,
+    run: Annotated[Path | None, typer.Option("--run", help="Run directory to write (default: runs/demo; runs/demo-Nranks with --ranks N, runs/demo-async with --async, runs/demo-smollm2 with --model smollm2).")] = None,
     ranks: Annotated[int, typer.Option("--ranks", help="Train (SFT and RL) under torchrun with this many gloo data-parallel ranks.")] = 1,
     slow_rank: Annotated[int | None, typer.Option("--slow-rank", help="Make this rank slower by real extra compute.")] = None,
     slow_factor: Annotated[float, typer.Option("--slow-factor", help="How much slower the slow rank is.")] = 2.0,

@@ -7,15 +7,20 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
 
 from dynascope.core.errors import UserError
 
+if TYPE_CHECKING:
+    from dynascope.store.snapshot import Snapshot
+
 _err = Console(stderr=True)
 PROGRESS_FROM_RUNS = 50  # a listing of fewer runs takes well under a second: no bar
+JAVA_HINT = ("dynascope fleet --engine spark needs a Java 17 runtime, which Spark could not start; install one "
+             "(e.g. apt-get install openjdk-17-jre-headless) or point JAVA_HOME at it")
 
 
 def files(
@@ -45,7 +50,7 @@ def fleet(
     from rich.markup import escape
     from rich.progress import Progress
 
-    from dynascope.analyses.fleet import ENGINES, fleet_summary
+    from dynascope.analyses.fleet import ENGINES
     from dynascope.cli_output import write_result
     from dynascope.store.snapshot import snapshot
 
@@ -55,7 +60,12 @@ def fleet(
         raise UserError(f"unknown --format {format!r} (table, csv or json)")
     if lease_s <= 0:
         raise UserError("--lease-s must be > 0")
-    with Progress(console=_err, transient=True) as bar:
+    if engine == "spark":
+        from dynascope.core.extras import check_installed
+
+        check_installed(["pyspark"], "dynascope fleet --engine spark")
+    # A bar only on a terminal: through a pipe even a transient one leaves a blank line on stderr.
+    with Progress(console=_err, transient=True, disable=not _err.is_terminal) as bar:
         task = None
 
         def progress(done: int, total: int) -> None:
@@ -66,7 +76,7 @@ def fleet(
                 bar.update(task, completed=done)
 
         with snapshot(root, lease_ttl_s=lease_s, holder="dynascope-fleet", progress=progress) as snap:
-            summary = fleet_summary(snap, engine)
+            summary = _summary(snap, engine)
     if out is not None:
         summary.write_parquet(out)
         _err.print(f"wrote {out}: {summary.height} runs", highlight=False, markup=False)
@@ -81,3 +91,15 @@ def fleet(
             if key != "run_id":
                 text = "" if value is None else f"{value:.6g}" if isinstance(value, float) else str(value)
                 console.print(f"  {key:<32} {escape(text)}", highlight=False, soft_wrap=True)
+
+
+def _summary(snap: Snapshot, engine: str) -> Any:
+    """``fleet_summary``, with Spark's failure to start its JVM said as what to install."""
+    from dynascope.analyses.fleet import fleet_summary
+
+    try:
+        return fleet_summary(snap, engine)
+    except Exception as exc:
+        if engine == "spark" and ("JAVA_GATEWAY_EXITED" in str(exc) or "Java gateway process exited" in str(exc)):
+            raise UserError(JAVA_HINT) from exc
+        raise

@@ -103,6 +103,27 @@ def _when(us: int | None) -> str:
     return "" if us is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(us / 1e6))
 
 
+# what `--out FILE` writes, by the file's extension
+OUT_FORMATS = {".parquet": "parquet", ".csv": "csv", ".json": "json", ".jsonl": "json", ".ndjson": "json",
+               ".tsv": "tsv", ".tab": "tsv", ".txt": "table"}
+
+
+def out_format(fmt: str, out: Path) -> str:
+    """The format a result saved to ``out`` is written in: the extension's with ``auto``, else ``fmt``, which
+    must not contradict a known extension (a file named .parquet always holds Parquet)."""
+    from dynascope.core.errors import UserError
+
+    by_ext = OUT_FORMATS.get(out.suffix.lower())
+    if fmt == "auto":
+        if by_ext is None:
+            raise UserError(f"cannot tell a format from the name {out.name!r}: end it in "
+                            f"{', '.join(OUT_FORMATS)}, or pass --format")
+        return by_ext
+    if by_ext is not None and by_ext != fmt:
+        raise UserError(f"--format {fmt} does not match {out.name!r}, whose extension means {by_ext}")
+    return fmt
+
+
 def write_result(result: pa.Table, fmt: str, out: Path | None, console: Console) -> None:
     """Print or save a query result as a table (on a terminal), tab-separated values (through a pipe), CSV,
     JSON lines or Parquet; ``fmt`` auto picks table or TSV by whether stdout is a terminal."""

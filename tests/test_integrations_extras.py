@@ -29,7 +29,7 @@ def test_missing_extra_names_the_extra(module, code, extra):
     result = _run(blocked, code)
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
-    assert "MissingExtraError" in last and f"pip install 'dynascope[{extra}]'" in last, result.stderr[-2000:]
+    assert "MissingExtraError" in last and f"pip install -e '.[{extra}]'" in last, result.stderr[-2000:]
 
 
 def test_core_imports_without_any_extra(tmp_path):

@@ -142,7 +142,7 @@ def test_listener_and_wandb_failures_are_contained(tmp_path: Path, monkeypatch: 
                 model(torch.ones(1, 2)).sum().backward()
                 opt.step()
     kinds = [r["message"] for r in rows(run, "select message from events where event = 'probe_error'")]
-    assert any(m.startswith("listener:wandb: ") and "dynascope[wandb]" in m for m in kinds), kinds
+    assert any(m.startswith("listener:wandb: ") and "pip install -e '.[wandb]'" in m for m in kinds), kinds
     assert sum("ZeroDivisionError" in m for m in kinds) == 2
 
 

@@ -123,3 +123,12 @@ def test_hostile_names_are_escaped_everywhere(tmp_path):
     assert counts["tensor_stats"] == 3 and counts["tensor_stats_by_kind"] == 3  # (1, hostile) (2, ok) (3, null)
     out = CliRunner().invoke(app, ["runs", str(root)])
     assert out.exit_code == 0 and "DROP" in out.stdout  # printed as text, not interpreted
+
+
+@pytest.mark.parametrize(("query", "named"), [("INSTALL httpfs", "INSTALL"), ("force install httpfs", "INSTALL"),
+                                               ("LOAD httpfs", "LOAD"), ("EXPLAIN ANALYZE INSTALL httpfs", "INSTALL")])
+def test_a_refusal_names_the_statement_written(store_dir, query, named):
+    store = open_store(store_dir / "store")
+    with pytest.raises(StoreError, match=rf"refused: (EXPLAIN of a )?{named} statement"):
+        run_sql(store, query)
+    store.close()

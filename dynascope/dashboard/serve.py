@@ -68,15 +68,10 @@ def launch(path: str | os.PathLike, host: str = DEFAULT_HOST, port: int = 8501) 
 
     The path is checked first so a typo fails with one line instead of a page of Streamlit errors.
     """
+    from dynascope.core.extras import check_installed
     from dynascope.store.layout import locate
 
-    try:
-        import plotly  # noqa: F401
-        import streamlit  # noqa: F401
-    except ImportError as exc:
-        from dynascope.store import StoreError
-
-        raise StoreError(f"the dashboard needs streamlit and plotly: pip install 'dynascope[dashboard]' ({exc})") from None
+    check_installed(["streamlit", "plotly"], "dynascope dashboard")
     loc = locate(path)
     if not is_loopback(host):
         print(f"warning: binding the dashboard to {host}: it has no authentication, so anyone who can reach "

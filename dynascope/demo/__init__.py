@@ -11,14 +11,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from rich.console import Console
 
 from dynascope.core.net import free_port
+from dynascope.demo.clock import Clock
 
-__all__ = ["DEFAULT_RUN", "run_demo"]
+__all__ = ["DEFAULT_RUN", "default_run", "run_demo"]
 
 
 def _check(run_dir: Path, ranks: int, slow_rank: int | None, slow_factor: float, use_async: bool) -> None:
@@ -49,13 +49,25 @@ def _torchrun(settings_path: Path, ranks: int, console: Console) -> None:
 DEFAULT_RUN = {"tiny": "runs/demo", "smollm2": "runs/demo-smollm2"}  # each its own: both run in one checkout
 
 
+def default_run(model: str = "tiny", ranks: int = 1, use_async: bool = False) -> str:
+    """The run directory of a demo without ``--run``: each variant its own, so README's demos run one after
+    another in one checkout (runs/demo, runs/demo-4ranks, runs/demo-async, runs/demo-smollm2)."""
+    if model != "tiny":
+        return DEFAULT_RUN.get(model, DEFAULT_RUN["tiny"])
+    if use_async:
+        return "runs/demo-async"
+    return f"runs/demo-{ranks}ranks" if ranks > 1 else DEFAULT_RUN["tiny"]
+
+
 def run_demo(run_dir: str | os.PathLike | None = None, quick: bool = False, ranks: int = 1, slow_rank: int | None = None,
              slow_factor: float = 2.0, long_tail: bool = False, use_async: bool = False, seed: int = 0,
              console: Console | None = None, model: str = "tiny", steps: int | None = None,
              device: str = "cpu") -> Path:
     """Train (SFT then GRPO) with dynascope's probes into ``run_dir``, then print the report; returns the run dir.
 
-    Without ``run_dir`` each model has its own (``DEFAULT_RUN``), so the real-model demo runs after the tiny one.
+    Without ``run_dir`` each variant has its own (``default_run``), so the variants run one after another.
+    Nothing is written before the options and the optional packages are checked, so a failed start
+    leaves nothing that blocks its retry.
 
     ``model="smollm2"`` runs the real pretrained model instead (``dynascope.demo.smollm2_train``), with
     ``steps`` RL steps on ``device``.
@@ -64,7 +76,7 @@ def run_demo(run_dir: str | os.PathLike | None = None, quick: bool = False, rank
 
     console = console or Console()
     if run_dir is None:
-        run_dir = DEFAULT_RUN.get(model, DEFAULT_RUN["tiny"])
+        run_dir = default_run(model, ranks, use_async)
     if model == "smollm2":
         from dynascope.demo.smollm2_train import run_smollm2
 
@@ -77,6 +89,10 @@ def run_demo(run_dir: str | os.PathLike | None = None, quick: bool = False, rank
         raise ValueError("--steps and --device apply to --model smollm2")
     run_dir = Path(run_dir).expanduser().resolve()
     _check(run_dir, ranks, slow_rank, slow_factor, use_async)
+    if use_async:
+        from dynascope.core.extras import check_installed
+
+        check_installed(["ray"], "dynascope demo --async")
     s = DemoSettings.build(str(run_dir), quick=quick, ranks=ranks, slow_rank=slow_rank, slow_factor=slow_factor,
                            long_tail=long_tail, use_async=use_async, seed=seed)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -84,7 +100,7 @@ def run_demo(run_dir: str | os.PathLike | None = None, quick: bool = False, rank
     settings_path.write_text(s.to_json())
     mode = "async Ray" if use_async else (f"torchrun ×{ranks}" if ranks > 1 else "single process")
     console.print(f"[bold]dynascope demo[/] ({mode}{', quick' if quick else ''}) → {run_dir}", highlight=False)
-    t0 = time.perf_counter()
+    clock = Clock()
     if use_async:
         from dynascope.demo.async_ray import run_async
 
@@ -97,5 +113,5 @@ def run_demo(run_dir: str | os.PathLike | None = None, quick: bool = False, rank
         train_rank(s)
     from dynascope.demo.report import print_report
 
-    print_report(s, console, train_s=time.perf_counter() - t0)
+    print_report(s, console, train_s=clock.wall_s(), cpu_s=clock.cpu_s())
     return run_dir

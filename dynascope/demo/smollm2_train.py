@@ -20,6 +20,7 @@ import torch
 
 import dynascope
 from dynascope.demo import arith
+from dynascope.demo.clock import Clock
 from dynascope.demo.grpo import group_advantages
 from dynascope.demo.smollm2 import (
     FINAL_FILE,
@@ -195,7 +196,7 @@ def run_smollm2(run_dir: str | Path, steps: int | None = None, device: str = "cp
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "demo_settings.json").write_text(s.to_json())
     console.print(f"[bold]dynascope demo --model smollm2[/] → {run_dir}", highlight=False)
-    t0 = time.perf_counter()
+    clock = Clock()
     train(s, say=print)
-    print_reproduction(s, console, train_s=time.perf_counter() - t0)
+    print_reproduction(s, console, train_s=clock.wall_s(), cpu_s=clock.cpu_s())
     return run_dir

@@ -52,11 +52,13 @@ class History:
     config: dict[str, Any] = field(default_factory=dict)
     warning: str | None = None  # e.g. a torn tail on a crashed run
     complete: bool = True       # a .wandb log ends with an exit record once wandb-core has flushed it all
+    stepped: int = 0            # rows that logged the step key themselves
 
     def add_row(self, items: dict[str, Any], step_key: str, last_step: int | None) -> int | None:
         """Append one history row; returns the step it used (carried forward to the next row)."""
         self.rows += 1
         step = _as_int(items.get(step_key))
+        self.stepped += step is not None
         step = last_step if step is None else step
         ts = _as_number(items.get("_timestamp"))
         time_us = int(ts * 1e6) if ts is not None and math.isfinite(ts) else None
@@ -238,19 +240,43 @@ def read_history(path: Path, step_key: str = "_step") -> History:
 
 
 def import_history(path: Path, run: Path, step_key: str = "_step", chunk: int = 200_000) -> History:
-    """Read ``path`` and append its numeric history to ``run``'s ``scalars`` (role ``wandb``)."""
+    """Read ``path`` and append its numeric history to ``run``'s ``scalars`` (role ``wandb``).
+
+    Refuses (``StoreError``, before writing anything) a ``step_key`` that no row logs, which would leave
+    every step NULL, and a source that ``run`` already holds, whose rows a second import would double."""
+    source = find_source(path).resolve()
+    _check_not_imported(source, run)
     hist = read_history(path, step_key)
+    if hist.rows and not hist.stepped:
+        keys = sorted(set(hist.key))
+        shown = ", ".join(keys[:8]) + (", …" if len(keys) > 8 else "")
+        raise StoreError(f"{source}: no history row logs --step-key {step_key!r} (numeric keys logged: {shown or 'none'})")
     writer = RunWriter(run, role="wandb", framework="wandb", config=hist.config or None)
     try:
         for lo in range(0, len(hist.key), chunk):
             hi = lo + chunk
             writer.append("scalars", {"step": hist.step[lo:hi], "time_us": hist.time_us[lo:hi],
                                       "key": hist.key[lo:hi], "value": hist.value[lo:hi]})
-        writer.event("import", f"wandb history from {Path(path).name}", source=str(path),
+        writer.event("import", f"wandb history from {Path(path).name}", source=str(source),
                      rows=hist.rows, values=len(hist.key), skipped=hist.skipped)
     finally:
         writer.close()
     return hist
+
+
+def _check_not_imported(source: Path, run: Path) -> None:
+    """Refuse a wandb source whose history ``run`` already holds (its import event names the source)."""
+    from dynascope.store import open_store
+    from dynascope.store.layout import MARKER
+
+    if not (Path(run) / MARKER).exists():
+        return
+    with open_store(run) as con:
+        prior = con.sql("SELECT fields_json FROM events WHERE event = 'import' AND role = 'wandb'").fetchall()
+    for (fields,) in prior:
+        earlier = json.loads(fields or "{}").get("source")
+        if earlier and Path(earlier).resolve() == source:
+            raise StoreError(f"{run}: already holds the wandb history of {source}; import into a new run")
 
 
 def _as_number(value: Any) -> float | None:

@@ -160,10 +160,10 @@ class StoreConnection:
                 kind = duckdb.StatementType.SELECT if kinds == [duckdb.StatementType.SELECT] else kinds[0] if kinds \
                     else duckdb.StatementType.INVALID
                 if kind != duckdb.StatementType.SELECT:
-                    name = str(kind).rsplit(".", 1)[-1]
+                    name = _statement_name(kind, inner)
                     raise StoreError(f"refused: EXPLAIN of a {name} statement is not allowed on a read-only store")
             if kind not in _ALLOWED_STATEMENTS:
-                name = str(kind).rsplit(".", 1)[-1]
+                name = _statement_name(kind, st.query)
                 raise StoreError(f"refused: {name} statements are not allowed on a read-only store (queries only)")
 
     def sql(self, query: str, params: Params = None) -> duckdb.DuckDBPyRelation:
@@ -270,3 +270,12 @@ def explain_error(exc: BaseException, context: str) -> str:
 
 
 _BAD_SEGMENT = re.compile(r"""["'](/[^"']+\.parquet)["']""")
+
+
+_INSTALL = re.compile(r"\s*(FORCE\s+)?INSTALL\b", re.IGNORECASE)
+
+
+def _statement_name(kind: duckdb.StatementType, query: str) -> str:
+    """The statement as the user wrote it: DuckDB files INSTALL under the LOAD type."""
+    name = str(kind).rsplit(".", 1)[-1]
+    return "INSTALL" if name == "LOAD" and _INSTALL.match(query) else name
