@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dynascope.core.clock import now_us
 from dynascope.store._columns import parquet_options
 from dynascope.store.layout import COMMITS, segment_name, writer_dir
 from dynascope.store.rollup import ROLLUPS
@@ -127,7 +127,7 @@ def write_flush(run_dir: Path, writer_id: str, seq: int, groups: list[Group], co
 
 
 def _write_commit(run_dir: Path, writer_id: str, lo: int, hi: int, files: list[Path], groups: list[Group]) -> Path:
-    at = time.time_ns() // 1000  # after every rename: a query that starts at or after ``at`` lists them all
+    at = now_us()  # after every rename: a query that starts at or after ``at`` lists them all
     body = {"writer_id": writer_id, "lo": lo, "hi": hi, "time_us": at,
             "files": [str(f.relative_to(run_dir)) for f in files],
             "rows": {t: a.num_rows for g in groups for t, a in g.parts}}

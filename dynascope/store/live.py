@@ -47,9 +47,18 @@ def _literal(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
-def live_sql(listing: str, at: str) -> str:
+# How far a writer's clock may run ahead of a reader's and its flushes still count at once. A commit record
+# is named by its writer's clock, after its segments were renamed into place, so a listing that holds the
+# record holds its segments whatever the clocks say: for a read of "now" its time only needs to be no later
+# than the reader's clock plus this. Merged segments keep the exact rule (their ``valid_from`` is the
+# settle delay that keeps a query's two listings agreeing), and so do reads at a given ``at_us``.
+MAX_CLOCK_SKEW_US = 300_000_000
+
+
+def live_sql(listing: str, at: str, commit_at: str | None = None) -> str:
     """A query of the live segment files (column ``file``) among ``listing`` (a relation with a ``file``
-    column holding segments and commit records) at ``at``, a SQL expression in µs since the epoch.
+    column holding segments and commit records) at ``at``, a SQL expression in µs since the epoch;
+    ``commit_at`` (default ``at``): the time commit records must be at or before (``MAX_CLOCK_SKEW_US``).
 
     Equality joins and one window, no range join (a writer directory can hold thousands of segments): a
     commit record's range is expanded to the numbers it covers (a writer's own segment has ``lo = hi``),
@@ -73,7 +82,7 @@ def live_sql(listing: str, at: str) -> str:
         FROM seg WHERE s.w <> '' AND (s.valid = '' OR CAST(s.valid AS HUGEINT) <= {at})
     ), committed AS (  -- every number a commit record in effect covers, one row each
         SELECT DISTINCT c.run AS run, c.w AS w, unnest(range(CAST(c.lo AS BIGINT), CAST(c.hi AS BIGINT) + 1)) AS seq
-        FROM com WHERE c.lo <> '' AND CAST(c.valid AS HUGEINT) <= {at}
+        FROM com WHERE c.lo <> '' AND CAST(c.valid AS HUGEINT) <= {commit_at or at}
     ), counted AS (
         SELECT f.file, f.dir, f.lo, f.hi FROM fin f
         LEFT JOIN keeps k ON f.run = k.run AND f.w = k.w
@@ -91,12 +100,15 @@ _con: duckdb.DuckDBPyConnection | None = None
 _con_lock = threading.Lock()
 
 
-def live_files_in(listing: Iterable[str | Sequence], table: str | None = None, at_us: int | None = None) -> list:
+def live_files_in(listing: Iterable[str | Sequence], table: str | None = None, at_us: int | None = None,
+                  *, now: bool = False) -> list:
     """The live segments among ``listing`` at ``at_us`` (default: now): the rule of DuckDB's views, pure.
 
     ``listing`` holds paths or URLs, or (path, size, mtime) tuples as an object store's list call returns
     them; it must include the commit records under ``<run>/_commits/`` (list the run's whole prefix).
     The result keeps each entry's form, in path order; ``table`` keeps only that table's segments.
+    ``now`` (or no ``at_us``): a read of the present, which counts commit records up to
+    ``MAX_CLOCK_SKEW_US`` ahead of ``at_us`` (a writer whose clock runs ahead).
     """
     entries = list(listing)
     paths = [e if isinstance(e, str) else str(e[0]) for e in entries]
@@ -109,7 +121,8 @@ def live_files_in(listing: Iterable[str | Sequence], table: str | None = None, a
         cur = _con.cursor()
         try:
             cur.register("listing", pa.table({"file": pa.array(paths, pa.string())}))
-            live = {f for (f,) in cur.sql(live_sql("listing", str(at))).fetchall()}
+            commit_at = at + (MAX_CLOCK_SKEW_US if at_us is None or now else 0)
+            live = {f for (f,) in cur.sql(live_sql("listing", str(at), str(commit_at))).fetchall()}
         finally:
             cur.close()
     out = [(p, e) for p, e in zip(paths, entries, strict=True) if p in live
@@ -159,4 +172,4 @@ def live_files(path: str | os.PathLike, table: str, at_us: int | None = None) ->
     listing: list[Entry] = []
     for run_dir in locate(path).run_dirs:
         listing += list_run(run_dir, (table,))
-    return [e.path for e in live_files_in(listing, table, at)]
+    return [e.path for e in live_files_in(listing, table, at, now=at_us is None)]

@@ -27,7 +27,7 @@ import pyarrow as pa
 from dynascope.core.errors import StoreError, first_line
 from dynascope.store import projection
 from dynascope.store.layout import StoreLocation, locate
-from dynascope.store.live import live_sql
+from dynascope.store.live import MAX_CLOCK_SKEW_US, live_sql
 from dynascope.store.projection import select_list
 from dynascope.store.schema import TABLES, sql_type
 
@@ -52,7 +52,7 @@ def quote_ident(name: str) -> str:
     return '"' + str(name).replace('"', '""') + '"'
 
 
-def _view_sql(loc: StoreLocation, table: str, at: str) -> str:
+def _view_sql(loc: StoreLocation, table: str, at: str, commit_at: str | None = None) -> str:
     pattern = quote_literal(loc.table_glob(table))
     listing = f"(SELECT file FROM glob({pattern}) UNION ALL SELECT file FROM glob({quote_literal(loc.commit_glob())}))"
     # The live-segment rule (``live``), over the query's own listing, at the query's start (or ``at_us``).
@@ -60,7 +60,7 @@ def _view_sql(loc: StoreLocation, table: str, at: str) -> str:
     CREATE OR REPLACE VIEW {quote_ident(table)} AS
     SELECT {select_list(table, quote_ident)} FROM (
         SELECT * FROM read_parquet({pattern}, union_by_name = true, filename = '_segment_file')
-        WHERE _segment_file IN ({live_sql(listing, at)})
+        WHERE _segment_file IN ({live_sql(listing, at, commit_at)})
         UNION ALL BY NAME  -- columns added to the schema after a run's segments were written read as NULL
         SELECT {typed_nulls(table, with_old_names=True)} WHERE false)
     """
@@ -200,6 +200,8 @@ def open_store(path: str | os.PathLike, read_only: bool = True, threads: int | N
     """
     loc = locate(path)
     at = "epoch_us(get_current_timestamp())" if at_us is None else str(int(at_us))
+    # Read "now": a writer whose clock runs ahead (up to MAX_CLOCK_SKEW_US) has its flushes counted at once.
+    commit_at = f"({at} + {MAX_CLOCK_SKEW_US})" if at_us is None else at
     con = duckdb.connect(":memory:")
     try:
         con.execute("SET enable_progress_bar = false")  # it would interleave with CSV/JSON on stdout
@@ -207,7 +209,7 @@ def open_store(path: str | os.PathLike, read_only: bool = True, threads: int | N
             con.execute(f"SET threads = {int(threads)}")
         for table in TABLES:
             if glob.glob(loc.table_glob(table)):
-                con.execute(_view_sql(loc, table, at))
+                con.execute(_view_sql(loc, table, at, commit_at))
             else:  # runs written before this table existed: read_parquet would fail on an empty glob
                 con.execute(f"CREATE VIEW {quote_ident(table)} AS SELECT {typed_nulls(table)} WHERE false")
         if read_only:
