@@ -28,6 +28,7 @@ while it runs. The ``writer=_schema`` directories (one empty typed file per tabl
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import time
@@ -40,6 +41,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dynascope.core.errors import StoreError, first_line
+from dynascope.store import lease_lock
 from dynascope.store._columns import parquet_options
 from dynascope.store.compact_across import AcrossStats, fold_writers, remove_spent
 from dynascope.store.finished import done_writers
@@ -174,7 +176,8 @@ def _remove(files: RunFiles, grace_s: float, stats: CompactStats, closed: set[st
 
 @contextlib.contextmanager
 def _run_lock(run_dir: Path):
-    """An exclusive, non-blocking lock on the run's compaction lock file; yields whether it was taken."""
+    """An exclusive, non-blocking lock on the run's compaction lock file; yields whether it was taken.
+    Where the file system has no ``flock`` (Lustre without ``-o flock``), a lease file (``lease_lock``)."""
     try:
         fh = open(run_dir / LOCK, "a+b")  # held for the with-block
     except OSError:
@@ -183,8 +186,16 @@ def _run_lock(run_dir: Path):
     try:
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            yield False
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):  # held by another compactor
+                yield False
+                return
+            token = lease_lock.acquire(run_dir)  # no flock here: ENOSYS, ENOLCK, EOPNOTSUPP
+            try:
+                yield token is not None
+            finally:
+                if token is not None:
+                    lease_lock.release(run_dir, token)
             return
         yield True
     finally:
