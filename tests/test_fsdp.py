@@ -50,6 +50,10 @@ WORKER = textwrap.dedent("""
         fully_shard(layer)
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    timed = dynascope.watch(model, opt, run=sys.argv[1] + "-timed", system_interval_s=None, memory_budget=0.4)
+    # the time budget's agreement group is made by watch(), never lazily inside a training step
+    assert timed.stats.window._agreement._group is not None
+    timed.close()
     scope = dynascope.watch(model, opt, run=sys.argv[1] + "-budget", system_interval_s=None, memory_budget=0.4,
                             time_budget=None)
     for _ in range(4):

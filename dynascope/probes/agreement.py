@@ -7,7 +7,10 @@ window, another's 2.1, their periods 2 and 4, and at the odd multiples of 2 only
 window. Its partial sums then have no partner and those statistics do not combine. So every rank posts
 its period at each record as an asynchronous MAX all-reduce of one int64, on a gloo group of its own
 (the training's collectives, on whatever backend, never see it), and uses at its next record the result
-of the previous post: the same on every rank, and the largest, so no rank goes over its budget.
+of the previous post: the same on every rank, and the largest, so no rank goes over its budget. The group
+is made in ``watch()`` (``prepare``), never inside a step, over the default group: every rank of it must
+run the probe (rollout workers joined to the default group for weight sync would make that one call wait
+``timeout_s``, then the time budget falls back to no timed windows on this rank).
 
 Reading it costs no wait in a training loop: between two records the training's own collectives
 (gradient reduction, ZeRO-3's parameter gathers) cannot complete until every rank has passed the earlier
@@ -42,6 +45,18 @@ class RankMax:
         self._work: Any = None
         self._buf: Any = None
         self._world: int | None = None
+
+    def prepare(self) -> None:
+        """Make the group now (``watch()`` calls this for a sharded run, before the first step): creating a
+        process group is a collective over the default group, so every rank of it must be running the
+        probe; a rank that is not costs this call one wait of ``timeout_s``, after which this rank takes no
+        time-budgeted windows (reported), never a stall inside a training step."""
+        try:
+            self._world_size()
+        except Exception as exc:
+            self.failed = True
+            self.notice = (f"time budget: no process group for the ranks' window period ({type(exc).__name__}: "
+                           f"{exc}); no time-budgeted windows on this rank")
 
     def _world_size(self) -> int:
         if self._world is None:

@@ -111,7 +111,9 @@ class TensorStats(Probe):
 
     def prepare(self, tracked: list[Tracked], step: int) -> None:
         """Before the first record: at full coverage on a host, its snapshot and kernels readied off the
-        training thread (``weight_pass.prepare``)."""
+        training thread (``weight_pass.prepare``); a sharded run's group for the time budget's agreement
+        made here, in ``watch()``, not inside a step (``probes.agreement``)."""
+        self.window.prepare(tracked)
         prepare(self, tracked, step)
 
     def _resident_bytes(self, tracked: list[Tracked]) -> float:

@@ -159,6 +159,11 @@ class Window:
         window, self.chunk = self._rotation[w]
         return window
 
+    def prepare(self, tracked: list[Tracked]) -> None:
+        """Before the first step: a sharded run's ranks make the group they agree on periods over."""
+        if self.time_budget is not None and self._is_sharded(tracked):
+            self._agreement.prepare()
+
     def _is_sharded(self, tracked: list[Tracked]) -> bool:
         if self._sharded is None or self._sharded[0] != id(tracked):  # looked at once per tracked list
             self._sharded = (id(tracked), any(t.sharded for t in tracked))
