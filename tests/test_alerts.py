@@ -184,3 +184,31 @@ def test_watch_run_follows_from_another_process(tmp_path: Path) -> None:
     bad = subprocess.run([*CLI, "watch-run", str(run), "--rules", str(rules), "--once"], capture_output=True,
                          text=True, timeout=300)
     assert bad.returncode != 0 and len(bad.stderr.strip().splitlines()) == 1 and "condition" in bad.stderr
+
+
+def test_a_planted_gradient_spike_fires_the_default_rule_live(tmp_path: Path) -> None:
+    """A real training loop, the default rules on: ×1e4 on one step's loss is one gradient-norm alert at
+    that step, found by the detector over the probe's own per-tensor gradient norms while the loop runs."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    run = tmp_path / "run"
+    writer = RunWriter(run, flush_secs=0.1)
+    scope = dynascope.watch(model, opt, run, writer=writer, alerts=True, alert_interval_s=0.1, system_interval_s=None)
+    monitor = scope._services[-1]
+    x, y = torch.randn(64, 16), torch.randn(64, 1)
+    for step in range(200):
+        loss = torch.nn.functional.mse_loss(model(x), y) * (1e4 if step == SPIKE * 3 else 1.0)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    wait_until(lambda: any(f.rule.quantity == "grad_norm_spike" for f in monitor.fired),
+               "the gradient-norm alert while the run is live", timeout_s=120)
+    scope.close()
+    writer.close()
+    spikes = [a for a in _alerts(run) if a["quantity"] == "grad_norm_spike"]
+    assert [a["step"] for a in spikes] == [SPIKE * 3]  # that step only: the hold-down keeps it one alert
+    with open_store(run) as store:  # the value it reports is the step's global gradient norm, a spike
+        (median,) = store.rows("SELECT median(g) FROM (SELECT step, sqrt(sum(grad_norm * grad_norm)) AS g "
+                               "FROM tensor_stats GROUP BY step)")[0]
+    assert spikes[0]["value"] > 1000 * median
