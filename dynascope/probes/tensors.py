@@ -161,18 +161,24 @@ class TensorStats(Probe):
         device = grads[0].device if grads else torch.device("cpu")
         given: dict[str, tuple[torch.Tensor, ...]] = {}  # batched results by column: 0-d views per gradient
         in_window = set(rec.window)
+        unscale = _Unscale(ctx, device)
+        if ctx.scale_unknown is not None:
+            rec.notes.append(("grad_scale_unknown", ctx.scale_unknown))
         for p in self.grad_passes:
             if p.batched:
                 res = p.run_batched(grads).to(device)
-                rec.add(p.key, p.outputs, with_grad, res)
+                # the passes after it get the norms of the gradients they read (still scaled, like them)
                 given.update((c, res[:, j].unbind()) for j, c in enumerate(p.outputs))
+                rec.add(p.key, p.outputs, with_grad, unscale(p.outputs, res))
                 continue
             pos = [k for k, i in enumerate(with_grad) if p.tier == "every" or i in in_window]
             pos = [k for k in pos if all(g in given for g in p.given)]
             items = [Item({"grad": flat_reader(grads[k])}, grads[k].numel(), {g: given[g][k] for g in p.given})
                      for k in pos]
             rec.add(p.key, p.outputs, [with_grad[k] for k in pos],
-                    p.run_many(items, self.settings, chunk_elems=rec.chunk_elems).to(device))
+                    unscale(p.outputs, p.run_many(items, self.settings, chunk_elems=rec.chunk_elems).to(device)))
+        if ctx.found_inf is not None:  # a fused step under a GradScaler: a no-op where the scaler found Inf/NaN
+            rec.found_inf = ctx.found_inf
         del grads, given
         if snapshot and rec.window and self._needs_old:  # after the gradient counts, whose temporaries are gone
             self.snapshot.take([tracked[i].local() for i in rec.window], self._finish_pass)
@@ -192,6 +198,7 @@ class TensorStats(Probe):
         rec, self._rec = self._rec, None
         if rec is None:
             return None
+        rec.update_keys = [p.key for p in self.weight_passes if "old" in p.inputs]
         tracked = rec.tracked
         locals_ = LocalViews(tracked)
         device = locals_[0].device if tracked else torch.device("cpu")
@@ -343,6 +350,27 @@ class TensorStats(Probe):
         self.window.close()
         if self.history is not None:
             self.history.drop()
+
+
+class _Unscale:
+    """The gradient statistics of one record as the unscaled gradient's: the values that scale with g
+    (norms, max |g|; the counts do not) divided on device by the loss scale still in ``.grad``
+    (``StepContext.grad_scale``), or NaN (NULL) where that scale is not known."""
+
+    def __init__(self, ctx: StepContext, device: torch.device) -> None:
+        self.unknown = ctx.scale_unknown is not None
+        scale = ctx.grad_scale
+        self.scale = None if scale is None or self.unknown else torch.as_tensor(scale).to(device, torch.float64)
+
+    def __call__(self, columns: tuple[str, ...], values: torch.Tensor) -> torch.Tensor:
+        if self.scale is None and not self.unknown:
+            return values
+        scaled = [j for j, c in enumerate(columns) if not REGISTRY.column[c].integer]
+        if not scaled:
+            return values
+        out = values.to(torch.float64).clone()
+        out[:, scaled] = float("nan") if self.unknown else out[:, scaled] / self.scale
+        return out
 
 
 class _RecordRows:
