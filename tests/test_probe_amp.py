@@ -82,18 +82,21 @@ def test_gradients_are_the_unscaled_ones(tmp_path: Path, fused: bool, dtype: tor
         assert skipped == []
 
 
-class _TakesScaler(torch.optim.SGD):
-    """An optimizer that takes the scaler itself and unscales on its own terms."""
+class _TakesScaler(torch.optim.Optimizer):
+    """A plain SGD that takes the scaler itself and unscales on its own terms (its own step, not a
+    parent's: a parent's patched ``step`` would run the step hooks a second time)."""
 
     _step_supports_amp_scaling = True  # GradScaler.step hands such an optimizer the unscaling
 
+    def __init__(self, params, lr: float) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
     def step(self, closure=None, grad_scaler=None):  # type: ignore[override]
-        if grad_scaler is not None:
-            inv = grad_scaler._get_scale_async().double().reciprocal().float()
-            for group in self.param_groups:
-                for p in group["params"]:
-                    p.grad.mul_(inv)
-        return super().step(closure)
+        inv = grad_scaler._get_scale_async().double().reciprocal().float() if grad_scaler is not None else 1.0
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.add_(p.grad * inv, alpha=-group["lr"])
 
 
 def test_unknown_scale_is_null_with_an_event(tmp_path: Path) -> None:
@@ -109,6 +112,6 @@ def test_unknown_scale_is_null_with_an_event(tmp_path: Path) -> None:
             with pytest.warns(FutureWarning):
                 scaler.step(opt)
     got = rows(run, "select grad_norm, grad_max_abs, grad_zero_count, update_norm from tensor_stats")
-    assert len(got) == 4 and all(r["grad_norm"] is None and r["grad_max_abs"] is None for r in got)
-    assert all(r["grad_zero_count"] is not None and r["update_norm"] > 0 for r in got)
+    assert len(got) == 4 and all(r["grad_norm"] is None and r["grad_max_abs"] is None for r in got), got
+    assert all(r["grad_zero_count"] is not None and r["update_norm"] > 0 for r in got), got
     assert "grad_scale_unknown" in {r["event"] for r in rows(run, "select event from events")}

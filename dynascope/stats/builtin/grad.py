@@ -39,7 +39,7 @@ def grad_norm(ops: Any, grad: Any) -> tuple[Any]:
 def grad_norms(tensors: list[Tensor]) -> Tensor:
     from dynascope.stats.kernels import batched_norms
 
-    return batched_norms(tensors)
+    return batched_norms(tensors, GRAD_NORM)
 
 
 def grad_counts_element(ops: Any, grad: Any, near_zero: Any) -> tuple[Any, ...]:
