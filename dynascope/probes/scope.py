@@ -24,11 +24,12 @@ from dynascope.core.clock import now_us
 from dynascope.core.warn import warn
 from dynascope.probes import zero_params
 from dynascope.probes.delivery import Delivery
+from dynascope.probes.loss_scale import loss_scale
 from dynascope.probes.memory import MemoryProbe
 from dynascope.probes.params import Tracked, discover, optimizer_fingerprint
 from dynascope.probes.protocol import Listener, Probe, StepContext
 from dynascope.probes.resolver import Resolver, lower_priority
-from dynascope.probes.step_hooks import attach_step_hooks, loss_scale
+from dynascope.probes.step_hooks import attach_step_hooks
 from dynascope.probes.system import SystemSampler
 from dynascope.probes.tensors import TensorStats
 from dynascope.probes.timing import PROBE_PHASE, TimingProbe

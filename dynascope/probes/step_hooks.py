@@ -15,7 +15,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["StepWrapHandle", "attach_step_hooks", "loss_scale"]
+__all__ = ["StepWrapHandle", "attach_step_hooks"]
 
 Hook = Callable[[Any, tuple, dict], Any]
 
@@ -76,20 +76,3 @@ def attach_step_hooks(optimizer: Any, pre: Hook, post: Hook) -> list[Any] | None
     except Exception:  # __slots__, a read-only property, a frozen object
         return None
     return [StepWrapHandle(optimizer, step, had_own, original)]
-
-
-def loss_scale(optimizer: Any, kwargs: dict | None) -> tuple[Any, Any, str | None]:
-    """At the pre-hook: the loss scale still in ``.grad``, the scaler's found-Inf flag, and why the scale
-    cannot be known (else None).
-
-    ``torch.amp.GradScaler.step`` unscales ``.grad`` in place before a plain optimizer's step; a fused one
-    (``Adam(fused=True)``) instead gets ``optimizer.grad_scale`` and ``optimizer.found_inf`` and unscales
-    inside its kernel, so at the pre-hook the gradients are still multiplied by the scale. (After a manual
-    ``scaler.unscale_``, ``grad_scale`` is unset and the gradients are already unscaled.) An optimizer that
-    takes the scaler itself (``step(grad_scaler=...)``) decides on its own whether and when it unscales.
-    """
-    if (kwargs or {}).get("grad_scaler") is not None:
-        return None, None, (f"{type(optimizer).__name__}.step() got the GradScaler itself, so the scale of its "
-                            "gradients is not known: grad_norm and grad_max_abs are NULL")
-    scale = getattr(optimizer, "grad_scale", None)
-    return scale, getattr(optimizer, "found_inf", None) if scale is not None else None, None

@@ -30,6 +30,7 @@ import torch
 from dynascope.core.naming import normalize_name
 from dynascope.core.warn import warn
 from dynascope.probes.background import PassThread, versions
+from dynascope.probes.loss_scale import Unscale
 from dynascope.probes.params import LocalViews, Tracked
 from dynascope.probes.protocol import Probe, Rows, StepContext, resolved_rows
 from dynascope.probes.rows import Record, summarize, tensor_stats_batch, tracked_columns
@@ -158,10 +159,12 @@ class TensorStats(Probe):
             if g is not None:
                 with_grad.append(i)
                 grads.append(g)
-        device = grads[0].device if grads else torch.device("cpu")
+        # A model over several devices in one process (device_map="auto"): the record's values gather on an
+        # accelerator, so its one copy to the host stays asynchronous
+        device = next((g.device for g in grads if g.device.type != "cpu"), torch.device("cpu"))
         given: dict[str, tuple[torch.Tensor, ...]] = {}  # batched results by column: 0-d views per gradient
         in_window = set(rec.window)
-        unscale = _Unscale(ctx, device)
+        unscale = Unscale(ctx, device)
         if ctx.scale_unknown is not None:
             rec.notes.append(("grad_scale_unknown", ctx.scale_unknown))
         for p in self.grad_passes:
@@ -173,8 +176,8 @@ class TensorStats(Probe):
                 continue
             pos = [k for k, i in enumerate(with_grad) if p.tier == "every" or i in in_window]
             pos = [k for k in pos if all(g in given for g in p.given)]
-            items = [Item({"grad": flat_reader(grads[k])}, grads[k].numel(), {g: given[g][k] for g in p.given})
-                     for k in pos]
+            items = [Item({"grad": flat_reader(grads[k])}, grads[k].numel(),
+                          {g: _on(given[g][k], grads[k].device) for g in p.given}) for k in pos]
             rec.add(p.key, p.outputs, [with_grad[k] for k in pos],
                     unscale(p.outputs, p.run_many(items, self.settings, chunk_elems=rec.chunk_elems).to(device)))
         if ctx.found_inf is not None:  # a fused step under a GradScaler: a no-op where the scaler found Inf/NaN
@@ -352,25 +355,10 @@ class TensorStats(Probe):
             self.history.drop()
 
 
-class _Unscale:
-    """The gradient statistics of one record as the unscaled gradient's: the values that scale with g
-    (norms, max |g|; the counts do not) divided on device by the loss scale still in ``.grad``
-    (``StepContext.grad_scale``), or NaN (NULL) where that scale is not known."""
-
-    def __init__(self, ctx: StepContext, device: torch.device) -> None:
-        self.unknown = ctx.scale_unknown is not None
-        scale = ctx.grad_scale
-        self.scale = None if scale is None or self.unknown else torch.as_tensor(scale).to(device, torch.float64)
-
-    def __call__(self, columns: tuple[str, ...], values: torch.Tensor) -> torch.Tensor:
-        if self.scale is None and not self.unknown:
-            return values
-        scaled = [j for j, c in enumerate(columns) if not REGISTRY.column[c].integer]
-        if not scaled:
-            return values
-        out = values.to(torch.float64).clone()
-        out[:, scaled] = float("nan") if self.unknown else out[:, scaled] / self.scale
-        return out
+def _on(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A given value where its gradient is (a copy only for a model over several devices, where a host
+    gradient's threshold waits for its norm on the accelerator)."""
+    return x if x.device == device else x.to(device)
 
 
 class _RecordRows:

@@ -27,9 +27,11 @@ def wide(t: Tensor) -> Tensor:
 def norms(tensors: list[Tensor], statistic: Statistic | None = None) -> Tensor:
     """L2 norms of ``tensors`` as float64 [n], every element's square summed in float64.
 
-    One estimator for every record and every tier: on a host, ``statistic``'s own pass over the elements
-    (``stats.engine.Pass.run_many``: the fused kernel, or its chunk-tensor form while that compiles), the
-    pass that gives ‖W‖ of the window's tensors; elsewhere ``torch._foreach_norm`` accumulating in float64.
+    One estimator for every record and every tier: ``statistic``'s own pass over the elements
+    (``stats.engine.Pass.run_many``: on a host the fused kernel, or its chunk-tensor form while that
+    compiles; on an accelerator the chunk-tensor form, float64 sums of each chunk), the pass that gives ‖W‖
+    of the window's tensors. (``torch._foreach_norm`` accumulates in the input's width, fp32 for fp32
+    tensors, even with a float64 ``dtype``.) Without ``statistic``: ``torch._foreach_norm``.
     Tensors on several devices (a model spread over them in one process) get each device's norms, gathered
     on the first tensor's device without waiting for any.
     An fp32 accumulator is not enough: an fp32 BLAS dot of 33.5M elements is ~2.6e-4 off a float64 reference,
@@ -48,21 +50,22 @@ def norms(tensors: list[Tensor], statistic: Statistic | None = None) -> Tensor:
             for j, i in enumerate(idx):
                 out[i] = res[j]
         return torch.stack(out)
-    if statistic is not None and all(t.device.type == "cpu" for t in tensors):
+    if statistic is not None:
         from dynascope.stats.engine import flat_reader
         from dynascope.stats.fused_many import Item
 
         name = statistic.inputs[0]
         items = [Item({name: flat_reader(t)}, t.numel(), {}) for t in tensors]
         return _pass(statistic).run_many(items)[:, 0].to(torch.float64)
-    return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float64)).to(torch.float64)
+    return torch.stack([torch.linalg.vector_norm(t, dtype=None if t.dtype in (torch.float32, torch.float64)
+                                                 else torch.float32) for t in tensors]).to(torch.float64)
 
 
 _PASSES: dict[str, Any] = {}
 
 
 def _pass(statistic: Statistic) -> Any:
-    """The one-statistic pass ``norms`` runs on a host (built once per statistic)."""
+    """The one-statistic pass ``norms`` runs (built once per statistic)."""
     got = _PASSES.get(statistic.name)
     if got is None:
         from dynascope.stats.engine import Pass
