@@ -6,7 +6,7 @@ not).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -25,17 +25,15 @@ def wide(t: Tensor) -> Tensor:
 
 
 def norms(tensors: list[Tensor], statistic: Statistic | None = None) -> Tensor:
-    """L2 norms of ``tensors`` as float64 [n], every element's square summed in float64.
+    """L2 norms of ``tensors`` as float64 [n].
 
-    One estimator for every record and every tier: ``statistic``'s own pass over the elements
-    (``stats.engine.Pass.run_many``: on a host the fused kernel, or its chunk-tensor form while that
-    compiles; on an accelerator the chunk-tensor form, float64 sums of each chunk), the pass that gives ‖W‖
-    of the window's tensors. (``torch._foreach_norm`` accumulates in the input's width, fp32 for fp32
-    tensors, even with a float64 ``dtype``.) Without ``statistic``: ``torch._foreach_norm``.
-    Tensors on several devices (a model spread over them in one process) get each device's norms, gathered
-    on the first tensor's device without waiting for any.
-    An fp32 accumulator is not enough: an fp32 BLAS dot of 33.5M elements is ~2.6e-4 off a float64 reference,
-    which at lr 1e-6 is larger than a step's change of ‖W‖; the float64 sum is ~1e-11 off.
+    On a host, with ``statistic`` (the one asking, whose element function squares its input): its fused
+    kernel, the pass that gives ‖W‖ of the window's tensors, each element's square summed in float64, one
+    estimator for every record and tier (~1e-11 relative off a float64 reference at 33.5M elements, where an
+    fp32 BLAS dot is ~2.6e-4 off: at lr 1e-6 more than a step's change of ‖W‖). While that kernel compiles,
+    without numba, and on accelerators, ``_plain_norms``, which allocate nothing (the batched norms are
+    outside the memory budget) and accumulate in fp32. Tensors on several devices (a model spread over them
+    in one process) get each device's norms, gathered on the first tensor's device without waiting for any.
     """
     if not tensors:
         return torch.zeros(0, dtype=torch.float64)
@@ -50,28 +48,37 @@ def norms(tensors: list[Tensor], statistic: Statistic | None = None) -> Tensor:
             for j, i in enumerate(idx):
                 out[i] = res[j]
         return torch.stack(out)
-    if statistic is not None:
+    if statistic is not None and all(t.device.type == "cpu" for t in tensors):
+        from dynascope.stats.base import DEFAULT_CHUNK_ELEMS, Settings
         from dynascope.stats.engine import flat_reader
-        from dynascope.stats.fused_many import Item
+        from dynascope.stats.fused_many import Item, run_many
 
         name = statistic.inputs[0]
         items = [Item({name: flat_reader(t)}, t.numel(), {}) for t in tensors]
-        return _pass(statistic).run_many(items)[:, 0].to(torch.float64)
-    return torch.stack([torch.linalg.vector_norm(t, dtype=None if t.dtype in (torch.float32, torch.float64)
-                                                 else torch.float32) for t in tensors]).to(torch.float64)
+        fused, done = run_many((statistic,), statistic.inputs, items, Settings(), DEFAULT_CHUNK_ELEMS)
+        got = torch.from_numpy(fused[:, 0]).to(torch.float64)
+        if not done.all():  # while the kernel compiles (or without numba)
+            rest = [k for k in range(len(tensors)) if not done[k]]
+            got[rest] = _plain_norms([tensors[k] for k in rest])
+        return got
+    return _plain_norms(tensors)
 
 
-_PASSES: dict[str, Any] = {}
-
-
-def _pass(statistic: Statistic) -> Any:
-    """The one-statistic pass ``norms`` runs (built once per statistic)."""
-    got = _PASSES.get(statistic.name)
-    if got is None:
-        from dynascope.stats.engine import Pass
-
-        got = _PASSES[statistic.name] = Pass([statistic])
-    return got
+def _plain_norms(tensors: list[Tensor]) -> Tensor:
+    """Norms without temporaries (the batched norms are outside the memory budget): an fp32 BLAS dot per
+    contiguous fp32 host tensor, ``torch._foreach_norm`` elsewhere (fp32 accumulation for 16-bit inputs)."""
+    if all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors):
+        return torch.stack([torch.dot(t.view(-1), t.view(-1)) for t in tensors]).to(torch.float64).sqrt()
+    parts: list[Tensor | None] = [None] * len(tensors)
+    kinds: dict[bool, list[int]] = {}
+    for i, t in enumerate(tensors):
+        kinds.setdefault(t.dtype in (torch.float32, torch.float64), []).append(i)
+    for native, idx in kinds.items():
+        ts = [tensors[i] for i in idx]
+        for i, r in zip(idx, torch._foreach_norm(ts) if native else torch._foreach_norm(ts, 2, dtype=torch.float32),
+                        strict=False):
+            parts[i] = r
+    return torch.stack([o.to(torch.float64) for o in parts])  # type: ignore[union-attr]
 
 
 def batched_norms(tensors: list[Tensor], statistic: Statistic | None = None) -> Tensor:
