@@ -46,6 +46,8 @@ def test_watch_on_cuda(tmp_path: Path) -> None:
     by = {r["phase"]: r for r in t}
     assert {"forward", "backward", "optimizer", "train", "step"} <= set(by)
     assert by["forward"]["dev"].startswith("cuda") and by["forward"]["lo"] > 0
+    clocks = {r["phase"]: r["clock"] for r in q("select distinct phase, clock from timings")}
+    assert clocks["forward"] == "cuda_event" and clocks["step"] == "host"
     mem = q("select value from scalars where key = 'mem/peak_allocated_bytes'")
     assert len(mem) == 4 and all(r["value"] > 0 for r in mem)
     gpus = q("select * from system where device like 'gpu:%'")

@@ -24,8 +24,12 @@ def rows_from_record(rec: Record) -> dict:
 
 def naive_row(values: dict, numel: int) -> dict:
     """One row from the named values of one tensor, the plainest way, as the declarations say: a count
-    proven zero by a finite norm, flags, fractions, ratios, integers (non-finite → NULL), the rest as is."""
+    proven zero by a finite norm, flags, fractions, ratios, the rest as is (non-finite → NULL)."""
     v = dict(values, numel=numel)
+    for c in REGISTRY.columns:  # a count whose threshold came from a non-finite norm has no value
+        norm = c.null_where_not_finite
+        if norm is not None and v.get(norm) is not None and not math.isfinite(v[norm]):
+            v.pop(c.name, None)
     for c in REGISTRY.columns:
         norm = c.zero_where_finite
         if norm is not None and v.get(norm) is not None and math.isfinite(v[norm]):
@@ -39,11 +43,12 @@ def naive_row(values: dict, numel: int) -> dict:
             row[col.name] = None if x is None or not math.isfinite(x) or numel == 0 else x / numel
         elif col.ratio is not None:
             a, b = v.get(col.ratio[0]), v.get(col.ratio[1])
-            row[col.name] = None if a is None or b is None or b == 0 else a / b
-        elif col.integer:
-            row[col.name] = None if x is None or not math.isfinite(x) else int(x)
+            finite = a is not None and b is not None and math.isfinite(a) and math.isfinite(b)
+            row[col.name] = a / b if finite and b != 0 else None
+        elif x is None or (isinstance(x, float) and not math.isfinite(x)):
+            row[col.name] = None
         else:
-            row[col.name] = x
+            row[col.name] = int(x) if col.integer else x
     return row
 
 
@@ -65,13 +70,15 @@ def test_vectorised_rows_equal_the_per_tensor_reference() -> None:
             v = cols[c.name]
             got = v[i].as_py() if isinstance(v, pa.Array) else (v[i].item() if isinstance(v, np.ndarray) else v[i])
             assert _same(got, want[c.name]), (t.name, c.name, got, want[c.name])
-    # The cases the fixture plants: a NaN norm stays NaN (not NULL); Inf/NaN counts become NULL; a zero
+    # The cases the fixture plants: a NaN norm is NULL; Inf/NaN counts become NULL; a zero or infinite
     # denominator gives a NULL ratio; a finite norm proves zero NaN/Inf counts; numel 0 gives NULL fractions.
-    assert math.isnan(cols["w_norm"][1].as_py()) and cols["w_nan_count"][1].as_py() is None
+    assert cols["w_norm"][1].as_py() is None and cols["w_nan_count"][1].as_py() is None
     assert cols["w_nan_count"][0].as_py() == 0 and cols["grad_inf_count"][4].as_py() == 0
     assert cols["sign_flip_count"][3].as_py() is None and cols["changed_count"][2].as_py() is None
     assert cols["update_ratio"][2].as_py() is None and cols["drift_ratio"][4].as_py() is None
     assert cols["changed_frac"][0].as_py() == 0.5 and cols["sign_flip_frac"][2].as_py() is None
+    assert cols["grad_near_zero_count"].to_pylist()[:2] == [1, None] and cols["grad_inf_count"][1].as_py() == 2
+    assert cols["grad_norm"][1].as_py() is None and cols["grad_near_zero_frac"][1].as_py() is None
     assert cols["ref_covered"].to_pylist() == [False, False, False, False, True]
     assert cols["bf16_k_steps"].to_pylist() == [None, 3, None, 3, None]
 
@@ -103,7 +110,7 @@ def test_a_record_outside_the_window_equals_the_reference() -> None:
 def test_summary_means_per_kind_skip_nulls() -> None:
     rec, _ = _record(_tracked())
     s = summarize(rows_from_record(rec))
-    assert s["update_ratio"] == (0.25 + 1 / math.inf) / 2  # rows 0 and 3; row 2 is NULL
+    assert s["update_ratio"] == 0.25  # row 0; row 2 (zero ‖W‖) and row 3 (infinite ‖W‖) are NULL
     assert s["update_ratio/attn"] == s["update_ratio"] and "update_ratio/mlp" not in s
     assert s["changed_frac"] == 0.5
 
@@ -124,6 +131,6 @@ def test_writer_stores_the_arrays_with_their_nulls(tmp_path) -> None:
                       "ORDER BY step, tensor").fetchall()
     assert len(got) == 2 * len(tracked)
     row1 = [r for r in got if r[0] == 1 and r[1] == "layers.1.w"][0]
-    assert row1[2] == 1 and row1[3] == 5 and math.isnan(row1[4]) and row1[5] is None and row1[6] is None
+    assert row1[2] == 1 and row1[3] == 5 and row1[4] is None and row1[5] is None and row1[6] is None
     assert [r[7] for r in got if r[0] == 2] == [False, False, False, False, True]
     assert [r[2] for r in got if r[0] == 2][2] is None  # layer NULL stays NULL

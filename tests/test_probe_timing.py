@@ -51,7 +51,7 @@ def test_phases_nest_and_auto_phases_are_timed(tmp_path: Path) -> None:
         assert by["reward"][0]["parent"] == "rollout" and by["reward"][0]["category"] == "annotation"
         assert by["reward"][0]["dur_us"] >= 2000
         assert by["rollout"][0]["dur_us"] >= by["reward"][0]["dur_us"]
-        assert all(r["rank"] == 0 and r["device"] == "cpu" for r in rs)
+        assert all(r["rank"] == 0 and r["device"] == "cpu" and r["clock"] == "host" for r in rs)
     steps = [r for r in got if r["phase"] == "step"]
     assert all(b["start_us"] >= a["start_us"] for a, b in zip(steps, steps[1:], strict=False))
     assert [s for s, _ in summaries] == [0, 1, 2]

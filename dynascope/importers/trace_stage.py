@@ -165,7 +165,8 @@ def write_segment(con: duckdb.DuckDBPyConnection, staged: Path, out: Path, run_i
                 WHEN cat IN ('gpu_memcpy', 'gpu_memset') OR regexp_matches(name, '^(Memcpy|Memset)') THEN 'memcpy'
                 ELSE 'kernel' END AS category,
            CASE WHEN kind = 'gpu' THEN stream END AS stream,
-           ts_ns + {int(base_ns)} AS start_ns, dur_ns
+           ts_ns + {int(base_ns)} AS start_ns, dur_ns,
+           NULL::VARCHAR AS clock  -- the profiler's own clocks (start_ns, dur_ns), not a probe's
     FROM stepped
     ) ORDER BY start_ns) TO {quote_literal(str(tmp))} (FORMAT parquet, COMPRESSION zstd)
     """)

@@ -39,6 +39,13 @@ class StepContext:
     # optimizer.step(closure): the closure computes the gradients inside the step (LBFGS, Lightning's
     # automatic optimization), so before the step they are the last step's; read them after it
     grads_after: bool = False
+    # The loss scale still in ``.grad`` at the pre-hook: a fused optimizer under ``torch.amp.GradScaler``
+    # gets the scale (``optimizer.grad_scale``) and unscales inside its kernel, so the gradients the probe
+    # reads are scaled. ``found_inf``: the scaler's device flag; the fused step is a no-op where it is set.
+    grad_scale: Any = None
+    found_inf: Any = None
+    # Why the gradients' scale cannot be known (an optimizer handed the scaler itself), or None
+    scale_unknown: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -45,6 +45,8 @@ class Record:
         self.event: Any = None
         self.done: Any = None  # the future of a pass still computing this record's values (probes.background)
         self.notes: list[tuple[str, str]] = []  # (event, message): what became NULL or changed and why
+        self.found_inf: torch.Tensor | None = None  # a GradScaler's flag: set where a fused step was a no-op
+        self.update_keys: list[str] = []  # the blocks that describe the update (NULL where the step was skipped)
 
     def add(self, key: str, columns: tuple[str, ...], rows: list[int], values: torch.Tensor) -> None:
         self.blocks[key] = Block(columns, rows)
@@ -71,7 +73,10 @@ class Record:
     def pack(self, device: torch.device) -> None:
         """Every block's values into one float64 vector and its single copy to the host (pinned memory and
         a CUDA event behind it on a GPU, so nothing waits for the device here)."""
-        flat = torch.cat([v.to(device=device, dtype=torch.float64).reshape(-1) for v in self.values.values()])
+        parts = [v.to(device=device, dtype=torch.float64).reshape(-1) for v in self.values.values()]
+        if self.found_inf is not None:  # last, one value: read on the resolver thread (``skipped``)
+            parts.append(self.found_inf.to(device=device, dtype=torch.float64).reshape(1))
+        flat = torch.cat(parts)
         if flat.is_cuda:
             self.host = torch.empty(flat.shape, dtype=torch.float64, pin_memory=True)
             self.host.copy_(flat, non_blocking=True)
@@ -113,16 +118,24 @@ def tensor_stats_batch(recs: list[Record], meta: dict[str, Any] | None = None) -
             raise ValueError(f"records of different tracked lists in one batch ({len(rec.tracked)} != {n})")
         rec.wait()  # the record's pass and its single device→host copy, waited for here
         arr = rec.host.numpy() if rec.host is not None else np.zeros(0)
+        skipped = rec.found_inf is not None and arr.size > 0 and arr[-1] != 0
+        if skipped:
+            rec.notes.append(("step_skipped", "the GradScaler found Inf/NaN gradients and the fused optimizer "
+                              "skipped this step: its update statistics are NULL"))
         off = 0
         for key, block in rec.blocks.items():
             size = len(block.rows) * len(block.columns)
             values = arr[off:off + size].reshape(len(block.rows), len(block.columns))
             off += size
-            if not block.rows:  # a pass that covered no tensor this record (e.g. drift outside its turn)
-                continue
+            if not block.rows or (skipped and key in rec.update_keys):  # no tensor (e.g. drift outside its
+                continue  # turn), or no update: the scaler skipped the step
             idx = np.asarray(block.rows, dtype=np.int64) + r * n
             for j, c in enumerate(block.columns):
                 parts.put(c, idx, values[:, j])
+                if c in _NORMS and not np.isfinite(values[:, j]).all():
+                    bad = int((~np.isfinite(values[:, j])).sum())
+                    rec.notes.append(("non_finite", f"{c} of {bad} tensors is not finite (NaN or Inf elements): "
+                                      "it, and the figures derived from it, are NULL; the NaN and Inf counts are exact"))
             for c, x in rec.constants.get(key, {}).items():
                 parts.put(c, idx, x)
     meta = tracked_columns(recs[0].tracked) if meta is None else meta
@@ -138,6 +151,10 @@ def tensor_stats_batch(recs: list[Record], meta: dict[str, Any] | None = None) -
     cols["stage"] = stages[0] if stages.count(stages[0]) == r_count else _dictionary(stages, np.repeat(
         np.arange(r_count, dtype=np.int32), n))
     return cols
+
+
+# The norm columns: one that is not finite is stored as NULL (``stats.rows``), with an event saying so.
+_NORMS = frozenset(c.name for c in REGISTRY.columns if c.reduce == "norm")
 
 
 def _repeated(meta: dict[str, Any], times: int) -> dict[str, Any]:

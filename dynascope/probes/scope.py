@@ -25,6 +25,7 @@ from dynascope.core.warn import warn
 from dynascope.probes import forks, zero_params
 from dynascope.probes.delivery import Delivery
 from dynascope.probes.listeners import LISTENER_DEADLINE_S, IsolatedListener
+from dynascope.probes.loss_scale import loss_scale
 from dynascope.probes.memory import MemoryProbe
 from dynascope.probes.params import Tracked, discover, optimizer_fingerprint
 from dynascope.probes.protocol import Listener, Probe, StepContext
@@ -71,6 +72,7 @@ class Scope:
         self._fingerprint: tuple | None = None
         self._skipped_reported: set[str] = set()
         self._stepped = False  # the optimizer stepped since the last boundary
+        self._scale: tuple[Any, Any, str | None] = (None, None, None)  # loss_scale() at the pre-hook
         self._grads_after = False  # this step's optimizer.step() got a closure (StepContext.grads_after)
         self.stats = self._find(TensorStats)
         self.memory = self._find(MemoryProbe)
@@ -155,6 +157,7 @@ class Scope:
             return
         # the hook gets step()'s own arguments: (optimizer, closure?) and its keywords
         self._grads_after = (kwargs or {}).get("closure", args[1] if len(args) > 1 else None) is not None
+        self._scale = loss_scale(optimizer, kwargs)
         self._before(manual=False)
 
     def _post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -167,8 +170,10 @@ class Scope:
 
     # ---- the protocol: before, the step boundary ------------------------------------------------------
     def _context(self, manual: bool) -> StepContext:
+        scale, found_inf, unknown = self._scale if not manual else (None, None, None)
         return StepContext(self._step, self.stage, self.tracked, self.reference, manual,
-                           grads_after=self._grads_after and not manual)
+                           grads_after=self._grads_after and not manual, grad_scale=scale, found_inf=found_inf,
+                           scale_unknown=unknown)
 
     @contextmanager
     def _own_work(self, due: Sequence[Probe]) -> Iterator[None]:
@@ -222,6 +227,7 @@ class Scope:
             self._after(self.timing, ctx, out)
         self._due = None
         self._grads_after = False
+        self._scale = (None, None, None)
         self._step += 1
         self.resolver.collect((step, stage, out))
 

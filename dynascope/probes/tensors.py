@@ -30,6 +30,7 @@ import torch
 from dynascope.core.naming import normalize_name
 from dynascope.core.warn import warn
 from dynascope.probes.background import PassThread, versions
+from dynascope.probes.loss_scale import Unscale
 from dynascope.probes.params import LocalViews, Tracked
 from dynascope.probes.protocol import Probe, Rows, StepContext, resolved_rows
 from dynascope.probes.rows import Record, summarize, tensor_stats_batch, tracked_columns
@@ -160,21 +161,29 @@ class TensorStats(Probe):
             if g is not None:
                 with_grad.append(i)
                 grads.append(g)
-        device = grads[0].device if grads else torch.device("cpu")
+        # A model over several devices in one process (device_map="auto"): the record's values gather on an
+        # accelerator, so its one copy to the host stays asynchronous
+        device = next((g.device for g in grads if g.device.type != "cpu"), torch.device("cpu"))
         given: dict[str, tuple[torch.Tensor, ...]] = {}  # batched results by column: 0-d views per gradient
         in_window = set(rec.window)
+        unscale = Unscale(ctx, device)
+        if ctx.scale_unknown is not None:
+            rec.notes.append(("grad_scale_unknown", ctx.scale_unknown))
         for p in self.grad_passes:
             if p.batched:
                 res = p.run_batched(grads).to(device)
-                rec.add(p.key, p.outputs, with_grad, res)
+                # the passes after it get the norms of the gradients they read (still scaled, like them)
                 given.update((c, res[:, j].unbind()) for j, c in enumerate(p.outputs))
+                rec.add(p.key, p.outputs, with_grad, unscale(p.outputs, res))
                 continue
             pos = [k for k, i in enumerate(with_grad) if p.tier == "every" or i in in_window]
             pos = [k for k in pos if all(g in given for g in p.given)]
-            items = [Item({"grad": flat_reader(grads[k])}, grads[k].numel(), {g: given[g][k] for g in p.given})
-                     for k in pos]
+            items = [Item({"grad": flat_reader(grads[k])}, grads[k].numel(),
+                          {g: _on(given[g][k], grads[k].device) for g in p.given}) for k in pos]
             rec.add(p.key, p.outputs, [with_grad[k] for k in pos],
-                    p.run_many(items, self.settings, chunk_elems=rec.chunk_elems).to(device))
+                    unscale(p.outputs, p.run_many(items, self.settings, chunk_elems=rec.chunk_elems).to(device)))
+        if ctx.found_inf is not None:  # a fused step under a GradScaler: a no-op where the scaler found Inf/NaN
+            rec.found_inf = ctx.found_inf
         del grads, given
         if snapshot and rec.window and self._needs_old:  # after the gradient counts, whose temporaries are gone
             self.snapshot.take([tracked[i].local() for i in rec.window], self._finish_pass)
@@ -194,6 +203,7 @@ class TensorStats(Probe):
         rec, self._rec = self._rec, None
         if rec is None:
             return None
+        rec.update_keys = [p.key for p in self.weight_passes if "old" in p.inputs]
         tracked = rec.tracked
         locals_ = LocalViews(tracked)
         device = locals_[0].device if tracked else torch.device("cpu")
@@ -345,6 +355,12 @@ class TensorStats(Probe):
         self.window.close()
         if self.history is not None:
             self.history.drop()
+
+
+def _on(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A given value where its gradient is (a copy only for a model over several devices, where a host
+    gradient's threshold waits for its norm on the accelerator)."""
+    return x if x.device == device else x.to(device)
 
 
 class _RecordRows:

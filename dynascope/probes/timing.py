@@ -2,7 +2,8 @@
 
 On a GPU a phase is bracketed by two CUDA events recorded on the current stream; their elapsed time is
 read later on the resolver thread (``Event.synchronize`` there, never on the training thread). On CPU
-``perf_counter_ns`` is exact and free. ``start_us`` is the host wall clock when the phase was entered.
+``perf_counter_ns`` is exact and free. ``start_us`` is the host wall clock when the phase was entered;
+each row's ``clock`` says which clock its ``dur_us`` comes from (``cuda_event`` or ``host``).
 
 ``TimingProbe`` is the probe: it hooks the model, and at each step boundary writes one
 ``phase='step'`` row spanning boundary to boundary plus the phases that finished in the step.
@@ -30,9 +31,11 @@ import torch
 from dynascope.core.clock import now_us
 from dynascope.probes.protocol import Probe, Rows, StepContext
 
-__all__ = ["PROBE_PHASE", "PhaseRecord", "Timer", "TimingProbe", "first_grad_tensor"]
+__all__ = ["CUDA_CLOCK", "HOST_CLOCK", "PROBE_PHASE", "PhaseRecord", "Timer", "TimingProbe", "first_grad_tensor"]
 
 PROBE_PHASE = "dynascope"
+# The ``clock`` of a timings row: where its duration was measured
+CUDA_CLOCK, HOST_CLOCK = "cuda_event", "host"
 
 
 class PhaseRecord:
@@ -50,11 +53,11 @@ class PhaseRecord:
     def resolve(self) -> dict[str, Any]:
         if self.ev0 is not None and self.ev1 is not None:
             self.ev1.synchronize()
-            dur = int(round(self.ev0.elapsed_time(self.ev1) * 1000.0))
+            dur, clock = int(round(self.ev0.elapsed_time(self.ev1) * 1000.0)), CUDA_CLOCK
         else:
-            dur = ((self.t1 or self.t0) - self.t0) // 1000
+            dur, clock = ((self.t1 or self.t0) - self.t0) // 1000, HOST_CLOCK
         return {"step": self.step, "phase": self.phase, "parent": self.parent, "start_us": self.start_us,
-                "dur_us": dur, "device": self.device, "category": self.category}
+                "dur_us": dur, "device": self.device, "category": self.category, "clock": clock}
 
 
 class Timer:
@@ -188,7 +191,8 @@ class TimingProbe(Probe):
         self.optimizer_done()
         t1 = time.perf_counter_ns()
         step_row = {"step": ctx.step, "phase": "step", "parent": None, "start_us": self._start_us,
-                    "dur_us": (t1 - self._t0) // 1000, "device": self.timer.device, "category": "step"}
+                    "dur_us": (t1 - self._t0) // 1000, "device": self.timer.device, "category": "step",
+                    "clock": HOST_CLOCK}  # boundary to boundary on the host: the steps tile the host's time
         self._t0, self._start_us = t1, now_us()
         phases = self.timer.take()
         self._bwd_live = False  # a backward that raised never ran its end callback; do not stay stuck

@@ -39,7 +39,8 @@ class Column:
     and derived columns. A derived column is computed from combined values, never combined itself:
     ``frac_of`` (that count over ``numel``), ``ratio`` (numerator, denominator), ``flag_of`` (true where
     that column has a value). ``zero_where_finite``: the count is known to be 0 where that norm is finite
-    (a finite norm proves there is no NaN/Inf element). ``pool``: the rollup columns this one feeds, as
+    (a finite norm proves there is no NaN/Inf element); ``null_where_not_finite``: the value is NULL where
+    that norm is not finite (a threshold derived from it would count every element, or none). ``pool``: the rollup columns this one feeds, as
     (rollup column, how, where): "sq" Σx², "sum" Σx, "max", "numel" Σnumel over rows where ``where``
     (default: this column) is not NULL, so every count pools beside the element count it is out of.
     ``stored=False``: a partial result other columns derive from (‖θ₀‖ for ``drift_ratio``), not stored.
@@ -56,6 +57,7 @@ class Column:
     doc: str = ""
     flag_of: str | None = None
     zero_where_finite: str | None = None
+    null_where_not_finite: str | None = None
     stored: bool = True
     summary: bool = False
 

@@ -112,6 +112,9 @@ TABLES: dict[str, pa.Schema] = {
         ("stream", _i64),
         # Exact times of imported profiler traces (ns-resolution Kineto traces); NULL for probe rows.
         ("start_ns", _i64), ("dur_ns", _i64),
+        # Which clock dur_us comes from: "cuda_event" (device time between two events on the stream the
+        # phase ran on) or "host" (perf_counter); start_us is the host wall clock either way. NULL: imported.
+        ("clock", _str),
     ]),
     "samples": pa.schema([
         ("run_id", _str), ("rank", _i32), ("role", _str),

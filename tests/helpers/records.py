@@ -27,6 +27,8 @@ def record(tracked: list[Tracked]) -> tuple[Record, dict[int, dict[str, float]]]
                    [[0.5, 6.0, 1.0], [0.0, math.nan, 0.0], [1.0, 2.0, math.inf]]),
         "drift": (("ref_norm", "drift_norm", "drift_unchanged_count"), [4], [[0.0, 0.25, 3.0]]),
         "grad_norms": (("grad_norm",), [0, 1, 4], [[1.0], [math.inf], [2.0]]),
+        # under an infinite ‖g‖ the near-zero threshold is ∞: every element counted, a count that means nothing
+        "grad_counts": (("grad_near_zero_count", "grad_inf_count"), [0, 1], [[1.0, 0.0], [5.0, 2.0]]),
         "bf16_k": (("bf16_unchanged_k_count",), [1, 3], [[4.0], [1.0]]),
     }
     naive: dict[int, dict[str, float]] = {i: {} for i in range(len(tracked))}

@@ -4,7 +4,9 @@ Two tiers so recording every step stays cheap: ‖g‖ (one batched read of ever
 tensor at every record; the counts (several passes: a max-reduction alone costs several norm passes on
 a CPU) on the window's tensors. A finite ‖g‖ proves there is no NaN or Inf element, so those counts are
 0 for every tensor whose norm is finite, without touching the data again. Near zero is |g| ≤ tol·rms(g)
-of the same tensor (of the local shard, under sharding), with tol = ``Settings.grad_tol`` (1e-8).
+of the same tensor (of the local shard, under sharding), with tol = ``Settings.grad_tol`` (1e-8); where
+‖g‖ is not finite that threshold means nothing (every element under ∞, none under NaN), so the near-zero
+count is NULL there while the NaN and Inf counts stay exact.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def grad_norm(ops: Any, grad: Any) -> tuple[Any]:
 def grad_norms(tensors: list[Tensor]) -> Tensor:
     from dynascope.stats.kernels import batched_norms
 
-    return batched_norms(tensors)
+    return batched_norms(tensors, GRAD_NORM)
 
 
 def grad_counts_element(ops: Any, grad: Any, near_zero: Any) -> tuple[Any, ...]:
@@ -61,7 +63,8 @@ GRAD_NORM = Statistic(
 GRAD_COUNTS = Statistic(
     "grad_counts",
     columns=(count("grad_zero_count", "g == 0", "grad_numel"), frac("grad_zero_count", summary=True),
-             count("grad_near_zero_count", "|g| ≤ tol·rms(g) of this shard"), frac("grad_near_zero_count"),
+             count("grad_near_zero_count", "|g| ≤ tol·rms(g) of this shard",
+                   null_where_not_finite="grad_norm"), frac("grad_near_zero_count"),
              Column("grad_max_abs", F64, reduce="max", pool=(("grad_max_abs", "max", None),)),
              count("grad_nan_count", "NaN elements of g", zero_where_finite="grad_norm"),
              count("grad_inf_count", "±Inf elements of g", zero_where_finite="grad_norm")),

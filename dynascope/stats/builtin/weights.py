@@ -22,7 +22,7 @@ def w_norm(ops: Any, new: Any) -> tuple[Any]:
 def w_norms(tensors: list[Tensor]) -> Tensor:
     from dynascope.stats.kernels import batched_norms
 
-    return batched_norms(tensors)
+    return batched_norms(tensors, W_NORM)
 
 
 W_NORM = Statistic(
