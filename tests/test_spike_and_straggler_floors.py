@@ -14,6 +14,8 @@ import dynascope.analyses.instability as instability
 import dynascope.analyses.stragglers as stragglers
 from dynascope.store import RunWriter
 
+from helpers.planted_timings import write_phase_rows
+
 T0 = 1_700_000_000_000_000  # µs
 STEPS = 80
 SPIKE_STEP = 50
@@ -64,19 +66,7 @@ def test_a_lone_jump_in_a_flat_series_is_still_a_spike():
 
 def write_phases(run_dir: Path, ms: dict[str, list[float]], steps: int = 10) -> Path:
     """One row per (rank, step, phase), back to back, no step rows; ``ms[phase][rank]`` is the duration."""
-    ranks = len(next(iter(ms.values())))
-    for r in range(ranks):
-        with RunWriter(run_dir, rank=r, world_size=ranks) as w:
-            for step in range(steps):
-                t, rows = T0 + step * 10**7, {"phase": [], "start_us": [], "dur_us": []}
-                for phase, per_rank in ms.items():
-                    d = int(per_rank[r] * 1000)
-                    rows["phase"].append(phase)
-                    rows["start_us"].append(t)
-                    rows["dur_us"].append(d)
-                    t += d
-                w.append("timings", {**rows, "category": "phase", "step": step})
-    return run_dir
+    return write_phase_rows(run_dir, list(ms), len(next(iter(ms.values()))), steps, lambda r, _, p: ms[p][r])
 
 
 def test_tiny_phases_are_left_out_of_straggler_scores(tmp_path):

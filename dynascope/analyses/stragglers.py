@@ -7,6 +7,13 @@ median time (1.0 = as fast as the baseline, 0.5 = twice as slow); the baseline i
 ``threshold``; flagged in more than ``persistent_frac`` of the windows it is a *persistent* straggler, in
 fewer a *transient* one.
 
+Two floors keep false stragglers out (one rule, here, for the report, the dashboard and the CLI): a rank
+whose median is at or below the cross-rank median is never a straggler, however far it trails the fastest
+rank; and a rank is one only when its median exceeds the cross-rank median by more than the phase's noise,
+``noise_k`` times ``noise_ms`` (the median over ranks of each rank's robust step-to-step spread,
+1.4826 · MAD of its per-step times) and by at least ``min_effect_ms``. A phase too short or too jittery to
+measure a difference in is then ``ok`` on every rank.
+
 What a straggler costs the step, if it ran as fast as the others, is ``what_if_rank.what_if``.
 """
 
@@ -34,7 +41,8 @@ def phase_times_sql(run: str | None, where: str = "") -> str:
 
 def straggler_scores(store: StoreLike, run: str | None = None, *, window: int = 10, threshold: float = 0.75,
                      baseline: str = "fastest", persistent_frac: float = 0.5,
-                     min_median_ms: float = 5.0) -> pl.DataFrame:
+                     min_median_ms: float = 5.0, noise_k: float = 2.0,
+                     min_effect_ms: float = 0.5) -> pl.DataFrame:
     """Per rank and phase: relative performance score over windows of ``window`` steps.
 
     ``baseline`` is ``"fastest"`` (NVIDIA's default: the fastest rank's median) or ``"median"`` (the
@@ -42,7 +50,8 @@ def straggler_scores(store: StoreLike, run: str | None = None, *, window: int = 
     over windows), median_ms, cross_rank_median_ms, slowdown_x (1 / score: how many times slower than the
     baseline), slow_steps_pct (steps whose per-step score is below threshold), excess_ms (time at stake:
     per window, the rank's median beyond the cross-rank median times the window's steps, summed over the
-    run), status (persistent | transient | ok). Rows come most time at stake first.
+    run), noise_ms (the phase's step-to-step noise), status (persistent | transient | ok: ok too for a rank
+    not slower than the cross-rank median by more than ``max(noise_k · noise_ms, min_effect_ms)``). Rows come most time at stake first.
     A phase whose median is under ``min_median_ms`` on every rank is left out: a 1 ms phase twice as slow
     on one rank scores like a real straggler but costs nothing worth chasing.
     Phases are all ``category='phase'`` rows at any nesting level, summed per step and named by their
@@ -55,6 +64,8 @@ def straggler_scores(store: StoreLike, run: str | None = None, *, window: int = 
         raise ValueError("window must be ≥ 1 and threshold in (0, 1]")
     if not min_median_ms >= 0:
         raise ValueError("min_median_ms must be ≥ 0")
+    if not (noise_k >= 0 and min_effect_ms >= 0):
+        raise ValueError("noise_k and min_effect_ms must be ≥ 0")
     agg = "MIN" if baseline == "fastest" else "median"
     thr = float(threshold)
     con = as_store(store)
@@ -86,11 +97,18 @@ def straggler_scores(store: StoreLike, run: str | None = None, *, window: int = 
                    median(cross_med_us) / 1000.0 AS cross_rank_median_ms,
                    100.0 * SUM(slow_steps) / SUM(n) AS slow_steps_pct,
                    SUM(greatest(rank_med_us - cross_med_us, 0) * n) / 1000.0 AS excess_ms
-            FROM ws GROUP BY ALL)
+            FROM ws GROUP BY ALL),
+        -- the phase's noise: each rank's robust step-to-step spread, the median over ranks
+        noise AS (
+            SELECT run_id AS n_run, role AS n_role, phase AS n_phase, median(rank_sigma_us) / 1000.0 AS noise_ms
+            FROM (SELECT run_id, role, rank, phase, 1.4826 * mad(dur_us) AS rank_sigma_us FROM g
+                  WHERE nranks >= 2 GROUP BY ALL) GROUP BY ALL)
         SELECT run_id, role, rank, phase, steps, windows, flagged_windows, score, median_ms,
-               cross_rank_median_ms, 1.0 / nullif(score, 0) AS slowdown_x, slow_steps_pct, excess_ms,
-               CASE WHEN flagged_windows > {float(persistent_frac)} * windows THEN 'persistent'
+               cross_rank_median_ms, 1.0 / nullif(score, 0) AS slowdown_x, slow_steps_pct, excess_ms, noise_ms,
+               CASE WHEN median_ms - cross_rank_median_ms
+                         <= greatest({float(noise_k)} * coalesce(noise_ms, 0), {float(min_effect_ms)}) THEN 'ok'
+                    WHEN flagged_windows > {float(persistent_frac)} * windows THEN 'persistent'
                     WHEN flagged_windows > 0 THEN 'transient' ELSE 'ok' END AS status
-        FROM agg
+        FROM agg LEFT JOIN noise ON run_id IS NOT DISTINCT FROM n_run AND role = n_role AND phase = n_phase
         QUALIFY MAX(median_ms) OVER (PARTITION BY run_id, role, phase) >= {float(min_median_ms)}
         ORDER BY excess_ms DESC, score ASC NULLS LAST, run_id, role, rank, phase""")

@@ -112,3 +112,20 @@ def mixed_store(root: Path) -> Path:
                                          "gen_end_us": [T0 + g if i != 2 or step != 1 else None
                                                         for i, g in enumerate(gens)]})
     return root
+
+
+def write_phase_rows(run_dir: Path, phases: list[str], ranks: int, steps: int, dur_ms, step_us: int = 10**7) -> Path:
+    """One row per (rank, step, phase), back to back, no step rows, through the real writer; the phase's
+    duration is ``dur_ms(rank, step, phase)``."""
+    for r in range(ranks):
+        with RunWriter(run_dir, rank=r, world_size=ranks) as w:
+            for step in range(steps):
+                t, rows = T0 + step * step_us, {"phase": [], "start_us": [], "dur_us": []}
+                for phase in phases:
+                    d = max(1, int(1000 * dur_ms(r, step, phase)))
+                    rows["phase"].append(phase)
+                    rows["start_us"].append(t)
+                    rows["dur_us"].append(d)
+                    t += d
+                w.append("timings", {**rows, "category": "phase", "step": step})
+    return run_dir

@@ -1,0 +1,56 @@
+"""A rank faster than the median is never a straggler, and a phase whose differences are within its
+step-to-step noise flags nobody: on a planted 4-rank run only the slow rank is named, by the report and by
+the dashboard's per-phase straggler table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+
+import dynascope.analyses.findings as findings
+import dynascope.analyses.stragglers as stragglers
+
+from helpers.planted_timings import write_phase_rows
+
+STEPS = 40
+# Per phase: each rank's typical duration (ms) and the step-to-step jitter (robust σ, ms). In "train" rank 1
+# is faster and rank 3 slower; in "short" every rank is within the phase's noise, yet rank 1's median is
+# under 0.75 of the slowest's, which scored as a straggler against the fastest rank.
+PHASES = {"train": ([100.0, 70.0, 100.0, 150.0], 1.0), "short": ([6.4, 4.8, 6.2, 6.5], 1.5)}
+SLOW, FAST = 3, 1
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("false_stragglers") / "run"
+    rng = np.random.default_rng(11)
+    # drawn in (rank, step, phase) order, as the rows are written
+    return write_phase_rows(run_dir, list(PHASES), 4, STEPS, lambda r, _, p: PHASES[p][0][r] + PHASES[p][1] * rng.standard_normal(),
+                            step_us=10**6)
+
+
+def test_only_the_slower_rank_is_a_straggler(planted):
+    df = stragglers.straggler_scores(planted)
+    flagged = df.filter(pl.col("status") != "ok")
+    assert flagged.select("rank", "phase").rows() == [(SLOW, "train")]
+    fast = df.filter((pl.col("rank") == FAST) & (pl.col("phase") == "train")).row(0, named=True)
+    assert fast["median_ms"] < fast["cross_rank_median_ms"] and fast["status"] == "ok"
+    short = df.filter(pl.col("phase") == "short")
+    assert short["noise_ms"][0] == pytest.approx(1.5, rel=0.4)  # measured from the data, not assumed
+    # Without the floors the short phase's small differences count again (rank 1 stays out: it is fast).
+    bare = stragglers.straggler_scores(planted, noise_k=0, min_effect_ms=0, baseline="median", threshold=0.99)
+    assert bare.filter((pl.col("phase") == "short") & (pl.col("status") != "ok")).height >= 1
+    assert bare.filter(pl.col("rank") == FAST)["status"].to_list() == ["ok", "ok"]
+    with pytest.raises(ValueError, match="noise_k"):
+        stragglers.straggler_scores(planted, noise_k=-1)
+
+
+def test_the_report_names_only_the_slower_rank(planted):
+    found = findings.ranked_findings(planted)
+    strag = found.filter(pl.col("finding") == "straggler")
+    assert strag.height == 1
+    assert strag["sentence"][0].startswith(f"rank {SLOW} (trainer) is ")
+    assert not any(s.startswith(f"rank {FAST} ") for s in found["sentence"].to_list())
