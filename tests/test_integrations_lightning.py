@@ -75,3 +75,26 @@ def test_lightning_five_steps(tmp_path):
     assert [s for s, _ in losses] == [0, 1, 2, 3, 4]
     assert losses[-1][1] == pytest.approx(float(trainer.callback_metrics["train_loss"]))
     assert _q(run, "SELECT framework, role, rank, world_size FROM runs") == [("lightning", "trainer", 0, 1)]
+
+
+class _CallsItself(_Regressor):
+    """training_step through the module's own forward, as Lightning's DDP wrapper routes it."""
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self(x), y)
+
+
+@pytest.mark.slow
+def test_forward_through_the_module_is_timed_once(tmp_path):
+    run = tmp_path / "lit"
+    trainer = pl.Trainer(max_steps=4, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[DynascopeCallback(run=str(run), system_interval_s=None)],
+                         default_root_dir=str(tmp_path))
+    trainer.fit(_CallsItself(), _loader())
+    phases = dict(_q(run, "SELECT phase, count(*) FROM timings GROUP BY phase"))
+    assert phases["forward"] == 4 and phases["backward"] == 4  # one of each per step, not the probe's beside

@@ -76,6 +76,8 @@ class DynascopeCallback(GuardedCallback, pl.Callback):
         self.scope = dynascope.watch(pl_module, optimizers[0] if optimizers else None, run=self.run,
                                      wandb=self.wandb, **kw)
         self._module = pl_module
+        if self.scope.timing is not None:  # this callback times forward and backward; the probe's hooks must not
+            self.scope.timing.detach_model()
         original, scope = pl_module.training_step, self.scope
 
         def training_step(*args: Any, **kwargs: Any) -> Any:

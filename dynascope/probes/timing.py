@@ -150,8 +150,18 @@ class TimingProbe(Probe):
         self._guard = guard
         if not isinstance(model, torch.nn.Module):
             return []
-        return [model.register_forward_pre_hook(lambda *a: guard("forward", self._fwd_pre, *a) and None),
-                model.register_forward_hook(lambda *a: guard("forward", self._fwd_post, *a) and None)]
+        self._model_hooks = [model.register_forward_pre_hook(lambda *a: guard("forward", self._fwd_pre, *a) and None),
+                             model.register_forward_hook(lambda *a: guard("forward", self._fwd_post, *a) and None)]
+        return list(self._model_hooks)
+
+    def detach_model(self) -> None:
+        """Stop timing forward and backward from the model's hooks: an integration that opens those phases
+        itself (Lightning, whose DDP wrapper calls the module's forward inside the callback's ``forward``)
+        would otherwise get each one twice."""
+        for h in getattr(self, "_model_hooks", []):
+            h.remove()
+        self._model_hooks = []
+        self.autograd_backward = False
 
     def _fwd_pre(self, module: Any, args: Any) -> None:
         module._dynascope_fwd = self.timer.start("forward")
