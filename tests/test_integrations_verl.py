@@ -29,6 +29,9 @@ STEP_METRICS = {
     "timing_s/start_profile": 0.001, "timing_s/gen": 20.0, "timing_s/generate_sequences": 19.5,
     "timing_s/generation_timing/max": 19.5, "timing_s/generation_timing/min": 11.25,
     "timing_s/generation_timing/topk_ratio": 0.25,
+    # verl 0.9's agent loop: spreads, counts and token lengths under timing_s/, none of them a stage's time
+    "timing_s/agent_loop/slowest/prompt_length": 6.0, "timing_s/agent_loop/generate_sequences/max": 3.5,
+    "timing_s/agent_loop/num_preempted/mean": 2.0,
     "timing_s/reward": 1.5, "timing_s/old_log_prob": 4.0, "timing_s/ref": 3.5, "timing_s/adv": 0.25,
     "timing_s/update_actor": 12.0, "timing_s/step": 42.0, "timing_s/stop_profile": 0.002,
     "timing_per_token_ms/gen": 0.118, "timing_per_token_ms/update_actor": 0.153,
@@ -61,7 +64,7 @@ def test_metric_dict_to_store(tmp_path):
     assert timings[("old_logprob", None)][0] == step_start + 21_500_000
     assert timings[("start_profile", None)][0] == step_start - 1_000
     assert timings[("stop_profile", None)][0] == step_start + step_dur
-    assert not [k for k in timings if k[0].startswith("generation_timing")]
+    assert not [k for k in timings if k[0].startswith(("generation_timing", "agent_loop"))]
 
     scalars = dict(_rows(run, "SELECT key, value FROM scalars WHERE step = 3"))
     assert scalars["perf/mfu/actor"] == pytest.approx(0.31)

@@ -56,7 +56,10 @@ ORDER = ("gen", "gen_max", "reward", "old_log_prob", "ref", "values", "adv", "up
          "update_weights", "sync_weights", "dump_rollout_generations", "testing", "save_checkpoint")
 # stages verl times inside another stage (reported by the rollout workers through meta_info["timing"])
 CHILDREN: dict[str, str] = {"generate_sequences": "gen"}
-NOT_SPANS = ("generation_timing/",)   # worker spreads, not durations of a stage
+# A stage's duration is ``timing_s/<name>`` with one flat name, as verl's ``marked_timer(name, timing_raw)``
+# and ``compute_timing_metrics`` write it; a key with a further ``/`` is a summary the rollout workers
+# report beside them (``generation_timing/max``, verl 0.9's ``agent_loop/slowest/prompt_length`` and other
+# spreads, counts and token lengths): a scalar, never a span.
 BEFORE_STEP, AFTER_STEP = ("start_profile",), ("stop_profile",)
 TIMING_PREFIX = "timing_s/"
 
@@ -108,7 +111,7 @@ def timing_rows(metrics: Mapping[str, float], end_us: int) -> dict[str, list]:
     """``timings`` columns for the ``timing_s/*`` entries of one step's dict, logged at ``end_us``."""
     secs = {k[len(TIMING_PREFIX):]: float(v) for k, v in metrics.items()
             if k.startswith(TIMING_PREFIX) and math.isfinite(v) and v >= 0
-            and not k[len(TIMING_PREFIX):].startswith(NOT_SPANS)}
+            and "/" not in k[len(TIMING_PREFIX):]}
     cols: dict[str, list] = {"phase": [], "parent": [], "start_us": [], "dur_us": [], "category": []}
 
     def add(phase: str, parent: str | None, start: int, dur: int, category: str = "phase") -> None:
