@@ -30,6 +30,7 @@ from dynascope.analyses._findings import found as _found
 from dynascope.analyses._findings import rnd as _r
 from dynascope.analyses.findings_cluster import MIN_CLUSTER_RANKS, slow_nodes
 from dynascope.analyses.findings_dynamics import delta_sync, dynamics
+from dynascope.analyses.findings_gpu import gpu_idle
 from dynascope.analyses.findings_steps import idle, remainder
 from dynascope.analyses.goodput import goodput_summary
 from dynascope.analyses.instability import detect_instability
@@ -291,7 +292,7 @@ def _schedule(con, run: str) -> list[Finding]:
 
 GENERATORS: list[Callable[[Any, str], list[Finding]]] = [
     _stragglers, _tail, _zero_variance, idle, remainder, _probe_cost, _async, _goodput, _instability, _mfu, dynamics,
-    delta_sync, _schedule, C.weight_sync_mismatch, C.logprob_gap, C.kl_to_base]
+    delta_sync, _schedule, C.weight_sync_mismatch, C.logprob_gap, C.kl_to_base, gpu_idle]
 
 
 def collect_findings(store: StoreLike, run: str | None = None, *,

@@ -138,6 +138,9 @@ SENTENCES: dict[str, Callable[[N], str]] = {
     "imbalance": _template("ranks are unevenly fast: if every rank ran at the cross-rank median, step time would "
                            "drop {saved_pct!p} ({saved_ms!t})"),
     "idle": _idle,
+    "gpu_idle": _template("the GPUs sat idle {mean_idle_pct:.1f}% of their busy span on average over {ranks} "
+                          "ranks (rank {worst_rank}: {worst_rank_idle_pct:.1f}%), {idle_ms!t} idle in all: "
+                          "work the host did not launch in time, or waits on other ranks"),
     "slow_node": _template("node {host}: its {ranks_count} {role} ranks are {min_slowdown_pct:.0f}–"
                            "{max_slowdown_pct:.0f}% slower in {phases} than the cross-rank median; at the median "
                            "they would cut step time {saved_pct!p} ({saved_ms!t} over {steps} steps)"),

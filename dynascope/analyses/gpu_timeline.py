@@ -114,11 +114,17 @@ def temporal_breakdown(store: StoreLike, run: str | None = None, *, exclude_last
     idle = span − union of all GPU intervals; compute = union of COMPUTATION kernels; non-compute = the rest.
     Raises StoreError when the store has no GPU activity rows.
     """
+    with _opened(store) as con:
+        return _require_rows(frame(con, temporal_breakdown_sql(run, exclude_last_step, rounding)), store)
+
+
+def temporal_breakdown_sql(run: str | None, exclude_last_step: bool = True, rounding: str = "hta") -> str:
+    """``temporal_breakdown``'s query (the report's GPU-idle finding shows it as its backing SQL)."""
     # Union lengths without building the islands: sorted by start, an interval adds what reaches past the
     # furthest end before it. Compute kernels keep that order among themselves, so one window over all
     # kernels gives both unions (the compute one from a running max over compute kernels only).
     w = "PARTITION BY run_id, rank ORDER BY s, e ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING"
-    sql = f"""
+    return f"""
     WITH {_kernels_sql(run, exclude_last_step, rounding)},
     prior AS (SELECT run_id, rank, s, e, cls = 'COMPUTATION' AS compute,
                      max(e) OVER ({w}) AS pm, max(e) FILTER (WHERE cls = 'COMPUTATION') OVER ({w}) AS pm_compute
@@ -137,8 +143,6 @@ def temporal_breakdown(store: StoreLike, run: str | None = None, *, exclude_last
            100.0 * compute_ns / nullif(span_ns, 0) AS compute_time_pct,
            100.0 * (busy_ns - compute_ns) / nullif(span_ns, 0) AS non_compute_time_pct
     FROM per ORDER BY run_id, rank"""
-    with _opened(store) as con:
-        return _require_rows(frame(con, sql), store)
 
 
 def _state_durations(con: StoreConnection, run: str | None, classes: list[str], exclude_last_step: bool,
