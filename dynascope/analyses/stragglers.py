@@ -10,9 +10,11 @@ fewer a *transient* one.
 Two floors keep false stragglers out (one rule, here, for the report, the dashboard and the CLI): a rank
 whose median is at or below the cross-rank median is never a straggler, however far it trails the fastest
 rank; and a rank is one only when its median exceeds the cross-rank median by more than the phase's noise,
-``noise_k`` times ``noise_ms`` (the median over ranks of each rank's robust step-to-step spread,
-1.4826 · MAD of its per-step times) and by at least ``min_effect_ms``. A phase too short or too jittery to
-measure a difference in is then ``ok`` on every rank.
+``noise_k`` times ``noise_ms``, and by at least ``min_effect_ms``. The noise is measured step by step against
+the same step's cross-rank median (each rank's 1.4826 · MAD of its time minus that median; ``noise_ms`` is
+the median over ranks), so work that varies from step to step on every rank alike (longer responses in one
+rollout) cancels, and only the ranks' disagreement counts. A phase too short or too jittery to measure a
+difference in is then ``ok`` on every rank.
 
 What a straggler costs the step, if it ran as fast as the others, is ``what_if_rank.what_if``.
 """
@@ -75,10 +77,10 @@ def straggler_scores(store: StoreLike, run: str | None = None, *, window: int = 
         -- joined back, half the time of the same as windows at a thousand ranks (role and phase are never
         -- NULL here, run_id may be)
         g AS (
-            SELECT d.*, (d.step - m.first_step) // {int(window)} AS win, c.nranks, c.step_base_us
+            SELECT d.*, (d.step - m.first_step) // {int(window)} AS win, c.nranks, c.step_base_us, c.step_med_us
             FROM d
-            JOIN (SELECT run_id, role, step, phase, COUNT(*) AS nranks, {agg}(dur_us) AS step_base_us
-                  FROM d GROUP BY ALL) c
+            JOIN (SELECT run_id, role, step, phase, COUNT(*) AS nranks, {agg}(dur_us) AS step_base_us,
+                         median(dur_us) AS step_med_us FROM d GROUP BY ALL) c
               ON d.run_id IS NOT DISTINCT FROM c.run_id AND d.role = c.role AND d.step = c.step AND d.phase = c.phase
             JOIN (SELECT run_id, role, MIN(step) AS first_step FROM d GROUP BY ALL) m
               ON d.run_id IS NOT DISTINCT FROM m.run_id AND d.role = m.role),
@@ -98,10 +100,9 @@ def straggler_scores(store: StoreLike, run: str | None = None, *, window: int = 
                    100.0 * SUM(slow_steps) / SUM(n) AS slow_steps_pct,
                    SUM(greatest(rank_med_us - cross_med_us, 0) * n) / 1000.0 AS excess_ms
             FROM ws GROUP BY ALL),
-        -- the phase's noise: each rank's robust step-to-step spread, the median over ranks
         noise AS (
             SELECT run_id AS n_run, role AS n_role, phase AS n_phase, median(rank_sigma_us) / 1000.0 AS noise_ms
-            FROM (SELECT run_id, role, rank, phase, 1.4826 * mad(dur_us) AS rank_sigma_us FROM g
+            FROM (SELECT run_id, role, rank, phase, 1.4826 * mad(dur_us - step_med_us) AS rank_sigma_us FROM g
                   WHERE nranks >= 2 GROUP BY ALL) GROUP BY ALL)
         SELECT run_id, role, rank, phase, steps, windows, flagged_windows, score, median_ms,
                cross_rank_median_ms, 1.0 / nullif(score, 0) AS slowdown_x, slow_steps_pct, excess_ms, noise_ms,
