@@ -188,7 +188,7 @@ def test_probe_cost_reads_the_same_in_report_and_dashboard(demo, report, finding
         assert said not in _one_line(report) and said not in pages["cluster"]["text"]
         return
     f = findings["probe_cost"]
-    assert f.numbers["probe_pct"] == round(cost["probe_pct"], 2)
+    assert f.numbers["probe_pct"] == pytest.approx(cost["probe_pct"], rel=1e-5)
     assert f.sentence in _one_line(report) and f.sentence in pages["cluster"]["text"]
     assert "~1.5–2% of a step at the reference workload" in f.sentence
     assert "The demo records every statistic of every tensor at every step" in _one_line(stdout)

@@ -196,15 +196,27 @@ def test_snapshot_arena_reuses_one_host_buffer_and_snapshots_exactly() -> None:
 
 
 def test_norms_on_the_host_match_a_float64_reference() -> None:
-    """The host path (a BLAS dot per contiguous fp32 tensor) against float64, at a size where fp32
-    accumulation error shows; a transposed view takes vector_norm instead; Inf and NaN propagate."""
+    """The host path the probe takes (the asking statistic's fused pass, each square summed in float64) at a
+    size where fp32 accumulation error shows, on a contiguous and a transposed tensor; the fallback that
+    runs while the kernel compiles accumulates in fp32 and stays within fp32's bound; Inf and NaN propagate."""
+    from dynascope.stats import fused
+    from dynascope.stats.builtin.weights import W_NORM
+
     g = torch.Generator().manual_seed(3)
     big = torch.randn(1 << 20, generator=g) * 1e-3
     ts = [big, torch.randn(64, 32, generator=g).t(), torch.zeros(0), torch.tensor([3.0, float("inf")]),
           torch.tensor([float("nan"), 1.0])]
-    got = norms(ts)
-    assert got.dtype == torch.float64
-    for t, n in zip(ts[:3], got[:3].tolist(), strict=True):
-        want = t.double().norm().item()
-        assert n == pytest.approx(want, rel=2e-6, abs=0.0), (tuple(t.shape), n, want)
+    want = [t.double().norm().item() for t in ts[:3]]
+    plain = norms(ts)  # no statistic: the fp32 fallback
+    assert plain.dtype == torch.float64
+    for t, n, w in zip(ts[:3], plain[:3].tolist(), want, strict=True):
+        assert n == pytest.approx(w, rel=1e-4, abs=0.0), (tuple(t.shape), n, w)
+    assert math.isinf(plain[3].item()) and math.isnan(plain[4].item())
+    if not fused.available():
+        return
+    norms(ts, W_NORM)
+    fused.wait_compiled()
+    got = norms(ts, W_NORM)
+    for t, n, w in zip(ts[:3], got[:3].tolist(), want, strict=True):
+        assert n == pytest.approx(w, rel=1e-8, abs=0.0), (tuple(t.shape), n, w)
     assert math.isinf(got[3].item()) and math.isnan(got[4].item())

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,8 +34,15 @@ def found(run: str, finding: str, severity: str, numbers: dict[str, Any], sql: s
 
 
 def rnd(x: Any, nd: int = 3) -> Any:
-    """A float rounded to ``nd`` decimals for a finding's numbers; None, bools, strings and ints as they are."""
-    return x if x is None or isinstance(x, (bool, str, int)) else round(float(x), nd)
+    """A float for a finding's numbers: ``nd`` decimals, or more where it takes them to keep six significant
+    digits, so that the sentence's figure, formatted from it, is the one its SQL's value formats to (rounding
+    twice, 3.0549 → 3.05 → "3.0%", would not be); None, bools, strings and ints as they are."""
+    if x is None or isinstance(x, (bool, str, int)):
+        return x
+    v = float(x)
+    if v == 0 or not math.isfinite(v):
+        return v
+    return round(v, max(nd, 5 - math.floor(math.log10(abs(v)))))
 
 
 def first_row(con, sql: str) -> dict[str, Any]:

@@ -126,9 +126,9 @@ def prepare(probe: TensorStats, tracked: list[Tracked], step: int) -> None:
         return
     chunked = [p for p in probe.weight_passes if not p.batched]
     for dtype in {w.dtype for w in locals_}:
-        for p in probe.grad_passes:
-            if not p.batched:
-                p.prepare({"grad": dtype})
+        for p in probe.grad_passes:  # a batched pass runs each statistic's own kernel (stats.kernels.norms)
+            for q in [p] if not p.batched else [Pass([s]) for s in p.statistics if s.element is not None]:
+                q.prepare({"grad": dtype})
         dtypes = {"new": dtype, "old": dtype, "ref": dtype, "k_snapshot": torch.bfloat16}
         base = {"new", "old"} | ({"ref"} if probe.reference is not None else set())  # θ₀ at every full record
         # (inputs held, copies): every record; S_k's snapshot steps; its compare steps, which take the next one
