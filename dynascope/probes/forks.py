@@ -5,7 +5,7 @@ A DataLoader worker or a forked rollout process inherits the parent's scopes, bu
 (resolver, writer, listeners): a queue there has nobody reading it, and the rows buffered are the parent's.
 So after a fork every scope alive in the parent is marked ``forked`` in the child, and its hooks and
 ``close`` do nothing; ``watch()`` in the child makes a scope and a writer of its own. The writers do the
-same for themselves (``store.writer._forget_in_child``).
+same for themselves (``store.open_writers``).
 """
 
 from __future__ import annotations

@@ -19,17 +19,71 @@ from dynascope.store.schema import TABLES
 
 
 class TableBuffer:
-    """Column lists for one table; batches are kept whole so the oldest can be dropped under pressure."""
+    """Column lists for one table; batches are kept whole so the oldest can be dropped under pressure.
+    ``nbytes`` estimates the memory they hold (``batch_bytes``), for the writer's byte bound."""
 
-    __slots__ = ("batches", "rows")
+    __slots__ = ("batches", "nbytes", "rows", "sizes")
 
     def __init__(self) -> None:
         self.batches: deque[tuple[int, dict[str, Any]]] = deque()
+        self.sizes: deque[int] = deque()
         self.rows = 0
+        self.nbytes = 0
 
     def add(self, n: int, columns: dict[str, Any]) -> None:
+        b = batch_bytes(n, columns)
         self.batches.append((n, columns))
+        self.sizes.append(b)
         self.rows += n
+        self.nbytes += b
+
+    def extend(self, later: TableBuffer) -> None:
+        """``later``'s batches after this buffer's own."""
+        self.batches.extend(later.batches)
+        self.sizes.extend(later.sizes)
+        self.rows += later.rows
+        self.nbytes += later.nbytes
+
+    def split(self, max_rows: int) -> list[TableBuffer]:
+        """Whole batches in consecutive parts of about ``max_rows`` rows (one part when it holds fewer)."""
+        if self.rows <= max_rows:
+            return [self]
+        parts = [TableBuffer()]
+        for (n, cols), b in zip(self.batches, self.sizes):
+            if parts[-1].rows >= max_rows:
+                parts.append(TableBuffer())
+            last = parts[-1]
+            last.batches.append((n, cols))
+            last.sizes.append(b)
+            last.rows += n
+            last.nbytes += b
+        return parts
+
+    def pop_oldest(self) -> tuple[int, int]:
+        """Drop the oldest batch: its rows and bytes."""
+        n, _ = self.batches.popleft()
+        b = self.sizes.popleft()
+        self.rows -= n
+        self.nbytes -= b
+        return n, b
+
+
+# What a list column's element holds in CPython: its pointer and a float/int object (strings are
+# usually interned names or short); an estimate only, kept cheap since it runs on the caller's thread.
+LIST_ITEM_BYTES = 32
+
+
+def batch_bytes(n: int, columns: dict[str, Any]) -> int:
+    """Memory a batch holds, estimated: arrays' ``nbytes``, ``LIST_ITEM_BYTES`` per list element, 0 for a
+    scalar broadcast to every row (the caller's objects, which the buffer keeps alive)."""
+    total = 0
+    for v in columns.values():
+        nb = getattr(v, "nbytes", None)
+        if isinstance(nb, int):
+            total += nb
+        elif isinstance(v, (list, tuple)):
+            total += LIST_ITEM_BYTES * len(v)
+    return total
 
 
 def batch_len(columns: dict[str, Any]) -> int:
@@ -44,20 +98,21 @@ def batch_len(columns: dict[str, Any]) -> int:
     return 1 if n is None else n
 
 
-def drop_oldest(buffers: dict[str, TableBuffer], excess: int) -> dict[str, int]:
-    """Drop at least ``excess`` rows, oldest batches of the largest table first; rows dropped per table.
+def drop_oldest(buffers: dict[str, TableBuffer], rows: int, nbytes: int = 0) -> dict[str, tuple[int, int]]:
+    """Drop oldest batches, of the largest table first, until at least ``rows`` rows and ``nbytes`` bytes
+    are gone (or nothing is left); the rows and bytes dropped per table.
 
     Oldest by arrival, not by step: a probe's rows come from its own thread, after the step they describe.
     """
-    dropped: dict[str, int] = {}
-    while excess > 0:
-        table, victim = max(buffers.items(), key=lambda kv: kv[1].rows)
+    dropped: dict[str, tuple[int, int]] = {}
+    while rows > 0 or nbytes > 0:
+        table, victim = max(buffers.items(), key=lambda kv: (kv[1].nbytes, kv[1].rows) if nbytes > 0 else kv[1].rows)
         if not victim.batches:
             break
-        n, _ = victim.batches.popleft()
-        victim.rows -= n
-        excess -= n
-        dropped[table] = dropped.get(table, 0) + n
+        n, b = victim.pop_oldest()
+        rows, nbytes = rows - n, nbytes - b
+        r0, b0 = dropped.get(table, (0, 0))
+        dropped[table] = (r0 + n, b0 + b)
     return dropped
 
 

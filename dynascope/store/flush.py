@@ -130,11 +130,19 @@ def _write_commit(run_dir: Path, writer_id: str, lo: int, hi: int, files: list[P
     at = now_us()  # after every rename: a query that starts at or after ``at`` lists them all
     body = {"writer_id": writer_id, "lo": lo, "hi": hi, "time_us": at,
             "files": [str(f.relative_to(run_dir)) for f in files],
-            "rows": {t: a.num_rows for g in groups for t, a in g.parts}}
+            "rows": _rows_per_table(groups)}
     path = commit_dir(run_dir, writer_id) / f"{lo:012d}-{hi:012d}.v{at}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     _write_text(path, json.dumps(body))
     return path
+
+
+def _rows_per_table(groups: list[Group]) -> dict[str, int]:
+    rows: dict[str, int] = {}
+    for g in groups:  # a retried group and a new one can hold the same table
+        for t, a in g.parts:
+            rows[t] = rows.get(t, 0) + a.num_rows
+    return rows
 
 
 def write_parquet(arrow: pa.Table, path: Path, compression: str = "auto") -> None:

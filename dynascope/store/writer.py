@@ -7,22 +7,21 @@ seconds, and at ``close``/atexit, as one commit (``flush``: a table's segment wi
 commit record naming them); it also touches the writer's heartbeat file so ``dynascope runs`` can tell
 live from crashed. ``close`` records a ``run_end`` event, within its timeout whatever the disk does.
 
-Failures never propagate into the caller: a failed write keeps its rows (bounded by ``max_buffer_rows``,
-oldest dropped first and counted), warns once per kind, and is retried; the run directory is recreated if
-it vanished; a batch that cannot be typed is dropped alone. Dropped rows, write errors and thread errors
+Failures never propagate into the caller: a failed write keeps its rows as they were encoded (``backlog``;
+bounded with the buffer by ``max_buffer_rows`` and ``max_buffer_bytes``, oldest dropped first and counted),
+warns once per kind, and is retried with exponential backoff; the run directory is recreated if it
+vanished; a batch that cannot be typed is dropped alone. Dropped rows, write errors and thread errors
 become rows in ``events``.
 """
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import socket
 import threading
 import time
 import uuid
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,8 @@ import pyarrow as pa
 from dynascope.core.clock import now_us
 from dynascope.core.version import __version__
 from dynascope.core.warn import warn
-from dynascope.store import preempt
+from dynascope.store import open_writers, preempt
+from dynascope.store.backlog import Backlog, Backoff
 from dynascope.store.buffer import TableBuffer, batch_len, drop_oldest, salvage, to_arrow
 from dynascope.store.flush import (
     Flushed,
@@ -49,9 +49,6 @@ from dynascope.store.schema import SCHEMA_VERSION, TABLES
 
 __all__ = ["RunWriter", "release_arrow_memory"]
 
-_LIVE_WRITERS: weakref.WeakSet[RunWriter] = weakref.WeakSet()
-
-
 class RunWriter:
     """Append-only writer for one process of one run.
 
@@ -59,7 +56,8 @@ class RunWriter:
         run_dir: the run directory (created with its marker if missing).
         rank, role: identify this process; every row carries them.
         flush_rows / flush_secs: flush when either is reached.
-        max_buffer_rows: rows held in memory at most; beyond it the oldest batches are dropped and counted.
+        max_buffer_rows / max_buffer_bytes: rows and bytes held in memory at most (buffered and awaiting a
+            retry); beyond either the oldest batches are dropped and counted.
         max_block_s: how long ``append`` may wait for the writer thread to make room before dropping;
             0 (the default) never blocks the training step.
         run_name, world_size, framework, config: recorded in ``runs`` by the process that creates the run.
@@ -74,6 +72,7 @@ class RunWriter:
         flush_rows: int = 200_000,
         flush_secs: float = 2.0,
         max_buffer_rows: int = 5_000_000,
+        max_buffer_bytes: int = 256 << 20,
         max_block_s: float = 0.0,
         run_name: str | None = None,
         world_size: int = 1,
@@ -84,7 +83,7 @@ class RunWriter:
         self.run_dir = Path(run_dir).expanduser().resolve()
         self.rank, self.role = int(rank), str(role)
         self.flush_rows, self.flush_secs = int(flush_rows), float(flush_secs)
-        self.max_buffer_rows = int(max_buffer_rows)
+        self.max_buffer_rows, self.max_buffer_bytes = int(max_buffer_rows), int(max_buffer_bytes)
         self.max_block_s = float(max_block_s)
         self.compression = compression
         self.writer_id = safe_id(f"r{self.rank}-{self.role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
@@ -93,19 +92,14 @@ class RunWriter:
         self.write_errors = 0
         self._seq = 0
         self._begun = False  # this writer's begin record is on disk (see ``flush.write_begin``)
-        self._buffers: dict[str, TableBuffer] = {t: TableBuffer() for t in TABLES}
-        self._buffered = 0
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)  # the thread waits here for rows
-        self._room = threading.Condition(self._lock)  # a blocked append waits here for space
-        self._flush_lock = threading.Lock()  # one flush at a time (thread, close, explicit flush)
+        self._fresh_state()
+        self._backoff = Backoff(self.flush_secs)
         self._closed = False
-        self.forked = False  # a copy inherited through fork (``_forget_in_child``): inert
+        self.forked = False  # a copy inherited through fork (``open_writers``): inert
         self.close_timed_out = False  # close() returned at its deadline with a flush still running
         self._failing = False  # inside a streak of failed segment writes
         self._warned: set[str] = set()
-        self._pending_events: list[dict[str, Any]] = []
-        self._unreported_drops: dict[str, int] = {}
+        self._unreported_drops: dict[str, tuple[int, int]] = {}
         self.run_id = self._init_run(run_name, world_size, framework, config or {})
         # pyarrow's first conversion of Python or NumPy values imports pandas when it is installed (to
         # tell whether the input is a pandas object): ~0.3-1 s of imports holding the GIL. Done here, on
@@ -115,8 +109,19 @@ class RunWriter:
         self._heartbeat()
         self._thread = threading.Thread(target=self._loop, name=f"dynascope-writer-{self.rank}", daemon=True)
         self._thread.start()
-        _LIVE_WRITERS.add(self)
-        preempt.install(_close_all)  # SIGTERM flushes, then chains to the handler that was there
+        open_writers.add(self)
+        preempt.install(open_writers.close_all)  # SIGTERM flushes, then chains to the handler that was there
+
+    def _fresh_state(self) -> None:
+        """Locks and empty buffers: at start, and in a forked child (``_forget``)."""
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)  # the thread waits here for rows
+        self._room = threading.Condition(self._lock)  # a blocked append waits here for space
+        self._flush_lock = threading.Lock()  # one flush at a time (thread, close, explicit flush)
+        self._buffers: dict[str, TableBuffer] = {t: TableBuffer() for t in TABLES}
+        self._buffered = self._buffered_bytes = 0
+        self._backlog = Backlog()  # encoded groups whose write failed, retried as they are
+        self._pending_events: list[dict[str, Any]] = []
 
     def _init_run(self, name: str | None, world_size: int, framework: str, config: dict) -> str:
         run_id = safe_id(self.run_dir.name)
@@ -154,13 +159,15 @@ class RunWriter:
         with self._lock:
             if self._closed:
                 return
-            if self.max_block_s > 0 and self._buffered + n > self.max_buffer_rows:
+            if self.max_block_s > 0 and self._over_locked(n) > (0, 0):
                 self._wake.notify()
-                self._room.wait_for(lambda: self._closed or self._buffered + n <= self.max_buffer_rows,
-                                    timeout=self.max_block_s)
-            self._buffers[table].add(n, columns)
+                self._room.wait_for(lambda: self._closed or self._over_locked(n) <= (0, 0), timeout=self.max_block_s)
+            buf = self._buffers[table]
+            before = buf.nbytes
+            buf.add(n, columns)
             self._buffered += n
-            if self._buffered > self.max_buffer_rows:
+            self._buffered_bytes += buf.nbytes - before
+            if self._over_locked() > (0, 0):
                 self._drop_oldest_locked()
             if self._buffered >= self.flush_rows:
                 self._wake.notify()
@@ -173,13 +180,27 @@ class RunWriter:
             "dur_us": dur_us, "fields_json": json.dumps(fields, default=str) if fields else None,
         })
 
+    def _over_locked(self, extra_rows: int = 0) -> tuple[int, int]:
+        """Rows and bytes held beyond the bounds (each <= 0 when within), counting the backlog."""
+        return (max(self._buffered + self._backlog.rows + extra_rows - self.max_buffer_rows, 0),
+                max(self._buffered_bytes + self._backlog.nbytes - self.max_buffer_bytes, 0))
+
     def _drop_oldest_locked(self) -> None:
+        # Oldest first: the backlog's groups (older than anything buffered), then the buffers' batches.
         # The count becomes one events row per table at the next flush (not one per drop: a writer far
         # behind drops on every append).
-        for table, n in drop_oldest(self._buffers, self._buffered - self.max_buffer_rows).items():
-            self._buffered -= n
-            self.rows_dropped += n
-            self._unreported_drops[table] = self._unreported_drops.get(table, 0) + n
+        rows, nbytes = self._over_locked()
+        dropped = self._backlog.drop_oldest(rows, nbytes)
+        rows -= sum(n for n, _ in dropped.values())
+        nbytes -= sum(b for _, b in dropped.values())
+        from_buffers = drop_oldest(self._buffers, rows, nbytes) if rows > 0 or nbytes > 0 else {}
+        self._buffered -= sum(n for n, _ in from_buffers.values())
+        self._buffered_bytes -= sum(b for _, b in from_buffers.values())
+        for part in (dropped, from_buffers):
+            for table, (n, b) in part.items():
+                self.rows_dropped += n
+                r0, b0 = self._unreported_drops.get(table, (0, 0))
+                self._unreported_drops[table] = (r0 + n, b0 + b)
 
     # ---- flushing -----------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -187,6 +208,8 @@ class RunWriter:
             with self._lock:
                 if not self._closed and self._buffered < self.flush_rows:
                     self._wake.wait(self.flush_secs)
+                while not self._closed and (backoff := self._backoff.wait_s()) > 0:  # after failed writes
+                    self._wake.wait(backoff)
                 if self._closed:
                     return
             self._heartbeat()
@@ -201,7 +224,12 @@ class RunWriter:
     def flush(self) -> None:
         """Write everything buffered now as one commit (called by the thread; safe to call from anywhere)."""
         with self._flush_lock:
-            groups = [g for table, buf in self._take().items() if (g := self._group(table, buf)) is not None]
+            with self._lock:
+                groups = self._backlog.take()  # older than anything buffered: first in the commit
+                self._room.notify_all()
+            # A backlog drops whole groups: a writer that fell behind writes its rows in flush_rows parts
+            groups += [g for table, buf in self._take().items() for part in buf.split(self.flush_rows)
+                       if (g := self._group(table, part)) is not None]
             if not groups:
                 return
             try:
@@ -219,10 +247,15 @@ class RunWriter:
             for g, err in done.failed:
                 self.write_errors += 1
                 # One events row per streak of failures (it lands once writing works again), not one per retry.
-                self._problem("write_error", f"{g.table}: segment write failed ({type(err).__name__}: {err}); "
-                                             "rows kept in memory and retried", emit_event=not self._failing)
+                self._problem("write_error", f"{g.table}: segment write failed ({type(err).__name__}: {err}); rows "
+                              f"kept in memory and retried as encoded, backing off to {self._backoff.cap_s:g} s",
+                              emit_event=not self._failing)
                 self._failing = True
-                self._requeue(g.table, g.buffered)
+                with self._lock:
+                    self._backlog.keep(g)
+                    if self._over_locked() > (0, 0):
+                        self._drop_oldest_locked()
+            self._backoff.record(ok=not done.failed)
             if done.committed and not done.failed and self._failing:
                 self._failing = False
                 with self._lock:
@@ -241,14 +274,16 @@ class RunWriter:
             for t in taken:
                 self._buffers[t] = TableBuffer()
             self._buffered -= sum(b.rows for b in taken.values())
+            self._buffered_bytes -= sum(b.nbytes for b in taken.values())
             self._room.notify_all()
             pending, self._pending_events = self._pending_events, []
             drops, self._unreported_drops = self._unreported_drops, {}
-        for table, n in drops.items():
-            msg = f"writer buffer full ({self.max_buffer_rows} rows): dropped the oldest {n} {table} rows"
+        for table, (n, b) in drops.items():
+            msg = (f"writer buffer full ({self.max_buffer_rows} rows or {self.max_buffer_bytes >> 20} MiB, "
+                   f"buffered and awaiting a retry): dropped the oldest {n} {table} rows ({b >> 10} KiB)")
             self._problem("rows_dropped", msg, emit_event=False)
             pending.append({"event": "rows_dropped", "severity": "warning", "message": msg, "table": table,
-                            "dropped": n})
+                            "dropped": n, "bytes": b})
         for ev in pending:
             taken.setdefault("events", TableBuffer()).add(1, {
                 "time_us": now_us(), "event": ev.pop("event"), "severity": ev.pop("severity"),
@@ -284,16 +319,6 @@ class RunWriter:
             self._pending_events.append({"event": "run_dir_recreated", "severity": "warning",
                                          "message": f"{self.run_dir} was deleted during the run and recreated"})
 
-    def _requeue(self, table: str, buf: TableBuffer) -> None:
-        with self._lock:
-            cur = self._buffers[table]
-            buf.batches.extend(cur.batches)
-            buf.rows += cur.rows
-            self._buffers[table] = buf
-            self._buffered += buf.rows - cur.rows
-            if self._buffered > self.max_buffer_rows:
-                self._drop_oldest_locked()
-
     def _heartbeat(self) -> None:
         """Touch this writer's heartbeat file so ``dynascope runs`` can tell a live run from a crashed one."""
         touch_heartbeat(self._heartbeat_path, {"writer_id": self.writer_id, "rank": self.rank, "role": self.role,
@@ -328,12 +353,12 @@ class RunWriter:
         last.join(max(deadline - time.monotonic(), 0.0))
         if last.is_alive():
             with self._lock:
-                pending = sum(b.rows for b in self._buffers.values())
+                pending = self._buffered + self._backlog.rows
             self.close_timed_out = True
             self._problem("close_timeout", f"close gave up after {timeout_s:g} s with the disk not answering: "
                           f"{pending} rows still buffered and a flush in progress; they are written if the disk "
                           "comes back before the process exits", emit_event=False)
-        _LIVE_WRITERS.discard(self)
+        open_writers.discard(self)
 
     def _final_flushes(self) -> None:
         for attempt in range(4):  # later passes write events produced by earlier ones, and retry failed writes
@@ -348,13 +373,13 @@ class RunWriter:
                 self.flush()
             except Exception as exc:
                 self._problem("writer_error", f"final flush failed: {type(exc).__name__}: {exc}", emit_event=False)
-            if attempt >= 1 and not self._pending_events and not any(b.rows for b in self._buffers.values()):
+            if attempt >= 1 and not self._pending_events and not self._buffered and not self._backlog.rows:
                 break
         with self._lock:
-            lost = sum(b.rows for b in self._buffers.values())
+            lost = self._buffered + self._backlog.rows
             self._buffers = {t: TableBuffer() for t in TABLES}
-            self._buffered = 0
-            self._pending_events = []
+            self._buffered = self._buffered_bytes = 0
+            self._backlog, self._pending_events = Backlog(), []  # (the lock stays: close may still hold it)
         if lost:
             self.rows_dropped += lost
             self._problem("rows_lost", f"{lost} rows could not be written before close and were dropped",
@@ -368,32 +393,8 @@ class RunWriter:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _forget(self) -> None:
+        """In a forked child (``open_writers``): fresh locks, no buffers, closed."""
+        self._fresh_state()
+        self._closed = self.forked = True
 
-def _forget_in_child() -> None:
-    """After ``fork`` the child's copies of the parent's writers (their rows the parent's, their threads
-    and any lock held at the fork gone) get fresh locks, no buffers, and are closed: never written or
-    waited on; a ``RunWriter`` the child makes is its own."""
-    for w in list(_LIVE_WRITERS):
-        w._lock = threading.Lock()
-        w._wake, w._room = threading.Condition(w._lock), threading.Condition(w._lock)
-        w._flush_lock = threading.Lock()
-        w._buffers, w._buffered, w._pending_events = {t: TableBuffer() for t in TABLES}, 0, []
-        w._closed = w.forked = True
-    _LIVE_WRITERS.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_in_child)
-
-
-EXIT_TIMEOUT_S = 10.0  # what the writers still open at exit may take, all together
-
-
-@atexit.register
-def _close_all(timeout_s: float = EXIT_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    for w in list(_LIVE_WRITERS):
-        try:
-            w.close(timeout_s=max(deadline - time.monotonic(), 0.1))
-        except Exception:
-            pass
