@@ -49,7 +49,7 @@ class TableBuffer:
         if self.rows <= max_rows:
             return [self]
         parts = [TableBuffer()]
-        for (n, cols), b in zip(self.batches, self.sizes):
+        for (n, cols), b in zip(self.batches, self.sizes, strict=True):
             if parts[-1].rows >= max_rows:
                 parts.append(TableBuffer())
             last = parts[-1]
