@@ -20,7 +20,6 @@ import torch
 
 import dynascope
 from dynascope.core.net import free_port
-from dynascope.store.combine import combine_shards
 from dynascope.store.schema import TENSOR_STATS_COLUMNS
 
 pytest.importorskip("deepspeed")
@@ -124,7 +123,7 @@ def test_every_statistic_equals_the_single_process_reference(runs: Path, case: s
     record = torch.load(runs / f"{case}.pt")
     raw = store(runs / case, "tensor_stats")
     assert raw["sharded"].all() and set(raw["rank"].to_list()) == {0, 1}
-    got = combine_shards(raw)
+    got = store(runs / case, "tensor_stats_global")
     want = reference_rows(record, tmp_path / "ref", memory_budget=None, **opts.get("kw", {}))
     # one row per tensor per engine step (not per inner-optimizer step: sub_group_size makes two of those)
     assert got.height == want.height == worker.STEPS * len(record["theta0"])
@@ -217,7 +216,7 @@ def windows_alike_and_exact(runs: Path, case: str, ref_run: Path) -> dict[int, l
     assert per.height == steps * len(record["theta0"]) and set(per["rows"]) == {2}  # every step, both ranks
     for c in WINDOWED:
         assert set(per[c].to_list()) <= {0, 2}, (case, c, per.sort("step", "tensor").to_dicts())
-    got = combine_shards(raw)
+    got = store(runs / case, "tensor_stats_global")
     ref = {(r["step"], r["tensor"]): r for r in reference_rows(record, ref_run, memory_budget=None).to_dicts()}
     for r in got.filter(pl.col("update_norm").is_not_null()).to_dicts():
         want = ref[(r["step"], r["tensor"])]
@@ -297,7 +296,7 @@ def test_hf_trainer_under_deepspeed(runs: Path, stage: int) -> None:
     weights = torch.load(runs / f"hf-z{stage}.pt")["weights"]  # θ₀, then after each step
     raw = store(run, "tensor_stats")
     assert raw["sharded"].all() and set(raw["rank"].to_list()) == {0, 1}
-    got = combine_shards(raw)
+    got = store(run, "tensor_stats_global")
     assert sorted(set(got["tensor"])) == sorted(weights[0]) and sorted(set(got["step"])) == [0, 1, 2]
     assert set(got["shards"].to_list()) == {2} and got["grad_norm"].null_count() == 0
     for r in got.to_dicts():

@@ -1,5 +1,5 @@
 """FSDP2 (``fully_shard``) on 2 gloo ranks on CPU: probes record local shards (``sharded=True``) and
-``combine_shards`` rebuilds each tensor's global statistics, checked against the full tensors."""
+``tensor_stats_global`` rebuilds each tensor's global statistics, checked against the full tensors."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import polars as pl
 import pytest
 
 import dynascope
-from dynascope.store.combine import combine_shards
 
 from helpers.naive_stats import assert_row_matches
 from helpers.torchrun import torchrun
@@ -85,7 +84,7 @@ def test_fsdp2_shards_combine_to_global_stats(fsdp_run: Path) -> None:
     # each rank holds half of the 16-row weight: local numel, not the global one
     w0 = raw.filter(raw["tensor"] == "0.weight")
     assert sorted(set(w0["numel"].to_list())) == [64] and w0["shape"][0] == "16x8"
-    out = combine_shards(raw)
+    out = con.sql("select * from tensor_stats_global").pl()  # the canonical view pools the shards
     assert out.height == 2 * 4 and set(out["shards"].to_list()) == {2}
     for r in out.to_dicts():
         assert_row_matches(r, *truth[r["step"]][r["tensor"]])

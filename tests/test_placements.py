@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 import dynascope
-from dynascope.store.combine import combine_shards
 from dynascope.store.pooling import counted_sql
 
 from helpers.naive_stats import assert_row_matches
@@ -35,6 +34,15 @@ WORKER = textwrap.dedent("""
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         torch.manual_seed(1 + dist.get_rank())  # each rank its own batch: the replicas' gradients average
+    elif layout == "2d":  # FSDP2 over "dp" on top of tensor parallel over "tp" (torchtitan's 2-D layout)
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        torch.manual_seed(1 + dist.get_rank() // (world // 2))  # one batch per TP group, its own per dp rank
     else:
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
         mesh = init_device_mesh("cpu", (world,))
@@ -71,7 +79,7 @@ def _check_against_full_tensors(run: Path) -> dict:
     truth = json.loads(Path(str(run) + ".truth.json").read_text())
     with dynascope.open_store(run) as con:
         raw = con.frame("SELECT * FROM tensor_stats")
-    out = combine_shards(raw)
+        out = con.frame("SELECT * FROM tensor_stats_global")  # the canonical view: replicas once
     assert out.height == 2 * 4
     for r in out.to_dicts():
         upd, grad, drift, numel = truth[r["step"]][r["tensor"]]
@@ -106,6 +114,17 @@ def test_tensor_parallel_shards_and_a_replicated_bias(tmp_path: Path) -> None:
         assert rows[("2.weight", rank)]["sharded"] and rows[("2.weight", rank)]["shard"] == str(rank)
         bias = rows[("2.bias", rank)]
         assert (bias["sharded"], bias["replica"], bias["numel"], bias["mesh"]) == (False, rank, 4, "2")
+
+
+@pytest.mark.slow
+def test_fsdp2_over_tensor_parallel(tmp_path: Path) -> None:
+    """2-D: each parameter is a DTensor on the (dp, tp) mesh. The row-parallel bias is sharded by FSDP
+    over dp and replicated over tp: its rows on the second TP rank are replicas and count once."""
+    rows = _check_against_full_tensors(_launch(tmp_path, "2d", 4))
+    for rank in range(4):
+        assert rows[("0.weight", rank)]["sharded"] and rows[("0.weight", rank)]["mesh"] == "2x2"
+        bias = rows[("2.bias", rank)]
+        assert bias["sharded"] and bias["replica"] == rank % 2, (rank, bias)
 
 
 def test_kl_finding_reads_drift_over_the_rows_that_carry_it(tmp_path: Path) -> None:

@@ -30,18 +30,6 @@ def frame(store: StoreConnection, sql: str, params: Params = None) -> pl.DataFra
     return store.frame(sql, params)
 
 
-def lowest_rank_sql(store: StoreConnection, where: str, partition: str) -> tuple[str, bool]:
-    """(SQL for the lowest rank among each ``partition``'s ``tensor_stats`` rows, whether each run's rows
-    come from one rank). A tensor's replicated rows count once, from its lowest rank, its shards all; when
-    every run's rows are of one rank or all shards there is nothing to pick and the window (8 s over 10M
-    rows on 2 cores, where a plain sum takes one) becomes ``rank``. ``where`` starts with `` AND``."""
-    shapes = store.rows(f"SELECT min(rank) = max(rank), bool_and(coalesce(sharded, false)) FROM tensor_stats "
-                        f"WHERE step IS NOT NULL{where} GROUP BY run_id")
-    if all(one or shards for one, shards in shapes):
-        return "rank", all(one for one, _ in shapes)
-    return f"min(rank) OVER (PARTITION BY {partition})", False
-
-
 # What one ``shared_reads`` block has read, per thread (a ContextVar: a dashboard thread running another
 # analysis on the same store never sees it; ``in_parallel`` hands it to its workers).
 class _Reads:

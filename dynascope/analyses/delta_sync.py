@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import polars as pl
 
-from dynascope.analyses._common import StoreLike, as_store, frame, lowest_rank_sql, run_clause
+from dynascope.analyses._common import StoreLike, as_store, frame, run_clause
 from dynascope.store import StoreError, quote_literal
-from dynascope.store.pooling import counted_sql
+from dynascope.store.pooling import GLOBAL
 from dynascope.store.rollup_across import BY_TENSOR, covers
 
 __all__ = ["DTYPE_BYTES", "delta_sync_bytes", "delta_sync_summary", "summarize_delta_sync"]
@@ -52,7 +52,7 @@ def delta_sync_bytes(store: StoreLike, run: str | None = None, stage: str | None
     and the full bf16 weights), encoding (value+index | bitmap | full),
     delta_pct (delta_bytes / full_bf16_bytes), weight_sync_ms (the run's median measured sync, null
     without ``weight_sync`` timings), sync_bytes_per_s, full_bf16_sync_ms and delta_sync_ms (implied).
-    A tensor counts once per step: summed over ranks when sharded, else from its lowest rank. Steps
+    A tensor counts once per step, as ``tensor_stats_global`` has it (shards pooled, replicas once). Steps
     where some tensor has no S₁ (outside the probe's window), or whose rows hold fewer elements than the
     run's fullest step (a shard's row lost), are left out rather than priced from part of the weights.
     """
@@ -61,29 +61,24 @@ def delta_sync_bytes(store: StoreLike, run: str | None = None, stage: str | None
         raise StoreError("tensor_stats has no bf16_unchanged_count (PULSE S₁): record with a probe that writes it")
     where = run_clause(run) + ("" if stage is None else f" AND stage = {quote_literal(stage)}")
     dtype_bytes = " ".join(f"WHEN {quote_literal(k)} THEN {v}" for k, v in DTYPE_BYTES.items())
-    if covers(con, run):  # compacted: a row per (step, tensor) across ranks, the same sums
-        rows, tensors = f"""
-            SELECT run_id, stage, step, tensor, rank, sharded, NULL::INTEGER AS replica, numel, dtype, tensors AS n,
-                   bf16_rows,
-                   bf16_unchanged_numel - bf16_unchanged_count AS changed, bitmap_bytes,
-                   min(rank) OVER (PARTITION BY run_id, step, tensor) AS first_rank
-            FROM {BY_TENSOR} WHERE step IS NOT NULL{where}""", "count(DISTINCT tensor)"
+    # One row per (step, tensor), the canonical view's: compacted, its pooled sums; else the view itself.
+    if covers(con, run):
+        rows = f"""
+            SELECT run_id, stage, step, numel, dtype, bf16_rows AS has_s1,
+                   bf16_unchanged_numel - bf16_unchanged_count AS changed, bitmap_bytes
+            FROM {BY_TENSOR} WHERE step IS NOT NULL{where}"""
     else:
-        first_rank, one_rank = lowest_rank_sql(con, where, "run_id, step, tensor")
-        rows, tensors = f"""
-            SELECT run_id, stage, step, tensor, rank, sharded, replica, numel, dtype, 1 AS n,
-                   CASE WHEN bf16_unchanged_count IS NOT NULL THEN 1 ELSE 0 END AS bf16_rows,
-                   numel - bf16_unchanged_count AS changed, ceil(numel / 8.0) AS bitmap_bytes,
-                   {first_rank} AS first_rank
-            FROM tensor_stats WHERE step IS NOT NULL{where}""", "count(*)" if one_rank else "count(DISTINCT tensor)"
+        rows = f"""
+            SELECT run_id, stage, step, numel, dtype, CASE WHEN bf16_unchanged_count IS NOT NULL THEN 1 ELSE 0 END
+                   AS has_s1, numel - bf16_unchanged_count AS changed, ceil(numel / 8.0) AS bitmap_bytes
+            FROM {GLOBAL} WHERE step IS NOT NULL{where}"""
     per_step = frame(con, f"""
         WITH rows AS ({rows})
-        SELECT run_id, any_value(stage) AS stage, step, {tensors} AS tensors,
-               sum(numel)::BIGINT AS numel, sum(bf16_rows) = sum(n) AS complete,
+        SELECT run_id, any_value(stage) AS stage, step, count(*) AS tensors,
+               sum(numel)::BIGINT AS numel, sum(has_s1) = count(*) AS complete,
                sum(changed)::BIGINT AS changed_count, sum(bitmap_bytes)::BIGINT AS bitmap_index_bytes,
                sum(numel * CASE dtype {dtype_bytes} ELSE 4 END)::BIGINT AS stored_bytes
-        FROM rows WHERE {counted_sql("first_rank")}
-        GROUP BY run_id, step ORDER BY run_id, step""")
+        FROM rows GROUP BY run_id, step ORDER BY run_id, step""")
     if per_step.is_empty():
         return pl.DataFrame(schema=_SCHEMA)
     sync = frame(con, f"""

@@ -4,8 +4,8 @@ Definitions:
 
 - *Sparsity* is the share of parameters a step left bit-identical (``changed_frac`` counts those that
   moved) or, against θ₀, the share that differ from the reference weights (``drift_changed_frac``).
-  Fractions are numel-weighted sums (Σcount / Σnumel), so a large matrix weighs more than a bias, and
-  rows of several ranks combine exactly (shards add up; replicated copies leave the ratio unchanged).
+  Fractions are numel-weighted sums (Σcount / Σnumel) over ``tensor_stats_global``'s whole tensors, so
+  a large matrix weighs more than a bias, and a replicated tensor counts once.
   The ``rel`` variants (``changed_rel_frac``, ``drift_changed_rel_frac``: "changed by > 0.1% of |W|
   (relative)") count a change only when |ŵ − w| > η·max(|w|, |ŵ|), η = 1e-3. Neither is the bf16-cast
   comparison: that is PULSE's ``bf16_unchanged_frac`` (changed in bf16 = 1 − it), see ``delta_sync``.
@@ -20,6 +20,7 @@ import polars as pl
 
 from dynascope.analyses._common import StoreLike, as_store, frame, run_clause
 from dynascope.store import StoreError, quote_literal
+from dynascope.store.pooling import GLOBAL
 
 __all__ = ["rank1_dominance", "sparsity_comparison", "sparsity_over_training"]  # + dynamics_rank1.rank1_linear_fit
 
@@ -51,8 +52,8 @@ def sparsity_over_training(store: StoreLike, run: str | None = None, by: str = "
         SELECT run_id, step, any_value(stage) AS stage, {_GROUPS[by]} AS "{by}",
                COUNT(DISTINCT tensor) AS tensors, SUM(numel) AS numel, {fracs},
                1 - SUM({first})::DOUBLE / SUM(numel) AS unchanged_frac
-        FROM tensor_stats
-        WHERE {first} IS NOT NULL AND numel > 0 AND step IS NOT NULL{run_clause(run)}
+        FROM {GLOBAL}
+        WHERE {first} IS NOT NULL AND numel > 0{run_clause(run)}
         GROUP BY run_id, step, {_GROUPS[by]}
         ORDER BY 1, 2, 4 NULLS LAST""")
 
@@ -73,7 +74,7 @@ def _side_sql(where: str, group: str) -> str:
     # Per group: drift at each tensor's last record of the side (the parameters the whole side left
     # untouched, relative to its θ₀) and the mean per-step unchanged share over the side's steps.
     return f"""
-        WITH rows AS (SELECT *, {group} AS grp FROM tensor_stats WHERE {where} AND numel > 0 AND step IS NOT NULL),
+        WITH rows AS (SELECT *, {group} AS grp FROM {GLOBAL} WHERE {where} AND numel > 0),
         last AS (SELECT run_id, tensor, max(step) AS step FROM rows
                  WHERE drift_changed_count IS NOT NULL GROUP BY run_id, tensor),
         drift AS (SELECT r.grp, SUM(r.numel)::BIGINT AS numel,

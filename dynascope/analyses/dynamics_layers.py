@@ -12,17 +12,17 @@ stage's reference) and for the sum of its per-step updates W_t − W_{t−1}:
 
 Zhang et al. (arXiv 2607.01232) find RL's *gain* concentrated in one or a few middle layers by training
 each layer alone ("layer contribution", a measure of accuracy); these shares are the weight-space view
-of one run, which says where the update went, not which layer carries the gain. Rows of one tensor
-from several ranks: sharded rows are summed, replicated ones counted once (the lowest rank).
+of one run, which says where the update went, not which layer carries the gain. Each tensor counts
+once per step, as ``tensor_stats_global`` has it (shards pooled, replicas once).
 """
 
 from __future__ import annotations
 
 import polars as pl
 
-from dynascope.analyses._common import StoreLike, as_store, frame, lowest_rank_sql, run_clause
+from dynascope.analyses._common import StoreLike, as_store, frame, run_clause
 from dynascope.store import quote_literal
-from dynascope.store.pooling import counted_sql
+from dynascope.store.pooling import GLOBAL
 from dynascope.store.rollup_across import BY_TENSOR, covers
 
 __all__ = ["update_share_by_layer"]
@@ -44,25 +44,21 @@ def update_share_by_layer(store: StoreLike, run: str | None = None, stage: str |
     """
     where = run_clause(run) + ("" if stage is None else f" AND stage = {quote_literal(stage)}")
     con = as_store(store)
-    if covers(con, run):  # compacted: a row per (step, tensor) across ranks, the same sums
-        source, first_rank = f"""
+    # One row per (step, tensor), the canonical view's: compacted, its pooled sums; else the view itself.
+    if covers(con, run):
+        source = f"""
             SELECT run_id, stage, step, tensor, layer, numel, update_sq,
                    bf16_unchanged_numel - bf16_unchanged_count AS update_bf16_changed, drift_sq,
-                   drift_zero_numel - drift_zero_count AS drift_bf16_changed, drift_numel IS NOT NULL AS has_drift,
-                   sharded, NULL::INTEGER AS replica, rank
-            FROM {BY_TENSOR}""", "min(rank) OVER (PARTITION BY run_id, stage, step, tensor)"
+                   drift_zero_numel - drift_zero_count AS drift_bf16_changed, drift_numel IS NOT NULL AS has_drift
+            FROM {BY_TENSOR}"""
     else:
-        source = """
+        source = f"""
             SELECT run_id, stage, step, tensor, layer, numel, update_norm * update_norm AS update_sq,
                    numel - bf16_unchanged_count AS update_bf16_changed, drift_norm * drift_norm AS drift_sq,
-                   numel - drift_zero_count AS drift_bf16_changed, drift_norm IS NOT NULL AS has_drift,
-                   coalesce(sharded, false) AS sharded, replica, rank
-            FROM tensor_stats"""
-        first_rank, _ = lowest_rank_sql(con, " AND numel > 0" + where, "run_id, stage, step, tensor")
+                   numel - drift_zero_count AS drift_bf16_changed, drift_norm IS NOT NULL AS has_drift
+            FROM {GLOBAL}"""
     df = frame(con, f"""
-        WITH rows AS (
-            SELECT *, {first_rank} AS first_rank FROM ({source}) WHERE step IS NOT NULL AND numel > 0{where}),
-        one AS (SELECT * FROM rows WHERE {counted_sql("first_rank")}),
+        WITH one AS (SELECT * FROM ({source}) WHERE step IS NOT NULL AND numel > 0{where}),
         -- One pass over the rows to (step, tensor); everything after reads that small frame.
         per_step AS (
             SELECT run_id, stage, step, tensor, any_value(layer) AS layer, sum(numel) AS numel,

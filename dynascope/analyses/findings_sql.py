@@ -13,7 +13,7 @@ from dynascope.analyses.goodput import checkpoints_sql
 from dynascope.analyses.rollouts import weight_syncs_sql
 from dynascope.analyses.steps import STEP_ROW, TOP_LEVEL, step_rows_sql, top_level_sql
 from dynascope.store import quote_literal
-from dynascope.store.pooling import counted_sql
+from dynascope.store.pooling import GLOBAL
 
 q = quote_literal
 
@@ -89,14 +89,13 @@ def uninstrumented_sql(run: str) -> str:
 
 def probe_cost_sql(run: str, phase: str) -> str:
     """The probe's phase over the step time of the timed steps (every rank's, summed), and its coverage: the
-    tensor_stats rows carrying ``update_norm`` over all rows of the recorded steps."""
+    tensors carrying ``update_norm`` over all tensors of the recorded steps (``tensor_stats_global``)."""
     return f"""WITH st AS ({step_rows_sql(run)}), pr AS (SELECT run_id, role, rank, step, SUM(dur_us) AS us
         FROM ({top_level_sql(run)}) WHERE phase = {q(phase)} GROUP BY ALL)
         SELECT COUNT(DISTINCT st.step) AS steps, SUM(pr.us) / 1000.0 AS probe_ms,
         100.0 * SUM(pr.us) / SUM(st.step_us) AS probe_pct,
-        (SELECT COUNT(DISTINCT step) FROM tensor_stats WHERE run_id = {q(run)} AND step IS NOT NULL) AS recorded_steps,
-        (SELECT 100.0 * COUNT(update_norm) / COUNT(*) FROM tensor_stats WHERE run_id = {q(run)}
-        AND step IS NOT NULL) AS coverage_pct FROM st LEFT JOIN pr USING (run_id, role, rank, step)"""
+        (SELECT COUNT(DISTINCT step) FROM {GLOBAL} WHERE run_id = {q(run)}) AS recorded_steps,
+        (SELECT 100.0 * COUNT(update_norm) / COUNT(*) FROM {GLOBAL} WHERE run_id = {q(run)}) AS coverage_pct FROM st LEFT JOIN pr USING (run_id, role, rank, step)"""
 
 
 def staleness_sql(run: str) -> str:
@@ -135,9 +134,11 @@ def instability_sql(run: str, first: dict[str, Any], steps: list[int]) -> str:
     if first["event"] == "nan_inf":
         return f"""SELECT step, rank, COUNT(*)::DOUBLE AS value FROM scalars WHERE {where} AND value IS NOT NULL
             AND NOT isfinite(value) GROUP BY step, rank ORDER BY step"""
-    if table == "tensor_stats":  # the global gradient norm rebuilt from the per-tensor norms
-        return f"""SELECT step, rank, sqrt(SUM(grad_norm * grad_norm)) AS value FROM tensor_stats WHERE {where}
-            AND grad_norm IS NOT NULL GROUP BY step, rank ORDER BY step"""
+    if table == "tensor_stats":  # the global gradient norm rebuilt from the whole tensors' norms
+        steps_in = ", ".join(map(str, steps))
+        return f"""SELECT step, NULL AS rank, sqrt(SUM(grad_norm * grad_norm)) AS value FROM {GLOBAL}
+            WHERE run_id = {q(run)} AND coalesce(role, '') = {q(first['role'])} AND step IN ({steps_in})
+            AND grad_norm IS NOT NULL GROUP BY step ORDER BY step"""
     return f"""SELECT step, rank, AVG(value) AS value FROM scalars WHERE {where} AND key = {q(what)}
         GROUP BY step, rank ORDER BY step"""
 
@@ -156,15 +157,11 @@ def rank1_sql(run: str) -> str:
 def _bf16_steps(run: str) -> str:
     """CTEs ending in ``c``: per step whose every tensor has S₁ and whose rows hold the run's full element
     count, its stage, numel, elements whose bf16 cast changed and the bitmap bytes, a tensor counted once
-    (summed when sharded, else its lowest rank), with ``first`` the stage's first such step (as
+    (``tensor_stats_global``), with ``first`` the stage's first such step (as
     ``delta_sync_bytes`` and ``delta_sync_summary``)."""
-    return f"""r AS (SELECT step, stage, tensor, rank, sharded, replica, numel, bf16_unchanged_count,
-        min(rank) OVER (PARTITION BY step, tensor) AS first_rank FROM tensor_stats
-        WHERE run_id = {q(run)} AND step IS NOT NULL),
-        s AS (SELECT step, any_value(stage) AS stage, sum(numel) AS numel,
+    return f"""s AS (SELECT step, any_value(stage) AS stage, sum(numel) AS numel,
         sum(numel - bf16_unchanged_count) AS changed, sum(ceil(numel / 8.0)) AS bitmap,
-        count(bf16_unchanged_count) = count(*) AS complete FROM r
-        WHERE {counted_sql("first_rank")} GROUP BY step),
+        count(bf16_unchanged_count) = count(*) AS complete FROM {GLOBAL} WHERE run_id = {q(run)} GROUP BY step),
         c AS (SELECT *, min(step) OVER (PARTITION BY stage) AS first FROM s
               WHERE complete AND numel = (SELECT max(numel) FROM s))"""
 
@@ -186,7 +183,7 @@ def update_sparsity_sql(run: str, a: str, b: str, bf16: bool) -> str:
 
     with_ = f"WITH {_bf16_steps(run)} " if bf16 else ""
     return f"""{with_}SELECT {side(a, 'a')}, {side(b, 'b')}, mode(dtype) AS dtype, {visible(a, 'a')}, {visible(b, 'b')}
-        FROM tensor_stats WHERE run_id = {q(run)}"""
+        FROM {GLOBAL} WHERE run_id = {q(run)}"""
 
 
 def delta_sync_sql(run: str, stage: str) -> str:
@@ -248,15 +245,14 @@ def kl_to_base_sql(run: str) -> str:
     return f"""WITH e AS (SELECT step, key, arg_max(value, time_us) AS v FROM scalars WHERE run_id = {q(run)}
         AND key IN ({kl}) GROUP BY step, key),
         rl AS (SELECT min(step) AS first, max(step) AS last FROM e WHERE key = 'eval/forward_kl_sft_nats'),
-        w AS (SELECT max(step) AS step FROM tensor_stats WHERE run_id = {q(run)} AND stage = 'rl'
+        w AS (SELECT max(step) AS step FROM {GLOBAL} WHERE run_id = {q(run)} AND stage = 'rl'
               AND drift_norm IS NOT NULL AND w_norm IS NOT NULL),
-        t AS (SELECT *, min(rank) OVER (PARTITION BY step, tensor) AS first_rank FROM tensor_stats
-              WHERE run_id = {q(run)} AND stage = 'rl' AND step = (SELECT step FROM w)),
+        t AS (SELECT * FROM {GLOBAL} WHERE run_id = {q(run)} AND stage = 'rl' AND step = (SELECT step FROM w)),
         d AS (SELECT sqrt(sum(drift_norm * drift_norm) FILTER (WHERE w_norm IS NOT NULL))
                      / sqrt(sum(w_norm * w_norm) FILTER (WHERE drift_norm IS NOT NULL)) AS drift_ratio,
               100.0 * sum(numel - drift_zero_count) / sum(numel) FILTER (WHERE drift_zero_count IS NOT NULL)
                   AS bf16_changed_pct
-              FROM t WHERE {counted_sql("first_rank")})
+              FROM t)
         SELECT (SELECT v FROM e WHERE key = 'eval/forward_kl_pretrained_nats' AND step = rl.first) AS kl_sft_nats,
         (SELECT v FROM e WHERE key = 'eval/forward_kl_pretrained_nats' AND step = rl.last) AS kl_final_nats,
         (SELECT v FROM e WHERE key = 'eval/forward_kl_sft_nats' AND step = rl.last) AS kl_rl_base_nats,

@@ -12,7 +12,7 @@ Each figure follows the package's analysis of the same name (``tests/test_fleet.
 ``straggler_scores`` with its defaults (the slowest rank is its first row: most time at stake), PULSE S₁
 as ``delta_sync_bytes`` counts it (steps where every tensor has it), ``phase_shares``' step-time shares,
 and ``rank1_dominance``'s energy-weighted rank-1 share. Tensor figures read the ``tensor_stats_by_kind``
-rollup (pooled sums) and fall back to ``tensor_stats`` for runs that have none.
+rollup (pooled sums) and fall back to the canonical ``tensor_stats_global`` for runs that have none.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def pooled_sql(q: Quote) -> str:
                SUM(CASE WHEN update_norm IS NOT NULL THEN w_norm * w_norm END),
                SUM(bf16_unchanged_count), SUM(CASE WHEN bf16_unchanged_count IS NOT NULL THEN numel END),
                SUM(drift_unchanged_count), SUM(CASE WHEN drift_norm IS NOT NULL THEN numel END), SUM(numel)
-        FROM {q('tensor_stats')} WHERE step IS NOT NULL AND run_id NOT IN (SELECT run_id FROM rolled)
+        FROM {q('tensor_stats_global')} WHERE run_id NOT IN (SELECT run_id FROM rolled)
         GROUP BY run_id, stage, step)"""
 
 

@@ -13,8 +13,8 @@
   zero-filled stretches cannot shrink it to nothing). A floor relative to the series' level (|x|) would
   not do: one high enough to hide blips around 0 would hide a 2.0 → 2.5 spike on an ordinary loss.
   With fewer than ``min_history`` untied deviations (a flat series with a jump or two) there is no floor.
-  Without a grad_norm scalar, the global gradient norm is rebuilt from ``tensor_stats`` (√Σ grad_norm²
-  per rank).
+  Without a grad_norm scalar, the global gradient norm is rebuilt from ``tensor_stats_global`` (√Σ
+  grad_norm² over the whole tensors, one series per run and role: shards pooled, replicas once).
 - *Entropy collapse*: the first step where the scalar ``entropy`` falls below ``collapse_frac`` × its
   initial level (median of the first ``min_history`` values); one event per series.
 - *NaN/Inf*: any non-finite scalar, or tensor_stats rows with grad_nan_count/grad_inf_count/w_nan_count/w_inf_count > 0.
@@ -31,6 +31,7 @@ import numpy as np
 import polars as pl
 
 from dynascope.analyses._common import StoreLike, as_store, frame, run_clause
+from dynascope.store.pooling import GLOBAL
 
 __all__ = ["detect_instability"]
 
@@ -75,10 +76,10 @@ def _series_events(con, run: str | None, window: int, z_threshold: float, min_hi
         WHERE step IS NOT NULL AND (regexp_matches(key, '{_SPIKE_RE}') OR regexp_matches(key, '{_ENTROPY_RE}')){rc}
         GROUP BY ALL
         UNION ALL
-        SELECT run_id, coalesce(role, '') AS role, rank, 'grad_norm(tensor_stats)', step,
+        SELECT run_id, coalesce(role, '') AS role, CAST(NULL AS INTEGER) AS rank, 'grad_norm(tensor_stats)', step,
                sqrt(SUM(grad_norm * grad_norm))
-        FROM tensor_stats
-        WHERE step IS NOT NULL AND grad_norm IS NOT NULL{rc} AND run_id NOT IN (
+        FROM {GLOBAL}
+        WHERE grad_norm IS NOT NULL{rc} AND run_id NOT IN (
             SELECT run_id FROM scalars WHERE regexp_matches(key, '(^|[/.])grad_norm$'))
         GROUP BY ALL
         ORDER BY run_id, role, rank, key, step""")

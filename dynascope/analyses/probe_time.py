@@ -15,6 +15,7 @@ import polars as pl
 from dynascope.analyses._common import StoreLike, as_store, frame, run_clause
 from dynascope.analyses.steps import KEYS, TOP_LEVEL, step_rows_sql
 from dynascope.store import quote_literal
+from dynascope.store.pooling import GLOBAL
 
 __all__ = ["DEFAULT_PROBE_COST", "PROBE_PHASE", "probe_cost"]
 
@@ -30,8 +31,8 @@ def probe_cost(store: StoreLike, run: str | None = None) -> pl.DataFrame:
     """Per run: the probe's time inside timed steps and its share of their step time, and its coverage.
 
     Columns: run_id, steps (steps with a step row), probe_ms, step_ms (every rank's, summed), probe_pct,
-    recorded_steps (steps with tensor_stats rows), coverage_pct (rows of those steps with ``update_norm``
-    over all their rows: 100 when every tensor's update statistics were computed at every recorded step).
+    recorded_steps (steps with tensor_stats rows), coverage_pct (tensors of those steps with ``update_norm``
+    over all of them, in tensor_stats_global: 100 when every tensor's update statistics were computed at every recorded step).
     Runs without a ``PROBE_PHASE`` row inside a timed step are left out.
     """
     con = as_store(store)
@@ -50,7 +51,7 @@ def probe_cost(store: StoreLike, run: str | None = None) -> pl.DataFrame:
     recorded = frame(con, f"""
         SELECT run_id, COUNT(DISTINCT step) AS recorded_steps,
                100.0 * COUNT(update_norm) / COUNT(*) AS coverage_pct
-        FROM tensor_stats WHERE step IS NOT NULL{run_clause(run)} GROUP BY run_id""")
+        FROM {GLOBAL} WHERE true{run_clause(run)} GROUP BY run_id""")
     out = (spent.join(recorded, on="run_id", how="left")
            .with_columns((100 * pl.col("probe_ms") / pl.col("step_ms")).alias("probe_pct")))
     return out.select([pl.col(c).cast(t) for c, t in _SCHEMA.items()]).sort("run_id")

@@ -27,7 +27,7 @@ import polars as pl
 
 from dynascope.analyses._common import StoreLike, as_store, frame, run_clause
 from dynascope.store import quote_literal
-from dynascope.store.pooling import counted_sql
+from dynascope.store.pooling import GLOBAL
 
 __all__ = ["PEAK_TFLOPS", "peak_tflops_for", "throughput_mfu"]
 
@@ -85,12 +85,9 @@ def _model(con, run: str | None) -> dict[str, dict[str, Any]]:
         dev = _find(c, ("device_name", "gpu_name", "gpu"))
         d.setdefault("devices", []).extend([dev] if isinstance(dev, str) else [])
     numel = frame(con, f"""
-        WITH f AS (SELECT run_id, MIN(step) AS s FROM tensor_stats WHERE step IS NOT NULL{run_clause(run)}
-                   GROUP BY run_id),
-        r AS (SELECT t.*, min(t.rank) OVER (PARTITION BY t.run_id, tensor) AS first_rank
-              FROM tensor_stats t JOIN f ON t.run_id = f.run_id AND t.step = f.s),
-        t AS (SELECT run_id, tensor, SUM(numel) AS n FROM r WHERE {counted_sql("first_rank")} GROUP BY run_id, tensor)
-        SELECT run_id, SUM(n)::DOUBLE AS n FROM t GROUP BY run_id""")
+        WITH f AS (SELECT run_id, MIN(step) AS s FROM {GLOBAL} WHERE true{run_clause(run)} GROUP BY run_id)
+        SELECT g.run_id, SUM(g.numel)::DOUBLE AS n FROM {GLOBAL} g JOIN f ON g.run_id = f.run_id AND g.step = f.s
+        GROUP BY g.run_id""")
     for run_id, n in numel.iter_rows():
         d = out.setdefault(run_id, {})
         if d.get("n_params") is None:

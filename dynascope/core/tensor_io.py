@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -176,7 +177,7 @@ def write_safetensors(path: str | os.PathLike, specs: list[tuple[str, tuple[int,
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)  # the format asks for 8-byte alignment of the data section
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")  # two writers never share one
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         with open(tmp, "wb") as fh:

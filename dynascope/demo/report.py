@@ -102,7 +102,7 @@ def _dynamics(s: DemoSettings, con: StoreConnection, console: Console) -> None:
     per_step = con.frame("""
         SELECT stage, median(ratio) AS ratio FROM (
             SELECT stage, step, sqrt(sum(update_norm * update_norm)) / sqrt(sum(w_norm * w_norm)) AS ratio
-            FROM tensor_stats WHERE rank = 0 AND stage IN ('sft', 'rl') GROUP BY stage, step)
+            FROM tensor_stats_global WHERE stage IN ('sft', 'rl') GROUP BY stage, step)
         GROUP BY stage""")
     med = {r["stage"]: r["ratio"] for r in per_step.iter_rows(named=True)}
     t.add_row("update ratio ‖ΔW‖/‖W‖ per step (median)", *("—" if med.get(st) is None else f"{med[st]:.2e}"

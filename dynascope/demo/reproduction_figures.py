@@ -33,10 +33,10 @@ def _columns(con: StoreConnection) -> set[str]:
 
 
 def _per_step(con: StoreConnection, count: str, stage: str) -> list[tuple[int, float]]:
-    """(step, Σ count / Σ numel) over the tensors of rank 0, for the steps where every tensor has it."""
+    """(step, Σ count / Σ numel) over the whole tensors, for the steps where every tensor has it."""
     df = con.frame(f"""
-        SELECT step, sum({count}) / sum(numel) AS frac FROM tensor_stats
-        WHERE stage = {quote_literal(stage)} AND rank = 0 GROUP BY step
+        SELECT step, sum({count}) / sum(numel) AS frac FROM tensor_stats_global
+        WHERE stage = {quote_literal(stage)} GROUP BY step
         HAVING count({count}) = count(*) ORDER BY step""")
     return [(int(a), float(b)) for a, b in df.iter_rows()]
 
@@ -93,12 +93,12 @@ def _weights_moved(con: StoreConnection) -> dict[str, Any]:
     """What the weights did over the RL stage, at its last step: ‖W_T − θ₀‖/‖W_T‖, the share of weights whose
     bf16 cast moved, and Mukherjee's changed share (1 − update sparsity)."""
     df = con.frame("""
-        WITH last AS (SELECT max(step) AS step FROM tensor_stats WHERE stage = 'rl' AND rank = 0
+        WITH last AS (SELECT max(step) AS step FROM tensor_stats_global WHERE stage = 'rl'
                       AND drift_norm IS NOT NULL AND w_norm IS NOT NULL)
         SELECT any_value(step) AS step, sqrt(sum(drift_norm * drift_norm)) / sqrt(sum(w_norm * w_norm)) AS drift_ratio,
                sum(numel - drift_zero_count) / sum(numel) AS drift_bf16_changed_share,
                1 - sum(drift_unchanged_count) / sum(numel) AS mukherjee_changed_share
-        FROM tensor_stats WHERE stage = 'rl' AND rank = 0 AND step = (SELECT step FROM last)""")
+        FROM tensor_stats_global WHERE stage = 'rl' AND step = (SELECT step FROM last)""")
     return df.row(0, named=True) if df.height and df["step"][0] is not None else {}
 
 

@@ -95,6 +95,19 @@ def _load_file(path: Path) -> _Source:
     return _dict_source(obj)
 
 
+def _kept_init(run_dir: Path, rank: int, named: list[tuple[str, Tensor]]) -> Reference | None:
+    """The θ₀ an earlier process of this rank wrote, if it holds every tensor with its shape."""
+    path = Path(run_dir) / "reference" / f"theta0-r{rank}.safetensors"
+    try:
+        source = pread_source(path) if path.exists() else None
+    except (OSError, ValueError):
+        return None
+    want = {normalize_name(n): tuple(t.shape) for n, t in named}
+    if source is None or any(tuple(source.shapes.get(k, (-1,))) != s for k, s in want.items()):
+        return None
+    return Reference("init (kept)", source, path=path)
+
+
 def pread_source(path: Path) -> _Source:
     """Read element ranges of a safetensors file with ``preadv`` straight into a fresh tensor, not mmap:
     mapped pages would count in the training process's resident memory as the window rotates, while
@@ -156,10 +169,17 @@ def whole_source(spec: Any) -> tuple[_Source, str]:
 
 
 def build_reference(spec: Any, named: list[tuple[str, Tensor]], run_dir: Path, rank: int,
-                    resident: bool) -> Reference | None:
-    """θ₀ from ``spec``: ``"init"`` (the weights now), a state dict, a path, or None."""
+                    resident: bool, resume: bool = False) -> Reference | None:
+    """θ₀ from ``spec``: ``"init"`` (the weights now), a state dict, a path, or None.
+
+    ``resume``: this process restarts a rank of the run (``store.lineage``). ``"init"`` then keeps the θ₀
+    the first process wrote (``reference/theta0-r<rank>.safetensors``) where its tensors match, so drift
+    still measures from the run's start, not from the resumed weights."""
     if spec is None:
         return None
+    kept = _kept_init(run_dir, rank, named) if resume and isinstance(spec, str) and spec == "init" else None
+    if kept is not None:
+        return kept
     if isinstance(spec, str) and spec == "init":
         if resident:
             held = {normalize_name(n): t.detach().clone() for n, t in named}

@@ -310,12 +310,17 @@ class Scope:
         total = sum(t.nbytes for t in self.tracked)
         budget = self.stats.memory_budget if self.stats is not None else None
         resident = budget is None or budget * total >= 2 * total
-        self.reference = zero_params.build_reference(ref, named, self.run_dir, self.writer.rank, resident, self.tracked)
+        resume = self.reference is None and bool(getattr(self.writer, "restarted", False))  # θ₀ of the run's start
+        self.reference = zero_params.build_reference(ref, named, self.run_dir, self.writer.rank, resident,
+                                                     self.tracked, resume)
         if self.stats is not None:
             self.stats.reference = self.reference
         if self.reference is not None:
-            self.writer.event("reference_set", f"θ₀ = {self.reference.kind}", step=self._step,
-                              resident=resident, path=str(self.reference.path or ""))
+            reset = resume and self.reference.kind == "init"  # the first process held θ₀ in memory only
+            self.writer.event("reference_set", f"θ₀ = {self.reference.kind}" + (
+                ": the resumed weights, as the first process kept no θ₀ file; pass reference=<the base "
+                "checkpoint> to measure drift from the run's start" if reset else ""), step=self._step,
+                severity="warning" if reset else "info", resident=resident, path=str(self.reference.path or ""))
 
     def add_listener(self, fn: Listener, deadline_s: float = LISTENER_DEADLINE_S) -> None:
         """``fn(step, summary)`` is called after each recorded step, on a thread of its own

@@ -258,7 +258,7 @@ def _shape(shape: Any) -> str:
 
 
 def build_reference(spec: Any, named: list[tuple[str, Tensor]], run_dir: Path, rank: int, resident: bool,
-                    tracked: list[Tracked]) -> Any:
+                    tracked: list[Tracked], resume: bool = False) -> Any:
     """θ₀ as ``reference.build_reference`` builds it, except that a whole-tensor θ₀ (a state dict or a
     checkpoint path) of ZeRO-tracked tensors is cut to each rank's slice as it is read (a flat range per
     tensor, never a whole tensor), then held or written to disk like ``"init"``: the slices' shapes are
@@ -267,7 +267,7 @@ def build_reference(spec: Any, named: list[tuple[str, Tensor]], run_dir: Path, r
 
     zero = {normalize_name(t.name): t for t in tracked if isinstance(t, _ZeroTracked)}
     if not zero or spec is None or (isinstance(spec, str) and spec == "init"):
-        return reference.build_reference(spec, named, run_dir, rank, resident)
+        return reference.build_reference(spec, named, run_dir, rank, resident, resume)
     source, kind = reference.whole_source(spec)
     slices = []
     for name, local in named:

@@ -116,9 +116,9 @@ def drop_oldest(buffers: dict[str, TableBuffer], rows: int, nbytes: int = 0) -> 
     return dropped
 
 
-def to_arrow(table: str, buf: TableBuffer, run_id: str, rank: int, role: str) -> pa.Table:
+def to_arrow(table: str, buf: TableBuffer, run_id: str, rank: int, role: str, generation: int | None = None) -> pa.Table:
     """The buffered batches of ``table`` as one Arrow table in its schema; the writer's own columns
-    (run_id always, rank and role wherever a batch did not give them) filled in."""
+    (run_id always, rank, role and generation wherever a batch did not give them) filled in."""
     schema = TABLES[table]
     parts: dict[str, list] = {name: [] for name in schema.names}
     off = 0
@@ -134,7 +134,9 @@ def to_arrow(table: str, buf: TableBuffer, run_id: str, rank: int, role: str) ->
                     parts[name].append(classify(off, v, n))
         off += n
     parts["run_id"] = [(0, "s", run_id, off)]
-    for name, default in (("rank", rank), ("role", role)):
+    for name, default in (("rank", rank), ("role", role), ("generation", generation)):
+        if name not in parts:
+            continue
         given = parts[name]
         if not given:
             parts[name] = [(0, "s", default, off)]

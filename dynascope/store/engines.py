@@ -18,6 +18,7 @@ from typing import Any
 
 import duckdb
 
+from dynascope.store.pooling import GLOBAL, global_sql
 from dynascope.store.projection import select_list, spark_ddl, spark_quote
 from dynascope.store.reader import quote_ident, quote_literal, typed_nulls
 from dynascope.store.schema import TABLES
@@ -44,6 +45,8 @@ class DuckDBTables:
                       f" UNION ALL BY NAME SELECT {nulls} WHERE false") if files else f"SELECT {nulls} WHERE false"
             self.con.execute(f"CREATE VIEW {quote_ident(table)} AS SELECT {select_list(table, quote_ident)} "
                              f"FROM ({source})")
+        if "tensor_stats" in tables:  # the canonical per-tensor view, as open_store has it
+            self.con.execute(f"CREATE VIEW {GLOBAL} AS {global_sql()}")
 
     def rows(self, sql: str) -> tuple[list[str], list[tuple[Any, ...]]]:
         """(column names, rows) of ``sql``."""
@@ -65,6 +68,8 @@ class SparkTables:
             raw = f"dynascope_files_{table}"
             df.createOrReplaceTempView(raw)
             spark.sql(f"SELECT {select_list(table, spark_quote)} FROM {raw}").createOrReplaceTempView(table)
+        if "tensor_stats" in tables:  # the same canonical view, in Spark's SQL
+            spark.sql(global_sql(quote=spark_quote)).createOrReplaceTempView(GLOBAL)
 
     def rows(self, sql: str) -> tuple[list[str], list[tuple[Any, ...]]]:
         df = self.spark.sql(sql)

@@ -28,6 +28,7 @@ from dynascope.core.errors import StoreError, first_line
 from dynascope.store import projection
 from dynascope.store.layout import StoreLocation, locate
 from dynascope.store.live import MAX_CLOCK_SKEW_US, live_sql
+from dynascope.store.pooling import GLOBAL, global_sql
 from dynascope.store.projection import select_list
 from dynascope.store.schema import TABLES, sql_type
 
@@ -212,6 +213,8 @@ def open_store(path: str | os.PathLike, read_only: bool = True, threads: int | N
                 con.execute(_view_sql(loc, table, at, commit_at))
             else:  # runs written before this table existed: read_parquet would fail on an empty glob
                 con.execute(f"CREATE VIEW {quote_ident(table)} AS SELECT {typed_nulls(table)} WHERE false")
+        # The canonical per-tensor view: one row per (run, role, step, tensor), pooled by store.pooling's rule.
+        con.execute(f"CREATE VIEW {GLOBAL} AS {global_sql()}")
         if read_only:
             # DuckDB also allows its spill directory, by default ./.tmp under the caller's working directory;
             # point it at a private empty directory so queries cannot read whatever sits there.

@@ -5,15 +5,14 @@ row per rank in every table: 14.8M ``tensor_stats`` rows at 1,024 ranks × 50 re
 which the delta-sync and per-layer analyses and the layer heat map of a short run read in full. Once
 every writer of a run is done, ``dynascope compact`` pools the run's rows across ranks:
 
-- a sharded tensor's rows (``sharded`` true, one per rank) become one row, ``rank`` its lowest shard's;
-- an unsharded tensor's rows stay one per rank (replicas: a query that wants one copy keeps the lowest
-  rank, one that pools every row sums them all, as over ``tensor_stats``);
-- rows with and without elements (``numel > 0``) never share a row, so a query filtering on it still can.
+- each (step, tensor) becomes one row, the canonical view's (``tensor_stats_global``, ``store.pooling``):
+  a sharded tensor's shards pooled, a replicated one's lowest rank, a replayed step's latest process;
+  ``rank`` is the lowest rank that held it.
 
-Each row holds the pooled sums of the other rollups (``store.schema.POOLED``; ``tensors`` counts the rows
-pooled) and what the delta-sync pricing needs beyond them (``bf16_rows``, ``drift_zero_numel``,
-``bitmap_bytes``). Sums of squares and counts pool exactly, so any query that sums ``tensor_stats`` rows
-per (step, tensor) or coarser gets the same answer from it.
+Each row holds the pooled sums of the other rollups (``store.schema.POOLED``; ``tensors`` counts the
+``tensor_stats`` rows it stands for, replicas and replaced rows included) and what the delta-sync pricing
+needs beyond them (``bf16_rows``, ``drift_zero_numel``, ``bitmap_bytes``). Sums of squares and counts pool exactly, so any query that sums ``tensor_stats_global``
+rows per step or coarser gets the same answer from it.
 
 It is written into ``tensor_stats_by_tensor/writer=_merged/`` like a merged segment, numbered to cover any
 earlier one, and it counts for a run only while it pooled every row the run has: ``covers`` compares
@@ -33,7 +32,7 @@ import pyarrow.parquet as pq
 
 from dynascope.store._columns import parquet_options
 from dynascope.store.layout import HEARTBEATS, MERGED, is_writer_dir, segment_name
-from dynascope.store.pooling import NOT_A_REPLICA_SQL
+from dynascope.store.pooling import global_sql
 from dynascope.store.reader import StoreConnection, open_store, quote_literal
 from dynascope.store.runfiles import RunFiles
 from dynascope.store.schema import POOLED, TABLES, sql_type
@@ -55,18 +54,23 @@ def pooled_sql(name: str) -> str:
 
 
 def _build_sql(run: str) -> str:
+    """The run's rows of ``tensor_stats_by_tensor``: the canonical rows (``store.pooling``, one per step and
+    tensor) as the rollups' pooled sums, each beside the count of ``tensor_stats`` rows it stands for."""
     schema = TABLES[BY_TENSOR]
-    extra = {"tensors": "count(*)", "bf16_rows": "count(bf16_unchanged_count)",
+    extra = {"tensors": "any_value(r.n)", "bf16_rows": "count(bf16_unchanged_count)",
              "drift_zero_numel": "sum(CASE WHEN drift_zero_count IS NOT NULL THEN numel END)",
-             "bitmap_bytes": "sum(ceil(numel / 8.0))", "rank": "min(rank)", "time_us": "max(time_us)",
+             "bitmap_bytes": "sum(ceil(numel / 8.0))", "rank": "any_value(r.rank)", "time_us": "max(time_us)",
              "sharded": "coalesce(sharded, false)"}
     keys = ["run_id", "role", "step", "stage", "tensor", "layer", "kind", "dtype"]
-    cols = [f"CAST({extra.get(f.name) or (f.name if f.name in keys else pooled_sql(f.name))} AS {sql_type(f.type)})"
-            f" AS {f.name}" for f in schema]
+    cols = [f"CAST({extra.get(f.name) or (f'g.{f.name}' if f.name in keys else pooled_sql(f.name))} "
+            f"AS {sql_type(f.type)}) AS {f.name}" for f in schema]
+    one_run = f"(SELECT * FROM tensor_stats WHERE run_id = {quote_literal(run)})"
     return f"""
-        SELECT {', '.join(cols)} FROM tensor_stats WHERE run_id = {quote_literal(run)} AND {NOT_A_REPLICA_SQL}
-        GROUP BY {', '.join(keys)}, coalesce(sharded, false), coalesce(numel > 0, false),
-                 CASE WHEN coalesce(sharded, false) THEN NULL ELSE rank END"""
+        WITH g AS ({global_sql(one_run)}),
+        r AS (SELECT run_id, role, step, tensor, count(*) AS n, min(rank) AS rank FROM {one_run} t
+              WHERE step IS NOT NULL AND tensor IS NOT NULL GROUP BY ALL)
+        SELECT {', '.join(cols)} FROM g JOIN r USING (run_id, role, step, tensor)
+        GROUP BY {', '.join('g.' + k for k in keys)}, g.sharded"""
 
 
 def covers(store: StoreConnection, run: str | None) -> bool:

@@ -65,10 +65,12 @@ TABLES: dict[str, pa.Schema] = {
     ]),
     # One row per tensor per recorded step per rank. Under FSDP/DTensor a row describes the local shard:
     # numel is the shard's element count and the *_sq / *_count columns combine exactly across ranks.
+    # ``generation``: when the writing process started (µs since the epoch): a rank restarted from a
+    # checkpoint writes its replayed steps again under a later one, and the latest counts (store.pooling).
     "tensor_stats": pa.schema([
         ("run_id", _str), ("rank", _i32), ("role", _str),
         ("step", _i64), ("time_us", _i64), ("stage", _str),
-        *[(c.name, c.type) for c in TENSOR_STATS_COLUMNS],
+        *[(c.name, c.type) for c in TENSOR_STATS_COLUMNS], ("generation", _i64),
     ]),
     # Rollups of tensor_stats that the writer keeps beside it (dynascope/store/rollup.py), each with sums
     # that pool exactly (Σ‖·‖², counts and the numel they are out of). Each tensor_stats segment gets one of
@@ -85,9 +87,9 @@ TABLES: dict[str, pa.Schema] = {
         ("step", _i64), ("time_us", _i64), ("stage", _str), ("kind", _str), ("layer", _i32), *_POOLED,
     ]),
     # Written by compaction once a run's writers are done (dynascope/store/rollup_across.py): one row per
-    # (step, tensor) across ranks, a sharded tensor's shards pooled into one (``rank``: the lowest), an
-    # unsharded tensor's rows one per rank; the pooled sums of the rollups above, plus what the delta-sync
-    # pricing needs (rows with S₁, Σnumel beside drift_zero_count, Σ⌈numel/8⌉ bitmap bytes).
+    # (step, tensor): the canonical row (tensor_stats_global) as the pooled sums of the rollups above
+    # (``tensors``: the tensor_stats rows it stands for), plus what the delta-sync pricing needs (rows
+    # with S₁, Σnumel beside drift_zero_count, ⌈numel/8⌉ bitmap bytes).
     "tensor_stats_by_tensor": pa.schema([
         ("run_id", _str), ("rank", _i32), ("role", _str), ("step", _i64), ("time_us", _i64), ("stage", _str),
         ("tensor", _str), ("layer", _i32), ("kind", _str), ("dtype", _str), ("sharded", _bool), *_POOLED,

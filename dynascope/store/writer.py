@@ -30,7 +30,7 @@ import pyarrow as pa
 from dynascope.core.clock import now_us
 from dynascope.core.version import __version__
 from dynascope.core.warn import warn
-from dynascope.store import open_writers, preempt
+from dynascope.store import lineage, open_writers, preempt
 from dynascope.store.backlog import Backlog, Backoff
 from dynascope.store.buffer import TableBuffer, batch_len, drop_oldest, salvage, to_arrow
 from dynascope.store.flush import (
@@ -100,10 +100,10 @@ class RunWriter:
         self._failing = False  # inside a streak of failed segment writes
         self._warned: set[str] = set()
         self._unreported_drops: dict[str, tuple[int, int]] = {}
+        self.generation = now_us()  # this process's start: its rows outrank an earlier process's (lineage)
         self.run_id = self._init_run(run_name, world_size, framework, config or {})
-        # pyarrow's first conversion of Python or NumPy values imports pandas when it is installed (to
-        # tell whether the input is a pandas object): ~0.3-1 s of imports holding the GIL. Done here, on
-        # the thread that makes the writer, so it does not land in a training step at the first flush.
+        # pyarrow's first conversion imports pandas when installed (~0.3-1 s holding the GIL): done here,
+        # on the thread that makes the writer, so it does not land in a training step at the first flush.
         pa.array([0])
         self._heartbeat_path = heartbeat_path(self.run_dir, self.writer_id)
         self._heartbeat()
@@ -134,6 +134,7 @@ class RunWriter:
                 "dynascope_version": __version__, "schema_version": SCHEMA_VERSION,
             })
             return run_id
+        lineage.note_restart(self)  # a second process of this rank: a restart, a resume, a directory reused
         return str(read_marker(self.run_dir).get("run_id", run_id))
 
     # ---- the hot path -------------------------------------------------------------------------------
@@ -302,7 +303,7 @@ class RunWriter:
             "rollup_error", f"{name}: rollup failed ({type(exc).__name__}: {exc})"))
 
     def _to_arrow(self, table: str, buf: TableBuffer) -> pa.Table:
-        return to_arrow(table, buf, self.run_id, self.rank, self.role)
+        return to_arrow(table, buf, self.run_id, self.rank, self.role, self.generation)
 
     def _bad_batch(self, table: str, n: int, exc: Exception) -> None:
         self.rows_dropped += n
@@ -389,7 +390,6 @@ class RunWriter:
 
     def __enter__(self) -> RunWriter:
         return self
-
     def __exit__(self, *exc: object) -> None:
         self.close()
 

@@ -6,6 +6,7 @@ import polars as pl
 
 from dynascope.dashboard.queries import BUCKET, MAX_POINTS, bounds_cte, in_list
 from dynascope.store import StoreConnection, quote_literal
+from dynascope.store.pooling import GLOBAL
 from dynascope.store.rollup_across import BY_TENSOR, covers, pooled_sql
 from dynascope.store.schema import FIGURES, POOLED, ROLLUP_BLOCK_STEPS, Figure
 
@@ -23,12 +24,12 @@ _KEYS = "coalesce(kind, 'other') AS kind, coalesce(stage, '') AS stage"
 
 
 def _pooled_sql(names: tuple[str, ...], table: str) -> str:
-    """``sum(...) AS <pooled column>`` for each of ``names``: the rollup's own column, or from tensor_stats
-    the same pool of its rows (Σx², Σx, max, or Σnumel where the count, or ``where``, is not NULL)."""
+    """``sum(...) AS <pooled column>`` for each of ``names``: the rollup's own column, or from
+    tensor_stats_global the same pool of its rows (Σx², Σx, max, or Σnumel where the count, or ``where``, is not NULL)."""
     how = {p[0]: p[1] for p in POOLED}
 
     def agg(name: str) -> str:
-        if table == "tensor_stats":
+        if table == GLOBAL:
             return pooled_sql(name)
         return f"{'max' if how[name] == 'max' else 'sum'}({_ROLLUP_FALLBACK.get(name, name)})"
 
@@ -57,7 +58,7 @@ def param_cube(store: StoreConnection, run: str, max_points: int = MAX_POINTS) -
     steps are whole 16-step blocks (``heat_buckets``), read from the tensor_stats_by_layer rollup; those of
     a shorter run from tensor_stats_by_tensor once compaction wrote it (every row of the run pooled across
     ranks per step and tensor). A run written before a rollup existed (none of its rows there) falls back
-    to tensor_stats.
+    to tensor_stats_global.
     """
     where = f"run_id = {quote_literal(run)} AND step IS NOT NULL"
     per_step_sql = """
@@ -67,8 +68,8 @@ def param_cube(store: StoreConnection, run: str, max_points: int = MAX_POINTS) -
     per_step = store.frame(per_step_sql.format(keys=_KEYS, sums=_pooled_sql(_SUMS, "tensor_stats_by_kind"),
                                                 table="tensor_stats_by_kind", where=where))
     if per_step.height == 0:
-        per_step = store.frame(per_step_sql.format(keys=_KEYS, sums=_pooled_sql(_SUMS, "tensor_stats"),
-                                                    table="tensor_stats", where=where))
+        per_step = store.frame(per_step_sql.format(keys=_KEYS, sums=_pooled_sql(_SUMS, GLOBAL),
+                                                    table=GLOBAL, where=where))
     if per_step.height == 0:
         return per_step
     s0, width = heat_buckets(int(per_step["step"].min()), int(per_step["step"].max()), max_points)
@@ -86,7 +87,7 @@ def param_cube(store: StoreConnection, run: str, max_points: int = MAX_POINTS) -
                                             sums=_pooled_sql(_HEAT_SUMS, BY_TENSOR), table=BY_TENSOR, where=where))
     if heat.height == 0:
         heat = store.frame(heat_sql.format(bucket=BUCKET, s0=s0, w=width, keys=_KEYS,
-                                            sums=_pooled_sql(_HEAT_SUMS, "tensor_stats"), table="tensor_stats", where=where))
+                                            sums=_pooled_sql(_HEAT_SUMS, GLOBAL), table=GLOBAL, where=where))
     return pl.concat([heat, per_step], how="diagonal_relaxed").select(per_step.columns)
 
 
@@ -179,7 +180,7 @@ def nonfinite_tensors(store: StoreConnection, run: str, steps: tuple[int, ...]) 
     return store.frame(f"""
         SELECT step, tensor, CAST(coalesce(w_nan_count, 0) + coalesce(w_inf_count, 0) + coalesce(grad_nan_count, 0)
                                   + coalesce(grad_inf_count, 0) AS BIGINT) AS nonfinite
-        FROM tensor_stats
+        FROM tensor_stats_global
         WHERE run_id = {quote_literal(run)} AND step IN ({', '.join(str(int(s)) for s in steps)})
           AND (w_nan_count > 0 OR w_inf_count > 0 OR grad_nan_count > 0 OR grad_inf_count > 0)
         ORDER BY step, nonfinite DESC""")

@@ -72,7 +72,7 @@ def step_context(store: StoreConnection, run: str, step: int) -> dict[str, pl.Da
                                f"WHERE run_id = {r} AND step = {s} AND category <> 'kernel' "
                                "GROUP BY ALL ORDER BY rank, ms DESC"),
         "tensors": store.frame(f"SELECT tensor, update_ratio, grad_norm, grad_nan_count + grad_inf_count AS grad_nonfinite, "
-                                f"w_nan_count + w_inf_count AS w_nonfinite FROM tensor_stats WHERE run_id = {r} AND step = {s} "
+                                f"w_nan_count + w_inf_count AS w_nonfinite FROM tensor_stats_global WHERE run_id = {r} AND step = {s} "
                                 "ORDER BY (grad_nan_count + grad_inf_count + w_nan_count + w_inf_count) DESC, update_ratio DESC NULLS LAST "
                                 "LIMIT 10"),
     }

@@ -15,7 +15,7 @@ from dynascope.store.schema import TABLE_NAMES
 
 _DEFAULT = ("SELECT run_id, stage, count(*) AS rows, max(step) AS last_step,\n"
             "       avg(changed_frac) AS mean_changed_frac, avg(update_ratio) AS mean_update_ratio\n"
-            "FROM tensor_stats\nGROUP BY ALL ORDER BY run_id, stage")
+            "FROM tensor_stats_global\nGROUP BY ALL ORDER BY run_id, stage")
 
 
 def run_user_sql(path: str, query: str, max_rows: int) -> pa.Table:
