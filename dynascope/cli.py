@@ -97,8 +97,9 @@ def sql(
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the result to this file, in the format its extension names (.parquet, .csv, .json, .tsv, .txt) unless --format says it.")] = None,
     max_rows: Annotated[int, typer.Option("--max-rows", help="Row cap for the result.")] = 100_000,
 ) -> None:
-    """Run read-only SQL over a run (tables: runs, tensor_stats, tensor_stats_by_kind, tensor_stats_by_layer,
-    tensor_stats_by_tensor, spectra, timings, samples, scalars, events, system)."""
+    """Run read-only SQL over a run (tables: tensor_stats_global, one row per tensor and step: start there;
+    runs, tensor_stats, tensor_stats_by_kind, tensor_stats_by_layer, tensor_stats_by_tensor, spectra,
+    timings, samples, scalars, events, system)."""
     from dynascope.cli_output import out_format, write_result
     from dynascope.store import open_store, run_sql
 

@@ -29,11 +29,12 @@ def print_runs(runs: pl.DataFrame, console: Console, fmt: str = "auto") -> None:
     if _tsv(console, fmt):
         write_tsv(console, runs.columns, runs.rows())
         return
-    columns = ("run_id", "name", "status", "steps", "ranks", "size", "last write", "started")
+    columns = ("run_id", "name", "status", "steps", "ranks", "restarts", "size", "last write", "started")
     rows = [(escape(r["run_id"]), escape(r["name"]), f"[{_STATUS_COLOUR[r['status']]}]{r['status']}[/]",
-             "" if r["steps"] is None else str(r["steps"]), str(r["ranks"]), _size(r["size_bytes"]),
+             "" if r["steps"] is None else str(r["steps"]), str(r["ranks"]),
+             "" if r["restarts"] is None else str(r["restarts"]), _size(r["size_bytes"]),
              _ago(r["last_write_us"]), _when(r["start_us"])) for r in runs.iter_rows(named=True)]
-    print_table(console, columns, rows, right=("steps", "ranks", "size"))
+    print_table(console, columns, rows, right=("steps", "ranks", "restarts", "size"))
     for r in runs.filter(pl.col("problem").is_not_null()).iter_rows(named=True):
         console.print(f"[yellow]warning:[/] {escape(r['run_id'])}: {escape(r['problem'])}", highlight=False)
 

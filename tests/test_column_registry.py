@@ -40,7 +40,8 @@ def test_derived_columns_name_what_they_derive_from_and_counts_are_integers() ->
             assert c.integer and c.reduce == "sum" and c.unit == "elements", c.name
         if c.ratio is not None:
             assert c.reduce is None
-    assert TABLES["tensor_stats"].names[6:] == [c.name for c in TENSOR_STATS_COLUMNS]
+    # the row's keys, the declared columns, then the writing process's generation (store.lineage)
+    assert TABLES["tensor_stats"].names[6:] == [c.name for c in TENSOR_STATS_COLUMNS] + ["generation"]
     assert REDUCTIONS == {c.name: c.reduce for c in TENSOR_STATS_COLUMNS if c.reduce in ("sum", "norm", "max")}
 
 

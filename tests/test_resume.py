@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import dynascope
+from dynascope.store.catalog import list_runs
 
 from helpers.naive_stats import naive_grad, naive_update
 
@@ -74,6 +75,7 @@ def test_resume_replays_steps_from_the_newer_process_and_keeps_theta0(tmp_path: 
         refs = con.frame("SELECT message, severity FROM events WHERE event = 'reference_set' ORDER BY time_us").to_dicts()
         restarts = con.frame("SELECT fields_json FROM events WHERE event = 'restart'").to_dicts()
         raw = con.rows("SELECT count(*) FROM tensor_stats WHERE step IN (2, 3)")
+        resumes = con.rows("SELECT step FROM events WHERE event = 'resume'")
     assert raw == [(2 * 2 * 4,)]  # both processes' rows of the replayed steps are kept, as written
     assert sorted({r["step"] for r in got}) == [0, 1, 2, 3, 4] and len(got) == 5 * 4
     seen = {"w_norm": 0, "update_norm": 0, "drift_norm": 0}
@@ -91,3 +93,5 @@ def test_resume_replays_steps_from_the_newer_process_and_keeps_theta0(tmp_path: 
     assert all(seen.values()), seen  # each checked on replayed or resumed steps
     assert [r["message"] for r in refs] == ["θ₀ = init", "θ₀ = init (kept)"]
     assert len(restarts) == 1 and json.loads(restarts[0]["fields_json"])["processes"] == 1
+    assert resumes == [(2,)]  # the step resumed from
+    assert list_runs(run).row(0, named=True)["restarts"] == 1  # `dynascope runs` shows it

@@ -76,6 +76,9 @@ class DynascopeCallback(GuardedCallback, pl.Callback):
         self.scope = dynascope.watch(pl_module, optimizers[0] if optimizers else None, run=self.run,
                                      wandb=self.wandb, **kw)
         self._module = pl_module
+        done = int(getattr(trainer, "global_step", 0) or 0)
+        if done:  # resumed from a checkpoint (ckpt_path=): continue the step numbering
+            self.scope.resume(done)
         if self.scope.timing is not None:  # this callback times forward and backward; the probe's hooks must not
             self.scope.timing.detach_model()
         original, scope = pl_module.training_step, self.scope

@@ -203,7 +203,8 @@ def register_backend(tracking_cls: Any = None, *, run: str | os.PathLike | None 
 
     verl's ``Tracking.__init__`` asserts each backend is in ``supported_backend`` and fills ``self.logger``;
     this adds ``name`` to that list and wraps ``__init__`` to attach a ``DynascopeTracking``
-    (run: ``run`` or ``$DYNASCOPE_RUN`` or ``runs/<project>/<experiment>``). Returns the class.
+    (run: ``run`` or ``$DYNASCOPE_RUN`` or ``runs/<project>/<experiment>``), and ``finish`` to finish it
+    (verl's own ``finish`` calls only the backends it knows). Returns the class.
     """
     if tracking_cls is None:
         from dynascope.core.extras import require
@@ -222,7 +223,18 @@ def register_backend(tracking_cls: Any = None, *, run: str | os.PathLike | None 
             path = run or os.environ.get("DYNASCOPE_RUN") or os.path.join("runs", str(project_name), str(experiment_name))
             self.logger[name] = DynascopeTracking(path, config=config if isinstance(config, dict) else None)
 
+    finish = getattr(tracking_cls, "finish", None)
+
+    def finish_all(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # verl's finish() finalises only the backends it knows by name (0.9.1): flush ours too, first, so a
+        # backend of verl's that raises cannot leave our rows unwritten.
+        backend = getattr(self, "logger", {}).get(name)
+        if isinstance(backend, DynascopeTracking) and not getattr(self, "_finished", False):
+            backend.finish()
+        return None if finish is None else finish(self, *args, **kwargs)
+
     tracking_cls.__init__ = __init__
+    tracking_cls.finish = finish_all
     tracking_cls._dynascope_backend = name
     return tracking_cls
 

@@ -272,6 +272,8 @@ class Scope:
         self._step = int(step)
         if self.timing is not None:
             self.timing.timer.step = self._step
+        if getattr(self.writer, "restarted", False):  # a restart's step resumed from (store.lineage)
+            self.event("resume", f"resumed at step {self._step}: the steps from it replace the earlier process's")
 
     def event(self, kind: str, message: str = "", **fields: Any) -> None:
         """Record an event (checkpoint_save/load with ``dur_us=``, restart, eval, fault...)."""

@@ -56,14 +56,16 @@ def steps_sql(quote: Callable[[str], str] = quote_ident) -> str:
 
 SCHEMA = {
     "run_id": pl.Utf8, "name": pl.Utf8, "status": pl.Utf8, "steps": pl.Int64, "ranks": pl.Int64,
-    "size_bytes": pl.Int64, "last_write_us": pl.Int64, "start_us": pl.Int64, "path": pl.Utf8, "problem": pl.Utf8,
+    "restarts": pl.Int64, "size_bytes": pl.Int64, "last_write_us": pl.Int64, "start_us": pl.Int64, "path": pl.Utf8, "problem": pl.Utf8,
 }
 
 
 def list_runs(path: str | os.PathLike) -> pl.DataFrame:
     """One row per run under ``path`` (a run directory or a store root), newest first.
 
-    Columns: run_id, name, status (live | finished | crashed), steps (``steps_sql``), ranks, size_bytes, last_write_us, start_us, path, problem (why a run could not be read, or null).
+    Columns: run_id, name, status (live | finished | crashed), steps (``steps_sql``), ranks, restarts (the
+    most times one rank's process was started again: ``restart`` events, ``store.lineage``), size_bytes,
+    last_write_us, start_us, path, problem (why a run could not be read, or null).
     """
     rows = []
     for run_dir in _run_dirs(Path(path).expanduser()):
@@ -71,7 +73,7 @@ def list_runs(path: str | os.PathLike) -> pl.DataFrame:
             rows.append(_describe(run_dir))
         except StoreError as exc:  # garbage or newer marker: list the run with the reason, keep the others
             name = printable(run_dir.name)
-            rows.append((name, name, "crashed", None, 0, 0, None, None, printable(run_dir),
+            rows.append((name, name, "crashed", None, 0, None, 0, None, None, printable(run_dir),
                          printable(first_line(exc))))
     rows = [tuple(printable(v) if isinstance(v, str) else v for v in r) for r in rows]  # invalid UTF-8 names
     df = pl.DataFrame(rows, schema=SCHEMA, orient="row") if rows else pl.DataFrame(schema=SCHEMA)
@@ -94,17 +96,18 @@ def _describe(run_dir: Path) -> tuple:
     seg_times = [st.st_mtime_ns // 1000 for p, st in files if SEGMENT_RE.match(p.name)]
     writers = writer_ids(run_dir, (p.parent.name for p, _ in files))
     ranks = ranks_of(writers)
-    name, steps, problem = run_dir.name, None, None
+    name, steps, restarts, problem = run_dir.name, None, None, None
     ended: set[str] = set()
     try:
-        name, steps, ended = _query(run_dir)
+        name, steps, restarts, ended = _query(run_dir)
     except (StoreError, OSError) as exc:
         problem = first_line(exc)
     except duckdb.Error as exc:  # a segment that reads badly past its footer
         problem = explain_error(exc, f"{run_dir}: could not read")
     status = run_status(run_dir, writers, ended)
     start = meta.get("created_us") if isinstance(meta.get("created_us"), int) else None
-    return (run_id, name, status, steps, len(ranks), size, max(seg_times, default=None), start, str(run_dir), problem)
+    return (run_id, name, status, steps, len(ranks), restarts, size, max(seg_times, default=None), start, str(run_dir),
+            problem)
 
 
 def _files(run_dir: Path) -> list[tuple[Path, os.stat_result]]:
@@ -121,17 +124,20 @@ def _files(run_dir: Path) -> list[tuple[Path, os.stat_result]]:
     return out
 
 
-def _query(run_dir: Path) -> tuple[str, int | None, set[str]]:
+def _query(run_dir: Path) -> tuple[str, int | None, int, set[str]]:
     with open_store(run_dir) as store:
         names = store.rows("SELECT name FROM runs WHERE name IS NOT NULL ORDER BY start_us LIMIT 1")
         counted = store.rows(f"SELECT sum(steps) FROM ({steps_sql()})")[0][0]
+        restarts = store.rows("SELECT coalesce(max(n), 0) FROM (SELECT count(*) AS n FROM events "
+                              "WHERE event = 'restart' GROUP BY rank, role)")[0][0]
         ended: set[str] = set()
         for (fields,) in store.rows("SELECT fields_json FROM events WHERE event = 'run_end'"):
             try:
                 ended.add(json.loads(fields)["writer_id"])
             except (TypeError, ValueError, KeyError):
                 continue
-    return (names[0][0] if names else run_dir.name), (None if counted is None else int(counted)), ended
+    return ((names[0][0] if names else run_dir.name), (None if counted is None else int(counted)), int(restarts),
+            ended)
 
 
 def writer_ids(run_dir: Path, dir_names: Iterable[str]) -> set[str]:
