@@ -23,10 +23,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+from store_query import build  # benchmarks/ is on sys.path when run as a script
 
 from dynascope.store import open_store
-
-from store_query import build  # benchmarks/ is on sys.path when run as a script
 
 QUERIES = {
     "per-step update ratio": "SELECT step, sqrt(sum(update_norm * update_norm)) / sqrt(sum(w_norm * w_norm)) AS r, "

@@ -21,7 +21,12 @@ import pytest
 import torch
 
 import dynascope
-from dynascope.stats.engine import DRIFT_STAT_COLUMNS, UPDATE_STAT_COLUMNS, weight_drift_stats, weight_update_stats
+from dynascope.stats.engine import (
+    DRIFT_STAT_COLUMNS,
+    UPDATE_STAT_COLUMNS,
+    weight_drift_stats,
+    weight_update_stats,
+)
 from dynascope.stats.rows import PartialResults, tensor_stats_columns
 from dynascope.store import RunWriter
 
