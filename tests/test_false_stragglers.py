@@ -54,3 +54,22 @@ def test_the_report_names_only_the_slower_rank(planted):
     assert strag.height == 1
     assert strag["sentence"][0].startswith(f"rank {SLOW} (trainer) is ")
     assert not any(s.startswith(f"rank {FAST} ") for s in found["sentence"].to_list())
+
+
+def test_the_live_alert_shares_the_noise_floor(planted):
+    """The live straggler rule judges each step with the same floor as ``straggler_scores``: a rank within
+    the phase's noise scores 1 but for rare jitter, a faster rank always, and only the slow rank fires."""
+    from dynascope.alerts import DEFAULT_RULES, Monitor
+    from dynascope.alerts.quantities import series
+    from dynascope.store import open_store
+
+    with open_store(planted) as con:
+        df = series(con, "straggler_score", 0)
+    slow, others = df.filter(pl.col("rank") == SLOW), df.filter(~pl.col("rank").is_in([SLOW]))
+    assert (slow["value"] < 0.75).all() and slow["value"].median() == pytest.approx(100 / 150, rel=0.05)
+    # a step's jitter beyond twice the noise still scores under 1 now and then (a 2σ gate lets ~2% through),
+    # never five steps running; the fast rank never
+    assert others.filter(pl.col("value") < 1.0).height <= 0.1 * others.height, others.filter(pl.col("value") < 1)
+    assert (df.filter(pl.col("rank") == FAST)["value"] == 1.0).all()
+    fired = Monitor(planted, [r for r in DEFAULT_RULES if r.quantity == "straggler_score"]).poll(final=True)
+    assert {f.rank for f in fired} == {SLOW}

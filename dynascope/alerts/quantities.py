@@ -7,7 +7,8 @@ earlier poll) and returns ``run_id, role, rank, step, value`` (rank NULL for a r
   ``nan_inf``): one row per event it reports, with the value it reports;
 - ``straggler_score``: per rank and step, the cross-rank median time over the rank's own time in its
   slowest phase (1 = as fast as the median, 0.5 = twice as slow; a rank faster than the median scores 1),
-  over the phases whose cross-rank median is at least 5 ms, as ``straggler_scores`` compares them;
+  over the phases whose cross-rank median is at least 5 ms, and 1 where the rank's excess over the median
+  is within the phase's noise, as ``straggler_scores`` compares them;
 - ``phase_ms:<phase>`` (``weight_sync_ms`` is ``phase_ms:weight_sync``): the rank's time in the phase;
 - ``rollout_tail_x``: p99 over p50 generation time of the step's samples; ``gen_p99_ms``;
 - ``logprob_gap_over_pct``, ``logprob_gap_max_nats``, ``logprob_gap_mean_nats``: ``logprob_gap_by_step``;
@@ -25,13 +26,14 @@ import polars as pl
 from dynascope.analyses import detect_instability, logprob_gap_by_step, rollout_long_tail
 from dynascope.analyses.probe_time import PROBE_PHASE
 from dynascope.analyses.steps import STEP_ROW
-from dynascope.analyses.stragglers import phase_times_sql
+from dynascope.analyses.stragglers import MIN_EFFECT_MS, NOISE_K, phase_times_sql
 from dynascope.store import StoreConnection, quote_literal
 
 __all__ = ["DETECTORS", "MIN_PHASE_MS", "series"]
 
 DETECTORS = ("grad_norm_spike", "loss_spike", "entropy_collapse", "nan_inf")
 MIN_PHASE_MS = 5.0  # phases shorter than this on the median rank are noise to a straggler rule
+NOISE_STEPS = 200  # the steps before the first judged one that the noise floor is measured over
 SCHEMA = {"run_id": pl.String, "role": pl.String, "rank": pl.Int32, "step": pl.Int64, "value": pl.Float64}
 
 
@@ -49,12 +51,21 @@ def _detector(name: str) -> Callable[[StoreConnection, int], pl.DataFrame]:
 
 
 def _straggler(con: StoreConnection, since: int) -> pl.DataFrame:
+    # straggler_scores' false-straggler floor, per step: a rank scores below 1 only where its time exceeds
+    # the step's cross-rank median by more than the phase's noise (NOISE_K · 1.4826 · MAD of each rank's
+    # time minus that median, over the last NOISE_STEPS steps, the median over ranks) and MIN_EFFECT_MS.
     df = con.frame(f"""
-        WITH p AS ({phase_times_sql(None, f' AND step >= {int(since)}')}),
+        WITH p AS ({phase_times_sql(None, f' AND step >= {int(since) - NOISE_STEPS}')}),
         m AS (SELECT *, median(dur_us) OVER (PARTITION BY run_id, role, step, phase) AS med_us,
-                     count(*) OVER (PARTITION BY run_id, role, step, phase) AS ranks FROM p)
-        SELECT run_id, role, rank, step, min(least(1.0, med_us / nullif(dur_us, 0))) AS value
-        FROM m WHERE ranks >= 2 AND med_us >= {MIN_PHASE_MS * 1000}
+                     count(*) OVER (PARTITION BY run_id, role, step, phase) AS ranks FROM p),
+        noise AS (SELECT run_id AS n_run, role AS n_role, phase AS n_phase, median(sigma_us) AS noise_us FROM (
+                      SELECT run_id, role, rank, phase, 1.4826 * mad(dur_us - med_us) AS sigma_us FROM m
+                      WHERE ranks >= 2 GROUP BY ALL) GROUP BY ALL)
+        SELECT run_id, role, rank, step,
+               min(CASE WHEN dur_us - med_us > greatest({NOISE_K} * coalesce(noise_us, 0), {MIN_EFFECT_MS * 1000})
+                        THEN least(1.0, med_us / nullif(dur_us, 0)) ELSE 1.0 END) AS value
+        FROM m LEFT JOIN noise ON run_id IS NOT DISTINCT FROM n_run AND role = n_role AND phase = n_phase
+        WHERE ranks >= 2 AND med_us >= {MIN_PHASE_MS * 1000} AND step >= {int(since)}
         GROUP BY run_id, role, rank, step""")
     return _typed(df)
 

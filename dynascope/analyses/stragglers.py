@@ -41,10 +41,13 @@ def phase_times_sql(run: str | None, where: str = "") -> str:
         GROUP BY ALL"""
 
 
+NOISE_K, MIN_EFFECT_MS = 2.0, 0.5  # the false-straggler floors' defaults, shared with the live alert
+
+
 def straggler_scores(store: StoreLike, run: str | None = None, *, window: int = 10, threshold: float = 0.75,
                      baseline: str = "fastest", persistent_frac: float = 0.5,
-                     min_median_ms: float = 5.0, noise_k: float = 2.0,
-                     min_effect_ms: float = 0.5) -> pl.DataFrame:
+                     min_median_ms: float = 5.0, noise_k: float = NOISE_K,
+                     min_effect_ms: float = MIN_EFFECT_MS) -> pl.DataFrame:
     """Per rank and phase: relative performance score over windows of ``window`` steps.
 
     ``baseline`` is ``"fastest"`` (NVIDIA's default: the fastest rank's median) or ``"median"`` (the
