@@ -1,4 +1,4 @@
-"""``tensor_stats_global``: one row per (run, role, step, tensor), the whole tensor's statistics, and the only
+"""``tensor_stats_global``: one row per (run, role, stage, step, tensor), the whole tensor's statistics, and the only
 place readers pool ``tensor_stats`` across ranks.
 
 Stored through the real writer, a tensor is laid out as each setup lays it: FSDP2 shards, HSDP's shards with

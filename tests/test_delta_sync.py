@@ -74,33 +74,23 @@ def test_steps_without_s1_are_left_out_not_counted_as_changed(tmp_path):
     assert delta_sync_bytes(run).is_empty() and delta_sync_summary(run).is_empty()
 
 
-def test_one_rank_and_all_shard_runs_skip_the_lowest_rank_window(tmp_path, monkeypatch):
-    # a run from one process has one row per (step, tensor), a run of shards counts every row: in both the
-    # window that picks each tensor's lowest rank is skipped, with the same answer as taking it; a run with
-    # replicated rows of two ranks still takes it
-    import dynascope.analyses.delta_sync as ds
-    from dynascope.analyses._common import lowest_rank_sql
-
-    def window(con, where, partition):
-        return f"min(rank) OVER (PARTITION BY {partition})", False
-
+def test_one_process_shards_and_copies_give_one_answer(tmp_path):
+    """The same weights recorded three ways (one process; two shards per tensor; a DDP copy on a second
+    rank) price the same bytes: shards pool, copies count once (tensor_stats_global)."""
     rows = [_row(s, t, n, n - (s * 37 + n // 100) % n) for s in range(1, 6) for t, n in ((Q, 3_000), (MLP, 5_000))]
-    run = _run(tmp_path / "one", rows, timings=[(1, 4_000), (2, 6_000)])
-    assert lowest_rank_sql(ds.as_store(run), "", "tensor") == ("rank", True)
-    fast = delta_sync_bytes(run)
-    with monkeypatch.context() as m:
-        m.setattr(ds, "lowest_rank_sql", window)
-        assert fast.equals(delta_sync_bytes(run)) and fast.height == 5
-    shards = [_row(s, t, n // 2, n // 2 - s, sharded=True) for s in range(1, 6) for t, n in ((Q, 3_000), (MLP, 5_000))]
-    sharded = _run(tmp_path / "shards", shards)
-    _run(sharded, shards, rank=1)
-    assert lowest_rank_sql(ds.as_store(sharded), "", "tensor") == ("rank", False)
-    fast = delta_sync_bytes(sharded)
-    with monkeypatch.context() as m:
-        m.setattr(ds, "lowest_rank_sql", window)
-        assert fast.equals(delta_sync_bytes(sharded)) and fast["numel"].to_list() == [8_000] * 5
-    _run(tmp_path / "one", rows[:2], rank=1)  # a second rank
-    assert lowest_rank_sql(ds.as_store(run), "", "tensor")[0].startswith("min(rank) OVER")
+    whole = delta_sync_bytes(_run(tmp_path / "one", rows))
+    assert whole.height == 5 and whole["numel"].to_list() == [8_000] * 5
+    halves = [dict(r, numel=r["numel"] // 2, bf16_unchanged_count=r["bf16_unchanged_count"] // 2, sharded=True)
+              for r in rows]
+    others = [dict(h, bf16_unchanged_count=r["bf16_unchanged_count"] - h["bf16_unchanged_count"])
+              for r, h in zip(rows, halves, strict=True)]
+    sharded = _run(tmp_path / "shards", halves)
+    _run(sharded, others, rank=1)
+    copies = _run(tmp_path / "copies", rows)
+    _run(copies, rows, rank=1)
+    cols = ["step", "tensors", "numel", "changed_count", "value_index_bytes", "delta_bytes"]
+    assert delta_sync_bytes(copies).select(cols).equals(whole.select(cols))
+    assert delta_sync_bytes(sharded).select(cols).equals(whole.select(cols))
 
 
 def test_a_tie_between_encodings_names_the_cheaper_every_time(tmp_path):

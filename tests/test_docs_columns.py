@@ -18,18 +18,31 @@ from pathlib import Path
 import duckdb
 import pytest
 
+from dynascope.store.pooling import GLOBAL, global_sql
 from dynascope.store.schema import RENAMED, TABLES, sql_type
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-COLUMNS = {t: set(s.names) for t, s in TABLES.items()}
+
+
+def _create(con: duckdb.DuckDBPyConnection) -> duckdb.DuckDBPyConnection:
+    """Every store table, empty and typed as the schema types it, and the canonical view over them."""
+    for table, schema in TABLES.items():
+        con.execute(f"CREATE TABLE {table} ({', '.join(f'{f.name} {sql_type(f.type)}' for f in schema)})")
+    con.execute(f"CREATE VIEW {GLOBAL} AS {global_sql()}")
+    return con
+
+
+with _create(duckdb.connect(":memory:")) as _con:
+    VIEWS = {GLOBAL: {r[0] for r in _con.execute(f"DESCRIBE {GLOBAL}").fetchall()}}
+COLUMNS = {**{t: set(s.names) for t, s in TABLES.items()}, **VIEWS}
 ALL_COLUMNS = set().union(*COLUMNS.values())
 OLD = {t: {old: new for new, old in renamed.items()} for t, renamed in RENAMED.items()}
 
 FENCE = re.compile(r"^```.*?^```", re.S | re.M)
 CODE_SPAN = re.compile(r"`([^`\n]+)`")
 IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-TABLE_DOT_COLUMN = re.compile(r"(?<![\w.])(" + "|".join(sorted(TABLES, key=len, reverse=True)) + r")\.([a-z_][a-z0-9_]*)\b(?!\()")
+TABLE_DOT_COLUMN = re.compile(r"(?<![\w.])(" + "|".join(sorted(COLUMNS, key=len, reverse=True)) + r")\.([a-z_][a-z0-9_]*)\b(?!\()")
 QUOTED = re.compile(r'"""(.*?)"""|"((?:[^"\\\n]|\\.)*)"|\'((?:[^\'\\\n]|\\.)*)\'', re.S)
 FILE_SUFFIXES = {"csv", "json", "jsonl", "parquet", "duckdb", "py", "md", "safetensors", "pt", "txt"}
 SQL_START = re.compile(r"^\s*(SELECT|WITH)\b.*\bFROM\b", re.I | re.S)
@@ -67,7 +80,7 @@ def table_references(text: str) -> list[tuple[int, str, str | None]]:
         while i < len(lines) and lines[i].lstrip().startswith("|"):
             cells = _cells(lines[i])
             first = CODE_SPAN.findall(cells[0]) if cells else []
-            table = first[0] if first and first[0] in TABLES else None
+            table = first[0] if first and first[0] in COLUMNS else None
             for k in cols:
                 previous = None
                 cell = re.sub(r"\([^()]*\)", "", cells[k]) if k < len(cells) else ""  # parentheses are prose
@@ -75,7 +88,7 @@ def table_references(text: str) -> list[tuple[int, str, str | None]]:
                     name = span.split("[")[0].strip()
                     if name.startswith("_") and previous:  # `drift_changed_count` / `_frac`
                         name = previous.rsplit("_", 1)[0] + name
-                    if IDENT.fullmatch(name) and name not in TABLES:
+                    if IDENT.fullmatch(name) and name not in COLUMNS:
                         out.append((i + 1, name, table))
                         previous = name
             i += 1
@@ -114,9 +127,7 @@ def sql_snippets(text: str) -> list[tuple[int, str]]:
 @pytest.fixture(scope="module")
 def empty_store():
     """A DuckDB database with every store table, empty, typed as the schema types it."""
-    con = duckdb.connect(":memory:")
-    for table, schema in TABLES.items():
-        con.execute(f"CREATE TABLE {table} ({', '.join(f'{f.name} {sql_type(f.type)}' for f in schema)})")
+    con = _create(duckdb.connect(":memory:"))
     yield con
     con.close()
 

@@ -36,11 +36,12 @@ def test_sparsity_over_training_is_numel_weighted_and_combines_ranks(tmp_path):
         {**base, "step": 1, "tensor": Q, "layer": 0, "kind": "q", "numel": 100, "changed_count": 10,
          "changed_rel_count": 5, "sign_flip_count": 1, "drift_changed_count": 10, "drift_changed_rel_count": 5},
         {**base, "step": 1, "tensor": MLP, "layer": 1, "kind": "mlp", "numel": 300, "changed_count": 150,
-         "changed_rel_count": 30, "sign_flip_count": 3, "drift_changed_count": 150, "drift_changed_rel_count": 30},
+         "changed_rel_count": 30, "sign_flip_count": 3, "drift_changed_count": 150, "drift_changed_rel_count": 30,
+         "sharded": True},
         {**base, "step": 2, "tensor": Q, "layer": 0, "kind": "q", "numel": 100, "changed_count": 20,
          "changed_rel_count": 20, "sign_flip_count": 0, "drift_changed_count": 25, "drift_changed_rel_count": 22},
     ])
-    _stats_run(run, [{**base, "step": 1, "tensor": MLP, "layer": 1, "kind": "mlp", "numel": 100,
+    _stats_run(run, [{**base, "step": 1, "tensor": MLP, "layer": 1, "kind": "mlp", "numel": 100, "sharded": True,
                       "changed_count": 0, "changed_rel_count": 0, "sign_flip_count": 0}], rank=1)
     by_kind = sparsity_over_training(run)
     got = {(r["step"], r["kind"]): r for r in by_kind.iter_rows(named=True)}
@@ -53,8 +54,9 @@ def test_sparsity_over_training_is_numel_weighted_and_combines_ranks(tmp_path):
     ref = sparsity_over_training(run, by="layer", against="reference")
     row = ref.filter((ref["step"] == 2) & (ref["layer"] == 0)).row(0, named=True)
     assert row["drift_changed_frac"] == pytest.approx(0.25) and row["drift_changed_rel_frac"] == pytest.approx(0.22)
-    # rank 1's mlp shard has no drift columns: it is left out of the reference view
-    assert ref.filter((ref["step"] == 1) & (ref["layer"] == 1))["numel"][0] == 300
+    # rank 1's mlp shard has no drift columns: the whole tensor has none (never three quarters of it), so
+    # the reference view leaves it out
+    assert ref.filter((ref["step"] == 1) & (ref["layer"] == 1)).height == 0
     with pytest.raises(ValueError):
         sparsity_over_training(run, by="head")
 

@@ -37,6 +37,10 @@ def _rows(rank: int, steps: range, sharded_numel: int) -> dict[str, list]:
                    "drift_norm": 0.1 * step + shift if step % 2 == 0 else None,
                    "drift_zero_count": numel - 3 * step if step % 2 == 0 else None,
                    "grad_norm": 1.0 + shift, "grad_zero_count": step + shift}
+            if numel == 0:  # an empty shard: nothing in it to measure
+                row.update(w_norm=0.0, update_norm=0.0, changed_count=0, bf16_unchanged_count=0, grad_norm=0.0,
+                           grad_zero_count=0, drift_norm=0.0 if step % 2 == 0 else None,
+                           drift_zero_count=0 if step % 2 == 0 else None)
             for k, v in row.items():
                 out.setdefault(k, []).append(v)
     return out
@@ -68,11 +72,11 @@ def test_readers_answer_the_same_from_the_rollup_and_fall_back_when_rows_arrive(
     with open_store(run) as s:
         assert covers(s, run.name) and covers(s, None)
         rows, pooled, shards = s.rows(f"SELECT count(*), sum(tensors), count(*) FILTER (WHERE sharded) FROM {BY_TENSOR}")[0]
-        # 8 steps × (MLP: one pooled row of its 2 shards with elements + one of the empty shard; Q and EMB: 3 ranks each)
-        assert (rows, pooled, shards) == (8 * (2 + 3 + 3), 8 * 3 * 3, 16)
-        # a sharded row's sums are its shards' (ranks 0 and 1; rank 2 holds no elements)
-        mlp = s.rows(f"SELECT rank, numel, update_sq, bf16_rows FROM {BY_TENSOR} WHERE sharded AND step = 2 AND numel > 0")
-        assert mlp == [(0, 6_000, pytest.approx(0.03 ** 2 + 0.04 ** 2), 2)]
+        # 8 steps × 3 tensors, one row each (tensor_stats_global's), standing for the 3 ranks' rows of each
+        assert (rows, pooled, shards) == (8 * 3, 8 * 3 * 3, 8)
+        # a sharded row's sums are its shards' (ranks 0 and 1; rank 2's shard is empty)
+        mlp = s.rows(f"SELECT rank, numel, update_sq, bf16_rows FROM {BY_TENSOR} WHERE sharded AND step = 2")
+        assert mlp == [(0, 6_000, pytest.approx(0.03 ** 2 + 0.04 ** 2), 1)]
     rolled, raw = _answers(run, monkeypatch, True), _answers(run, monkeypatch, False)
     for name in READERS:
         assert rolled[name].height > 0, name

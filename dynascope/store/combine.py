@@ -29,7 +29,7 @@ _KEYS = ["run_id", "role", "step", "tensor"]
 
 
 def combine_shards(rows: Any) -> pl.DataFrame:
-    """One row per (run_id, role, step, tensor) from per-rank rows; ``shards`` counts the rows combined.
+    """One row per (run_id, role, stage, step, tensor) from per-rank rows; ``shards`` counts the rows combined.
 
     ``rows``: a polars DataFrame or anything ``pl.DataFrame(...)`` accepts (pyarrow Table, dicts).
     """
@@ -42,7 +42,7 @@ def combine_shards(rows: Any) -> pl.DataFrame:
     con = duckdb.connect(":memory:")
     try:
         con.register("_rows", df.to_arrow())
-        out = con.sql(global_sql("_rows", df.columns) + " ORDER BY run_id, role, step, tensor").pl()
+        out = con.sql(global_sql("_rows", df.columns) + " ORDER BY run_id, role, step, stage, tensor").pl()
     finally:
         con.close()
     cols = [c for c in df.columns if c != "rank"] + ["shards"]

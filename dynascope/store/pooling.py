@@ -14,7 +14,7 @@ checkpoint) has rows of two processes for them; ``generation`` (the writing proc
 apart, and the latest one of each (rank, step) counts.
 
 ``global_sql`` builds the canonical view ``tensor_stats_global`` from that rule and the column registry:
-one row per (run_id, role, step, tensor), the whole logical tensor's statistics. Readers that want one
+one row per (run_id, role, stage, step, tensor), the whole logical tensor's statistics. Readers that want one
 number per tensor read the view; ``counted_sql`` is the same rule as a condition, for the few readers of
 rows that are not statistics (the rollup that compaction writes).
 """
@@ -64,7 +64,7 @@ def global_sql(source: str = "tensor_stats", columns: Iterable[str] | None = Non
                quote: Callable[[str], str] = _q) -> str:
     """SELECT of the canonical rows from ``source`` (the ``tensor_stats`` view, or any relation with its
     columns; ``columns``: those it has, when not all; ``quote``: the engine's identifier quoting, for
-    Spark's backticks). Written in the SQL DuckDB and Spark both accept. One row per (run_id, role, step, tensor):
+    Spark's backticks). Written in the SQL DuckDB and Spark both accept. One row per (run_id, role, stage, step, tensor):
 
     * shards of replica 0 combine as each column declares (``Column.reduce``); a combined value is NULL
       when any shard's is; ratios and fractions are derived again from the combined values, never
@@ -112,19 +112,19 @@ def global_sql(source: str = "tensor_stats", columns: Iterable[str] | None = Non
         # ‖W₀‖ of each shard (drift_ratio's denominator), recovered from drift_ratio = ‖W−W₀‖/‖W₀‖.
         ref = "CASE WHEN drift_norm = 0 THEN w_norm WHEN drift_ratio > 0 THEN drift_norm / drift_ratio END"
         agg.append(f"CASE WHEN count({ref}) < count(*) THEN NULL ELSE sqrt(sum(({ref}) * ({ref}))) END AS ref_norm")
-    agg += ["min_by(time_us, rank) AS time_us", "min_by(stage, rank) AS stage",
+    agg += ["min_by(time_us, rank) AS time_us",
             f"CASE WHEN {shards} THEN count(*) ELSE 1 END AS shards"]
     if gen:
         agg.append("max(generation) AS generation")
     # Of a rank's rows for a step, the latest process's (a replayed step): one window, over rank and step.
-    latest = "max(generation) OVER (PARTITION BY run_id, role, rank, step)" if gen else "NULL"
+    latest = "max(generation) OVER (PARTITION BY run_id, role, rank, stage, step)" if gen else "NULL"
     pooled_sql = f"""
         WITH src AS (SELECT *, {latest} AS _latest FROM {source}
                      WHERE step IS NOT NULL AND tensor IS NOT NULL
                        AND (NOT coalesce(sharded, false) OR coalesce({rep}, 0) = 0)),
-        p AS (SELECT run_id, role, step, tensor, {', '.join(agg)} FROM src
+        p AS (SELECT run_id, role, stage, step, tensor, {', '.join(agg)} FROM src
               WHERE {"_latest IS NULL OR generation = _latest" if gen else "true"}
-              GROUP BY run_id, role, step, tensor)"""
+              GROUP BY run_id, role, stage, step, tensor)"""
     # A shard lost: fewer elements than the tensor's fullest step. Its statistics are NULL, what it is is kept.
     keep = {"tensor", "numel", "sharded", "shard", "replica", *(c.name for c in cols if c.reduce == "first")}
     partial = ("(sharded AND numel < max(numel) OVER (PARTITION BY run_id, role, tensor))"

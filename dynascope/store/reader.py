@@ -213,7 +213,7 @@ def open_store(path: str | os.PathLike, read_only: bool = True, threads: int | N
                 con.execute(_view_sql(loc, table, at, commit_at))
             else:  # runs written before this table existed: read_parquet would fail on an empty glob
                 con.execute(f"CREATE VIEW {quote_ident(table)} AS SELECT {typed_nulls(table)} WHERE false")
-        # The canonical per-tensor view: one row per (run, role, step, tensor), pooled by store.pooling's rule.
+        # The canonical per-tensor view: one row per (run, role, stage, step, tensor), pooled by store.pooling's rule.
         con.execute(f"CREATE VIEW {GLOBAL} AS {global_sql()}")
         if read_only:
             # DuckDB also allows its spill directory, by default ./.tmp under the caller's working directory;

@@ -67,9 +67,10 @@ def _build_sql(run: str) -> str:
     one_run = f"(SELECT * FROM tensor_stats WHERE run_id = {quote_literal(run)})"
     return f"""
         WITH g AS ({global_sql(one_run)}),
-        r AS (SELECT run_id, role, step, tensor, count(*) AS n, min(rank) AS rank FROM {one_run} t
+        r AS (SELECT run_id, role, stage, step, tensor, count(*) AS n, min(rank) AS rank FROM {one_run} t
               WHERE step IS NOT NULL AND tensor IS NOT NULL GROUP BY ALL)
-        SELECT {', '.join(cols)} FROM g JOIN r USING (run_id, role, step, tensor)
+        SELECT {', '.join(cols)} FROM g JOIN r ON g.run_id = r.run_id AND g.role IS NOT DISTINCT FROM r.role
+              AND g.stage IS NOT DISTINCT FROM r.stage AND g.step = r.step AND g.tensor = r.tensor
         GROUP BY {', '.join('g.' + k for k in keys)}, g.sharded"""
 
 
