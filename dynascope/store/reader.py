@@ -10,6 +10,7 @@ locked, and statements other than queries are refused before they reach DuckDB.
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import re
@@ -67,21 +68,25 @@ def _view_sql(loc: StoreLocation, table: str, at: str, commit_at: str | None = N
     """
 
 
-def retry_vanished(fetch: Callable[[], T], attempts: int = 8) -> T:
+def retry_vanished(fetch: Callable[[], T], deadline_s: float = 10.0) -> T:
     """Run ``fetch`` (a query and its fetch), again if a segment vanished between listing and reading it.
 
     DuckDB lists a query's files when it binds and opens them while it runs; a compaction that deletes a
     merged-away segment in between fails that query with "No such file". Running it again lists the
-    files anew and reads the merged segment instead, so the rows are the same.
+    files anew and reads the merged segment instead, so the rows are the same. Two folds at once (a
+    writer's own and ``dynascope compact``) can delete twice in a row, so it retries until a deadline
+    rather than a fixed number of times.
     """
-    for attempt in range(attempts):
+    end = time.monotonic() + deadline_s
+    attempt = 0
+    while True:
         try:
             return fetch()
-        except duckdb.IOException as exc:
-            if "No such file" not in str(exc) or attempt == attempts - 1:
+        except duckdb.Error as exc:
+            if "No such file" not in str(exc) or time.monotonic() >= end:
                 raise
-            time.sleep(0.02 * (attempt + 1))  # let a compaction that is deleting a batch of segments finish
-    raise AssertionError("unreachable")
+            attempt += 1
+            time.sleep(min(0.02 * attempt, 0.2))  # let a compaction that is deleting a batch of segments finish
 
 
 def typed_nulls(table: str, with_old_names: bool = False) -> str:
@@ -210,7 +215,8 @@ def open_store(path: str | os.PathLike, read_only: bool = True, threads: int | N
             con.execute(f"SET threads = {int(threads)}")
         for table in TABLES:
             if glob.glob(loc.table_glob(table)):
-                con.execute(_view_sql(loc, table, at, commit_at))
+                # Binding reads the files' schemas: a compaction may delete one in between, so bind again.
+                retry_vanished(functools.partial(con.execute, _view_sql(loc, table, at, commit_at)))
             else:  # runs written before this table existed: read_parquet would fail on an empty glob
                 con.execute(f"CREATE VIEW {quote_ident(table)} AS SELECT {typed_nulls(table)} WHERE false")
         # The canonical per-tensor view: one row per (run, role, stage, step, tensor), pooled by store.pooling's rule.

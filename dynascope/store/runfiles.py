@@ -35,7 +35,12 @@ class RunFiles:
 
     @classmethod
     def of(cls, run_dir: Path) -> RunFiles:
-        files = cls(run_dir, list_run(run_dir))
+        return cls.parse(run_dir, list_run(run_dir))
+
+    @classmethod
+    def parse(cls, run_dir: Path, listing: list[Entry]) -> RunFiles:
+        """A listing made elsewhere (a writer's own directories: ``own_fold``), parsed as ``of`` parses."""
+        files = cls(run_dir, listing)
         for e in files.listing:
             p = Path(e.path)
             if p.parent.parent.name == "_commits":

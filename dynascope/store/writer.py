@@ -30,7 +30,7 @@ import pyarrow as pa
 from dynascope.core.clock import now_us
 from dynascope.core.version import __version__
 from dynascope.core.warn import warn
-from dynascope.store import lineage, open_writers, preempt
+from dynascope.store import lineage, open_writers, own_fold, preempt
 from dynascope.store.backlog import Backlog, Backoff
 from dynascope.store.buffer import TableBuffer, batch_len, drop_oldest, salvage, to_arrow
 from dynascope.store.flush import (
@@ -58,8 +58,7 @@ class RunWriter:
         flush_rows / flush_secs: flush when either is reached.
         max_buffer_rows / max_buffer_bytes: rows and bytes held in memory at most (buffered and awaiting a
             retry); beyond either the oldest batches are dropped and counted.
-        max_block_s: how long ``append`` may wait for the writer thread to make room before dropping;
-            0 (the default) never blocks the training step.
+        max_block_s: how long ``append`` may wait for room before dropping (0, the default: never blocks).
         run_name, world_size, framework, config: recorded in ``runs`` by the process that creates the run.
     """
 
@@ -219,8 +218,9 @@ class RunWriter:
                 self.flush()
             except Exception as exc:  # never let the thread die silently
                 self._problem("writer_error", f"flush failed: {type(exc).__name__}: {exc}")
-            if self._seq != seq:
+            if self._seq != seq:  # it wrote: give Arrow's memory back, and now and then fold its own segments
                 release_arrow_memory()
+                own_fold.after_flush(self)
 
     def flush(self) -> None:
         """Write everything buffered now as one commit (called by the thread; safe to call from anywhere)."""

@@ -1,0 +1,108 @@
+"""A live writer folds its own segments (``store.own_fold``): however many flushes it makes, each table of
+it holds at most ``KEEP`` live segments, the files on disk stay bounded, and every query in between reads
+each row exactly once, beside a ``dynascope compact`` running at the same time."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import dynascope.store.own_fold as own_fold
+from dynascope.store import RunWriter, open_store
+from dynascope.store.compact import compact_store
+from dynascope.store.live import live_files
+
+from helpers.waiting import wait_until
+
+FLUSHES = 120
+
+
+@pytest.fixture
+def quick(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Settle and grace scaled down with the flush interval (0.05 s here, 2 s by default)."""
+    monkeypatch.setattr(own_fold, "SETTLE_S", 0.05)
+    monkeypatch.setattr(own_fold, "GRACE_S", 0.25)
+
+
+def _own(run: Path, table: str, writer_id: str) -> tuple[int, int]:
+    """(live segments, parquet files on disk) of the writer's directory of ``table``."""
+    wdir = run / table / f"writer={writer_id}"
+    live = [f for f in live_files(run, table) if f"/writer={writer_id}/" in f]
+    return len(live), len(list(wdir.glob("*.parquet")))
+
+
+def _flush_many(w: RunWriter, n: int, on_flush=lambda i: None) -> None:
+    for i in range(n):
+        seq = w._seq
+        w.append("scalars", {"step": i, "key": [f"m{k}" for k in range(50)], "value": np.full(50, float(i))})
+        w.append("tensor_stats", {"step": i, "tensor": ["a", "b"], "numel": [4, 4], "w_norm": [1.0, 2.0]})
+        wait_until(lambda seq=seq: w._seq > seq, "the writer thread's flush")  # noqa: B023
+        on_flush(i)
+
+
+def test_a_writer_holds_at_most_keep_live_segments_per_table(tmp_path: Path, quick: None) -> None:
+    run = tmp_path / "r"
+    w = RunWriter(run, flush_secs=0.02)
+    peaks = {"scalars": [0, 0], "tensor_stats": [0, 0]}
+    seen: list[int] = []
+
+    def check(i: int) -> None:
+        for table, peak in peaks.items():
+            live, on_disk = _own(run, table, w.writer_id)
+            peak[0], peak[1] = max(peak[0], live), max(peak[1], on_disk)
+        with open_store(run) as con:  # every row once, at every moment: none lost, none read twice
+            seen.append(con.rows("SELECT count(*) FROM scalars")[0][0])
+            assert seen[-1] == 50 * (i + 1), (i, seen[-1])
+
+    _flush_many(w, FLUSHES, check)
+    w.close()
+    # what took effect after the last flush settles: the bound holds at the end as all along
+    wait_until(lambda: _own(run, "scalars", w.writer_id)[0] <= own_fold.KEEP, "the last merge to take effect")
+    for table, (live, on_disk) in peaks.items():
+        # a merge takes effect SETTLE_S after it is written: its sources count until then (a flush or two)
+        assert live <= own_fold.KEEP + 2, (table, live)
+        assert on_disk <= 4 * own_fold.KEEP, (table, on_disk)  # sources wait GRACE_S, then go
+    assert FLUSHES > 10 * own_fold.KEEP  # unfolded, each table would hold one file per flush
+    with open_store(run) as con:
+        assert con.rows("SELECT count(*), count(DISTINCT step) FROM scalars") == [(50 * FLUSHES, FLUSHES)]
+        assert con.rows("SELECT count(*) FROM tensor_stats") == [(2 * FLUSHES,)]
+
+
+def test_folding_beside_dynascope_compact_loses_and_doubles_nothing(tmp_path: Path, quick: None) -> None:
+    run = tmp_path / "r"
+    w = RunWriter(run, flush_secs=0.02)
+    stop, errors = threading.Event(), []
+
+    def compactor() -> None:
+        while not stop.is_set():
+            try:
+                compact_store(run, grace_s=0.25, settle_s=0.05)
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+    t = threading.Thread(target=compactor)
+    t.start()
+    try:
+        def check(i: int) -> None:
+            with open_store(run) as con:
+                assert con.rows("SELECT count(*) FROM scalars")[0][0] == 50 * (i + 1), i
+        _flush_many(w, 60, check)
+    finally:
+        stop.set()
+        t.join(timeout=60)
+        w.close()
+    assert not errors, errors
+    with open_store(run) as con:
+        assert con.rows("SELECT count(*), count(DISTINCT step) FROM scalars") == [(50 * 60, 60)]
+
+
+def test_a_writer_told_not_to_fold_keeps_every_segment(tmp_path: Path, quick: None) -> None:
+    run = tmp_path / "r"
+    w = RunWriter(run, flush_secs=0.02)
+    w.fold = False
+    _flush_many(w, 3 * own_fold.KEEP)
+    w.close()
+    assert _own(run, "scalars", w.writer_id) == (3 * own_fold.KEEP, 3 * own_fold.KEEP)
