@@ -429,15 +429,16 @@ def test_heatmap_cells_pool_the_raw_rows(store):
 
 
 def test_per_step_sums_from_the_rollup_equal_the_raw_rows(store):
-    """The page's series read tensor_stats_by_kind; summing tensor_stats itself (the fallback for runs
+    """The page's series read tensor_stats_by_kind; pooling tensor_stats_global (the fallback for runs
     written before the rollup existed) must give the same frame."""
     from dynascope.dashboard.queries import params
+    from dynascope.store.pooling import GLOBAL
 
     cube = params.param_cube(store, "grpo-sync").filter(pl.col("per_step"))
     raw = store.frame(f"""
         SELECT true AS per_step, step, CAST(NULL AS BIGINT) AS bucket, CAST(NULL AS INTEGER) AS layer,
-               {params._KEYS}, {params._pooled_sql(params._SUMS, "tensor_stats")}
-        FROM tensor_stats WHERE run_id = 'grpo-sync' AND step IS NOT NULL GROUP BY ALL""").cast(cube.schema)
+               {params._KEYS}, {params._pooled_sql(params._SUMS, GLOBAL)}
+        FROM {GLOBAL} WHERE run_id = 'grpo-sync' AND step IS NOT NULL GROUP BY ALL""").cast(cube.schema)
     assert cube.height > 0 and store.sql("SELECT count(*) FROM tensor_stats_by_kind").fetchall()[0][0] > 0
     key = ["step", "kind", "stage"]
     a, b = cube.sort(key), raw.sort(key)

@@ -15,6 +15,7 @@ import polars as pl
 import pytest
 
 from dynascope import analyses, open_store
+from dynascope.alerts import DEFAULT_RULES, Monitor
 
 CLI = [sys.executable, "-c", "from dynascope.cli import app; app()"]
 
@@ -99,6 +100,14 @@ def test_torchrun_two_ranks_names_the_slow_rank(tmp_path: Path) -> None:
     worst = scores.row(0, named=True)
     assert worst["rank"] == 1 and worst["status"] != "ok", scores
     assert "Slowest rank: rank 1" in out.replace("\n", " ")
+    # The default straggler rule over the same workload's rows names the slow rank only, as soon as its
+    # window has filled (the monitor a live run starts judges these rows as they land).
+    rule = [r for r in DEFAULT_RULES if r.quantity == "straggler_score"]
+    fired = Monitor(run, rule).poll(final=True)
+    assert fired and {f.rank for f in fired} == {1}, fired
+    with open_store(run) as con:  # the slowed work is the rollout: it fires within a window of the first
+        first, last = one(con, "SELECT min(step), max(step) FROM timings WHERE rank = 1 AND phase = 'rollout'")
+    assert first <= min(f.step for f in fired) <= first + rule[0].window < last, (fired, first, last)
 
 
 @pytest.mark.slow

@@ -50,11 +50,11 @@ def after_flush(writer: Any) -> None:
                                       "the segments stay as written")
 
 
-def _listing(run_dir: Path, writer_id: str) -> list[Entry]:
-    """This writer's segments of every table and its commit records, as ``live.list_run`` lists a run."""
+def _listing(run_dir: Path, writer_id: str, tables: tuple[str, ...] = tuple(TABLES)) -> list[Entry]:
+    """This writer's segments of ``tables`` and its commit records, as ``live.list_run`` lists a run."""
     out: list[Entry] = []
     for top, keep in ((run_dir / COMMITS, lambda n: n.endswith(".json")), *(
-            (run_dir / t, lambda n: SEGMENT_RE.match(n) is not None) for t in TABLES)):
+            (run_dir / t, lambda n: SEGMENT_RE.match(n) is not None) for t in tables)):
         d = top / f"writer={writer_id}"
         try:
             names = [f for f in d.iterdir() if keep(f.name) and not f.name.startswith(".")]
@@ -84,8 +84,8 @@ def fold_own(run_dir: Path, writer_id: str, keep: int = KEEP, settle_s: float = 
         merges = 0
         settle_us = max(int(settle_s * 1e6), 50_000)
         for wdir, table, _ in list(files.writer_dirs()):
-            while True:
-                files = RunFiles.parse(run_dir, _listing(run_dir, writer_id))
+            while True:  # after a merge only this table's directory and the commit records are listed again
+                files = RunFiles.parse(run_dir, _listing(run_dir, writer_id, (table,)))
                 merge_live = files.live(FOREVER_US)  # every merge already written counts, in effect yet or not
                 live = [s for s in files.segs.get(wdir, []) if str(s[2]) in merge_live]
                 pair = _cheapest_pair(files, live)

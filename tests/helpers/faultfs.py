@@ -11,8 +11,9 @@ at each call:
 - ``stall``: block until the word changes, as an NFS or Lustre server that stops answering does (and
   then pass through).
 
-Every write-side call is counted in CONTROL + ".ops" (one line per call: its name), so a test can say how
-many metadata operations a writer made.
+Every write-side call, and every ``readdir`` and ``getattr`` (the metadata reads a listing makes), is counted
+in CONTROL + ".ops" (one line per call: its name), so a test or benchmark can say how many metadata
+operations a writer made.
 """
 
 from __future__ import annotations
@@ -45,9 +46,12 @@ class FaultFS(Operations):
         except OSError:
             return "ok"
 
-    def _gate(self, op: str) -> None:
+    def _count(self, op: str) -> None:
         with self.oplock:
             self.ops.write(op + "\n")
+
+    def _gate(self, op: str) -> None:
+        self._count(op)
         deadline = time.monotonic() + _STALL_LIMIT_S
         while (mode := self._mode()) == "stall" and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -60,11 +64,13 @@ class FaultFS(Operations):
             raise FuseOSError(errno.EACCES)
 
     def getattr(self, path, fh=None):
+        self._count("getattr")
         st = os.lstat(self._p(path))
         return {k: getattr(st, k) for k in ("st_atime", "st_ctime", "st_gid", "st_mode", "st_mtime", "st_nlink",
                                             "st_size", "st_uid")}
 
     def readdir(self, path, fh):
+        self._count("readdir")
         return [".", "..", *os.listdir(self._p(path))]
 
     def readlink(self, path):
