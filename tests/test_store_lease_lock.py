@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from dynascope.store import RunWriter, lease_lock, open_store
-from dynascope.store import compact as compact_mod
 from dynascope.store.compact import compact_store
 
 
@@ -20,8 +19,8 @@ def no_flock(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(fh, op):
         raise OSError(errno.ENOLCK, "No locks available")
 
-    monkeypatch.setattr(compact_mod.fcntl, "flock", refuse)
-    assert compact_mod.fcntl is fcntl
+    monkeypatch.setattr(lease_lock.fcntl, "flock", refuse)
+    assert lease_lock.fcntl is fcntl
 
 
 def _run(tmp_path: Path) -> Path:

@@ -28,8 +28,6 @@ while it runs. The ``writer=_schema`` directories (one empty typed file per tabl
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import os
 import time
 import uuid
@@ -118,8 +116,11 @@ def compact_store(path: str | os.PathLike, grace_s: float = 60.0, *, settle_s: f
                 if wdir in folded.folded:
                     continue  # its rows just moved into writer=_merged
                 try:
-                    live = [s for s in segs if str(s[2]) in merge_live and s[2].exists()]
-                    last_valid = max(last_valid, _merge_dir(table, live, settle_us, target_rows, stats))
+                    with lease_lock.writer_lock(run_dir, wdir.name.removeprefix("writer=")) as mine:
+                        if not mine:  # its writer is folding it right now; it stays bounded by that fold
+                            continue
+                        live = [s for s in segs if str(s[2]) in merge_live and s[2].exists()]
+                        last_valid = max(last_valid, _merge_dir(table, live, settle_us, target_rows, stats))
                 except (OSError, pa.ArrowException) as exc:
                     stats.skipped.append(f"{wdir}: {type(exc).__name__}: {first_line(exc)}")
             if all_done(files, done):  # no row will arrive: pool the run's tensor rows across ranks
@@ -174,32 +175,9 @@ def _remove(files: RunFiles, grace_s: float, stats: CompactStats, closed: set[st
     return removed + remove_spent(files, grace_s, pinned, closed)
 
 
-@contextlib.contextmanager
-def _run_lock(run_dir: Path):
-    """An exclusive, non-blocking lock on the run's compaction lock file; yields whether it was taken.
-    Where the file system has no ``flock`` (Lustre without ``-o flock``), a lease file (``lease_lock``)."""
-    try:
-        fh = open(run_dir / LOCK, "a+b")  # held for the with-block
-    except OSError:
-        yield True  # a read-only store cannot be compacted anyway; the merge reports why
-        return
-    try:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):  # held by another compactor
-                yield False
-                return
-            token = lease_lock.acquire(run_dir)  # no flock here: ENOSYS, ENOLCK, EOPNOTSUPP
-            try:
-                yield token is not None
-            finally:
-                if token is not None:
-                    lease_lock.release(run_dir, token)
-            return
-        yield True
-    finally:
-        fh.close()
+def _run_lock(run_dir: Path) -> contextlib.AbstractContextManager[bool]:
+    """The run's compaction lock (``lease_lock.exclusive``); yields whether it was taken."""
+    return lease_lock.exclusive(run_dir / LOCK)
 
 
 def _merge_dir(table: str, live: list[tuple[int, int, Path]], settle_us: int, target_rows: int,

@@ -220,7 +220,7 @@ def open_store(path: str | os.PathLike, read_only: bool = True, threads: int | N
             else:  # runs written before this table existed: read_parquet would fail on an empty glob
                 con.execute(f"CREATE VIEW {quote_ident(table)} AS SELECT {typed_nulls(table)} WHERE false")
         # The canonical per-tensor view: one row per (run, role, stage, step, tensor), pooled by store.pooling's rule.
-        con.execute(f"CREATE VIEW {GLOBAL} AS {global_sql()}")
+        retry_vanished(functools.partial(con.execute, f"CREATE OR REPLACE VIEW {GLOBAL} AS {global_sql()}"))
         if read_only:
             # DuckDB also allows its spill directory, by default ./.tmp under the caller's working directory;
             # point it at a private empty directory so queries cannot read whatever sits there.
