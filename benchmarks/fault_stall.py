@@ -14,9 +14,7 @@ stalled, and the rows are checked to land whole once it answers again.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,7 +26,8 @@ import torch.nn as nn
 import dynascope
 from dynascope.store import open_store
 
-HELPER = Path(__file__).resolve().parents[1] / "tests" / "helpers" / "faultfs.py"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))
+from faultfs import Mount  # noqa: E402 - the fault tests' FUSE mount (needs fusepy)
 
 
 def _wait(cond, what: str, timeout_s: float = 60.0) -> None:
@@ -44,19 +43,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--phase-s", type=float, default=2.0)
     args = ap.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="dynascope-stall-"))
-    backing, mnt, control = root / "backing", root / "mnt", root / "control"
-    backing.mkdir()
-    mnt.mkdir()
-    control.write_text("ok")
-    proc = subprocess.Popen([sys.executable, str(HELPER), str(backing), str(mnt), str(control)],
-                            stderr=subprocess.DEVNULL)
+    m = Mount(Path(tempfile.mkdtemp(prefix="dynascope-stall-")))
+    backing, mnt, mode = m.backing, m.path, m.set
     try:
-        _wait(lambda: os.path.ismount(mnt), "the FUSE mount")
-
-        def mode(word: str) -> None:
-            (root / "c.tmp").write_text(word)
-            os.replace(root / "c.tmp", control)
 
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(256, 512), nn.Tanh(), nn.Linear(512, 64))
@@ -103,9 +92,7 @@ def main() -> None:
         _wait(landed, "the rows to land after the stall", timeout_s=120)
         print("every step's rows landed once the mount answered again")
     finally:
-        (control).write_text("ok")
-        subprocess.run(["fusermount", "-u", "-z", str(mnt)], check=False, capture_output=True)
-        proc.terminate()
+        m.close()
 
 
 if __name__ == "__main__":

@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,7 +31,9 @@ import dynascope.store.own_fold as own_fold
 from dynascope.store import RunWriter, open_store
 from dynascope.store.live import live_files
 
-HELPER = Path(__file__).resolve().parents[1] / "tests" / "helpers" / "faultfs.py"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))
+from faultfs import Mount  # noqa: E402 - the fault tests' FUSE mount, which counts its calls (needs fusepy)
+
 TABLES = ("scalars", "tensor_stats", "timings")
 FLUSHES_PER_HOUR = 3600 / 2.0  # RunWriter's default flush_secs
 KINDS = ("create", "rename", "unlink", "mkdir", "readdir", "getattr")
@@ -100,16 +100,10 @@ def main() -> None:
     args = ap.parse_args()
     own_fold.SETTLE_S, own_fold.GRACE_S = args.settle_s, args.grace_s
     root = Path(tempfile.mkdtemp(prefix="dynascope-files-"))
-    backing, mnt, control = root / "backing", root / "mnt", root / "control"
-    backing.mkdir()
-    mnt.mkdir()
-    control.write_text("ok")
-    proc = subprocess.Popen([sys.executable, str(HELPER), str(backing), str(mnt), str(control)],
-                            stderr=subprocess.DEVNULL)
-    ops_file = Path(str(control) + ".ops")
+    m = Mount(root)
+    backing, mnt, ops_file = m.backing, m.path, m.ops
     results: dict[str, list[dict]] = {"fold on": [], "fold off": []}
     try:
-        _wait(lambda: os.path.ismount(mnt), "the FUSE mount")
         for r in range(args.rounds):
             for arm in (("fold on", "fold off") if r % 2 == 0 else ("fold off", "fold on")):
                 run = mnt / f"run-{r}-{arm.replace(' ', '-')}"
@@ -127,9 +121,7 @@ def main() -> None:
                               f"{med(opens):.3f} ({min(opens):.3f}-{max(opens):.3f})",
                               *[f"{per[k]:.1f}" for k in KINDS], f"{sum(per.values()) * FLUSHES_PER_HOUR:,.0f}"]))
     finally:
-        control.write_text("ok")
-        subprocess.run(["fusermount", "-u", "-z", str(mnt)], check=False, capture_output=True)
-        proc.terminate()
+        m.close()
         shutil.rmtree(root, ignore_errors=True)
 
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,41 +26,15 @@ from dynascope.store import RunWriter, open_store
 
 from helpers.waiting import wait_until
 
-HELPER = Path(__file__).parent / "helpers" / "faultfs.py"
 pytestmark = pytest.mark.skipif(not (os.path.exists("/dev/fuse") and shutil.which("fusermount")),
                                 reason="needs /dev/fuse and fusermount (Debian's fuse, installed by .ci/run)")
 pytest.importorskip("fuse", reason="needs fusepy (a dev extra)")
-
-
-class Mount:
-    def __init__(self, root: Path) -> None:
-        self.backing, self.path, self.control = root / "backing", root / "mnt", root / "control"
-        self.backing.mkdir()
-        self.path.mkdir()
-        self.set("ok")
-        self.proc = subprocess.Popen([sys.executable, str(HELPER), str(self.backing), str(self.path), str(self.control)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        wait_until(lambda: os.path.ismount(self.path) or self.proc.poll() is not None, "the FUSE mount", timeout_s=30)
-        assert self.proc.poll() is None, self.proc.stderr.read().decode() if self.proc.stderr else ""
-
-    def set(self, mode: str) -> None:
-        tmp = self.control.with_suffix(".tmp")
-        tmp.write_text(mode)
-        os.replace(tmp, self.control)  # the daemon reads a whole word, never half of one
-
-    def close(self) -> None:
-        self.set("ok")
-        subprocess.run(["fusermount", "-u", "-z", str(self.path)], check=False, capture_output=True)
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+from helpers.faultfs import Mount  # noqa: E402 - needs fusepy, checked just above
 
 
 @pytest.fixture
 def mount(tmp_path: Path) -> Iterator[Mount]:
-    m = Mount(tmp_path)
+    m = Mount(tmp_path)  # the daemon's own deadline: a mount that never comes up fails the test
     try:
         yield m
     finally:

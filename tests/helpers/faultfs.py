@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 from fuse import FUSE, FuseOSError, Operations  # fusepy
 
@@ -146,6 +148,41 @@ class FaultFS(Operations):
     def utimens(self, path, times=None):
         self._gate("utimens")
         return os.utime(self._p(path), times)
+
+
+class Mount:
+    """This file system mounted by a daemon of its own, for a test or a benchmark: ``backing`` (the real
+    directory), ``path`` (the mount point), ``control`` (the word) and ``ops`` (the counted calls)."""
+
+    def __init__(self, root: Path, timeout_s: float = 30.0) -> None:
+        self.backing, self.path, self.control = root / "backing", root / "mnt", root / "control"
+        self.ops = Path(str(self.control) + ".ops")
+        self.backing.mkdir()
+        self.path.mkdir()
+        self.set("ok")
+        self.proc = subprocess.Popen([sys.executable, __file__, str(self.backing), str(self.path), str(self.control)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + timeout_s
+        while not os.path.ismount(self.path) and self.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not os.path.ismount(self.path):
+            err = self.proc.stderr.read().decode() if self.proc.poll() is not None and self.proc.stderr else ""
+            self.close()
+            raise RuntimeError(f"the FUSE mount did not come up within {timeout_s:g} s {err}".strip())
+
+    def set(self, mode: str) -> None:
+        tmp = self.control.with_suffix(".tmp")
+        tmp.write_text(mode)
+        os.replace(tmp, self.control)  # the daemon reads a whole word, never half of one
+
+    def close(self) -> None:
+        self.set("ok")
+        subprocess.run(["fusermount", "-u", "-z", str(self.path)], check=False, capture_output=True)
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
 
 
 if __name__ == "__main__":
