@@ -50,6 +50,7 @@ RETURNED = {
     "logprob_gap": {"steps", "median_gap_nats", "max_gap_nats", "median_over_pct", "threshold_nats"},
     "kl_to_base": {"kl_sft_nats", "kl_final_nats", "kl_rl_base_nats", "steps", "drift_ratio", "bf16_changed_pct"},
     "gpu_idle": {"ranks", "mean_idle_pct", "worst_rank", "worst_rank_idle_pct", "idle_ms", "kernel_span_ms"},
+    "clock_offset": {"ranks", "worst_rank", "worst_role", "offset_ms", "uncertainty_ms", "reference_rank"},
 }
 # Real multi-GPU Kineto traces (HTA's test data): the GPU-idle finding comes from imported GPU activity.
 HTA_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "hta" / "trace_filter"
@@ -59,12 +60,15 @@ FORWARD, BACKWARD, OPTIMIZER, GAP, SYNC = 60.0, 120.0, 30.0, 50.0, 4.0  # ms
 
 
 def _write_phases(run_dir: Path, slow: dict[tuple[int, int], float], loss_spike_at: int | None = None,
-                  probe_ms: float = 0.0) -> Path:
+                  probe_ms: float = 0.0, clock_ms: dict[int, float] | None = None) -> Path:
     """A 4-rank synchronous run; ``slow[(step, rank)]`` scales that rank's busy phases in that step. A gap of
     GAP ms per step is left uninstrumented (``probe_ms`` of it is the probe's own phase, with a tensor row
-    per rank and step); rank 0 syncs weights each step and logs a loss."""
+    per rank and step); rank 0 syncs weights each step and logs a loss. ``clock_ms[rank]``: the clock offset
+    from rank 0 that rank's probe measured (``probes.clocks``' event)."""
     rng = random.Random(1)
     writers = [RunWriter(run_dir, rank=r, world_size=RANKS, flush_secs=60) for r in range(RANKS)]
+    for r, ms in (clock_ms or {}).items():
+        writers[r].event("clock_offset", "planted", step=0, offset_us=ms * 1000, spread_us=40.0, reference_rank=0)
     t0 = T0
     for step in range(STEPS):
         busy = {r: {p: int(ms * 1000 * slow.get((step, r), 1.0) * (1 + rng.uniform(-0.002, 0.002)))
@@ -110,7 +114,8 @@ def runs(tmp_path_factory, quick_demo) -> list[Path]:
         # rank 3 is 1.2× slower in every busy phase: below the straggler score, but a whole rank's cost
         _write_phases(root / "rank_cost", {(s, 3): 1.2 for s in range(STEPS)}, loss_spike_at=15),
         # each step a different rank is 1.3× slower: no rank stands out, yet time is lost to the spread
-        _write_phases(root / "imbalance", {(s, s % RANKS): 1.3 for s in range(STEPS)}, probe_ms=20.0),
+        _write_phases(root / "imbalance", {(s, s % RANKS): 1.3 for s in range(STEPS)}, probe_ms=20.0,
+                      clock_ms={0: 0.0, 1: 3.0, 2: -1250.5, 3: 40.0}),
     ]
     cluster, _ = planted_cluster(root / "cluster")  # 80 ranks on 10 hosts, one of them slow: a node finding
     traces = []

@@ -13,6 +13,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the same names, for IDEs and type checkers
+    from dynascope.analyses.clocks import clock_offsets
     from dynascope.analyses.delta_sync import (
         DTYPE_BYTES,
         delta_sync_bytes,
@@ -32,6 +33,8 @@ if TYPE_CHECKING:  # the same names, for IDEs and type checkers
     from dynascope.analyses.findings_dynamics import delta_sync_numbers
     from dynascope.analyses.findings_text import INSTABILITY_LABELS, fmt_ms, fmt_pct, sentence
     from dynascope.analyses.fleet import FLEET_COLUMNS, fleet_summary
+    from dynascope.analyses.forgetting import FORGETTING_CANDIDATES, forgetting_by_point
+    from dynascope.analyses.gap_floor import SELF_PREFIX, logprob_gap_floor_by_step
     from dynascope.analyses.goodput import EVENT_KINDS, goodput_incidents, goodput_summary
     from dynascope.analyses.gpu_timeline import comm_comp_overlap, kernel_type_breakdown, temporal_breakdown
     from dynascope.analyses.instability import detect_instability
@@ -59,11 +62,14 @@ if TYPE_CHECKING:  # the same names, for IDEs and type checkers
 
 # submodule → the public names it gives (what __getattr__ imports on first use)
 _EXPORTS: dict[str, tuple[str, ...]] = {
+    "clocks": ("clock_offsets",),
     "delta_sync": ("DTYPE_BYTES", "delta_sync_bytes", "delta_sync_summary", "summarize_delta_sync"),
     "dynamics": ("rank1_dominance", "sparsity_comparison", "sparsity_over_training"),
     "dynamics_layers": ("update_share_by_layer",),
     "dynamics_rank1": ("rank1_linear_fit",),
     "fleet": ("FLEET_COLUMNS", "fleet_summary"),
+    "forgetting": ("FORGETTING_CANDIDATES", "forgetting_by_point"),
+    "gap_floor": ("SELF_PREFIX", "logprob_gap_floor_by_step"),
     "findings": ("Finding", "collect_findings", "probe_cost_numbers", "ranked_findings", "tail_wait_numbers"),
     "findings_dynamics": ("delta_sync_numbers",),
     "findings_text": ("INSTABILITY_LABELS", "fmt_ms", "fmt_pct", "sentence"),
@@ -85,11 +91,11 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "what_if_schedule_inputs": ("schedule_inputs",),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
-__all__ = ["DEFAULT_PROBE_COST", "DTYPE_BYTES", "EVENT_KINDS", "FLEET_COLUMNS", "Finding", "INSTABILITY_LABELS", "PEAK_TFLOPS",
-           "PROBE_PHASE", "async_staleness", "cluster_outliers", "collect_findings", "comm_comp_overlap", "critical_path",
+__all__ = ["DEFAULT_PROBE_COST", "DTYPE_BYTES", "EVENT_KINDS", "FLEET_COLUMNS", "FORGETTING_CANDIDATES", "Finding", "INSTABILITY_LABELS", "PEAK_TFLOPS",
+           "PROBE_PHASE", "SELF_PREFIX", "async_staleness", "clock_offsets", "cluster_outliers", "collect_findings", "comm_comp_overlap", "critical_path",
            "delta_sync_bytes", "delta_sync_numbers", "delta_sync_summary", "detect_instability", "fmt_ms",
-           "fmt_pct", "fleet_summary", "goodput_incidents", "goodput_summary", "idle_time", "kernel_type_breakdown",
-           "logprob_gap_by_step", "peak_tflops_for", "phase_shares", "probe_cost", "probe_cost_numbers",
+           "fmt_pct", "fleet_summary", "forgetting_by_point", "goodput_incidents", "goodput_summary", "idle_time", "kernel_type_breakdown",
+           "logprob_gap_by_step", "logprob_gap_floor_by_step", "peak_tflops_for", "phase_shares", "probe_cost", "probe_cost_numbers",
            "rank1_dominance", "rank1_linear_fit", "ranked_findings", "rl_throughput", "rollout_long_tail",
            "rollout_train_overlap", "schedule_inputs", "schedule_staleness", "schedule_what_if", "sentence",
            "sparsity_comparison", "sparsity_over_training", "step_breakdown", "straggler_scores", "summarize_delta_sync",

@@ -28,6 +28,7 @@ from dynascope.analyses._findings import Finding
 from dynascope.analyses._findings import first_row as _first_row
 from dynascope.analyses._findings import found as _found
 from dynascope.analyses._findings import rnd as _r
+from dynascope.analyses.findings_clock import clock_offset
 from dynascope.analyses.findings_cluster import MIN_CLUSTER_RANKS, slow_nodes
 from dynascope.analyses.findings_dynamics import delta_sync, dynamics
 from dynascope.analyses.findings_gpu import gpu_idle
@@ -62,8 +63,17 @@ MIN_IMBALANCE_PCT = 2.0  # evenly fast ranks still lose this much to ordinary sp
 MIN_TAIL_PCT = 1.0  # tail wait under 1% of step time is sampling noise
 WARN_TAIL_PCT = 10.0
 WARN_ZERO_VARIANCE_PCT = 20.0  # a fifth of the groups teaching nothing is worth changing the batch for
-MIN_PROBE_PCT = 3.0  # watch()'s defaults cost ~1.5-2% of a step: above 3% the run asked for more coverage
+MIN_PROBE_PCT = 3.0  # watch()'s defaults cost ~1.5% of a step (1.015×): above 3% the run asked for more coverage
 SQL_STEPS_SHOWN = 50  # instability queries list at most this many steps
+
+
+def _whole_rank(w: dict[str, Any] | None) -> dict[str, Any]:
+    """The whole rank's what-if beside a phase's ("what if rank R ran at the median": the ``what_if``
+    scenario ``rank R``, the figure the dashboard's Stragglers and What-if tables show); nothing when no
+    scenario priced it."""
+    if w is None:
+        return {}
+    return {"rank_saved_ms": _r(w["saved_ms"]), "rank_saved_pct": _r(w["saved_pct"], 2)}
 
 
 def _stragglers(con, run: str) -> list[Finding]:
@@ -110,6 +120,7 @@ def _stragglers(con, run: str) -> list[Finding]:
              "flagged_windows": s["flagged_windows"], "windows": s["windows"], "excess_ms": _r(s["excess_ms"]),
              "whatif_phase": top, "whatif_steps": w["steps"] if w else None,
              "saved_ms": _r(w["saved_ms"]) if w else None, "saved_pct": _r(w["saved_pct"], 2) if w else None,
+             **_whole_rank(saved.get((s["role"], s["rank"], None))),
              **({"median_slowdown_x": _r(s["against_x"]), "healthy_x": _r(s["threshold_x"]),
                  "slow_steps": s["slow_steps"]} if "against_x" in s else {})}
         out.append(_found(run, "straggler", "warning" if s["status"] == "persistent" else "info", n, sql,
@@ -292,7 +303,7 @@ def _schedule(con, run: str) -> list[Finding]:
 
 GENERATORS: list[Callable[[Any, str], list[Finding]]] = [
     _stragglers, _tail, _zero_variance, idle, remainder, _probe_cost, _async, _goodput, _instability, _mfu, dynamics,
-    delta_sync, _schedule, C.weight_sync_mismatch, C.logprob_gap, C.kl_to_base, gpu_idle]
+    delta_sync, _schedule, C.weight_sync_mismatch, C.logprob_gap, C.kl_to_base, gpu_idle, clock_offset]
 
 
 def collect_findings(store: StoreLike, run: str | None = None, *,

@@ -37,10 +37,12 @@ _fmt = _Formatter().format
 
 def _straggler(n: N) -> str:
     role = f" ({n['role']})" if n["role"] else ""
-    what = "it" if n["whatif_phase"] == n["phase"] else f"its {n['whatif_phase']}"
+    what = f"its {n['whatif_phase']}"  # the phase the what-if replaced (a nested phase's top-level parent)
     cut = (_fmt("; making {what} median would cut step time {saved_pct!p} ({saved_ms!t} over {whatif_steps} steps)",
                 what=what, **n) if n["saved_pct"] is not None
            else _fmt("; {excess_ms!t} beyond the cross-rank median over the run", **n))
+    if n.get("rank_saved_pct") is not None:  # the whole rank, as the dashboard's tables price it
+        cut += _fmt("; the whole rank at the median, {rank_saved_pct!p} ({rank_saved_ms!t})", **n)
     if "median_slowdown_x" in n:  # judged against the healthy ranks' spread (cluster_outliers)
         how = ("{median_slowdown_x:.2f}× the cross-rank median over the run" if n["status"] == "persistent" else
                "over the healthy spread in {slow_steps} of {steps} steps")
@@ -138,6 +140,9 @@ SENTENCES: dict[str, Callable[[N], str]] = {
     "imbalance": _template("ranks are unevenly fast: if every rank ran at the cross-rank median, step time would "
                            "drop {saved_pct!p} ({saved_ms!t})"),
     "idle": _idle,
+    "clock_offset": _template("{worst_role} rank {worst_rank}'s wall clock was {offset_ms:+.1f} ms from rank "
+                              "{reference_rank}'s (±{uncertainty_ms:.2f} ms, measured at watch() over {ranks} "
+                              "ranks): every time it recorded is off by as much; the Perfetto export aligns it"),
     "gpu_idle": _template("the GPUs sat idle {mean_idle_pct:.1f}% of their busy span on average over {ranks} "
                           "ranks (rank {worst_rank}: {worst_rank_idle_pct:.1f}%), {idle_ms!t} idle in all: "
                           "work the host did not launch in time, or waits on other ranks"),

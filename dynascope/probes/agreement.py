@@ -58,6 +58,11 @@ class RankMax:
             self.notice = (f"time budget: no process group for the ranks' window period ({type(exc).__name__}: "
                            f"{exc}); no time-budgeted windows on this rank")
 
+    @property
+    def group(self) -> Any:
+        """The gloo group made by ``prepare`` (None: not made, or failed)."""
+        return None if self.failed else self._group
+
     def _world_size(self) -> int:
         if self._world is None:
             import torch.distributed as dist

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from dynascope.probes import zero
+from dynascope.probes import clocks, zero
 from dynascope.probes.memory import MemoryProbe
 from dynascope.probes.protocol import Listener, Probe
 from dynascope.probes.schedule import as_schedule, every
@@ -97,6 +97,7 @@ def watch(model: Any, optimizer: Any = None, run: str | os.PathLike = "runs/defa
             scope.add_listener(_listener(spec))
         except Exception as exc:
             scope._report(f"listener:{spec}" if isinstance(spec, str) else "listener", exc)
+    clocks.record_offset(scope, s.clock_sync)  # never raises: an event either way
     # One full collection now, before the first probed step. What attaching allocated (modules imported on
     # first use, the writer's and the probes' state) is enough to tip CPython's collector into a full pass
     # a few dozen steps later: 0.2-0.3 s inside one training step of a process holding ~300k objects, and

@@ -50,6 +50,9 @@ class WatchSettings:
         stage: label of the rows recorded from now on (``scope.set_stage`` changes it), e.g. "sft".
         rank, role, world_size: identity for processes outside torch.distributed (e.g. Ray actors).
         system_interval_s: system sampler period (None or 0 switches it off).
+        clock_sync: measure this rank's wall-clock offset from rank 0 in ``watch()`` (an ``events`` row
+            ``clock_offset``, ``probes.clocks``) even where the probe makes no process group of its own
+            (a sharded run's is used always): every rank of the default group must then run the probe.
         wandb: mirror the compact per-step summaries to the active wandb run
             (``dynascope.probes.wandb_mirror.WandbMirror``; needs the ``wandb`` extra).
     """
@@ -68,6 +71,7 @@ class WatchSettings:
     role: str | None = None
     world_size: int | None = None
     system_interval_s: float | None = 5.0
+    clock_sync: bool = False
     wandb: bool = False
 
 

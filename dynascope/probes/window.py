@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from typing import Any
 
 from dynascope.probes.agreement import RankMax
 from dynascope.probes.params import Tracked
@@ -135,6 +136,10 @@ class Window:
     def close(self) -> None:
         """Free what the ranks' agreement on the period holds (its process group)."""
         self._agreement.close()
+
+    def agreement_group(self) -> Any:
+        """The ranks' gloo group, where ``prepare`` made one (``probes.clocks`` measures over it too)."""
+        return self._agreement.group
 
     def take_notice(self) -> str | None:
         """Why the ranks stopped agreeing on the period, once (then None): for the record's events."""

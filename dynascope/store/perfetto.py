@@ -15,7 +15,9 @@ drawn wrongly or dropped by the viewer, so such a slice moves to an extra track 
 nothing is dropped and nothing is drawn inside a slice it is not part of.
 
 Times are written relative to ``baseTimeNanoseconds`` (the run's first row), in µs with ns decimals, as
-Kineto writes them: absolute µs since the epoch would lose the ns digits in a double.
+Kineto writes them: absolute µs since the epoch would lose the ns digits in a double. A rank whose clock
+offset was measured (``probes.clocks``; ``store.clock_offsets``) is drawn on its reference rank's clock:
+its times less its offset, and its track's name says by how much, so ranks on skewed hosts line up.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import IO, Any
 import duckdb
 
 from dynascope.core.errors import StoreError, first_line
+from dynascope.store.clock_offsets import OFFSETS_SQL
 from dynascope.store.reader import StoreConnection, open_store
 from dynascope.store.snapshot import snapshot
 
@@ -74,8 +77,10 @@ class _Track:
 class _Writer:
     """Writes events one per line into the open ``traceEvents`` array, numbering processes and threads."""
 
-    def __init__(self, fh: IO[str], base_ns: int, multi_run: bool) -> None:
+    def __init__(self, fh: IO[str], base_ns: int, multi_run: bool,
+                 offsets: dict[tuple[str, str, int | None], int] | None = None) -> None:
         self.fh, self.base_ns, self.multi_run = fh, base_ns, multi_run
+        self.offsets = offsets or {}  # ns to take off a (run, role, rank)'s times
         self.first = True
         self.pids: dict[tuple[str, str, int | None], int] = {}
         self.tids: dict[tuple[int, int | None, int], int] = {}
@@ -85,14 +90,18 @@ class _Writer:
         self.fh.write(("\n" if self.first else ",\n") + json.dumps(event, separators=(",", ":"), default=str))
         self.first = False
 
-    def us(self, ns: int) -> float:
-        return round((ns - self.base_ns) / 1000, 3)
+    def us(self, ns: int, key: tuple[str, str, int | None] | None = None) -> float:
+        off = self.offsets.get(key, 0) if key is not None else 0
+        return round((ns - off - self.base_ns) / 1000, 3)
 
     def pid(self, run_id: str, role: str | None, rank: int | None) -> int:
         key = (run_id, role or "", rank)
         if key not in self.pids:
             pid = self.pids[key] = len(self.pids) + 1
             name = f"{role or 'process'} rank {rank}" if rank is not None else (role or "run")
+            off = self.offsets.get(key)
+            if off:
+                name += f" (clock {off / 1e6:+.3f} ms, aligned)"
             if self.multi_run:
                 name = f"{run_id}: {name}"
             self.emit({"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": name}})
@@ -122,12 +131,13 @@ def _slices(cur: StoreConnection, w: _Writer) -> None:
             args = {k: v for k, v in (("step", step), ("parent", parent), ("device", device), ("stream", stream))
                     if v is not None}
             w.emit({"ph": "X", "name": phase, "cat": category or "phase", "pid": pid,
-                    "tid": w.tid(pid, stream, lane), "ts": w.us(int(t0)), "dur": round(int(d) / 1000, 3),
+                    "tid": w.tid(pid, stream, lane), "ts": w.us(int(t0), (run_id, role or "", rank)),
+                    "dur": round(int(d) / 1000, 3),
                     "args": args})
             w.counts["slices"] += 1
             if category == "step" and step is not None:
                 w.emit({"ph": "i", "s": "p", "name": f"step {step}", "cat": "step", "pid": pid,
-                        "tid": w.tid(pid, stream, lane), "ts": w.us(int(t0))})
+                        "tid": w.tid(pid, stream, lane), "ts": w.us(int(t0), (run_id, role or "", rank))})
                 w.counts["instants"] += 1
 
 
@@ -142,7 +152,7 @@ def _events(cur: StoreConnection, w: _Writer) -> None:
             args = {k: v for k, v in (("step", step), ("severity", severity), ("message", message),
                                       ("fields", fields)) if v is not None}
             out: dict[str, Any] = {"ph": "i", "name": event or "event", "cat": "event",
-                                   "ts": w.us(int(time_us) * 1000), "args": args}
+                                   "ts": w.us(int(time_us) * 1000, (run_id, role or "", rank)), "args": args}
             if rank is None:
                 out.update(s="g", pid=0, tid=0)
             else:
@@ -169,11 +179,15 @@ def export_perfetto(path: str | os.PathLike, out: str | os.PathLike) -> dict[str
     with snapshot(path, holder="perfetto-export") as snap:
         store = open_store(path, at_us=snap.at_us)
         try:
-            base_ns = int(store.execute(_BASE).fetchall()[0][0] or 0)
+            offsets: dict[tuple[str, str, int | None], int] = {
+                (run_id, role or "", int(rank)): round(off * 1000)
+                for run_id, role, rank, off, _, _ in store.execute(OFFSETS_SQL).fetchall()}
+            # a track moved back in time by its offset still starts at or after the base
+            base_ns = int(store.execute(_BASE).fetchall()[0][0] or 0) - max([0, *offsets.values()])
             runs = store.execute("SELECT count(DISTINCT run_id) FROM timings").fetchall()[0][0]
             with tmp.open("w", encoding="utf-8") as fh:
                 fh.write(f'{{"displayTimeUnit":"ms","baseTimeNanoseconds":{base_ns},"traceEvents":[')
-                w = _Writer(fh, base_ns, multi_run=runs > 1)
+                w = _Writer(fh, base_ns, multi_run=runs > 1, offsets=offsets)
                 _slices(store, w)
                 _events(store, w)
                 fh.write("\n]}\n")
