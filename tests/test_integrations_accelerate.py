@@ -3,21 +3,20 @@ MULTI_CPU through torchrun over gloo; ``--cpu --num_processes 2`` would start on
 
 Each rank saves every parameter before and after each optimizer step (``on_pre_optimizer_step`` /
 ``on_optimizer_step``); ``tensor_stats_global`` must give those tensors' ‖W‖, ‖ΔW‖ and changed counts at
-every step, with one ``train`` and one ``optimizer`` row per step per rank.
+every step, with one ``train``, ``forward``, ``backward`` and ``optimizer`` row per step per rank.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
 import textwrap
 from pathlib import Path
 
 import pytest
 
 import dynascope
+
+from helpers.accelerate_launch import accelerate_launch
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -59,22 +58,19 @@ SCRIPT = textwrap.dedent("""
 def test_hf_trainer_under_accelerate_launch(tmp_path: Path) -> None:
     script, run = tmp_path / "train.py", tmp_path / "hf"
     script.write_text(SCRIPT)
-    launcher = shutil.which("accelerate")
-    assert launcher, "accelerate's launcher is installed with the hf extra"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
-    out = subprocess.run([launcher, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-                          "--mixed_precision", "no", "--dynamo_backend", "no", str(script), str(run)],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    out = accelerate_launch(script, str(run), cwd=tmp_path, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     truth = [json.loads((tmp_path / f"hf.truth{r}.json").read_text()) for r in (0, 1)]
     assert truth[0] == truth[1] and len(truth[0]) == 3  # DDP: the same weights on both ranks
     with dynascope.open_store(run) as con:
-        phases = con.rows("SELECT rank, step, phase, count(*) FROM timings WHERE phase IN ('train', 'optimizer') "
-                          "GROUP BY ALL ORDER BY ALL")
+        phases = con.rows("SELECT rank, step, phase, parent, count(*) FROM timings WHERE phase IN "
+                          "('train', 'optimizer', 'forward', 'backward') GROUP BY ALL ORDER BY ALL")
         got = con.frame("SELECT * FROM tensor_stats_global ORDER BY step, tensor").to_dicts()
         world = con.rows("SELECT DISTINCT world_size FROM runs")
     assert world == [(2,)]
-    assert phases == [(r, s, p, 1) for r in (0, 1) for s in range(3) for p in ("optimizer", "train")]
+    # one forward and one backward per step, inside train, though DDP's wrapper runs the module's forward
+    assert phases == [(r, s, p, parent, 1) for r in (0, 1) for s in range(3)
+                      for p, parent in (("backward", "train"), ("forward", "train"), ("optimizer", None), ("train", None))]
     names = set(truth[0][0])
     assert {r["tensor"] for r in got} <= {n.removeprefix("module.") for n in names} and len(got) >= 3 * 4
     for r in got:

@@ -68,6 +68,8 @@ class _TrlHooks:
         cm = self.scope.phase(phase)
         cm.__enter__()
         ctx._dynascope = (cm, phase, now_us())
+        if phase == GENERATE and self.scope.timing is not None:  # decoding: no forward row per token
+            self.scope.timing.model_paused += 1
 
     def exit(self, ctx: Any) -> None:
         state = ctx.__dict__.pop("_dynascope", None)
@@ -77,6 +79,8 @@ class _TrlHooks:
         cm.__exit__(None, None, None)
         if phase == GENERATE:
             self._gen_span += [start, now_us()]
+            if self.scope is not None and self.scope.timing is not None:
+                self.scope.timing.model_paused = max(self.scope.timing.model_paused - 1, 0)
 
     # ---- instance wrappers --------------------------------------------------------------------------
     def wrap(self) -> None:

@@ -50,6 +50,7 @@ class DynascopeCallback(GuardedCallback, transformers.TrainerCallback):
         self._train_cm: Any = None
         self._thread: int | None = None
         self._trl: Any = None
+        self._accelerator: Any = None
         self._writer: Any = None
         self._attached = False
         self._warned = False
@@ -101,10 +102,30 @@ class DynascopeCallback(GuardedCallback, transformers.TrainerCallback):
         done = int(getattr(state, "global_step", 0) or 0)
         if done:  # resumed from a checkpoint (or a second train()): continue the step numbering
             self.scope.resume(done)
+        self._time_backward()
         if self.use_trl and self.trainer is not None:
             from dynascope.integrations import _trl
 
             self._trl = _trl.attach(self.trainer, self)
+
+    def _time_backward(self) -> None:
+        """The Trainer's ``accelerator.backward`` as the ``backward`` phase, in ``train``. The probe's
+        autograd hooks would give it the enclosing phase of the forward that made the loss, and TRL runs
+        that forward inside ``loss``/``logprob``, which have ended when backward starts. Under DeepSpeed the
+        probe already times ``engine.backward`` (``autograd_backward`` is off then): left alone."""
+        timing = self.scope.timing
+        accelerator: Any = getattr(self.trainer, "accelerator", None)
+        if timing is None or not timing.autograd_backward or not callable(getattr(accelerator, "backward", None)):
+            return
+        original, scope = accelerator.backward, self.scope
+
+        def backward(*args: Any, **kwargs: Any) -> Any:
+            with scope.phase("backward"):
+                return original(*args, **kwargs)
+
+        timing.autograd_backward = False
+        accelerator.backward = backward
+        self._accelerator = accelerator
 
     # ---- the train phase ---------------------------------------------------------------------------------
     def _open_train(self) -> None:
@@ -144,6 +165,9 @@ class DynascopeCallback(GuardedCallback, transformers.TrainerCallback):
         if self._trl is not None:
             self._trl.detach()
             self._trl = None
+        if self._accelerator is not None:
+            self._accelerator.__dict__.pop("backward", None)
+            self._accelerator = None
         self._close_scope()
 
 

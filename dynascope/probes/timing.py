@@ -31,7 +31,8 @@ import torch
 from dynascope.core.clock import now_us
 from dynascope.probes.protocol import Probe, Rows, StepContext
 
-__all__ = ["CUDA_CLOCK", "HOST_CLOCK", "PROBE_PHASE", "PhaseRecord", "Timer", "TimingProbe", "first_grad_tensor"]
+__all__ = ["CUDA_CLOCK", "HOST_CLOCK", "PROBE_PHASE", "PhaseRecord", "Timer", "TimingProbe", "first_grad_tensor",
+           "grad_tensors"]
 
 PROBE_PHASE = "dynascope"
 # The ``clock`` of a timings row: where its duration was measured
@@ -130,6 +131,25 @@ def first_grad_tensor(out: Any, depth: int = 0) -> torch.Tensor | None:
     return None
 
 
+def grad_tensors(out: Any, limit: int = 16) -> list[torch.Tensor]:
+    """The floating tensors that require grad in a model output, at most ``limit``. Backward may flow
+    through any one of them (TRL's fused LM head returns a ``loss`` first and backpropagates its
+    ``log_probs``), so each gets the hook that starts the ``backward`` phase."""
+    found: list[torch.Tensor] = []
+
+    def walk(v: Any, depth: int) -> None:
+        if len(found) >= limit:
+            return
+        if isinstance(v, torch.Tensor):
+            if v.requires_grad and v.is_floating_point():
+                found.append(v)
+        elif depth <= 3:
+            for item in v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else ():
+                walk(item, depth + 1)
+    walk(out, 0)
+    return found
+
+
 class TimingProbe(Probe):
     """Phases of every step (forward/backward/optimizer automatically, user phases via ``scope.phase``)."""
 
@@ -142,6 +162,8 @@ class TimingProbe(Probe):
         self._bwd_live = False
         # False when an engine's backward() is timed instead (DeepSpeed: it also reduces the gradients)
         self.autograd_backward = True
+        # > 0 while an integration times a stretch itself (TRL's generate: one forward per decoded token)
+        self.model_paused = 0
         self._guard: Callable[..., Any] = lambda probe, fn, *a: fn(*a)
 
     def attach(self, model: Any, guard: Callable[..., Any]) -> list[Any]:
@@ -164,17 +186,17 @@ class TimingProbe(Probe):
         self.autograd_backward = False
 
     def _fwd_pre(self, module: Any, args: Any) -> None:
-        module._dynascope_fwd = self.timer.start("forward")
+        module._dynascope_fwd = None if self.model_paused else self.timer.start("forward")
 
     def _fwd_post(self, module: Any, args: Any, out: Any) -> None:
         rec = getattr(module, "_dynascope_fwd", None)
         if rec is not None:
             module._dynascope_fwd = None
             self.timer.stop(rec)
-        t = first_grad_tensor(out) if self.autograd_backward and torch.is_grad_enabled() else None
-        if t is not None:
-            parent = rec.parent if rec is not None else None
-            t.register_hook(lambda g: self._guard("backward", self._bwd_start, parent) and None)
+        if rec is None or not self.autograd_backward or not torch.is_grad_enabled():
+            return
+        for t in grad_tensors(out):  # the first one backward reaches starts the phase (_bwd_live)
+            t.register_hook(lambda g, parent=rec.parent: self._guard("backward", self._bwd_start, parent) and None)
 
     def _bwd_start(self, parent: str | None) -> None:
         if self._bwd_live:
