@@ -16,38 +16,16 @@ import re
 import warnings
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 import dynascope
-from dynascope.stats.engine import (
-    DRIFT_STAT_COLUMNS,
-    UPDATE_STAT_COLUMNS,
-    weight_drift_stats,
-    weight_update_stats,
-)
-from dynascope.stats.rows import PartialResults, tensor_stats_columns
 from dynascope.store import RunWriter
 
+from helpers.canonical_rows import stats_row as _row
+from helpers.canonical_rows import weights as _weights
+
 PACKAGE = Path(__file__).resolve().parents[1] / "dynascope"
-
-
-def _row(name: str, new: torch.Tensor, old: torch.Tensor, ref: torch.Tensor, **place) -> dict:
-    """A tensor_stats row for ``new`` (a piece of the tensor, or all of it), as the probe derives it."""
-    values = {**dict(zip(UPDATE_STAT_COLUMNS, weight_update_stats([new], [old])[0].tolist(), strict=True)),
-              **dict(zip(DRIFT_STAT_COLUMNS, weight_drift_stats([new], [ref])[0].tolist(), strict=True))}
-    cols = tensor_stats_columns(PartialResults.of_dicts([values]), np.array([new.numel()]))
-    return {"tensor": name, "kind": "mlp", "layer": 0, "shape": "8x6", "dtype": "float32", "numel": new.numel(),
-            **{k: v[0].as_py() for k, v in cols.items()}, **place}
-
-
-def _weights(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    ref = torch.randn(8, 6, dtype=torch.float64, generator=g)
-    old = ref + 0.1 * torch.randn(8, 6, dtype=torch.float64, generator=g)
-    new = torch.where(torch.rand(8, 6, generator=g) < 0.5, old, old - 0.05 * torch.randn(8, 6, dtype=torch.float64, generator=g))
-    return new, old, ref
 
 
 def _truth(new: torch.Tensor, old: torch.Tensor, ref: torch.Tensor) -> dict:

@@ -12,7 +12,7 @@ Each figure follows the package's analysis of the same name (``tests/test_fleet.
 ``straggler_scores`` with its defaults (the slowest rank is its first row: most time at stake), PULSE S₁
 as ``delta_sync_bytes`` counts it (steps where every tensor has it), ``phase_shares``' step-time shares,
 and ``rank1_dominance``'s energy-weighted rank-1 share. Tensor figures read the ``tensor_stats_by_kind``
-rollup (pooled sums) and fall back to the canonical ``tensor_stats_global`` for runs that have none.
+rollup (pooled sums, its rows counted by the canonical view's rule: ``store.pooling.counted_rollup_sql``) and fall back to the canonical ``tensor_stats_global`` for runs that have none.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from dynascope.analyses.rollouts import ROLLOUT_PHASES
 from dynascope.analyses.steps import STEP_ROW, TOP_LEVEL
 from dynascope.store import quote_literal
 from dynascope.store.catalog import steps_sql
+from dynascope.store.pooling import counted_rollup_sql
 
 # straggler_scores' defaults
 WINDOW, THRESHOLD, MIN_MEDIAN_MS = 10, 0.75, 5.0
@@ -40,7 +41,8 @@ def pooled_sql(q: Quote) -> str:
                SUM(CASE WHEN update_sq IS NOT NULL THEN coalesce(update_w_sq, w_sq) END) AS update_w_sq,
                SUM(bf16_unchanged_count) AS s1_count, SUM(bf16_unchanged_numel) AS s1_numel,
                SUM(drift_unchanged_count) AS mk_count, SUM(drift_numel) AS mk_numel, SUM(numel) AS numel
-        FROM {q('tensor_stats_by_kind')} WHERE step IS NOT NULL GROUP BY run_id, stage, step
+        FROM ({counted_rollup_sql(q('tensor_stats_by_kind'), 'step IS NOT NULL', quote=q)}) c
+        GROUP BY run_id, stage, step
         UNION ALL
         SELECT run_id, stage, step, SUM(update_norm * update_norm),
                SUM(CASE WHEN update_norm IS NOT NULL THEN w_norm * w_norm END),
@@ -108,7 +110,7 @@ def fleet_sql(q: Quote) -> str:
         SELECT run_id, coalesce(role, '') AS role, {q('rank')}, step, SUM(dur_us) AS dur_us FROM {q('timings')}
         WHERE {TOP_LEVEL} AND phase IN ({rollout}) GROUP BY run_id, coalesce(role, ''), {q('rank')}, step),
     rollout AS (
-        SELECT st.run_id, 100 * CAST(coalesce(SUM(ro_rows.dur_us), 0) AS DOUBLE) / nullif(SUM(st.step_us), 0) AS rollout_pct
+        SELECT st.run_id, 100 * CAST(coalesce(SUM(ro_rows.dur_us), 0) AS DOUBLE) / nullif(SUM(st.step_us), 0) AS all_steps_rollout_pct
         FROM st LEFT JOIN ro_rows ON st.run_id = ro_rows.run_id AND st.role = ro_rows.role
                               AND st.{q('rank')} = ro_rows.{q('rank')}
                               AND st.step = ro_rows.step
@@ -137,7 +139,7 @@ def fleet_sql(q: Quote) -> str:
         FROM sp JOIN sp_last ON sp.run_id = sp_last.run_id AND sp.step = sp_last.step
         WHERE sp.pick = 1 GROUP BY sp.run_id),
     ids AS (SELECT run_id FROM meta UNION SELECT run_id FROM steps)
-    SELECT ids.run_id, meta.name, steps.steps, step_ms.median_step_ms, rollout.rollout_pct,
+    SELECT ids.run_id, meta.name, steps.steps, step_ms.median_step_ms, rollout.all_steps_rollout_pct,
            straggler.slowest_rank, straggler.slowest_phase, straggler.straggler_score,
            s1.median_bf16_unchanged_frac_rl, mk.last_drift_unchanged_frac, r1.last_rank1_energy, meta.config_json
     FROM ids

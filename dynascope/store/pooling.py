@@ -25,7 +25,8 @@ from collections.abc import Callable, Iterable
 
 from dynascope.store.schema import TENSOR_STATS_COLUMNS
 
-__all__ = ["COUNTED_SHARD_SQL", "GLOBAL", "NOT_A_REPLICA_SQL", "counted_sql", "global_sql", "is_counted_shard"]
+__all__ = ["COUNTED_SHARD_SQL", "GLOBAL", "NOT_A_REPLICA_SQL", "counted_rollup_sql", "counted_sql", "global_sql",
+           "holds_of", "is_counted_shard"]
 
 GLOBAL = "tensor_stats_global"
 # A shard row that counts: of replica 0 (or of no replica group: NULL, runs written before it was recorded).
@@ -47,6 +48,30 @@ def counted_sql(first_rank: str, prefix: str = "") -> str:
 def is_counted_shard(sharded: bool | None, replica: int | None) -> bool:
     """Python's ``COUNTED_SHARD_SQL``, for one row."""
     return bool(sharded) and (replica or 0) == 0
+
+
+def holds_of(sharded: bool | None, replica: int | None) -> str:
+    """How a rank held a tensor_stats row: ``shard`` (of replica 0), ``replica`` (another replica's copy of
+    a shard) or ``whole`` (a DDP copy, a replicated bias, one process): the rollups' ``holds``."""
+    return ("shard" if is_counted_shard(sharded, replica) else "replica") if sharded else "whole"
+
+
+def counted_rollup_sql(table: str, where: str = "true", layer: bool = False, quote: Callable[[str], str] | None = None) -> str:
+    """SELECT of the rows of a rollup (``tensor_stats_by_kind``, or ``_by_layer`` with ``layer``) that count
+    when its sums are pooled across ranks, by the canonical view's rule: shards of replica 0, never a
+    replica's copy, whole tensors from the lowest rank holding whole tensors of that (run, role, stage, step,
+    kind[, layer]) — DDP and tensor parallel give every rank the same whole tensors — and of a rank's rows
+    for a step, the latest ``generation``'s (a replayed step's newest process). Rows written before
+    ``holds`` existed count as they are. ``quote``: the engine's identifier quoting (Spark's backticks)."""
+    q = quote or _q
+    rank, keys = q("rank"), ["run_id", "role", "stage", "step", "kind", *(["layer"] if layer else [])]
+    part = ", ".join(q(k) for k in keys)
+    return f"""SELECT * FROM (
+            SELECT *, min(CASE WHEN holds = 'whole' THEN {rank} END) OVER (PARTITION BY {part}) AS _whole_rank,
+                   max(generation) OVER (PARTITION BY run_id, role, {rank}, stage, step) AS _latest
+            FROM {table} WHERE {where}) r
+        WHERE (holds IS NULL OR holds = 'shard' OR (holds = 'whole' AND {rank} = _whole_rank))
+          AND (_latest IS NULL OR generation = _latest)"""
 
 
 def _q(name: str) -> str:

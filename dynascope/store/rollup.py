@@ -13,6 +13,11 @@ rows. Sums are additive, so a block split across two flushes is two rows that a 
 
 The writer computes both from each tensor_stats segment it writes, on its own thread, with NumPy
 group-bys; the rollup segments follow their source in the same flush.
+
+Each rollup row also says how its rank held the rows it pools (``holds``: ``shard``, ``replica`` of a
+shard, or ``whole`` tensors) and which process wrote them (``generation``), so that pooling rollup rows
+across ranks follows the canonical view's rule (``store.pooling.counted_rollup_sql``): an HSDP replica's or
+a DDP copy's sums must not add to the shards', and a replayed step counts its latest process only.
 """
 
 from __future__ import annotations
@@ -23,9 +28,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from dynascope.store.pooling import holds_of
 from dynascope.store.schema import POOLED, ROLLUP_BLOCK_STEPS, TABLES
 
-_KIND_KEYS = ["run_id", "rank", "role", "step", "stage", "kind"]
+_KIND_KEYS = ["run_id", "rank", "role", "step", "stage", "kind", "holds", "generation"]
 _LAYER_KEYS = [*_KIND_KEYS, "layer"]
 
 
@@ -52,10 +58,21 @@ def _numbers(col: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray] |
 Numbers = dict[str, "tuple[np.ndarray, np.ndarray] | None"]
 
 
+def _with_holds(t: pa.Table) -> pa.Table:
+    """``t`` with ``holds`` (``store.pooling.holds_of`` per row) and ``generation`` (NULL where absent)."""
+    n = t.num_rows
+    sharded = t["sharded"].to_pylist() if "sharded" in t.column_names else [None] * n
+    replica = t["replica"].to_pylist() if "replica" in t.column_names else [None] * n
+    t = t.append_column("holds", pa.array([holds_of(s, r) for s, r in zip(sharded, replica, strict=True)],
+                                          pa.string()))
+    return t if "generation" in t.column_names else t.append_column("generation", pa.nulls(n, pa.int64()))
+
+
 def tensor_stats_by_kind(t: pa.Table, numbers: Numbers | None = None) -> pa.Table:
-    """Pool a tensor_stats table per (run_id, rank, role, step, stage, kind); schema ``tensor_stats_by_kind``.
-    ``numbers``: a dict the rollups of one table share, so each source column is converted once."""
-    return _pool(t, _KIND_KEYS, TABLES["tensor_stats_by_kind"], numbers)
+    """Pool a tensor_stats table per (run_id, rank, role, step, stage, kind, holds, generation); schema
+    ``tensor_stats_by_kind``. ``numbers``: a dict the rollups of one table share, so each source column is
+    converted once."""
+    return _pool(_with_holds(t), _KIND_KEYS, TABLES["tensor_stats_by_kind"], numbers)
 
 
 def tensor_stats_by_layer(t: pa.Table, numbers: Numbers | None = None) -> pa.Table:
@@ -66,7 +83,7 @@ def tensor_stats_by_layer(t: pa.Table, numbers: Numbers | None = None) -> pa.Tab
         block = pc.multiply(pc.divide(step, pa.scalar(ROLLUP_BLOCK_STEPS, step.type)),
                             pa.scalar(ROLLUP_BLOCK_STEPS, step.type))
         t = t.set_column(t.schema.get_field_index("step"), "step", block)
-    return _pool(t, _LAYER_KEYS, TABLES["tensor_stats_by_layer"], numbers)
+    return _pool(_with_holds(t), _LAYER_KEYS, TABLES["tensor_stats_by_layer"], numbers)
 
 
 def _pool(t: pa.Table, keys: list[str], schema: pa.Schema, numbers: Numbers | None = None) -> pa.Table:

@@ -77,14 +77,18 @@ TABLES: dict[str, pa.Schema] = {
     # each. by_kind: one row per (step, rank, stage, kind), for per-step series (~tensors-per-kind times
     # fewer rows). by_layer: one row per (block of ROLLUP_BLOCK_STEPS steps, rank, stage, kind, layer), for
     # layer × step heat maps whose step buckets are whole blocks; ``step`` is the block's first step, and a
-    # block that two flushes split has a row from each (sum them).
+    # block that two flushes split has a row from each (sum them). ``holds`` (shard | replica | whole) and
+    # ``generation`` say how the rank held those rows and which process wrote them: pool rollup rows across
+    # ranks through store.pooling.counted_rollup_sql, which applies the canonical view's rule to them.
     "tensor_stats_by_kind": pa.schema([
         ("run_id", _str), ("rank", _i32), ("role", _str),
         ("step", _i64), ("time_us", _i64), ("stage", _str), ("kind", _str), *_POOLED,
+        ("holds", _str), ("generation", _i64),
     ]),
     "tensor_stats_by_layer": pa.schema([
         ("run_id", _str), ("rank", _i32), ("role", _str),
         ("step", _i64), ("time_us", _i64), ("stage", _str), ("kind", _str), ("layer", _i32), *_POOLED,
+        ("holds", _str), ("generation", _i64),
     ]),
     # Written by compaction once a run's writers are done (dynascope/store/rollup_across.py): one row per
     # (step, tensor): the canonical row (tensor_stats_global) as the pooled sums of the rollups above
@@ -125,9 +129,10 @@ TABLES: dict[str, pa.Schema] = {
         ("reward", _f64), ("gen_start_us", _i64), ("gen_end_us", _i64), ("gen_ms", _f64),
         ("policy_version", _i64), ("trainer_version", _i64),
         # Trainer↔rollout log-prob gap |log π_rollout − log π_trainer| over the sample's tokens
-        # (probes.rollout_consistency.logprob_gap_columns): tokens compared, Σ|Δ|, max |Δ|, tokens over the threshold.
+        # (probes.rollout_consistency.logprob_gap_columns): tokens compared, Σ|Δ|, max |Δ|, tokens over the threshold,
+        # tokens whose importance ratio exp(Δ) lies outside [0.9, 1.1].
         ("logprob_gap_tokens_count", _i64), ("logprob_gap_sum_nats", _f64), ("logprob_gap_max_nats", _f64),
-        ("logprob_gap_over_count", _i64), ("logprob_gap_threshold_nats", _f64),
+        ("logprob_gap_over_count", _i64), ("logprob_gap_threshold_nats", _f64), ("logprob_ratio_outside_count", _i64),
     ]),
     "scalars": pa.schema([
         ("run_id", _str), ("rank", _i32), ("role", _str),

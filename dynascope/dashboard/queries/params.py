@@ -6,7 +6,7 @@ import polars as pl
 
 from dynascope.dashboard.queries import BUCKET, MAX_POINTS, bounds_cte, in_list
 from dynascope.store import StoreConnection, quote_literal
-from dynascope.store.pooling import GLOBAL
+from dynascope.store.pooling import GLOBAL, counted_rollup_sql
 from dynascope.store.rollup_across import BY_TENSOR, covers, pooled_sql
 from dynascope.store.schema import FIGURES, POOLED, ROLLUP_BLOCK_STEPS, Figure
 
@@ -16,7 +16,8 @@ from dynascope.store.schema import FIGURES, POOLED, ROLLUP_BLOCK_STEPS, Figure
 # maps (tensor_stats itself when buckets are narrower than a block). Kind and stage filters then pool
 # these sums in polars, so changing a filter never re-scans the table. The sums are the rollups' pooled
 # columns (store.schema.POOLED, from the statistics' declarations), under the same names whichever table
-# they come from, and every figure is a ratio of two of them (store.schema.FIGURES).
+# they come from, and every figure is a ratio of two of them (store.schema.FIGURES). A rollup's rows count
+# as the canonical view counts tensor_stats rows (store.pooling.counted_rollup_sql): replicas and copies once.
 _NONFINITE = ("w_nan_count", "grad_nan_count", "w_inf_count", "grad_inf_count")
 # Rollup rows written before ``update_w_sq`` existed have only w_sq, every tensor's ‖W‖², which is what they pool.
 _ROLLUP_FALLBACK = {"update_w_sq": "CASE WHEN update_sq IS NOT NULL THEN coalesce(update_w_sq, w_sq) END"}
@@ -66,7 +67,8 @@ def param_cube(store: StoreConnection, run: str, max_points: int = MAX_POINTS) -
                {keys}, {sums}
         FROM {table} WHERE {where} GROUP BY ALL"""
     per_step = store.frame(per_step_sql.format(keys=_KEYS, sums=_pooled_sql(_SUMS, "tensor_stats_by_kind"),
-                                                table="tensor_stats_by_kind", where=where))
+                                                table=f"({counted_rollup_sql('tensor_stats_by_kind', where)}) c",
+                                                where="true"))
     if per_step.height == 0:
         per_step = store.frame(per_step_sql.format(keys=_KEYS, sums=_pooled_sql(_SUMS, GLOBAL),
                                                     table=GLOBAL, where=where))
@@ -81,7 +83,8 @@ def param_cube(store: StoreConnection, run: str, max_points: int = MAX_POINTS) -
     if width % ROLLUP_BLOCK_STEPS == 0:  # whole blocks: the layer rollup has every sum the cells need
         heat = store.frame(heat_sql.format(bucket=BUCKET, s0=s0, w=width, keys=_KEYS,
                                             sums=_pooled_sql(_HEAT_SUMS, "tensor_stats_by_layer"),
-                                            table="tensor_stats_by_layer", where=where))
+                                            table=f"({counted_rollup_sql('tensor_stats_by_layer', where, True)}) c",
+                                            where="true"))
     if heat.height == 0 and covers(store, run):  # compacted: tensor_stats pooled across ranks per (step, tensor)
         heat = store.frame(heat_sql.format(bucket=BUCKET, s0=s0, w=width, keys=_KEYS,
                                             sums=_pooled_sql(_HEAT_SUMS, BY_TENSOR), table=BY_TENSOR, where=where))
