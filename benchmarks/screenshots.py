@@ -2,6 +2,7 @@
 
     python3 benchmarks/screenshots.py runs/demo --out docs/img --pages runs dynamics cluster
     python3 benchmarks/screenshots.py runs/demo --quick      # smoke run: the Runs page only
+    python3 benchmarks/screenshots.py runs/demo-4ranks --out docs/img --suffix 4ranks   # dashboard-cluster-4ranks.png …
 
 Each page is opened in a fresh tab, the script waits until Streamlit finished its run and every plotly
 chart drew, then saves ``<out>/dashboard-<page>.png`` of the whole page. Streamlit scrolls inside its own
@@ -15,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-PAGES = {"runs": "", "dynamics": "dynamics", "cluster": "cluster", "rollouts": "rollouts", "events": "events",
+PAGES = {"runs": "runs", "dynamics": "dynamics", "cluster": "cluster", "rollouts": "rollouts", "events": "events",
          "sql": "sql"}
 CHROMIUM = "/usr/bin/chromium"
 # Done = the script run finished, no lazily loaded element is still a skeleton, and every plotly chart drew.
@@ -65,8 +66,10 @@ def wait_rendered(page, timeout_ms: int = 300_000) -> int:
     return int(page.wait_for_function(READY_JS, timeout=timeout_ms, polling=50).json_value())
 
 
-def screenshots(store: Path, pages: list[str], out: Path, width: int = 1400, height: int = 1000) -> list[Path]:
-    """Serve ``store``, open each page, save a PNG per page; returns the files written."""
+def screenshots(store: Path, pages: list[str], out: Path, width: int = 1400, height: int = 1000,
+                suffix: str = "") -> list[Path]:
+    """Serve ``store``, open each page, save a PNG per page (``dashboard-<page>[-<suffix>].png``); returns the
+    files written. A page that shows a Streamlit exception or a "Page not found" dialog is warned about."""
     from playwright.sync_api import sync_playwright
 
     from dynascope.dashboard.serve import serving
@@ -87,7 +90,9 @@ def screenshots(store: Path, pages: list[str], out: Path, width: int = 1400, hei
             fit_to_content(page, width)
             if page.locator('[data-testid="stException"]').count():
                 print(f"warning: {name} shows a Streamlit exception", file=sys.stderr)
-            path = out / f"dashboard-{name}.png"
+            if page.get_by_text("Page not found").count():
+                print(f"warning: {name} pops 'Page not found'", file=sys.stderr)
+            path = out / f"dashboard-{name}{'-' + suffix if suffix else ''}.png"
             page.screenshot(path=str(path))
             written.append(path)
             page.close()
@@ -103,8 +108,10 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=1400)
     ap.add_argument("--height", type=int, default=1000, help="starting window height (grown to fit the page)")
     ap.add_argument("--quick", action="store_true", help="only the Runs page (smoke run)")
+    ap.add_argument("--suffix", default="", help="name the files dashboard-<page>-<suffix>.png")
     args = ap.parse_args()
-    for path in screenshots(args.store, ["runs"] if args.quick else args.pages, args.out, args.width, args.height):
+    for path in screenshots(args.store, ["runs"] if args.quick else args.pages, args.out, args.width, args.height,
+                            args.suffix):
         print(path)
 
 

@@ -470,12 +470,14 @@ def test_overlay_and_gradients_follow_the_stages(store):
 
 
 def test_cluster_queries_find_the_slow_rank(store):
+    from dynascope.analyses import what_if
     from dynascope.dashboard.queries import cluster
+    from dynascope.dashboard.queries.ranks import with_rank_costs
 
-    sc = cluster.straggler_table(store, "grpo-sync")
+    sc = with_rank_costs(cluster.straggler_table(store, "grpo-sync"), what_if(store, "grpo-sync"))
     slow = sc.row(0, named=True)
-    assert slow["rank"] == 1 and slow["slowest_share_pct"] == 100.0 and slow["whatif_saved_s"] > 0
-    assert sc.filter(pl.col("rank") == 0)["whatif_saved_s"].item() == 0
+    assert slow["rank"] == 1 and slow["slowest_share_pct"] == 100.0 and slow["whatif_saved_ms"] > 0 and slow["slow"]
+    assert sc.filter(pl.col("rank") == 0)["whatif_saved_ms"].item() == 0
     bd = cluster.phase_breakdown(store, "grpo-sync")
     per_rank = bd.group_by("rank").agg(pl.col("ms_per_step").sum()).sort("rank")["ms_per_step"].to_list()
     steps = store.sql("SELECT rank, avg(dur_us) / 1000 FROM timings WHERE run_id = 'grpo-sync' AND phase = 'step' "

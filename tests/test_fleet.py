@@ -98,7 +98,7 @@ def test_rollout_share_step_time_and_sparsity_follow_their_analyses(fleet: Path,
             shares = phase_shares(con, run_id)
             total = shares.unique(["role", "stage"]).select(pl.col("step_ms").sum()).item()
             rollout = shares.filter(pl.col("phase").is_in(ROLLOUT_PHASES))["dur_ms"].sum()
-            assert _close(row["rollout_pct"], 100 * rollout / total), run_id
+            assert _close(row["all_steps_rollout_pct"], 100 * rollout / total), run_id
             step_ms = con.frame(f"""SELECT median(ms) AS ms FROM (SELECT step, max(dur_us) / 1000.0 AS ms
                 FROM timings WHERE run_id = '{run_id}' AND category = 'step' GROUP BY step)""")["ms"].item()
             assert _close(row["median_step_ms"], step_ms), run_id

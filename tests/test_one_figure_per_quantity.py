@@ -24,6 +24,7 @@ from dynascope.analyses.delta_sync import delta_sync_summary
 from dynascope.analyses.findings import MIN_PROBE_PCT, collect_findings, tail_wait_numbers
 from dynascope.analyses.findings_dynamics import delta_sync_numbers
 from dynascope.analyses.findings_text import sentence
+from dynascope.analyses.probe_time import DEFAULT_PROBE_COST
 from dynascope.analyses.rollouts import tail_wait_summary
 from dynascope.analyses.step_shares import phase_shares
 from dynascope.core.fmt import fmt_ms, fmt_pct
@@ -190,7 +191,7 @@ def test_probe_cost_reads_the_same_in_report_and_dashboard(demo, report, finding
     f = findings["probe_cost"]
     assert f.numbers["probe_pct"] == pytest.approx(cost["probe_pct"], rel=1e-5)
     assert f.sentence in _one_line(report) and f.sentence in pages["cluster"]["text"]
-    assert "~1.5–2% of a step at the reference workload" in f.sentence
+    assert DEFAULT_PROBE_COST in f.sentence and "1.015×" in f.sentence and "1.082×" in f.sentence
     assert "The demo records every statistic of every tensor at every step" in _one_line(stdout)
     row = _sql(run, f.sql)
     assert fmt_pct(row["probe_pct"]) == fmt_pct(f.numbers["probe_pct"]) and row["coverage_pct"] == 100

@@ -29,7 +29,7 @@ __all__ = ["FLEET_COLUMNS", "fleet_summary"]
 ENGINES = ("duckdb", "spark")
 FLEET_COLUMNS: dict[str, Any] = {
     "run_id": pl.String, "name": pl.String, "status": pl.String, "steps": pl.Int64, "ranks": pl.Int64,
-    "median_step_ms": pl.Float64, "rollout_pct": pl.Float64, "slowest_rank": pl.Int64, "slowest_phase": pl.String,
+    "median_step_ms": pl.Float64, "all_steps_rollout_pct": pl.Float64, "slowest_rank": pl.Int64, "slowest_phase": pl.String,
     "straggler_score": pl.Float64, "median_bf16_unchanged_frac_rl": pl.Float64, "last_drift_unchanged_frac": pl.Float64,
     "last_rank1_energy": pl.Float64, "config_json": pl.String, "path": pl.String,
 }
@@ -40,8 +40,9 @@ def fleet_summary(store: str | os.PathLike | Snapshot, engine: str = "duckdb", *
     """One row per run under ``store`` (a store root, a run directory, or a ``Snapshot`` of one).
 
     Columns: run_id, name, status (live | finished | crashed, as ``dynascope runs``), steps, ranks,
-    median_step_ms (per step, the slowest rank's step time), rollout_pct (rollout phases' share of step
-    time, as ``phase_shares``), slowest_rank, slowest_phase and straggler_score (``straggler_scores``'
+    median_step_ms (per step, the slowest rank's step time), all_steps_rollout_pct (rollout phases' share
+    of the step time of every timed step of the run, SFT steps included: ``phase_shares`` summed over its
+    stages, not the RL stage's share that the report and the demo give), slowest_rank, slowest_phase and straggler_score (``straggler_scores``'
     first row: the rank with the most time at stake and its score, 1 = as fast as the fastest rank),
     median_update_ratio_<stage> (per stage, the median over steps of ‖ΔW‖/‖W‖ pooled over tensors and
     ranks), median_bf16_unchanged_frac_rl (PULSE S₁ per RL step, pooled, median over the steps where

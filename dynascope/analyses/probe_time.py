@@ -20,8 +20,12 @@ from dynascope.store.pooling import GLOBAL
 __all__ = ["DEFAULT_PROBE_COST", "PROBE_PHASE", "probe_cost"]
 
 PROBE_PHASE = "dynascope"  # probes.timing.PROBE_PHASE (analyses do not import probes; a test holds them equal)
-# watch()'s default configuration by the probe's own clock, windows included (README, benchmarks table).
-DEFAULT_PROBE_COST = "~1.5–2% of a step at the reference workload"
+# What watching costs at the reference workload, by the A/B step-time ratios of README's Figures table
+# (a test holds these equal to it): watch()'s defaults, and full coverage (every statistic of every tensor at
+# every step, what the demos record).
+DEFAULT_STEP_X, FULL_COVERAGE_STEP_X = "1.015×", "1.082×"
+DEFAULT_PROBE_COST = (f"{DEFAULT_STEP_X} the unprobed step time at the reference workload (full coverage, every "
+                      f"statistic of every tensor at every step: {FULL_COVERAGE_STEP_X})")
 
 _SCHEMA = {"run_id": pl.String, "steps": pl.Int64, "probe_ms": pl.Float64, "step_ms": pl.Float64,
            "probe_pct": pl.Float64, "recorded_steps": pl.Int64, "coverage_pct": pl.Float64}

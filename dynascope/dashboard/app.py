@@ -67,7 +67,10 @@ def main() -> None:
     path = _store_path()
     st.session_state["store_path"] = path
     pages = [
-        st.Page(runs.page, title="Runs", url_path="runs", default=True),
+        st.Page(runs.page, title="Runs", url_path="overview", default=True),
+        # Streamlit serves the default page at the root only, so /runs (the name in the menu) answered
+        # "Page not found" before falling back to it: the same page under /runs, hidden from the menu.
+        st.Page(runs.page, title="Runs", url_path="runs", visibility="hidden"),
         st.Page(dynamics.page, title="Parameter dynamics", url_path="dynamics"),
         st.Page(cluster.page, title="Cluster", url_path="cluster"),
         st.Page(rollouts.page, title="Rollouts", url_path="rollouts"),

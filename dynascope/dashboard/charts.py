@@ -50,7 +50,10 @@ def place_legend(fig: go.Figure) -> go.Figure:
     """Put the legend where it fits (see ``layout``); call again after adding traces to a laid-out figure."""
     names = [str(t.name or "") for t in fig.data if t.showlegend is not False]
     if len(names) > _TOP_LEGEND_ENTRIES or sum(len(n) for n in names) > _TOP_LEGEND_CHARS:
-        return fig.update_layout(legend=dict(orientation="v", yanchor="top", y=1.0, xanchor="left", x=1.01))
+        # Beside a right-hand axis the legend starts past that axis's ticks and title, not over them.
+        right = fig.layout.to_plotly_json().get("yaxis2", {}).get("side") == "right"
+        return fig.update_layout(legend=dict(orientation="v", yanchor="top", y=1.0, xanchor="left",
+                                             x=1.12 if right else 1.01))
     return fig.update_layout(legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1.0))
 
 
@@ -77,6 +80,11 @@ def log_axis(fig: go.Figure, lo: float | None, hi: float | None) -> go.Figure:
     fig.update_yaxes(type="log")
     if lo and hi and lo > 0 and hi / lo >= 10:
         fig.update_yaxes(dtick=1, minor=dict(dtick="D1", showgrid=True, gridcolor="rgba(0, 0, 0, 0.04)"))
+    elif lo and hi and 0 < lo < hi:
+        # Within one decade plotly labels at most one power of ten, often none: four ticks spread
+        # evenly on the log scale over the data, each written with its magnitude.
+        vals = sorted({float(f"{v:.2g}") for v in (lo * (hi / lo) ** (i / 3) for i in range(4))})
+        return fig.update_yaxes(tickvals=vals, ticktext=[f"{v:.2g}" for v in vals])
     if lo and lo >= 1:
         fig.update_yaxes(tickformat="~s")
     else:
@@ -161,8 +169,8 @@ def bars(df: pl.DataFrame, x: str, y: str, color: str | None, title: str, ytitle
 
 def deviation_heatmap(cells: pl.DataFrame, title: str, ztitle: str, height: int = 420) -> go.Figure:
     """Row × step heat map of a signed deviation from long (row, order, step, value) cells: red above 0, blue
-    below, the colour range symmetric and clipped at the 99.5th percentile of |value| (at least 1), so a few
-    extreme cells do not wash out the rest. Rows top to bottom in ``order``; a thousand rows read as bands,
+    below, the colour range symmetric and clipped at the larger of the 90th percentile of |value| and the
+    largest |row median| (at least 1), so a few extreme cells do not wash out the rest. Rows top to bottom in ``order``; a thousand rows read as bands,
     their labels thinned by plotly."""
     import numpy as np
 
@@ -172,7 +180,14 @@ def deviation_heatmap(cells: pl.DataFrame, title: str, ztitle: str, height: int 
     steps = [c for c in wide.columns if c != "row"]
     z = wide.select(steps).to_numpy().astype(np.float32)
     finite = np.abs(z[np.isfinite(z)])
-    top = max(1.0, float(np.quantile(finite, 0.995))) if finite.size else 1.0
+    # A robust range: the 90th percentile of |cell|, or the largest |row median| when that is more, so a
+    # row that is slow throughout reaches the scale's end (a clearly red row) and a few single-cell
+    # outliers, however extreme, do not set the range and wash every other cell out.
+    with np.errstate(all="ignore"):
+        rows_med = np.abs(np.nanmedian(np.where(np.isfinite(z), z, np.nan), axis=1)) if z.size else np.array([])
+    rows_med = rows_med[np.isfinite(rows_med)]
+    top = max(1.0, float(np.quantile(finite, 0.9)) if finite.size else 1.0,
+              float(rows_med.max()) if rows_med.size else 1.0)
     fig = go.Figure(go.Heatmap(z=z, x=[int(s) for s in steps], y=rows, zmid=0, zmin=-top, zmax=top,
                                colorscale="RdBu_r", colorbar=dict(title=ztitle, ticksuffix="%"),
                                hovertemplate="%{y}<br>step %{x}<br>%{z:+.1f}%<extra></extra>"))
@@ -181,9 +196,10 @@ def deviation_heatmap(cells: pl.DataFrame, title: str, ztitle: str, height: int 
 
 
 def deviation_strip(df: pl.DataFrame, x: str, group: str, label: str, title: str, xtitle: str,
-                    named: int = 3) -> go.Figure:
+                    named: Sequence[str] = ()) -> go.Figure:
     """The distribution of one value per item (a rank), one horizontal box per ``group`` with every item a
-    jittered point (hover names it by ``label``); the ``named`` largest are labelled on the chart."""
+    jittered point (hover names it by ``label``); the items whose ``label`` is in ``named`` are labelled on
+    the chart, their labels stacked one above the other so that close points' names never overlap."""
     fig = go.Figure()
     for i, ((g,), part) in enumerate(df.group_by(group, maintain_order=True)):
         fig.add_trace(go.Box(x=part[x].to_list(), name=str(g), boxpoints="all", jitter=0.6, pointpos=0,
@@ -191,8 +207,9 @@ def deviation_strip(df: pl.DataFrame, x: str, group: str, label: str, title: str
                              fillcolor="rgba(0,0,0,0)", marker_color=PALETTE[i % len(PALETTE)],
                              text=part[label].to_list(), hovertemplate="%{text}: %{x:+.2f}%<extra></extra>",
                              showlegend=False))
-    for j, row in enumerate(df.sort(x, descending=True).head(named).iter_rows(named=True)):
+    shown = df.filter(pl.col(label).is_in(list(named))).sort(x, descending=True)
+    for j, row in enumerate(shown.iter_rows(named=True)):
         fig.add_annotation(x=row[x], y=str(row[group]), text=str(row[label]), showarrow=True, arrowhead=2,
-                           ax=0, ay=-28 - 16 * j, font=dict(size=11))
+                           ax=0, ay=-28 - 18 * j, font=dict(size=11), bgcolor="rgba(255,255,255,0.85)")
     fig.add_vline(x=0, line=dict(color="#888", width=1, dash="dot"))
     return layout(fig, title, xtitle, "", height=max(220, 130 + 70 * df[group].n_unique()))

@@ -1,5 +1,6 @@
 """Per-rank views of a run's step timings that stay readable at 1,024 ranks: a rank (or node) × step heat
-map, the distribution of per-rank busy time, the slowest ranks and nodes, and the step-level what-if.
+map, the distribution of per-rank busy time, the slowest ranks and nodes (what a rank costs the step is
+``analyses.what_if``'s, joined on by ``with_rank_costs``).
 
 One scan of ``timings`` gives each (role, rank, step) its busy time (``rank_steps``, the definitions of
 ``dynascope.analyses.steps``); everything else is polars over that frame, so the page pays
@@ -10,6 +11,8 @@ each against the cross-rank median of its role in that step.
 
 from __future__ import annotations
 
+from statistics import NormalDist
+
 import polars as pl
 
 from dynascope.store import StoreConnection, quote_literal
@@ -19,13 +22,17 @@ _STEP_KEYS = ["role", "step"]
 
 def rank_steps(store: StoreConnection, run: str) -> pl.DataFrame:
     """Per (role, rank, step) with busy time: ``busy_us``, the top-level phases without waits and
-    collectives (the definitions of ``dynascope.analyses.steps``), filtered before they are summed."""
-    from dynascope.analyses.steps import SYNC, TOP_LEVEL
+    collectives (the definitions of ``dynascope.analyses.steps``), filtered before they are summed. Only
+    steps with the rank's step row count, as in the report, ``dynascope runs`` and the what-if: phases after
+    the last optimizer step (a final evaluation) are no step."""
+    from dynascope.analyses.steps import STEP_ROW, SYNC, TOP_LEVEL
 
+    r = quote_literal(run)
     return store.frame(f"""
-        SELECT coalesce(role, '') AS role, rank, step, sum(dur_us) AS busy_us
-        FROM timings WHERE run_id = {quote_literal(run)} AND {TOP_LEVEL} AND NOT ({SYNC})
-        GROUP BY ALL ORDER BY role, rank, step""")
+        WITH busy AS (SELECT coalesce(role, '') AS role, rank, step, sum(dur_us) AS busy_us
+                      FROM timings WHERE run_id = {r} AND {TOP_LEVEL} AND NOT ({SYNC}) GROUP BY ALL),
+             st AS (SELECT DISTINCT coalesce(role, '') AS role, rank, step FROM timings WHERE run_id = {r} AND {STEP_ROW})
+        SELECT busy.* FROM busy SEMI JOIN st USING (role, rank, step) ORDER BY role, rank, step""")
 
 
 def rank_hosts(store: StoreConnection, run: str, run_dir: str | None) -> pl.DataFrame:
@@ -52,29 +59,42 @@ def relative_busy(rs: pl.DataFrame) -> pl.DataFrame:
             .with_columns((100.0 * (pl.col("busy_us") / pl.col("median_us") - 1)).alias("rel_pct")))
 
 
-def rank_table(rel: pl.DataFrame) -> pl.DataFrame:
-    """Per rank, from ``relative_busy``: mean busy ms per step, ``score_pct`` (mean of the per-step
-    ``rel_pct``), how often it was its role's slowest, and what capping it at each step's median saves.
+def rank_table(rel: pl.DataFrame, alpha: float = 0.01) -> pl.DataFrame:
+    """Per rank, from ``relative_busy``: mean busy ms per step, ``score_pct`` (its busy time over the run
+    against the step medians', 100 · (Σ busy / Σ median − 1): negative for a rank faster than the median),
+    how often it was its role's slowest and above the median (``above_median_pct``), and ``slow``: whether
+    it stands out as slower than its role.
 
-    What-if: the rank's busy time is capped at that step's median; the step then waits for the slowest of
-    the other ranks (or the median). The saving is the summed reduction of the slowest busy time, over the
-    role's summed slowest busy time.
+    A rank stands out when it is above the step's median in more steps than chance allows: a rank no slower
+    than the others is above it in about half of them, so its count is tested against Binomial(n, ½), one
+    sided, at ``alpha`` shared among its role's ranks (normal approximation). A rank slower by less than its
+    role's step-to-step jitter, or faster, does not stand out, however far its mean is pulled by a few steps.
+
+    What a rank costs the step ("what if rank R ran at the median") is ``analyses.what_if``'s scenario
+    ``rank R``, the report's figure too: ``with_rank_costs`` joins it on.
     """
     order = pl.col("busy_us").rank("ordinal", descending=True).over(_STEP_KEYS)
-    top1 = pl.col("busy_us").max().over(_STEP_KEYS)
-    top2 = pl.col("busy_us").filter(order == 2).first().over(_STEP_KEYS).fill_null(0)
-    df = rel.with_columns(order.alias("pos"), top1.alias("top1"), top2.alias("top2"))
-    new_top = pl.max_horizontal(pl.when(pl.col("pos") == 1).then(pl.col("top2")).otherwise(pl.col("top1")),
-                                pl.min_horizontal("busy_us", "median_us"))
-    df = df.with_columns((pl.col("top1") - new_top).alias("saved_us"))
-    steps_top = df.filter(pl.col("pos") == 1).group_by("role").agg(pl.col("top1").sum().alias("role_top_us"))
-    return (df.group_by("role", "rank").agg(
-        (pl.col("busy_us").mean() / 1000).alias("mean_busy_ms"), pl.col("rel_pct").mean().alias("score_pct"),
+    df = (rel.with_columns(order.alias("pos")).group_by("role", "rank").agg(
+        (pl.col("busy_us").mean() / 1000).alias("mean_busy_ms"),
+        (100.0 * (pl.col("busy_us").sum() / pl.col("median_us").sum() - 1)).alias("score_pct"),
         (100.0 * (pl.col("pos") == 1).mean()).alias("slowest_share_pct"),
-        (pl.col("saved_us").sum() / 1e6).alias("whatif_saved_s"), pl.len().alias("steps"))
-        .join(steps_top, on="role", how="left")
-        .with_columns((100.0 * 1e6 * pl.col("whatif_saved_s") / pl.col("role_top_us")).alias("whatif_saved_pct"))
-        .drop("role_top_us").sort(["score_pct", "role", "rank"], descending=[True, False, False]))
+        (100.0 * (pl.col("rel_pct") > 0).mean()).alias("above_median_pct"), pl.len().alias("steps")))
+    n, k = pl.col("steps"), pl.col("above_median_pct") * pl.col("steps") / 100
+    z = (k - n / 2 - 0.5) / (n.sqrt() / 2)  # continuity-corrected
+    need = pl.col("rank").count().over("role").map_elements(
+        lambda ranks: NormalDist().inv_cdf(1 - alpha / ranks), return_dtype=pl.Float64)
+    return (df.with_columns(((pl.col("score_pct") > 0) & (z >= need)).alias("slow"))
+            .sort(["score_pct", "role", "rank"], descending=[True, False, False]))
+
+
+def with_rank_costs(ranks: pl.DataFrame, what_if: pl.DataFrame) -> pl.DataFrame:
+    """``ranks`` (``rank_table``) with ``whatif_saved_ms`` and ``whatif_saved_pct``: the step time saved if
+    the rank ran at the cross-rank median in every phase, ``what_if``'s whole-rank scenarios (NULL where it
+    priced none)."""
+    whole = what_if.filter(pl.col("rank").is_not_null() & pl.col("phase").is_null()).select(
+        pl.col("role").fill_null(""), pl.col("rank").cast(ranks.schema["rank"]),
+        pl.col("saved_ms").alias("whatif_saved_ms"), pl.col("saved_pct").alias("whatif_saved_pct"))
+    return ranks.join(whole, on=["role", "rank"], how="left")
 
 
 def straggler_table(store: StoreConnection, run: str) -> pl.DataFrame:
@@ -119,10 +139,12 @@ def apart_from_node(ranks: pl.DataFrame, nodes: pl.DataFrame) -> pl.DataFrame:
             .sort(["sigmas", "score_pct"], descending=True, nulls_last=True))
 
 
-def heat_cells(rel: pl.DataFrame, hosts: pl.DataFrame, by_node: bool, max_cols: int = 200) -> pl.DataFrame:
-    """Long (row, step, value) cells: ``rel_pct`` averaged over each step bucket (at most ``max_cols``
-    buckets) and over the row's ranks; a row is a rank, or a host when ``by_node``. ``order`` sorts rows
-    (role, then the first rank)."""
+def heat_cells(rel: pl.DataFrame, hosts: pl.DataFrame, by_node: bool, max_cols: int = 40) -> pl.DataFrame:
+    """Long (row, step, value) cells: the median ``rel_pct`` over each step bucket (at most ``max_cols``
+    buckets) and the row's ranks; a row is a rank, or a host when ``by_node``. ``order`` sorts rows (role,
+    then the first rank). A median of a few steps, not one step's value: one rank's busy time jitters by
+    tens of percent from step to step on shared devices, and a cell per step drew that jitter louder than a
+    rank slow at every step; a median also keeps one wild step (a checkpoint) to its own cell's share."""
     if rel.is_empty():
         return pl.DataFrame(schema={"row": pl.String, "order": pl.Int64, "step": pl.Int64, "value": pl.Float64})
     s0, s1 = int(rel["step"].min()), int(rel["step"].max())  # type: ignore[arg-type]
@@ -136,7 +158,7 @@ def heat_cells(rel: pl.DataFrame, hosts: pl.DataFrame, by_node: bool, max_cols: 
     else:
         label = pl.format("{} {}", pl.col("role"), pl.col("rank")) if len(roles) > 1 else pl.format("rank {}", pl.col("rank"))
         df = df.with_columns(label.alias("row"), (role_order + pl.col("rank")).alias("order"))
-    return (df.group_by("row", "order", "step").agg(pl.col("rel_pct").mean().alias("value"))
+    return (df.group_by("row", "order", "step").agg(pl.col("rel_pct").median().alias("value"))
             .sort("order", "step"))
 
 

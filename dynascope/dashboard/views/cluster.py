@@ -142,8 +142,10 @@ def _mfu(path: str, run: str) -> None:
     try:
         mfu = data.analysis(analyses.throughput_mfu, path, run=run, peak_tflops=peak)
     except ValueError as exc:
-        st.info(f"MFU: {first_line(exc)}")
-        st.number_input("Peak TFLOP/s per device (for MFU)", min_value=0.0, value=None, key="cl_peak")
+        # The analysis's message names the CLI's flag; here the page itself asks for the figure.
+        why = first_line(exc).split(";")[0]
+        st.number_input(f"MFU: {why}. Enter the device's dense peak TFLOP/s to compute it", min_value=0.0,
+                        value=None, key="cl_peak")
         return
     if data.empty(mfu, "phases with token counts"):
         return

@@ -54,24 +54,30 @@ def section(path: str, run: str) -> pl.DataFrame:
         return ranks
     nodes = R.node_table(ranks, hosts)
     roles = ranks["role"].n_unique()
-    per_role = ", ".join(f"{n:,} {role or 'ranks'}" for role, n in ranks.group_by("role", maintain_order=True)
-                         .len().sort("role").iter_rows())
+    per_role = ", ".join(_count(n, f"{role} rank" if role else "rank")
+                         for role, n in ranks.group_by("role", maintain_order=True).len().sort("role").iter_rows())
+    hosts_n = nodes["host"].n_unique() if nodes.height else 0
     st.subheader("Ranks and nodes")
-    st.caption(f"{per_role}" + (f" on {nodes.height:,} nodes" if nodes.height else "")
+    st.caption(f"{per_role}" + (f" on {_count(hosts_n, 'node')}" if hosts_n else "")
                + ". Busy time: the top-level phases without waits and collectives. In a synchronous step every "
                "rank's step lasts as long as the slowest rank's, so ranks differ by busy time, here against the "
                "median of their role in each step.")
     with data.guard("Busy time heat map"):
         _heatmap(rel, hosts)
-    left, right = st.columns([3, 2])
-    with left, data.guard("Per-rank distribution"):
+    # The distribution, then the tables, each the page's width: beside the chart the tables' columns ran
+    # off the right edge.
+    with data.guard("Per-rank distribution"):
         shown = ranks.with_columns(pl.format("{} ({})", pl.struct("role", "rank").map_elements(
             lambda r: label(r["role"], r["rank"], roles), return_dtype=pl.String),
             pl.col("host").fill_null("?")).alias("name"))
+        # Only ranks that stand out as slower are named on the chart (rank_table's ``slow``): labelling the
+        # top few of four ranks named ranks faster than the median.
         charts.show(charts.deviation_strip(shown, "score_pct", "role", "name",
                                            "per-rank busy time per step, against the step's median",
-                                           "mean over steps, % above the cross-rank median"), "cl_rank_strip")
-    with right, data.guard("Slowest ranks and nodes"):
+                                           "busy time over the run, % above (+) or below (−) the step medians'",
+                                           named=shown.filter(pl.col("slow")).head(3)["name"].to_list()),
+                    "cl_rank_strip")
+    with data.guard("Slowest ranks and nodes"):
         _tables(ranks, nodes, roles)
     return ranks
 
@@ -90,40 +96,55 @@ def _heatmap(rel: pl.DataFrame, hosts: pl.DataFrame) -> None:
                      format_func=lambda o: f"one per {o}") if len(options) > 1 else "rank"
     cells = R.heat_cells(rel, hosts, by == "node")
     n = cells["row"].n_unique()
-    what = "its ranks' mean" if by == "node" else "the rank's"
+    what = "the median of its ranks'" if by == "node" else "the rank's median"
     fig = charts.deviation_heatmap(cells, f"busy time against the step's cross-rank median, {by} × step"
                                    + (f" · {role}" if len(roles) > 1 else ""),
                                    "vs median", height=min(720, max(260, 140 + 6 * n)))
     charts.show(fig, "cl_rank_heat")
-    st.caption(f"{n:,} {by}s; each cell is {what} busy time over the steps of its column, in % above (red) or "
+    st.caption(f"{_count(n, by)}; each cell is {what} busy time over the steps of its column, in % above (red) or "
                "below (blue) the median rank of the same role in each step. A slow node is a red band of a "
-               "node's rows, a slow rank one row, a rank slow every k-th step a dotted row.")
+               "node's rows, a slow rank one row, a rank slow every k-th step a dotted row. The colours end at "
+               "the larger of the cells' 90th percentile of |value| and the largest row median, so a row slow "
+               "throughout reaches full red and a few extreme cells do not set the scale.")
+
+
+def _signed(pct: float | None) -> str:
+    return ("+" if pct is not None and pct > 0 else "") + fmt_pct(pct)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")
 
 
 def _tables(ranks: pl.DataFrame, nodes: pl.DataFrame, roles: int) -> None:
-    top = R.apart_from_node(ranks, nodes).head(TOP_RANKS).with_columns(
+    """The ranks slower than their role's median, slowest apart from their node first; the rank named under
+    them is one that stands out (``rank_table``'s ``slow``), never one within the role's spread or faster."""
+    apart = R.apart_from_node(ranks, nodes).with_columns(
         pl.struct("role", "rank").map_elements(lambda r: label(r["role"], r["rank"], roles),
                                                return_dtype=pl.String).alias("rank_name"))
-    st.caption(f"Slowest {top.height} ranks apart from their node: by how far their busy time is above their "
-               "node's median rank, in robust standard deviations of their role's ranks (σ). vs median: against "
-               "the step's median rank; slowest: share of steps it was its role's slowest; saved: the step time "
-               "saved if it ran at the median")
+    top = apart.filter(pl.col("score_pct") > 0).head(TOP_RANKS)
+    st.caption(f"The {top.height} slowest of the ranks above their role's median, apart from their node: by how "
+               "far their busy time is above their node's median rank, in robust standard deviations of their "
+               "role's ranks (σ). vs median: busy time over the run against the step medians'; above median: "
+               "share of steps above the step's median rank; slowest: share of steps it was its role's "
+               "slowest; stands out: above the median in more steps than chance allows (one-sided binomial "
+               "test, 1% shared among the role's ranks). What a rank costs the step: Stragglers, below")
     pct = {"format": "%+.1f%%"}
-    st.dataframe(top.select("rank_name", "host", "sigmas", "vs_node_pct", "score_pct", "mean_busy_ms",
-                            "slowest_share_pct", "whatif_saved_pct"),
+    st.dataframe(top.select("rank_name", "host", "slow", "sigmas", "vs_node_pct", "score_pct", "mean_busy_ms",
+                            "above_median_pct", "slowest_share_pct"),
                  hide_index=True, width="stretch", key="cl_top_ranks", column_config={
-                     "rank_name": "rank", "sigmas": st.column_config.NumberColumn("σ", format="%.1f"),
+                     "rank_name": "rank", "slow": st.column_config.CheckboxColumn("stands out"),
+                     "sigmas": st.column_config.NumberColumn("σ", format="%.1f"),
                      "vs_node_pct": st.column_config.NumberColumn("vs node", **pct),
                      "score_pct": st.column_config.NumberColumn("vs median", **pct),
                      "mean_busy_ms": st.column_config.NumberColumn("busy / step", format="%.0f ms"),
-                     "slowest_share_pct": st.column_config.NumberColumn("slowest", format="%.0f%%"),
-                     "whatif_saved_pct": st.column_config.NumberColumn("saved", format="%.2f%%")})
-    worst = top.row(0, named=True)
-    said = (f"Slowest rank: {worst['rank_name']} ({worst['host'] or 'host unknown'}), busy "
-            f"{fmt_pct(worst['score_pct'])} above the median, {fmt_ms(worst['mean_busy_ms'])} a step.")
+                     "above_median_pct": st.column_config.NumberColumn("above median", format="%.0f%%"),
+                     "slowest_share_pct": st.column_config.NumberColumn("slowest", format="%.0f%%")})
+    said = slowest_said(apart)
     if nodes.height:
         top_nodes = nodes.head(TOP_NODES)
-        st.caption(f"Slowest {top_nodes.height} nodes, by the median of their ranks (a node with one slow rank is "
+        st.caption(("Nodes" if top_nodes.height == nodes.height else f"Slowest {top_nodes.height} nodes")
+                   + ", by the median of their ranks (a node with one slow rank is "
                    "not a slow node) in robust standard deviations of their role's ranks (σ)")
         st.dataframe(top_nodes.select("host", "role", "ranks", "sigmas", "score_pct", "lo_pct", "hi_pct"),
                      hide_index=True, width="stretch", key="cl_top_nodes", column_config={
@@ -132,9 +153,21 @@ def _tables(ranks: pl.DataFrame, nodes: pl.DataFrame, roles: int) -> None:
                          "lo_pct": st.column_config.NumberColumn("fastest rank", **pct),
                          "hi_pct": st.column_config.NumberColumn("slowest rank", **pct)})
         node = nodes.row(0, named=True)
-        said += (f" Slowest node: {node['host']}, its {node['ranks']} {node['role'] or ''} ranks "
-                 f"{fmt_pct(node['lo_pct'])} to {fmt_pct(node['hi_pct'])} above the median.")
+        if nodes.height > 1 and (node["sigmas"] or 0) > 0:
+            said += (f" Slowest node: {node['host']}, its {_count(node['ranks'], (node['role'] or '') + ' rank')} "
+                     f"{_signed(node['lo_pct'])} to {_signed(node['hi_pct'])} against the median.")
     st.caption(said)
+
+
+def slowest_said(apart: pl.DataFrame) -> str:
+    """The sentence naming the slowest rank that stands out, or saying that none does."""
+    slow = apart.filter(pl.col("slow"))
+    if slow.is_empty():
+        return "No rank stands out as slower than its role: every rank is within the steps' spread or faster."
+    worst = slow.row(0, named=True)
+    return (f"Slowest rank: {worst['rank_name']} ({worst['host'] or 'host unknown'}), busy "
+            f"{fmt_pct(worst['score_pct'])} above the median, {fmt_ms(worst['mean_busy_ms'])} a step"
+            + (f"; {slow.height - 1} more stand out." if slow.height > 1 else "."))
 
 
 def timeline_picks(ranks: pl.DataFrame, small: int = 16, most: int = 12) -> list[Pick]:

@@ -9,22 +9,34 @@ import streamlit as st
 from dynascope import analyses
 from dynascope.core.fmt import fmt_ms, significant
 from dynascope.dashboard import charts, data
+from dynascope.dashboard.queries import ranks as R
 
 
 def stragglers(path: str, run: str, ranks: pl.DataFrame) -> None:
     """Every rank's busy time against the step's median (the table behind the heat map), then the
     per-phase straggler scores and the what-if simulation of ``dynascope.analyses``."""
     st.subheader("Stragglers")
+    if not data.on_demand("stragglers", "Per-phase straggler scores and what-if simulation", path, run):
+        return
+    # One call, the report's own (findings: what_if by phase): every saving below is the report's figure.
+    wif = data.analysis(analyses.what_if, path, run=run, by_phase=True)
     # A toggle, not an expander: an expander's table is sent and drawn even while it is closed.
     if ranks.height and st.toggle(f"Every rank's busy time against the step's median ({ranks.height:,} ranks)",
                                   value=ranks.height <= 16, key="cl_step_table_on"):
-        st.caption("What-if caps the rank at each step's median busy time; the step then waits for the next "
-                   "slowest rank.")
-        st.dataframe(ranks, hide_index=True, width="stretch", key="cl_step_table")
-    if not data.on_demand("stragglers", "Per-phase straggler scores and what-if simulation", path, run):
-        return
+        st.caption("vs median: the rank's busy time against each step's median rank (negative: faster); saved: "
+                   "the step time saved if the rank ran at the cross-rank median in every phase (the What-if "
+                   "table's scenario 'rank N', as the report says it).")
+        shown = R.with_rank_costs(ranks, wif).select(
+            "role", "rank", "host", "score_pct", "mean_busy_ms", "slowest_share_pct", "steps", "whatif_saved_ms",
+            "whatif_saved_pct")
+        st.dataframe(shown, hide_index=True, width="stretch", key="cl_step_table", column_config={
+            "score_pct": st.column_config.NumberColumn("vs median", format="%+.1f%%"),
+            "mean_busy_ms": st.column_config.NumberColumn("busy / step", format="%.1f ms"),
+            "slowest_share_pct": st.column_config.NumberColumn("slowest", format="%.0f%%"),
+            "steps": st.column_config.NumberColumn("steps compared"),
+            "whatif_saved_ms": st.column_config.NumberColumn("saved", format="%.0f ms"),
+            "whatif_saved_pct": st.column_config.NumberColumn("saved %", format="%.2f%%")})
     scores = data.analysis(analyses.straggler_scores, path, run=run)
-    wif = data.analysis(analyses.what_if, path, run=run)
     if data.empty(scores, "phases timed on two or more ranks"):
         return
     # One above the other, each the page's width: side by side, eleven columns ran off the right edge.
@@ -37,10 +49,11 @@ def stragglers(path: str, run: str, ranks: pl.DataFrame) -> None:
                      "rank", "score", "excess_ms", "slowdown_x", "median_ms", "slow_steps_pct", "flagged_windows",
                      "windows")})
     if not data.empty(wif, "what-if scenarios"):
-        st.caption("What-if: that rank runs every phase at the cross-rank median; step time saved.")
-        st.dataframe(wif.select("scenario", "saved_ms", "saved_pct", "simulated_base_ms", "reproduction_error_pct"),
+        st.caption("What-if: that rank runs every phase (scenario 'rank N') or one phase ('rank N phase') at the "
+                   "cross-rank median; step time saved over the steps replayed.")
+        st.dataframe(wif.select("scenario", "saved_ms", "saved_pct", "steps", "simulated_base_ms",
+                                "reproduction_error_pct"),
                      hide_index=True, width="content", key="cl_what_if")
-
 
 
 _SCHEDULES = ["one_step_off_policy", "async", "tail_cut", "partial_rollout", "split", "sync"]

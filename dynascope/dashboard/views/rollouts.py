@@ -56,6 +56,10 @@ def _body() -> None:
             charts.show(charts.banded(tw, "step", "tail_wait_pct", "tail_wait_pct_lo", "tail_wait_pct_hi",
                                       ["run_id"], "tail wait: median sample done → last done", "% of step time"),
                         "ro_tail")
+            if not tw.filter(pl.col("tail_wait_pct_hi") > 0).height:  # a flat line at 0 says why
+                st.caption("No tail wait at any step: every sample of a step finished at the same moment, as when "
+                           "a step's responses are generated as one batch (one generate call ends all its "
+                           "sequences together), so no rollout waited on a longer one.")
             _tail_caption(path, runs)
     left, right = st.columns(2)
     with left, data.guard("Rewards"):
