@@ -3,6 +3,7 @@
     python benchmarks/smollm2_long.py                       # the long run → benchmarks/results/smollm2_long.json
     python benchmarks/smollm2_long.py --steps 4 --eval-n 32 --out /tmp/s.json --run /tmp/s   # a short check
     python benchmarks/smollm2_long.py --render benchmarks/results/smollm2_long.json          # README table
+    python benchmarks/smollm2_long.py --render-seeds benchmarks/results/smollm2_seeds         # multi-seed tables
 
 It runs ``dynascope demo --model smollm2``'s training (``run_smollm2``) with the long run's settings: a
 held-out set of 256 problems scored at the pretrained model, after SFT, every 50 RL steps and at the end,
@@ -10,7 +11,9 @@ with the forward KL to the pretrained and SFT bases at each point; AlphaRL's ran
 fitted over the first 15% and 25% of the RL steps, scored on the same problems. Every figure of the
 reproduction table gets a 95% bootstrap interval (``dynascope.demo.intervals``). The results file holds
 the figures, the regime, the command, the wall time and what was recorded at which cadence; ``--render``
-prints the Markdown table README shows, from that file alone.
+prints the Markdown table README shows, from that file alone; ``--render-seeds`` prints, from a folder of
+one results file per seed, each measure per seed and across seeds, each paper verdict at every seed and the
+rank correlations of forgetting with its candidate predictors (``dynascope.demo.reproduction_seeds``).
 
 The run takes ``/tmp/dynascope-smollm2.lock`` (one SmolLM2 process at a time on a shared machine: ~7.5 GB), or
 the lock ``flock /tmp/dynascope-smollm2.lock python benchmarks/smollm2_long.py ...`` already holds for it.
@@ -34,6 +37,8 @@ LOCK = "/tmp/dynascope-smollm2.lock"
 
 def recorded(s) -> dict[str, str]:
     """What the run records, at which cadence (the statistics' cost is what bounds a long CPU run)."""
+    from dynascope.demo.smollm2_prose import prose_source
+
     stats = "every step" if s.stats_every == 1 else f"every {s.stats_every} steps"
     return {
         "tensor_stats": f"{stats}, every tensor (no rotating window): ‖ΔW‖, ‖W‖, update ratio, bit-exact and "
@@ -42,6 +47,10 @@ def recorded(s) -> dict[str, str]:
         "spectra": (f"every {s.spectral_every} steps, every 2-D weight: top-8 singular values and u₁, v₁ of W_t − θ₀"
                     if s.spectral_every else "off"),
         "samples": f"every RL step, {s.prompts * s.group} samples: reward, lengths, log-prob gap (bf16 rollout vs fp32)",
+        "trainer_self": "every RL step: the trainer's fp32 log-probs of the step's tokens computed again in "
+                        f"two micro-batches of {s.prompts * s.group // 2} samples (each cut to its own padding), gap to the first pass",
+        "prose": (f"{s.prose_n} windows of {s.prose_tokens} tokens of {prose_source()} at each logged evaluation "
+                  "point: mean next-token log-loss per window (forgetting)" if s.prose_n else "off"),
         "weight_sync_check": "after every weight sync, every tensor (bit checksums of the bf16 copy)",
         "held_out": f"{s.eval_n} problems at pretrained, after SFT, every {s.eval_every} RL steps and final: greedy "
                     "accuracy and the forward KL to the pretrained and SFT bases, per problem",
@@ -94,7 +103,7 @@ def run(args: argparse.Namespace) -> dict:
 
     overrides = dict(eval_n=args.eval_n, eval_every=args.eval_every, stats_every=args.stats_every,
                      spectral_every=args.spectral_every, relex_every=args.relex_every,
-                     relex_fracs=tuple(args.relex_fracs))
+                     relex_fracs=tuple(args.relex_fracs), prose_n=args.prose_n)
     run_dir = Path(args.run)
     t0 = time.perf_counter()
     with smollm2_lock():
@@ -107,9 +116,25 @@ def run(args: argparse.Namespace) -> dict:
     return doc
 
 
+def render_seeds(folder: str | Path) -> str:
+    """The multi-seed Markdown (docs/dynamics.md holds it): every ``seed*.json`` of ``folder``, by seed."""
+    from dynascope.demo.reproduction_seeds import correlation_table, points_table, seeds_table
+
+    docs = sorted((json.loads(f.read_text()) for f in Path(folder).glob("seed*.json")), key=lambda d: d["regime"]["seed"])
+    if not docs:
+        raise SystemExit(f"{folder}: no seed*.json results file")
+    steps = sorted({d["rl_steps"] for d in docs})
+    head = (f"{len(docs)} seed{'s' * (len(docs) != 1)} ({', '.join(str(d['regime']['seed']) for d in docs)}), "
+            f"{'/'.join(map(str, steps))} RL steps, {docs[0]['held_out_n']} held-out problems each. Commands: "
+            + "; ".join(f"`{d['command']}` ({d['wall_s'] / 60:.0f} min)" for d in docs) + ".\n\n")
+    return (head + seeds_table(docs) + "\nForgetting against its candidate predictors, at every RL evaluation point:\n\n"
+            + points_table(docs) + "\nSpearman's ρ with forgetting over those points:\n\n" + correlation_table(docs))
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--render", metavar="JSON", help="print the Markdown table of a results file and exit")
+    p.add_argument("--render-seeds", metavar="DIR", help="print the multi-seed tables of a folder of results files")
     p.add_argument("--short", action="store_true", help="with --render: without the note column (README's form)")
     p.add_argument("--steps", type=int, default=200, help="GRPO steps after SFT")
     p.add_argument("--eval-n", type=int, default=256, help="held-out problems")
@@ -118,6 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--spectral-every", type=int, default=10, help="spectra every N steps (0: off)")
     p.add_argument("--relex-every", type=int, default=2, help="save θ_t − θ₀ for RELEX every N RL steps")
     p.add_argument("--relex-fracs", type=float, nargs="*", default=[0.15, 0.25], help="RELEX observation windows")
+    p.add_argument("--prose-n", type=int, default=32, help="prose windows scored for forgetting (0: off)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--run", default="runs/smollm2-long", help="run directory (must not exist or be empty)")
@@ -127,6 +153,9 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.render:
         print(markdown_table(json.loads(Path(args.render).read_text()), notes=not args.short), end="")
+        return
+    if args.render_seeds:
+        print(render_seeds(args.render_seeds), end="")
         return
     doc = run(args)
     out = Path(args.out)

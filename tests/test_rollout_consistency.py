@@ -36,7 +36,7 @@ def test_logprob_gap_columns_exact_values():
     # row 0: |Δ| = 0.25, 0, 0.125 (the masked 9.0 does not count); row 1: 0, 0.5; row 2: no token
     assert cols == {"logprob_gap_tokens_count": [3, 2, 0], "logprob_gap_sum_nats": [0.375, 0.5, None],
                     "logprob_gap_max_nats": [0.25, 0.5, None], "logprob_gap_over_count": [1, 1, None],
-                    "logprob_gap_threshold_nats": [0.2, 0.2, 0.2]}
+                    "logprob_gap_threshold_nats": [0.2, 0.2, 0.2], "logprob_ratio_outside_count": [2, 1, None]}
 
 
 def test_logprob_gap_pools_through_the_store_per_step(tmp_path):

@@ -98,6 +98,7 @@ def test_demo_pipeline_end_to_end_on_a_small_llama(tmp_path, monkeypatch):
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     import dynascope.demo.smollm2_train as tr
+    from dynascope.analyses import forgetting_by_point
     from dynascope.demo.reproduction import print_reproduction
     from dynascope.demo.smollm2 import SmolSettings, model_files
     from dynascope.demo.smollm2_eval import load_heldout
@@ -145,6 +146,11 @@ def test_demo_pipeline_end_to_end_on_a_small_llama(tmp_path, monkeypatch):
         mismatch_events = con.sql("SELECT count(*) FROM events WHERE event = 'weight_sync_mismatch'").fetchall()[0][0]
         saves = con.sql("SELECT count(*) FROM timings WHERE phase = 'relex_save'").fetchall()[0][0]
         relex = dict(con.sql("SELECT key, value FROM scalars WHERE key LIKE 'relex/%'").fetchall())
+        own = con.sql("""SELECT step, sum(value) FILTER (WHERE key = 'trainer_self/logprob_gap_tokens_count'),
+                                sum(value) FILTER (WHERE key = 'trainer_self/logprob_gap_sum_nats')
+                         FROM scalars WHERE key LIKE 'trainer_self/%' GROUP BY step ORDER BY step""").fetchall()
+        gaps = con.sql("SELECT step, sum(logprob_gap_sum_nats) FROM samples GROUP BY step ORDER BY step").fetchall()
+        points_df = forgetting_by_point(con)
     assert [(st, n) for st, _, n, *_ in per_step] == [("sft", n_tensors)] * 2 + [("rl", n_tensors)] * 6
     assert all(a == n and b == n for _, _, n, a, b, _ in per_step)  # S₁ and drift on every tensor, every step
     assert {"weight_sync", "weight_check", "rollout", "reward", "train", "eval", "relex_save", "relex",
@@ -154,6 +160,9 @@ def test_demo_pipeline_end_to_end_on_a_small_llama(tmp_path, monkeypatch):
     assert [r[0] for r in samples] == [2, 3, 4, 5, 6, 7] and all(r[1] == 8 and r[5] == 2 for r in samples)
     assert all(r[2] == r[3] > 0 and r[4] > 0 and r[6] for r in samples)
     assert spectra_steps == [0, 4]  # every spectral_every = 4 steps
+    # the trainer's second pass covers the same tokens every RL step, and its floor is below the bf16 copy's gap
+    assert [(st, n) for st, n, _ in own] == [(r[0], float(r[2])) for r in samples]
+    assert all(0 <= own_sum < gap for (_, _, own_sum), (_, gap) in zip(own, gaps, strict=True))
     assert checks == [("weight_sync/mismatched_tensors", 6, 0.0), ("weight_sync/tensors_checked", 6, n_tensors)]
     assert mismatch_events == 0
     # RELEX over the first half: deltas of RL steps 1-3 saved, fitted and extrapolated to step 6
@@ -163,6 +172,12 @@ def test_demo_pipeline_end_to_end_on_a_small_llama(tmp_path, monkeypatch):
     points = {p["label"]: p for p in held["points"]}
     assert set(points) == {"pretrained", "sft", "rl@3", "rl", "alpharl_rank1", "alpharl_rank1_rest_rl", "relex50"}
     assert points["rl@3"]["rl_step"] == 3 and points["rl"]["rl_step"] == 6
+    # forgetting: the prose log-loss at every logged point (32 windows), from the SFT point's, at its update's step
+    prose = {k: sum(v["prose_nll_nats"]) / 32 for k, v in points.items() if "prose_nll_nats" in v}
+    assert set(prose) == {"pretrained", "sft", "rl@3", "rl"}
+    assert points_df["step"].to_list() == [4, 7]  # RL step k's point: step sft_steps + k − 1
+    assert points_df["forgetting_nats"].to_list() == pytest.approx([prose["rl@3"] - prose["sft"], prose["rl"] - prose["sft"]])
+    assert points_df["drift_norm"].min() > 0 and points_df["rank1_energy"].null_count() == 0
     assert all(len(p["correct"]) == 8 for p in points.values())
     # KL of a model to itself is 0; after SFT at lr 1e-5 on a random model the policy moved away from it
     assert points["pretrained"]["forward_kl_nats"] == {"pretrained": [0.0] * 8}

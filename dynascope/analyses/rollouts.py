@@ -131,23 +131,27 @@ def logprob_gap_by_step(store: StoreLike, run: str | None = None) -> pl.DataFram
 
     From the ``logprob_gap_*`` columns of ``samples`` (``probes.rollout_consistency.logprob_gap_columns``):
     mean |Δ| = Σ gap / Σ tokens over the step's samples, the largest |Δ| of any token, and the share of
-    tokens whose |Δ| exceeded the threshold they were counted against. Steps without those columns are
+    tokens whose |Δ| exceeded the threshold they were counted against, and the share whose importance ratio
+    exp(Δ) fell outside [0.9, 1.1] (NULL where the samples did not count it). Steps without those columns are
     left out. Columns: run_id, step, samples, tokens_count, logprob_gap_mean_nats, logprob_gap_max_nats,
-    logprob_gap_over_pct, threshold_nats.
+    logprob_gap_over_pct, threshold_nats, logprob_ratio_outside_pct.
     """
     con = as_store(store)
     cols = {r[0] for r in con.rows("SELECT column_name FROM (DESCRIBE samples)")}
     schema = {"run_id": pl.String, "step": pl.Int64, "samples": pl.Int64, "tokens_count": pl.Int64,
               "logprob_gap_mean_nats": pl.Float64, "logprob_gap_max_nats": pl.Float64,
-              "logprob_gap_over_pct": pl.Float64, "threshold_nats": pl.Float64}
+              "logprob_gap_over_pct": pl.Float64, "threshold_nats": pl.Float64, "logprob_ratio_outside_pct": pl.Float64}
     if "logprob_gap_sum_nats" not in cols:
         return pl.DataFrame(schema=schema)
+    ratio = ("100.0 * SUM(logprob_ratio_outside_count) / nullif(SUM(logprob_gap_tokens_count) FILTER "
+             "(WHERE logprob_ratio_outside_count IS NOT NULL), 0)" if "logprob_ratio_outside_count" in cols else "NULL")
     df = frame(con, f"""
         SELECT run_id, step, COUNT(*) AS samples, SUM(logprob_gap_tokens_count)::BIGINT AS tokens_count,
                SUM(logprob_gap_sum_nats) / nullif(SUM(logprob_gap_tokens_count), 0) AS logprob_gap_mean_nats,
                MAX(logprob_gap_max_nats) AS logprob_gap_max_nats,
                100.0 * SUM(logprob_gap_over_count) / nullif(SUM(logprob_gap_tokens_count), 0) AS logprob_gap_over_pct,
-               MAX(logprob_gap_threshold_nats) AS threshold_nats
+               MAX(logprob_gap_threshold_nats) AS threshold_nats,
+               {ratio} AS logprob_ratio_outside_pct
         FROM samples WHERE step IS NOT NULL AND logprob_gap_sum_nats IS NOT NULL{run_clause(run)}
         GROUP BY run_id, step ORDER BY run_id, step""")
     return df.select([pl.col(c).cast(t) for c, t in schema.items()])

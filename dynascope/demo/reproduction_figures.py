@@ -89,6 +89,41 @@ def _logprob_gap(con: StoreConnection) -> dict[str, Any]:
             "tokens": int(df["tokens_count"].sum())}
 
 
+def _gap_floor(con: StoreConnection) -> dict[str, Any]:
+    """The trainer-vs-trainer gap (the trainer's own floor) and the rollout gap's excess over it, per step:
+    medians over the RL steps with intervals that resample steps, as the rollout gap's."""
+    from dynascope.analyses.gap_floor import logprob_gap_floor_by_step
+
+    df = logprob_gap_floor_by_step(con)
+    if df.is_empty():
+        return {"value": None, "note": "no trainer-vs-trainer recomputation recorded"}
+
+    def med(col: str, scale: float = 1.0) -> dict[str, float | None]:
+        return _iv(median_interval((df[col].drop_nulls() * scale).to_list()))
+
+    # the share of each step's rollout gap (mean |Δ|) that lies above the trainer's own floor
+    above = (df["excess_gap_mean_nats"] / df["rollout_gap_mean_nats"]).drop_nulls().drop_nans()
+    return {"self_mean_nats": med("self_gap_mean_nats"), "self_max_nats": df["self_gap_max_nats"].max(),
+            "self_over_share": med("self_gap_over_pct", 0.01), "self_ratio_outside_share": med("self_ratio_outside_pct", 0.01),
+            "rollout_mean_nats": med("rollout_gap_mean_nats"), "rollout_over_share": med("rollout_gap_over_pct", 0.01),
+            "rollout_ratio_outside_share": med("rollout_ratio_outside_pct", 0.01),
+            "excess_mean_nats": med("excess_gap_mean_nats"), "excess_over_share": med("excess_over_pct", 0.01),
+            "excess_ratio_outside_share": med("excess_ratio_outside_pct", 0.01),
+            "rollout_gap_above_floor_share": _iv(median_interval(above.to_list())),
+            "steps": df.height, "tokens": int(df["self_tokens_count"].sum())}
+
+
+def _forgetting_points(con: StoreConnection, sft_steps: int | None) -> list[dict[str, Any]]:
+    """Per RL evaluation point: forgetting (prose log-loss − the SFT point's), KL(π_SFT‖π) and the weight
+    measures (``analyses.forgetting_by_point``), with the RL step it follows."""
+    from dynascope.analyses.forgetting import forgetting_by_point
+
+    rows = forgetting_by_point(con, stage="rl", base="sft").drop("run_id").to_dicts()
+    for r in rows:  # a point is logged at the step of the last update it scores (RL step k: step sft_steps + k − 1)
+        r["rl_step"] = r["step"] - sft_steps + 1 if sft_steps is not None else None
+    return rows
+
+
 def _weights_moved(con: StoreConnection) -> dict[str, Any]:
     """What the weights did over the RL stage, at its last step: ‖W_T − θ₀‖/‖W_T‖, the share of weights whose
     bf16 cast moved, and Mukherjee's changed share (1 − update sparsity)."""
@@ -135,6 +170,13 @@ def _heldout(run_dir: Path) -> dict[str, Any]:
     rewritten = [label for label in pts if label.startswith(("alpharl_", "relex"))]
     out["recovery"] = {label: recovery(label) for label in rewritten}
     out["minus_final"] = {label: gap(label) for label in rewritten}
+    prose = {label: p["prose_nll_nats"] for label, p in pts.items() if p.get("prose_nll_nats")}
+    out["prose_nll_nats"] = {label: _iv(mean_interval(v)) for label, v in prose.items()}
+    # forgetting: the prose log-loss's rise from a base, paired window by window
+    order = list(prose)  # evaluation order: a base's forgetting is of the points after it
+    out["forgetting_nats"] = {base: {label: _iv(paired_interval(lambda b, x: x - b, prose[base], prose[label]))
+                                     for label in order[order.index(base) + 1:]}
+                              for base in ("pretrained", "sft") if base in prose}
     if {"sft", "rl"} <= set(pts):
         out["rl_gain"] = _iv(paired_interval(lambda a, b: b - a, pts["sft"]["correct"], pts["rl"]["correct"]))
     return out
@@ -173,6 +215,8 @@ def reproduction_figures(run_dir: str | Path) -> dict[str, Any]:
             "mukherjee_sft": _mukherjee(con, cols, "sft"),
             "delta_sync": _delta_sync(con),
             "logprob_gap": _logprob_gap(con),
+            "gap_floor": _gap_floor(con),
+            "forgetting_points": _forgetting_points(con, settings.get("sft_steps")),
             "weights_moved": _weights_moved(con),
             "layers": _layers(con),
             "relex_fit": _scalars(con, "relex/"),

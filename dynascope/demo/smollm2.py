@@ -57,6 +57,8 @@ class SmolSettings:
     temperature: float = 1.0
     eval_n: int = 48            # held-out problems, greedy
     eval_every: int = 50        # RL steps between held-out evaluations (besides pretrained, SFT and final)
+    prose_n: int = 32           # windows of Python-docs prose scored at each evaluation point (forgetting; 0: off)
+    prose_tokens: int = 128     # tokens per prose window
     bf16_k: int = 4             # PULSE S_k: bf16 weights compared against k steps back
     dtype: str = "float32"      # master weights
     rollout_dtype: str = "bfloat16"  # the rollout copy, as inference engines hold it
@@ -198,6 +200,21 @@ def token_logprobs(model: Any, r: Rollout) -> torch.Tensor:
     width = r.response.shape[1]
     logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=width + 1).logits[:, :-1]
     return torch.log_softmax(logits.float(), -1).gather(-1, r.response.unsqueeze(-1)).squeeze(-1)
+
+
+@torch.no_grad()
+def token_logprobs_split(model: Any, r: Rollout, size: int) -> torch.Tensor:
+    """``token_logprobs`` again, in micro-batches of ``size`` samples, each cut to its own prompt width (the
+    left padding no row of it needs is dropped): the same tokens in the same precision under another batch
+    composition and sequence length, as a trainer with another micro-batch split computes them."""
+    out = []
+    for lo in range(0, r.response.shape[0], size):
+        mask = r.prompt_mask[lo:lo + size]
+        start = int(mask.any(0).nonzero()[0]) if bool(mask.any()) else 0
+        part = dataclasses.replace(r, prompt_ids=r.prompt_ids[lo:lo + size, start:], prompt_mask=mask[:, start:],
+                                   response=r.response[lo:lo + size], response_mask=r.response_mask[lo:lo + size])
+        out.append(token_logprobs(model, part))
+    return torch.cat(out)
 
 
 def clone_frozen(model: Any) -> Any:

@@ -27,6 +27,7 @@ import torch
 
 from dynascope.demo import arith
 from dynascope.demo.smollm2 import Rollout, generate
+from dynascope.demo.smollm2_prose import prose_nll
 
 EVAL_FILE = "heldout_eval.json"
 _CHUNK = 32  # prompts per forward pass: bounds the [chunk, R, vocab] log-prob tensors
@@ -52,8 +53,9 @@ class HeldOut:
     """The held-out problems and every evaluation point's per-problem results."""
 
     def __init__(self, problems: list[arith.Problem], tok: Any, cfg: arith.ArithConfig, run_dir: Path,
-                 seed: int, scope: Any = None) -> None:
+                 seed: int, scope: Any = None, prose: torch.Tensor | None = None) -> None:
         self.problems, self.tok, self.cfg, self.run_dir, self.seed = problems, tok, cfg, Path(run_dir), seed
+        self.prose = prose  # [n, tokens] windows of held-out prose (smollm2_prose), scored at logged points
         self.prompts = [arith.prompt(p, tok) for p in problems]
         self.bases: dict[str, _Base] = {}
         self.points: list[dict[str, Any]] = []
@@ -87,7 +89,8 @@ class HeldOut:
     @torch.no_grad()
     def evaluate(self, model: Any, label: str, *, stage: str | None, rl_step: int | None, log: bool = True) -> dict:
         """Score ``model`` (greedy exact match, KL to each base held): one point, saved, and with ``log`` its
-        means logged as ``eval/accuracy`` and ``eval/forward_kl_<base>_nats`` at the step whose weights were scored."""
+        means logged as ``eval/accuracy`` and ``eval/forward_kl_<base>_nats`` at the step whose weights were scored;
+        logged points also score the prose windows (``prose_nll_nats`` per window, ``eval/prose_nll_nats``)."""
         was = model.training
         model.eval()
         r = generate(model, self.tok, self.prompts, self.cfg.max_new_tokens, 0.0)
@@ -96,11 +99,15 @@ class HeldOut:
         model.train(was)
         point = {"label": label, "stage": stage, "rl_step": rl_step, "correct": correct,
                  "forward_kl_nats": kls}
+        prose = {}
+        if log and self.prose is not None:
+            point["prose_nll_nats"] = nll = prose_nll(model, self.prose)
+            prose = {"eval/prose_nll_nats": sum(nll) / len(nll)}
         self.points.append(point)
         if log and self.scope is not None:
             # at the step whose weights were scored (the scope has already moved one past it), as the tiny demo
             self.scope.log(step=max(self.scope.step_index - 1, 0), **{"eval/accuracy": sum(correct) / len(correct)},
-                           **{f"eval/forward_kl_{n}_nats": sum(v) / len(v) for n, v in kls.items()})
+                           **{f"eval/forward_kl_{n}_nats": sum(v) / len(v) for n, v in kls.items()}, **prose)
         self.save()
         return point
 

@@ -5,9 +5,12 @@ becomes the SFT result, so RL's cumulative figures are against RL's own base, as
 them. The rollout copy is bf16, as inference engines hold weights: each RL step's ``weight_sync`` casts
 the fp32 master weights into it, ``weight_check`` verifies that cast (``verify_weight_sync``), and the
 trainer's recomputed log-probs of the sampled tokens are held against the copy's (the log-prob gap,
-recorded with each sample). Held-out evaluations (``smollm2_eval``) score accuracy and the forward KL
-to the bases at the pretrained model, after SFT, every ``eval_every`` RL steps and at the end; then
-AlphaRL's rank-1 replacement and RELEX's extrapolation are written and scored (``smollm2_checkpoints``).
+recorded with each sample); the trainer computes them once more in two micro-batches of half the samples
+(the trainer-vs-trainer gap, logged under ``trainer_self/``: the floor two computations of the trainer leave).
+Held-out evaluations (``smollm2_eval``) score accuracy, the forward KL to the bases and the plain-text
+log-loss on the Python docs' prose (forgetting, ``smollm2_prose``) at the pretrained model, after SFT, every
+``eval_every`` RL steps and at the end; then AlphaRL's rank-1 replacement and RELEX's extrapolation are
+written and scored (``smollm2_checkpoints``).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from dynascope.demo.smollm2 import (
     load_model,
     save_weights,
     token_logprobs,
+    token_logprobs_split,
 )
 from dynascope.demo.smollm2_checkpoints import (
     RANK1_FILE,
@@ -39,7 +43,8 @@ from dynascope.demo.smollm2_checkpoints import (
     save_delta,
 )
 from dynascope.demo.smollm2_eval import HeldOut
-from dynascope.probes.rollout_consistency import logprob_gap_columns, verify_weight_sync
+from dynascope.demo.smollm2_prose import prose_windows
+from dynascope.probes.rollout_consistency import logprob_gap_columns, logprob_gap_totals, verify_weight_sync
 
 __all__ = ["RANK1_FILE", "RANK1_REST_RL_FILE", "run_smollm2", "train"]
 
@@ -91,6 +96,9 @@ def _rl_step(s: SmolSettings, model: Any, rollout: Any, tok: Any, opt: torch.opt
         opt.zero_grad(set_to_none=True)
         loss.backward()
     n = len(expanded)
+    with scope.phase("self_check"):  # the trainer's own floor: the same tokens, fp32 again, in two micro-batches
+        again = token_logprobs_split(model, r, max(1, n // 2))
+        scope.log(**logprob_gap_totals(logprob_gap_columns(again, new, r.response_mask)))
     scope.samples(sample_id=[first * s.group + j for j in range(n)], group_id=[first + j // s.group for j in range(n)],
                   prompt_len=r.prompt_mask.sum(1).tolist(), response_len=r.response_mask.sum(1).tolist(),
                   reward=rewards.tolist(), gen_start_us=[r.start_us] * n, gen_end_us=[r.end_us] * n,
@@ -125,7 +133,8 @@ def train(s: SmolSettings, say=print) -> dict[str, float]:
     scope = dynascope.watch(model, opt, run=s.run_dir, stage="sft", every=s.stats_every, memory_budget=None,
                             time_budget=None, bf16_k=s.bf16_k, spectral=spectral, system_interval_s=5.0,
                             config={"demo": "smollm2", "settings": s.to_json()})
-    held = HeldOut(arith.problems(s.eval_n, cfg, seed=10_000 + s.seed), tok, cfg, run_dir, s.seed, scope)
+    prose = prose_windows(tok, s.prose_n, s.prose_tokens) if s.prose_n else None
+    held = HeldOut(arith.problems(s.eval_n, cfg, seed=10_000 + s.seed), tok, cfg, run_dir, s.seed, scope, prose)
     out: dict[str, float] = {}
     with scope.phase("eval"):
         held.add_base("pretrained", model)

@@ -29,11 +29,16 @@ from torch import Tensor
 from dynascope.core.naming import normalize_name
 from dynascope.core.warn import warn
 
-__all__ = ["LOGPROB_GAP_THRESHOLD_NATS", "Fingerprint", "SyncMismatch", "compare_fingerprints",
-           "logprob_gap_columns", "verify_weight_sync", "weight_fingerprints"]
+__all__ = ["LOGPROB_GAP_THRESHOLD_NATS", "RATIO_BAND", "TRAINER_SELF", "Fingerprint", "SyncMismatch",
+           "compare_fingerprints", "logprob_gap_columns", "logprob_gap_totals", "verify_weight_sync",
+           "weight_fingerprints"]
 
 # A token whose two engines' probabilities differ by more than a factor e^0.1 ≈ 1.105 counts as "over".
 LOGPROB_GAP_THRESHOLD_NATS = 0.1
+# The importance-ratio band exp(Δ) ∈ [0.9, 1.1] that PPO-style clipping and the mismatch reports use.
+RATIO_BAND = (0.9, 1.1)
+# Key prefix of the trainer-vs-trainer gap (the same tokens recomputed twice by the trainer) in ``scalars``.
+TRAINER_SELF = "trainer_self/"
 
 
 @torch.no_grad()
@@ -43,25 +48,47 @@ def logprob_gap_columns(rollout_logprobs: Tensor, trainer_logprobs: Tensor, mask
 
     ``logprob_gap_tokens_count`` tokens compared, ``logprob_gap_sum_nats`` Σ|Δ| (so any set of samples pools
     to a mean Σ/Σtokens), ``logprob_gap_max_nats``, ``logprob_gap_over_count`` tokens with |Δ| >
-    ``threshold_nats`` and the threshold itself. Pass them on: ``scope.samples(..., **columns)``. A sample
-    with no token to compare has a NULL sum and max; a NaN log-prob makes its sum and max NULL.
+    ``threshold_nats``, the threshold itself, and ``logprob_ratio_outside_count`` tokens whose importance
+    ratio exp(Δ) lies outside ``RATIO_BAND`` (Δ = rollout − trainer). Pass them on:
+    ``scope.samples(..., **columns)``. A sample with no token to compare has NULL sum, max and counts of
+    tokens over; a NaN log-prob makes them NULL too.
     """
     m = mask.to(torch.bool)
-    gap = (rollout_logprobs.detach().double() - trainer_logprobs.detach().double()).abs()
-    gap = torch.where(m, gap, torch.zeros((), dtype=gap.dtype, device=gap.device))
+    delta = rollout_logprobs.detach().double() - trainer_logprobs.detach().double()
+    delta = torch.where(m, delta, torch.zeros((), dtype=delta.dtype, device=delta.device))
+    gap = delta.abs()
+    lo, hi = math.log(RATIO_BAND[0]), math.log(RATIO_BAND[1])
     tokens = m.sum(1)
-    stats = torch.stack([tokens.double(), gap.sum(1), gap.amax(1), (gap > threshold_nats).sum(1).double()], 1)
+    stats = torch.stack([tokens.double(), gap.sum(1), gap.amax(1), (gap > threshold_nats).sum(1).double(),
+                         ((delta < lo) | (delta > hi)).sum(1).double()], 1)
     rows = stats.cpu().tolist()  # one host copy for the batch
     out: dict[str, list] = {"logprob_gap_tokens_count": [], "logprob_gap_sum_nats": [], "logprob_gap_max_nats": [],
-                            "logprob_gap_over_count": [], "logprob_gap_threshold_nats": []}
-    for n, total, peak, over in rows:
+                            "logprob_gap_over_count": [], "logprob_gap_threshold_nats": [],
+                            "logprob_ratio_outside_count": []}
+    for n, total, peak, over, outside in rows:
         seen = n > 0 and not math.isnan(total)
         out["logprob_gap_tokens_count"].append(int(n))
         out["logprob_gap_sum_nats"].append(total if seen else None)
         out["logprob_gap_max_nats"].append(peak if seen else None)
         out["logprob_gap_over_count"].append(int(over) if seen else None)
         out["logprob_gap_threshold_nats"].append(float(threshold_nats))
+        out["logprob_ratio_outside_count"].append(int(outside) if seen else None)
     return out
+
+
+def logprob_gap_totals(columns: dict[str, list], prefix: str = TRAINER_SELF) -> dict[str, float]:
+    """``logprob_gap_columns``' per-sample columns pooled over a batch, as ``scalars`` keys under ``prefix``:
+    the counts and Σ|Δ| summed over the samples that had tokens, the max of the maxima. For a gap that is not
+    one row per sample, such as the trainer's log-probs of the same tokens computed twice (``TRAINER_SELF``):
+    ``scope.log(**logprob_gap_totals(logprob_gap_columns(second, first, mask)))``."""
+    seen = [i for i, v in enumerate(columns["logprob_gap_sum_nats"]) if v is not None]
+    out = {"logprob_gap_tokens_count": float(sum(columns["logprob_gap_tokens_count"][i] for i in seen))}
+    for key in ("logprob_gap_sum_nats", "logprob_gap_over_count", "logprob_ratio_outside_count"):
+        out[key] = float(sum(columns[key][i] for i in seen))
+    out["logprob_gap_max_nats"] = max((columns["logprob_gap_max_nats"][i] for i in seen), default=math.nan)
+    out["logprob_gap_threshold_nats"] = float(columns["logprob_gap_threshold_nats"][0]) if columns[
+        "logprob_gap_threshold_nats"] else math.nan
+    return {prefix + k: v for k, v in out.items()}
 
 
 @dataclass(frozen=True)

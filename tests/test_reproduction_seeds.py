@@ -1,0 +1,87 @@
+"""The multi-seed render on planted results files: each seed's figure with its own interval, the mean with a t
+interval over seeds, each verdict counted per seed, and Spearman's ρ of forgetting with each candidate."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from dynascope.demo.reproduction_seeds import (
+    correlation_table,
+    forgetting_correlations,
+    points_table,
+    seeds_table,
+    spearman,
+    verdicts,
+)
+
+
+def _iv(v: float, lo: float, hi: float) -> dict[str, float]:
+    return {"value": v, "ci_low": lo, "ci_high": hi}
+
+
+def _doc(seed: int, pulse: float, alpha_hi: float, kl: list[float], forget: list[float], drift: list[float]) -> dict:
+    labels = ["sft", "rl@2", "rl"]
+    return {"regime": {"seed": seed}, "rl_steps": 4, "held_out_n": 8, "rl_steps_evaluated": [2, 4],
+            "pulse_s1": _iv(pulse, pulse - 0.001, pulse + 0.001), "mukherjee_rl": {"value": 0.9},
+            "recovery": {"alpharl_rank1": _iv(0.8, 0.6, alpha_hi)},
+            "minus_final": {"relex15": _iv(-0.1, -0.2, -0.05), "relex25": _iv(-0.1, -0.2, 0.01)},
+            "forward_kl_nats": {lab: {"pretrained": {"value": k}} for lab, k in zip(labels, kl, strict=True)},
+            "gap_floor": {"excess_mean_nats": _iv(0.05, 0.04, 0.06), "self_mean_nats": _iv(1e-6, 0.0, 2e-6)},
+            "forgetting_points": [{"rl_step": 2 * (i + 1), "forgetting_nats": f, "forward_kl_nats": f * 10,
+                                   "drift_norm": d, "drift_ratio": None, "mukherjee_changed_share": 0.05,
+                                   "rank1_energy": 0.1 * (i + 1)} for i, (f, d) in enumerate(zip(forget, drift, strict=True))]}
+
+
+DOCS = [_doc(0, 0.995, 0.95, [1.0, 2.0, 3.0], [0.01, 0.02], [0.5, 0.4]),
+        _doc(1, 0.997, 0.995, [1.0, 2.5, 2.4], [0.03, 0.04], [0.6, 0.7]),
+        _doc(2, 0.999, 0.9, [1.0, 1.1, 1.2], [0.005, 0.05], [0.3, 0.2])]
+
+
+def test_spearman_ranks_ties_and_constants():
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    # ties get their average rank: ranks x (0.5, 0.5, 2, 3), y (0, 1, 2, 3) → Pearson of the ranks
+    assert spearman([1, 1, 2, 3], [1, 2, 3, 4]) == pytest.approx(0.9486833, abs=1e-6)
+    assert math.isnan(spearman([1, 1, 1], [1, 2, 3]))
+
+
+def test_each_seed_beside_the_mean_with_a_t_interval_over_seeds():
+    table = seeds_table(DOCS)
+    row = next(r for r in table.splitlines() if r.startswith("| PULSE"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1] == "99.50% [99.40%, 99.60%]" and cells[3] == "99.90% [99.80%, 100.00%]"
+    # mean 0.997, s = 0.002, t(2) = 4.303: ± 4.303 · 0.002 / √3 = 0.00497
+    assert cells[4] == "99.70% [99.20%, 100.20%]"
+    assert "mean of 3 seeds [95% t interval over seeds]" in table
+    floor = "0.000001 [0.000000, 0.000002]"  # the measure's own "|" escaped, so the row keeps its columns
+    assert f"| Trainer↔trainer floor: mean \\|Δ\\| per token, nats | {floor} | {floor} | {floor} | 0.000001 [0.000001, 0.000001] |" in table
+
+
+def test_verdicts_are_counted_at_every_seed():
+    held = verdicts(DOCS)
+    assert held["pulse"] == [True, True, True]
+    assert held["alpharl_short"] == [True, False, True]  # seed 1's interval reaches 99.5%
+    assert held["relex_short"] == [False, False, False]  # relex25's interval reaches above 0
+    assert held["kl_rises"] == [True, False, True]       # seed 1 fell from rl@2 to the end
+    assert held["gap_above_floor"] == [True, True, True]
+    table = seeds_table(DOCS)
+    assert "| PULSE: ≥99% of bf16 weights unchanged per step | yes | yes | yes | 3 of 3 seeds |" in table
+    assert "| KL to the pretrained model rose at every evaluation point | yes | no | yes | 2 of 3 seeds |" in table
+
+
+def test_correlations_pool_points_over_seeds_and_report_each_seed():
+    rows = {r["candidate"]: r for r in forgetting_correlations(DOCS)}
+    assert rows["forward_kl_nats"]["value"] == pytest.approx(1.0) and rows["forward_kl_nats"]["points"] == 6
+    assert rows["forward_kl_nats"]["per_seed"] == {0: None, 1: None, 2: None}  # two points a seed: no ρ
+    forget = [0.01, 0.02, 0.03, 0.04, 0.005, 0.05]
+    drift = [0.5, 0.4, 0.6, 0.7, 0.3, 0.2]
+    assert rows["drift_norm"]["value"] == pytest.approx(spearman(drift, forget))
+    assert rows["drift_norm"]["ci_low"] <= rows["drift_norm"]["value"] <= rows["drift_norm"]["ci_high"]
+    assert rows["drift_ratio"]["points"] == 0 and rows["drift_ratio"]["value"] is None  # never recorded: no ρ
+    assert math.isnan(spearman([0.05] * 6, forget)) and rows["mukherjee_changed_share"]["value"] is None
+    table = correlation_table(DOCS)
+    assert "| KL(π_SFT‖π) on the training task | 6 | +1.00 [" in table
+    assert "| RL steps taken (the clock) | 6 |" in table
+    assert points_table(DOCS).count("\n") == 2 + 6
