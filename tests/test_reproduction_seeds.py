@@ -55,8 +55,9 @@ def test_each_seed_beside_the_mean_with_a_t_interval_over_seeds():
     # mean 0.997, s = 0.002, t(2) = 4.303: ± 4.303 · 0.002 / √3 = 0.00497
     assert cells[4] == "99.70% [99.20%, 100.20%]"
     assert "mean of 3 seeds [95% t interval over seeds]" in table
-    floor = "0.000001 [0.000000, 0.000002]"  # the measure's own "|" escaped, so the row keeps its columns
-    assert f"| Trainer↔trainer floor: mean \\|Δ\\| per token, nats | {floor} | {floor} | {floor} | 0.000001 [0.000001, 0.000001] |" in table
+    floor = "1.00 [0.00, 2.00]"  # in 10⁻⁶ nats; the measure's own "|" escaped, so the row keeps its columns
+    assert (f"| Trainer↔trainer floor: mean \\|Δ\\| per token, 10⁻⁶ nats | {floor} | {floor} | {floor} | 1.00 [1.00, 1.00] |"
+            in table)
 
 
 def test_verdicts_are_counted_at_every_seed():

@@ -88,6 +88,9 @@ def _kl_row(doc: dict[str, Any]) -> Row:
             f"KL(π_SFT‖π_RL) {at('rl', 'sft')} nats")
     note = (f"over RL the weights moved ‖W−θ₀‖/‖W‖ = {moved['drift_ratio']:.2e}, bf16-visible on "
             f"{_pct(moved['drift_bf16_changed_share'], 2)} of weights" if moved.get("drift_ratio") is not None else "")
+    forgot = doc.get("forgetting_nats", {}).get("sft", {}).get("rl")
+    if forgot:  # RL's Razor's other side: forgetting on a task the run does not train on
+        this += f"; forgetting over RL (prose log-loss rise) {fmt(forgot, 4, pct=False)} nats/token"
     return ("KL to the base on held-out prompts (RL's Razor): E_x KL(π₀‖π), responses sampled from π₀",
             "forgetting follows this KL, not weight change (arXiv 2509.04259)", this, note)
 
@@ -98,9 +101,14 @@ def _gap_row(doc: dict[str, Any]) -> Row:
         return ("Trainer↔rollout log-prob gap", "—", "not recorded", "")
     this = (f"mean |Δ| {fmt(g['mean_nats'], 4, pct=False)} nats (median of {g['steps']} steps), max "
             f"{g['max_nats']:.3f}; over {g['threshold_nats']:g} nats: {fmt(g['over_share'], 2)} of tokens")
+    note = f"{doc.get('regime', {}).get('rollout_dtype', '?')} rollout copy vs fp32 trainer, {g['tokens']} tokens"
+    floor = doc.get("gap_floor", {})
+    if floor.get("self_mean_nats"):  # the trainer against itself: two fp32 passes over the same tokens
+        note += (f"; the trainer against itself (another micro-batch split) {fmt(floor['self_mean_nats'], 6, pct=False)} "
+                 f"nats, ratio outside [0.9, 1.1] on {fmt(floor['self_ratio_outside_share'], 2)} of tokens vs the "
+                 f"rollout's {fmt(floor['rollout_ratio_outside_share'], 2)}")
     return ("Trainer↔rollout log-prob gap |log π_rollout − log π_trainer| per sampled token",
-            "no paper figure (verl rollout_corr/*, AReaL diagnostics)", this,
-            f"{doc.get('regime', {}).get('rollout_dtype', '?')} rollout copy vs fp32 trainer, {g['tokens']} tokens")
+            "no paper figure (verl rollout_corr/*, AReaL diagnostics)", this, note)
 
 
 def _layers_row(doc: dict[str, Any]) -> Row:

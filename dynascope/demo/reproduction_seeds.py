@@ -51,7 +51,8 @@ MEASURES: list[tuple[str, tuple[str, ...], dict[str, Any]]] = [
     ("Forgetting since pretrained: prose log-loss rise, nats/token", ("forgetting_nats", "pretrained", "rl"),
      {"digits": 4, "pct": False}),
     ("Trainer↔rollout gap: mean |Δ| per token, nats", ("gap_floor", "rollout_mean_nats"), {"digits": 4, "pct": False}),
-    ("Trainer↔trainer floor: mean |Δ| per token, nats", ("gap_floor", "self_mean_nats"), {"digits": 6, "pct": False}),
+    ("Trainer↔trainer floor: mean |Δ| per token, 10⁻⁶ nats", ("gap_floor", "self_mean_nats"),
+     {"digits": 2, "pct": False, "scale": 1e6}),
     ("Trainer↔rollout: tokens over 0.1 nats", ("gap_floor", "rollout_over_share"), {"digits": 2}),
     ("Trainer↔trainer: tokens over 0.1 nats", ("gap_floor", "self_over_share"), {"digits": 2}),
     ("Trainer↔rollout: ratio exp(Δ) outside [0.9, 1.1]", ("gap_floor", "rollout_ratio_outside_share"), {"digits": 2}),
@@ -98,6 +99,12 @@ def _across(values: list[float]) -> dict[str, float | None]:
     return {"value": mean, "ci_low": mean - half, "ci_high": mean + half}
 
 
+def _scaled(cell: dict[str, Any] | None, scale: float) -> dict[str, Any] | None:
+    if not cell or scale == 1.0:
+        return cell
+    return {k: (v * scale if k in ("value", "ci_low", "ci_high") and v is not None else v) for k, v in cell.items()}
+
+
 def _seed(doc: dict[str, Any]) -> Any:
     return _get(doc, "regime", "seed")
 
@@ -109,7 +116,9 @@ def seeds_table(docs: Sequence[dict[str, Any]]) -> str:
     head = ["measure", *(f"seed {_seed(d)}" for d in docs), f"mean of {n} seed{'s' * (n != 1)} [95% t interval over seeds]"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, path, kw in MEASURES:
-        cells = [_get(d, *path) for d in docs]
+        kw = dict(kw)
+        scale = kw.pop("scale", 1.0)
+        cells = [_scaled(_get(d, *path), scale) for d in docs]
         values = [c["value"] for c in cells if c and c.get("value") is not None]
         across = _across(values) if len(values) == n else {"value": None}
         lines.append("| " + " | ".join([name.replace("|", "\\|"), *(fmt(c, **kw) for c in cells), fmt(across, **kw)]) + " |")
