@@ -169,6 +169,24 @@ def slowest_rank_sentence(w: dict) -> str:
     return f"Slowest rank: {where} ({w['slowdown_x']:.1f}× slower, score {w['score']:.2f}, {w['status']})."
 
 
+def costly_rank_sentence(con: StoreConnection) -> str | None:
+    """The report's ``rank_cost`` sentence for the rank whose whole-rank what-if saves the most, when that is
+    at least the report's threshold: a rank slower in no single phase beyond its noise can still cost the
+    step time, and the report names it so (``analyses.what_if``, one answer for every surface)."""
+    from dynascope.analyses.findings import MIN_RANK_COST_PCT
+
+    wi = analyses.what_if(con, by_phase=True)
+    whole = wi.filter(pl.col("rank").is_not_null() & pl.col("phase").is_null()).sort("saved_pct", descending=True)
+    if whole.is_empty() or whole["saved_pct"][0] < MIN_RANK_COST_PCT:
+        return None
+    r = whole.row(0, named=True)
+    phases = wi.filter((pl.col("rank") == r["rank"]) & (pl.col("role") == r["role"]) & pl.col("phase").is_not_null())
+    n = {"rank": r["rank"], "steps": r["steps"], "saved_ms": r["saved_ms"], "saved_pct": r["saved_pct"],
+         "worst_phase": phases["phase"][0] if phases.height else None,
+         "worst_phase_saved_pct": phases["saved_pct"][0] if phases.height else None}
+    return sentence("rank_cost", n)
+
+
 def _bottlenecks(con: StoreConnection, console: Console) -> None:
     scores = analyses.straggler_scores(con)
     if scores.is_empty():
@@ -177,7 +195,8 @@ def _bottlenecks(con: StoreConnection, console: Console) -> None:
         # The rank that costs the most time: excess over the cross-rank median, times the steps it recurs in.
         w = (scores.with_columns(((pl.col("median_ms") - pl.col("cross_rank_median_ms")) * pl.col("steps"))
                                  .alias("excess_ms")).sort("excess_ms", descending=True).row(0, named=True))
-        console.print(slowest_rank_sentence(w), highlight=False)
+        costly = costly_rank_sentence(con) if w["status"] == "ok" else None
+        console.print(f"Slowest rank: {costly}." if costly else slowest_rank_sentence(w), highlight=False)
     tail = analyses.rollout_long_tail(con)
     if tail.height:
         console.print(f"Rollout long tail: median step's slowest sample took {tail['gen_tail_x'].median():.1f}× "
