@@ -9,6 +9,7 @@ a span; and ``Tracking.finish()`` leaves every row on disk, with no wait for a p
 
 from __future__ import annotations
 
+import numbers
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,10 @@ from verl.trainer.ppo.metric_utils import (  # noqa: E402
 )
 from verl.utils.debug import marked_timer  # noqa: E402
 
+from helpers.verl_agent_loop import performance_metrics  # noqa: E402
+
 STEPS, BATCH, PROMPT, RESPONSE = 3, 4, 5, 6
+AGENT_LOOP = performance_metrics()  # verl's timing_s/agent_loop/* summaries (verl ≥ 0.5), or None
 
 
 def _batch(step: int) -> DataProto:
@@ -66,12 +70,17 @@ def test_verl_tracking_and_metrics_land_whole_at_finish(tmp_path: Path) -> None:
             with marked_timer("update_actor", timing):
                 _work(30)
         batch = _batch(step)
-        metrics = {**compute_data_metrics(batch, use_critic=False), **compute_timing_metrics(batch, timing),
-                   **compute_throughout_metrics(batch, timing, n_gpus=1)}
+        raw = dict(timing)
+        if AGENT_LOOP is not None:  # the rollout's summaries join verl's timing dict, as RayPPOTrainer.fit merges them
+            raw.update(AGENT_LOOP(None, [[{"generate_sequences": 0.01 * (i + step), "tool_calls": 0.0,
+                                           "compute_score": 0.002 * i, "num_preempted": 0} for i in range(BATCH)]],
+                                  batch))
+        metrics = {**compute_data_metrics(batch, use_critic=False), **compute_timing_metrics(batch, raw),
+                   **compute_throughout_metrics(batch, raw, n_gpus=1)}
         metrics |= {f"timing_s/{k}": v for k, v in timing.items()}
         tracking.log(data=metrics, step=step)
         timed.append(timing)
-        keys.append({k for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        keys.append({k for k, v in metrics.items() if isinstance(v, numbers.Real) and not isinstance(v, bool)})  # numpy too
     tracking.finish()  # verl's own: it knows nothing of dynascope
     with dynascope.open_store(run) as con:
         spans = con.rows("SELECT step, phase, dur_us FROM timings WHERE phase IN "
@@ -82,4 +91,7 @@ def test_verl_tracking_and_metrics_land_whole_at_finish(tmp_path: Path) -> None:
     want = sorted((s, p, round(t[p] * 1e6)) for s, t in enumerate(timed, 1) for p in t)
     assert spans == want  # one row per stage per step, verl's durations
     assert {(s, k) for s, k in scalars} == {(s, k) for s, ks in enumerate(keys, 1) for k in ks}
+    if AGENT_LOOP is not None:  # durations, counts and token lengths of the agent loop: scalars, never spans
+        assert {k for _, k in scalars if k.startswith("timing_s/agent_loop/")} >= {
+            "timing_s/agent_loop/generate_sequences/max", "timing_s/agent_loop/slowest/prompt_length"}
     assert others == []  # timing_s/ keys that are not a stage's time (verl's per-token figures) are no span
