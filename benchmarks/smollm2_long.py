@@ -118,17 +118,9 @@ def run(args: argparse.Namespace) -> dict:
 
 def render_seeds(folder: str | Path) -> str:
     """The multi-seed Markdown (docs/dynamics.md holds it): every ``seed*.json`` of ``folder``, by seed."""
-    from dynascope.demo.reproduction_seeds import correlation_table, points_table, seeds_table
+    from dynascope.demo.reproduction_seeds import load_seed_files, render
 
-    docs = sorted((json.loads(f.read_text()) for f in Path(folder).glob("seed*.json")), key=lambda d: d["regime"]["seed"])
-    if not docs:
-        raise SystemExit(f"{folder}: no seed*.json results file")
-    steps = sorted({d["rl_steps"] for d in docs})
-    head = (f"{len(docs)} seed{'s' * (len(docs) != 1)} ({', '.join(str(d['regime']['seed']) for d in docs)}), "
-            f"{'/'.join(map(str, steps))} RL steps, {docs[0]['held_out_n']} held-out problems each. Commands: "
-            + "; ".join(f"`{d['command']}` ({d['wall_s'] / 60:.0f} min)" for d in docs) + ".\n\n")
-    return (head + seeds_table(docs) + "\nForgetting against its candidate predictors, at every RL evaluation point:\n\n"
-            + points_table(docs) + "\nSpearman's ρ with forgetting over those points:\n\n" + correlation_table(docs))
+    return render(load_seed_files(folder))
 
 
 def main(argv: list[str] | None = None) -> None:

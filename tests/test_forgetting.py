@@ -70,3 +70,13 @@ def test_a_run_without_evaluations_gives_no_rows(tmp_path):
     with dynascope.watch(torch.nn.Linear(2, 2), None, run=tmp_path / "r", system_interval_s=None) as scope:
         scope.log(loss=1.0)
     assert forgetting_by_point(tmp_path / "r").is_empty()
+
+
+def test_the_report_puts_forgetting_beside_the_kl(tmp_path):
+    from dynascope.analyses import collect_findings, sentence
+
+    run, _, _ = _run(tmp_path)
+    (f,) = [f for f in collect_findings(run)[0] if f.finding == "kl_to_base"]
+    assert f.numbers["forgetting_nats"] == pytest.approx(0.03)  # 2.53 at the last RL point − 2.5 at the SFT point
+    assert f.numbers["kl_rl_base_nats"] == pytest.approx(0.3)
+    assert "forgetting over the same steps (log-loss on held-out prose) +0.03 nats per token" in sentence("kl_to_base", f.numbers)

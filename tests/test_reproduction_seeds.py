@@ -86,3 +86,20 @@ def test_correlations_pool_points_over_seeds_and_report_each_seed():
     assert "| KL(π_SFT‖π) on the training task | 6 | +1.00 [" in table
     assert "| RL steps taken (the clock) | 6 |" in table
     assert points_table(DOCS).count("\n") == 2 + 6
+
+
+def test_a_seed_without_a_figure_is_not_counted_as_failing_it(tmp_path):
+    import json
+
+    from dynascope.demo.reproduction_seeds import load_seed_files, render
+
+    partial = {k: v for k, v in _doc(3, 0.995, 0.9, [1, 2, 3], [0.01, 0.02], [0.1, 0.2]).items() if k != "recovery"}
+    docs = [*DOCS, partial]
+    assert verdicts(docs)["alpharl_short"] == [True, False, True, None]
+    assert ("| AlphaRL's >99% recovery not reached (interval below 99%) | yes | no | yes | — | 2 of 3 seeds "
+            "(1 without the figure) |") in seeds_table(docs)
+    for i, d in enumerate(reversed(docs)):  # files in any order come back by seed
+        (tmp_path / f"seed{3 - i}.json").write_text(json.dumps({**d, "command": f"run {3 - i}", "wall_s": 600}))
+    loaded = load_seed_files(tmp_path)
+    assert [d["regime"]["seed"] for d in loaded] == [0, 1, 2, 3]
+    assert render(loaded).startswith("4 seeds (0, 1, 2, 3), 4 RL steps, 8 held-out problems each. Commands: `run 0` (10 min);")

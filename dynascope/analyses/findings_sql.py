@@ -237,11 +237,13 @@ def logprob_gap_sql(run: str) -> str:
 
 def kl_to_base_sql(run: str) -> str:
     """The forward KL to the pretrained and SFT bases at the first and the last RL-stage evaluation (the
-    ``eval/forward_kl_*_nats`` scalars), and how far the weights moved by the last RL step with drift.
+    ``eval/forward_kl_*_nats`` scalars), forgetting between them (the rise of ``eval/prose_nll_nats``, a
+    log-loss on text the run does not train on; NULL unless logged), and how far the weights moved by the
+    last RL step with drift.
 
     The drift figures are over the rows that carry them (under a memory budget the drift columns cover the
     window's tensors only): each a ratio of sums over the same rows, never over the step's every row."""
-    kl = "'eval/forward_kl_pretrained_nats', 'eval/forward_kl_sft_nats'"
+    kl = "'eval/forward_kl_pretrained_nats', 'eval/forward_kl_sft_nats', 'eval/prose_nll_nats'"
     return f"""WITH e AS (SELECT step, key, arg_max(value, time_us) AS v FROM scalars WHERE run_id = {q(run)}
         AND key IN ({kl}) GROUP BY step, key),
         rl AS (SELECT min(step) AS first, max(step) AS last FROM e WHERE key = 'eval/forward_kl_sft_nats'),
@@ -256,7 +258,10 @@ def kl_to_base_sql(run: str) -> str:
         SELECT (SELECT v FROM e WHERE key = 'eval/forward_kl_pretrained_nats' AND step = rl.first) AS kl_sft_nats,
         (SELECT v FROM e WHERE key = 'eval/forward_kl_pretrained_nats' AND step = rl.last) AS kl_final_nats,
         (SELECT v FROM e WHERE key = 'eval/forward_kl_sft_nats' AND step = rl.last) AS kl_rl_base_nats,
-        rl.last - rl.first AS steps, d.drift_ratio, d.bf16_changed_pct FROM rl, d"""
+        rl.last - rl.first AS steps,
+        (SELECT v FROM e WHERE key = 'eval/prose_nll_nats' AND step = rl.last)
+            - (SELECT v FROM e WHERE key = 'eval/prose_nll_nats' AND step = rl.first) AS forgetting_nats,
+        d.drift_ratio, d.bf16_changed_pct FROM rl, d"""
 
 
 def node_ranks_sql(run: str, role: str, host: str) -> str:

@@ -103,8 +103,11 @@ def _kl_to_base(n: N) -> str:
     if n["bf16_changed_pct"] is not None:
         moved.insert(0, _fmt("its bf16 weights changed on {bf16_changed_pct:.2f}% of elements", **n))
     weights = f" while {', '.join(moved)}" if moved else ""
+    forgot = (_fmt("; forgetting over the same steps (log-loss on held-out prose) {forgetting_nats:+.3g} nats per token",
+                   **n) if n.get("forgetting_nats") is not None else "")
     return (_fmt("over {steps} RL steps the policy moved KL(π_SFT‖π) = {kl_rl_base_nats:.3g} nats per held-out "
-                 "prompt", **n) + pre + weights + "; RL's Razor ties forgetting to this KL, not to the weight change")
+                 "prompt", **n) + pre + weights + forgot
+            + "; RL's Razor ties forgetting to this KL, not to the weight change")
 
 
 def _idle(n: N) -> str:

@@ -9,8 +9,10 @@ seeds (mean ± t₀.₉₇₅,ₙ₋₁·s/√n), which is how far a further see
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,8 +20,8 @@ import numpy as np
 from dynascope.demo.intervals import bootstrap
 from dynascope.demo.reproduction import fmt
 
-__all__ = ["VERDICTS", "correlation_table", "forgetting_correlations", "points_table", "seeds_table", "spearman",
-           "verdicts"]
+__all__ = ["VERDICTS", "correlation_table", "forgetting_correlations", "load_seed_files", "points_table", "render",
+           "seeds_table", "spearman", "verdicts"]
 
 # t₀.₉₇₅ with n − 1 degrees of freedom, n = 2..10 seeds
 _T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
@@ -46,10 +48,10 @@ MEASURES: list[tuple[str, tuple[str, ...], dict[str, Any]]] = [
     ("RL's gain in held-out accuracy", ("rl_gain",), {"pts": True}),
     ("KL(π_SFT‖π_RL), nats", ("forward_kl_nats", "rl", "sft"), {"digits": 3, "pct": False}),
     ("KL(π_pretrained‖π_RL), nats", ("forward_kl_nats", "rl", "pretrained"), {"digits": 3, "pct": False}),
-    ("Forgetting over RL: prose log-loss rise from SFT, nats/token", ("forgetting_nats", "sft", "rl"),
-     {"digits": 4, "pct": False}),
-    ("Forgetting since pretrained: prose log-loss rise, nats/token", ("forgetting_nats", "pretrained", "rl"),
-     {"digits": 4, "pct": False}),
+    ("Forgetting over RL: prose log-loss rise from SFT, 10⁻³ nats/token", ("forgetting_nats", "sft", "rl"),
+     {"digits": 3, "pct": False, "scale": 1e3}),
+    ("Forgetting since pretrained: prose log-loss rise, 10⁻³ nats/token", ("forgetting_nats", "pretrained", "rl"),
+     {"digits": 3, "pct": False, "scale": 1e3}),
     ("Trainer↔rollout gap: mean |Δ| per token, nats", ("gap_floor", "rollout_mean_nats"), {"digits": 4, "pct": False}),
     ("Trainer↔trainer floor: mean |Δ| per token, 10⁻⁶ nats", ("gap_floor", "self_mean_nats"),
      {"digits": 2, "pct": False, "scale": 1e6}),
@@ -61,31 +63,40 @@ MEASURES: list[tuple[str, tuple[str, ...], dict[str, Any]]] = [
 ]
 
 
-def _kl_rises(doc: dict[str, Any]) -> bool:
+def _kl_rises(doc: dict[str, Any]) -> bool | None:
     kl = doc.get("forward_kl_nats", {})
     labels = ["sft", *(f"rl@{s}" for s in doc.get("rl_steps_evaluated", []) if f"rl@{s}" in kl), "rl"]
     vals = [_get(kl, label, "pretrained", "value") for label in labels]
-    return None not in vals and all(b > a for a, b in zip(vals, vals[1:], strict=False))
+    return None if None in vals else all(b > a for a, b in zip(vals, vals[1:], strict=False))
 
 
-# (paper claim as read against the run, test of one seed's file)
-VERDICTS: dict[str, tuple[str, Callable[[dict[str, Any]], bool]]] = {
-    "pulse": ("PULSE: ≥99% of bf16 weights unchanged per step", lambda d: (_get(d, "pulse_s1", "value") or 0) >= 0.99),
+def _below(x: float | None, bound: float) -> bool | None:
+    return None if x is None else x < bound
+
+
+def _all(xs: list[bool | None]) -> bool | None:
+    return None if None in xs else all(xs)
+
+
+# (paper claim as read against the run, test of one seed's file: None where the file lacks the figure)
+VERDICTS: dict[str, tuple[str, Callable[[dict[str, Any]], bool | None]]] = {
+    "pulse": ("PULSE: ≥99% of bf16 weights unchanged per step",
+              lambda d: None if (v := _get(d, "pulse_s1", "value")) is None else v >= 0.99),
     "mukherjee": ("Mukherjee et al.: RL update sparsity 70–95%",
-                  lambda d: 0.70 <= (_get(d, "mukherjee_rl", "value") or 0) <= 0.95),
+                  lambda d: None if (v := _get(d, "mukherjee_rl", "value")) is None else 0.70 <= v <= 0.95),
     "alpharl_short": ("AlphaRL's >99% recovery not reached (interval below 99%)",
-                      lambda d: (_get(d, "recovery", "alpharl_rank1", "ci_high") or 1) < 0.99),
+                      lambda d: _below(_get(d, "recovery", "alpharl_rank1", "ci_high"), 0.99)),
     "relex_short": ("RELEX falls short of the final model (both intervals below 0)",
-                    lambda d: all((_get(d, "minus_final", k, "ci_high") or 0) < 0 for k in ("relex15", "relex25"))),
+                    lambda d: _all([_below(_get(d, "minus_final", k, "ci_high"), 0) for k in ("relex15", "relex25")])),
     "kl_rises": ("KL to the pretrained model rose at every evaluation point", _kl_rises),
     "gap_above_floor": ("The rollout gap exceeds the trainer's own floor (interval above 0)",
-                        lambda d: (_get(d, "gap_floor", "excess_mean_nats", "ci_low") or 0) > 0),
+                        lambda d: None if (v := _get(d, "gap_floor", "excess_mean_nats", "ci_low")) is None else v > 0),
 }
 
 
-def verdicts(docs: Sequence[dict[str, Any]]) -> dict[str, list[bool]]:
-    """Per verdict of ``VERDICTS``, whether it holds at each seed (in ``docs``' order)."""
-    return {k: [bool(test(d)) for d in docs] for k, (_, test) in VERDICTS.items()}
+def verdicts(docs: Sequence[dict[str, Any]]) -> dict[str, list[bool | None]]:
+    """Per verdict of ``VERDICTS``, whether it holds at each seed (in ``docs``' order; None: not measured)."""
+    return {k: [test(d) for d in docs] for k, (_, test) in VERDICTS.items()}
 
 
 def _across(values: list[float]) -> dict[str, float | None]:
@@ -126,8 +137,10 @@ def seeds_table(docs: Sequence[dict[str, Any]]) -> str:
     lines += ["", "| verdict | " + " | ".join(f"seed {_seed(d)}" for d in docs) + " | holds at |",
               "|" + "---|" * (n + 2)]
     for key, (claim, _) in VERDICTS.items():
-        marks = ["yes" if h else "no" for h in held[key]]
-        lines.append(f"| {claim} | " + " | ".join(marks) + f" | {sum(held[key])} of {n} seeds |")
+        marks = ["—" if h is None else "yes" if h else "no" for h in held[key]]
+        measured = sum(h is not None for h in held[key])
+        lines.append(f"| {claim} | " + " | ".join(marks) + f" | {sum(bool(h) for h in held[key])} of {measured} "
+                     f"seed{'s' * (measured != 1)}" + (f" ({n - measured} without the figure)" if measured < n else "") + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -197,12 +210,32 @@ def correlation_table(docs: Sequence[dict[str, Any]]) -> str:
 
 def points_table(docs: Sequence[dict[str, Any]]) -> str:
     """Markdown: every RL evaluation point of every seed with forgetting and its candidate predictors."""
-    lines = ["| seed | RL step | forgetting, nats/token | KL(π_SFT‖π), nats | ‖W − θ₀‖_F | ‖W − θ₀‖/‖W‖ | "
+    lines = ["| seed | RL step | forgetting, 10⁻³ nats/token | KL(π_SFT‖π), nats | ‖W − θ₀‖_F | ‖W − θ₀‖/‖W‖ | "
              "Mukherjee changed | rank-1 energy |", "|" + "---|" * 8]
     num = lambda v, f: "—" if v is None else format(v, f)  # noqa: E731
     for seed, p in _points(docs):
-        lines.append(f"| {seed} | {p.get('rl_step')} | {num(p['forgetting_nats'], '+.4f')} | "
+        lines.append(f"| {seed} | {p.get('rl_step')} | {num(p['forgetting_nats'] * 1e3, '+.3f')} | "
                      f"{num(p.get('forward_kl_nats'), '.3f')} | {num(p.get('drift_norm'), '.4f')} | "
                      f"{num(p.get('drift_ratio'), '.2e')} | {num(p.get('mukherjee_changed_share'), '.2%')} | "
                      f"{num(p.get('rank1_energy'), '.3f')} |")
     return "\n".join(lines) + "\n"
+
+
+def load_seed_files(folder: str | Path) -> list[dict[str, Any]]:
+    """Every ``seed*.json`` results file of ``folder``, ordered by seed."""
+    docs = [json.loads(f.read_text()) for f in Path(folder).glob("seed*.json")]
+    if not docs:
+        raise FileNotFoundError(f"{folder}: no seed*.json results file")
+    return sorted(docs, key=_seed)
+
+
+def render(docs: Sequence[dict[str, Any]]) -> str:
+    """The whole multi-seed Markdown: what ran (commands and wall times), the measures and verdicts per seed,
+    every RL evaluation point with forgetting and its candidates, and their rank correlations."""
+    steps = sorted({d["rl_steps"] for d in docs})
+    n = len(docs)
+    head = (f"{n} seed{'s' * (n != 1)} ({', '.join(str(_seed(d)) for d in docs)}), {'/'.join(map(str, steps))} RL "
+            f"steps, {docs[0]['held_out_n']} held-out problems each. Commands: "
+            + "; ".join(f"`{d['command']}` ({d['wall_s'] / 60:.0f} min)" for d in docs) + ".\n\n")
+    return (head + seeds_table(docs) + "\nForgetting against its candidate predictors, at every RL evaluation point:\n\n"
+            + points_table(docs) + "\nSpearman's ρ with forgetting over those points:\n\n" + correlation_table(docs))
