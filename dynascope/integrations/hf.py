@@ -120,8 +120,12 @@ class DynascopeCallback(GuardedCallback, transformers.TrainerCallback):
         original, scope = accelerator.backward, self.scope
 
         def backward(*args: Any, **kwargs: Any) -> Any:
-            with scope.phase("backward"):
+            cm = self._guard(lambda: _enter(scope.phase("backward")))  # a probe problem never stops the backward
+            try:
                 return original(*args, **kwargs)
+            finally:
+                if cm is not None:
+                    self._guard(lambda: cm.__exit__(None, None, None))
 
         timing.autograd_backward = False
         accelerator.backward = backward
