@@ -82,6 +82,12 @@ def test_correlations_pool_points_over_seeds_and_report_each_seed():
     assert rows["drift_norm"]["ci_low"] <= rows["drift_norm"]["value"] <= rows["drift_norm"]["ci_high"]
     assert rows["drift_ratio"]["points"] == 0 and rows["drift_ratio"]["value"] is None  # never recorded: no ρ
     assert math.isnan(spearman([0.05] * 6, forget)) and rows["mukherjee_changed_share"]["value"] is None
+    # across seeds at the same step: step 2 ranks drift (0.5, 0.6, 0.3) as forgetting (0.01, 0.03, 0.005): ρ = 1;
+    # step 4: drift (0.4, 0.7, 0.2) against (0.02, 0.04, 0.05): ρ = −0.5; their mean 0.25
+    assert rows["drift_norm"]["within_step"] == pytest.approx(0.25)
+    assert rows["forward_kl_nats"]["within_step"] == pytest.approx(1.0)
+    assert rows["rl_step"]["within_step"] is None  # the clock cannot rank seeds at one step
+    assert rows["rl_step"]["value"] == pytest.approx(spearman([2, 4, 2, 4, 2, 4], forget))
     table = correlation_table(DOCS)
     assert "| KL(π_SFT‖π) on the training task | 6 | +1.00 [" in table
     assert "| RL steps taken (the clock) | 6 |" in table

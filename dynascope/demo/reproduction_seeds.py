@@ -172,9 +172,29 @@ def _points(docs: Sequence[dict[str, Any]]) -> list[tuple[Any, dict[str, Any]]]:
             if p.get("forgetting_nats") is not None]
 
 
+def _across_seeds(x: np.ndarray, y: np.ndarray, seeds: list[Any], steps: list[Any]) -> tuple[float, Any]:
+    """Mean over RL steps of ρ across the seeds evaluated at that step (each step with 3 or more seeds), and
+    its bootstrap interval resampling seeds: does a seed that moved further by this measure forget more than
+    another seed at the same step? The clock is held fixed, so a measure that only counts steps scores nothing."""
+    names = list(dict.fromkeys(seeds))
+    by = {(s, t): i for i, (s, t) in enumerate(zip(seeds, steps, strict=True))}
+    common = [t for t in dict.fromkeys(steps) if sum((s, t) in by for s in names) >= 3]
+
+    def stat(pick: np.ndarray) -> float:
+        rhos = []
+        for t in common:
+            idx = [by[(names[k], t)] for k in pick if (names[k], t) in by]
+            rhos.append(spearman(x[idx], y[idx]) if len(idx) >= 3 else math.nan)
+        rhos = [r for r in rhos if math.isfinite(r)]
+        return float(np.mean(rhos)) if rhos else math.nan
+
+    return stat(np.arange(len(names))), bootstrap(len(names), stat) if common else None
+
+
 def forgetting_correlations(docs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per candidate: Spearman's ρ with forgetting over every (seed, evaluation point) pair, its 95% bootstrap
-    interval (pairs resampled), and ρ within each seed's points alone."""
+    interval (pairs resampled), ρ within each seed's points alone, and ρ across seeds at the same RL step
+    (``within_step``, the mean over steps, with its interval over seeds: ``_across_seeds``)."""
     pts = _points(docs)
     y = np.array([p["forgetting_nats"] for _, p in pts], dtype=np.float64)
     out = []
@@ -187,7 +207,11 @@ def forgetting_correlations(docs: Sequence[dict[str, Any]]) -> list[dict[str, An
         for seed in dict.fromkeys(s for s, _ in pts):
             mine = [i for i, (s, _) in enumerate(pts) if s == seed and ok[i]]
             seeds[seed] = spearman(x[mine], y[mine]) if len(mine) >= 3 else None
-        out.append({"candidate": col, "label": label, "points": int(ok.sum()), **iv.as_dict(), "per_seed": seeds})
+        kept = [pt for pt, good in zip(pts, ok, strict=True) if good]
+        value, within = _across_seeds(xs, ys, [s for s, _ in kept], [p.get("rl_step") for _, p in kept])
+        out.append({"candidate": col, "label": label, "points": int(ok.sum()), **iv.as_dict(), "per_seed": seeds,
+                    "within_step": value if math.isfinite(value) else None,
+                    "within_step_ci": (within.low, within.high) if within is not None else (None, None)})
     return out
 
 
@@ -196,15 +220,22 @@ def _rho(v: float | None) -> str:
 
 
 def correlation_table(docs: Sequence[dict[str, Any]]) -> str:
-    """Markdown: Spearman's ρ of each candidate with forgetting, pooled [bootstrap 95%] and per seed."""
+    """Markdown: Spearman's ρ of each candidate with forgetting, pooled [bootstrap 95%], per seed, and across
+    seeds at the same RL step."""
     rows = forgetting_correlations(docs)
     seeds = [_seed(d) for d in docs]
     lines = ["| candidate | points | ρ with forgetting, pooled [95% bootstrap] | "
-             + " | ".join(f"ρ, seed {s}" for s in seeds) + " |", "|" + "---|" * (3 + len(seeds))]
+             + " | ".join(f"ρ, seed {s}" for s in seeds)
+             + " | ρ across seeds at the same RL step, mean over steps [95% bootstrap over seeds] |",
+             "|" + "---|" * (4 + len(seeds))]
+
+    def shown(v: float | None, lo: float | None, hi: float | None) -> str:
+        return _rho(v) + (f" [{_rho(lo)}, {_rho(hi)}]" if lo is not None else "")
+
     for r in rows:
-        pooled = _rho(r["value"]) + (f" [{_rho(r['ci_low'])}, {_rho(r['ci_high'])}]" if r.get("ci_low") is not None else "")
-        lines.append(f"| {r['label']} | {r['points']} | {pooled} | "
-                     + " | ".join(_rho(r["per_seed"].get(s)) for s in seeds) + " |")
+        lines.append(f"| {r['label']} | {r['points']} | {shown(r['value'], r.get('ci_low'), r.get('ci_high'))} | "
+                     + " | ".join(_rho(r["per_seed"].get(s)) for s in seeds)
+                     + f" | {shown(r['within_step'], *r['within_step_ci'])} |")
     return "\n".join(lines) + "\n"
 
 
