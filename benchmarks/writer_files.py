@@ -99,6 +99,7 @@ def main() -> None:
     ap.add_argument("--grace-s", type=float, default=0.25)
     args = ap.parse_args()
     own_fold.SETTLE_S, own_fold.GRACE_S = args.settle_s, args.grace_s
+    own_fold.DELETE_PERIOD_S, own_fold.DELETE_WINDOW_S = 10 * args.settle_s, 1.25 * args.settle_s  # as 20 s, 2.5 s to 2 s
     root = Path(tempfile.mkdtemp(prefix="dynascope-files-"))
     m = Mount(root)
     backing, mnt, ops_file = m.backing, m.path, m.ops

@@ -22,9 +22,11 @@ FLUSHES = 120
 
 @pytest.fixture
 def quick(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Settle and grace scaled down with the flush interval (0.05 s here, 2 s by default)."""
+    """Settle, grace and deletion windows scaled down with the flush interval (0.05 s here, 2 s by default)."""
     monkeypatch.setattr(own_fold, "SETTLE_S", 0.05)
     monkeypatch.setattr(own_fold, "GRACE_S", 0.25)
+    monkeypatch.setattr(own_fold, "DELETE_PERIOD_S", 0.5)
+    monkeypatch.setattr(own_fold, "DELETE_WINDOW_S", 0.1)
 
 
 def _own(run: Path, table: str, writer_id: str) -> tuple[int, int]:
@@ -101,8 +103,7 @@ def test_folding_beside_dynascope_compact_loses_and_doubles_nothing(tmp_path: Pa
 
 def test_a_writer_told_not_to_fold_keeps_every_segment(tmp_path: Path, quick: None) -> None:
     run = tmp_path / "r"
-    w = RunWriter(run, flush_secs=0.02)
-    w.fold = False
+    w = RunWriter(run, flush_secs=0.02, fold=False)
     _flush_many(w, 3 * own_fold.KEEP)
     w.close()
     assert _own(run, "scalars", w.writer_id) == (3 * own_fold.KEEP, 3 * own_fold.KEEP)

@@ -9,13 +9,17 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from dynascope.store import RunWriter, open_store
 from dynascope.store.compact import compact_store
 from dynascope.store.layout import list_segments, segment_name, valid_from_us
 from dynascope.store.live import live_files
 
+from helpers.as_written import as_written  # noqa: F401 - the fixture pytestmark names
 from helpers.waiting import wait_until
+
+pytestmark = pytest.mark.usefixtures("as_written")  # compaction's input: runs as written
 
 
 def segments(run, table="scalars"):

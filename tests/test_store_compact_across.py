@@ -11,6 +11,7 @@ import time
 
 import duckdb
 import numpy as np
+import pytest
 
 from dynascope.demo.synthetic import ClusterSpec
 from dynascope.store import RunWriter, live_files, open_store
@@ -23,8 +24,11 @@ from dynascope.store.rollup_across import BY_TENSOR, covers
 from dynascope.store.schema import TABLES
 from dynascope.store.snapshot import open_snapshot
 
+from helpers.as_written import as_written  # noqa: F401 - the fixture pytestmark names
 from helpers.cluster_truth import planted_cluster
 from helpers.waiting import wait_until
+
+pytestmark = pytest.mark.usefixtures("as_written")  # compaction's input: runs as written
 
 SMALL = ClusterSpec(ranks=64, steps=6, layers=1, tensor_every=3, checkpoint_every=3, samples_per_worker=8)
 # The tables writers write; compaction adds its own rollup across ranks (BY_TENSOR) once a run is finished.

@@ -12,13 +12,17 @@ from dynascope.store import RunWriter, StoreError, open_store, run_sql
 from dynascope.store.catalog import list_runs
 from dynascope.store.compact import compact_store
 
+from helpers.as_written import as_written  # noqa: F401 - the fixture pytestmark names
+
+pytestmark = pytest.mark.usefixtures("as_written")  # compaction's input: runs as written
+
 FUZZ = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory):
     run = tmp_path_factory.mktemp("fuzz") / "r"
-    with RunWriter(run) as w:
+    with RunWriter(run, fold=False) as w:  # its own segments as written: the fuzz corrupts a writer's segment
         w.append("scalars", {"step": list(range(50)), "key": "k", "value": 0.5})
         w.append("tensor_stats", {"step": 1, "tensor": ["a", "b"], "w_norm": [1.0, 2.0]})
     return run

@@ -13,6 +13,10 @@ import pytest
 from dynascope.store import RunWriter, lease_lock, open_store
 from dynascope.store.compact import compact_store
 
+from helpers.as_written import as_written  # noqa: F401 - the fixture pytestmark names
+
+pytestmark = pytest.mark.usefixtures("as_written")  # compaction's input: runs as written
+
 
 @pytest.fixture
 def no_flock(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -21,7 +21,10 @@ from dynascope.store.live import list_run
 from dynascope.store.rollup_across import BY_TENSOR
 from dynascope.store.snapshot import LEASES, held_leases, open_snapshot, take_lease
 
+from helpers.as_written import as_written  # noqa: F401 - the fixture pytestmark names
 from helpers.fleet_runs import write_synthetic_run
+
+pytestmark = pytest.mark.usefixtures("as_written")  # compaction's input: runs as written
 
 V1 = Path(__file__).parent / "fixtures" / "v1run"
 
@@ -174,3 +177,37 @@ def test_the_views_at_a_past_moment_do_not_move_while_a_writer_commits(tmp_path)
     finally:
         snap.release()
         w.close()
+
+
+def test_the_python_rule_reads_what_the_sql_rule_reads_on_random_listings() -> None:
+    """``live_paths`` (compaction's and the own fold's evaluation) against ``live_sql`` (the views'), on
+    random listings: writers with and without commit records, commits in effect or not, merges of
+    overlapping ranges in effect or not, ties broken by name, moments between them all."""
+    import random
+
+    from dynascope.store.live import live_paths
+
+    rng = random.Random(7)
+    checked = 0
+    for _ in range(60):
+        listing, base = [], 1_700_000_000_000_000
+        for run in ("/s/a", "/s/b"):
+            for w in ("writer=r0-x", "writer=r1-y", "writer=_merged"):
+                keeps = w != "writer=_merged" and rng.random() < 0.8
+                if keeps:
+                    listing.append(f"{run}/{COMMITS}/{w}/begin.json")
+                n = rng.randint(0, 12)
+                for lo in range(n):
+                    listing.append(f"{run}/scalars/{w}/{lo:012d}-{lo:012d}.parquet")
+                    if keeps and rng.random() < 0.7:
+                        t = base + rng.randint(0, 10) * 1000
+                        listing.append(f"{run}/{COMMITS}/{w}/{lo:012d}-{lo:012d}.v{t}.json")
+                for _ in range(rng.randint(0, 4)):  # merges, some of the same range (the name decides)
+                    lo = rng.randint(-1, max(n - 1, 0))
+                    hi = rng.randint(lo, n + 1)
+                    listing.append(f"{run}/scalars/{w}/{lo:012d}-{hi:012d}.v{base + rng.randint(0, 10) * 1000}.parquet")
+        for at in (base - 1, base + 3_000, base + 5_500, base + 20_000):
+            sql = {e for e in live_files_in(listing, None, at)}
+            assert live_paths(listing, at) == sql, at
+            checked += len(sql)
+    assert checked > 500

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 from typer.testing import CliRunner
 
 from dynascope.cli import app
@@ -22,9 +23,12 @@ from dynascope.store import flush as flush_mod
 from dynascope.store.compact import compact_store
 from dynascope.store.layout import COMMITS, list_segments
 
+from helpers.as_written import as_written  # noqa: F401 - the fixture pytestmark names
 from helpers.rollup_reference import NAIVE, NAIVE_BY_LAYER, ROLLED_BY_LAYER
 from helpers.rollup_reference import batch as _batch
 from helpers.rollup_reference import same as _same
+
+pytestmark = pytest.mark.usefixtures("as_written")  # compaction's input: runs as written
 
 ROLLUPS = ("tensor_stats_by_kind", "tensor_stats_by_layer")
 # tensor_stats_by_kind summed per group, in NAIVE's column order: a step may have rows in several segments.

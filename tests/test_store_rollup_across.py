@@ -15,6 +15,10 @@ from dynascope.store import RunWriter, open_store
 from dynascope.store.compact import compact_store
 from dynascope.store.rollup_across import BY_TENSOR, covers
 
+from helpers.as_written import as_written  # noqa: F401 - the fixture pytestmark names
+
+pytestmark = pytest.mark.usefixtures("as_written")  # compaction's input: runs as written
+
 Q, MLP, EMB = "model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.up_proj.weight", "model.embed_tokens.weight"
 READERS = {"delta_sync_bytes": lambda s, r: delta_sync_bytes(s, r),
            "delta_sync_bytes rl": lambda s, r: delta_sync_bytes(s, r, stage="rl"),

@@ -30,30 +30,23 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import duckdb
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from dynascope.core.errors import StoreError, first_line
 from dynascope.store import lease_lock
-from dynascope.store._columns import parquet_options
-from dynascope.store.compact_across import AcrossStats, fold_writers, remove_spent
+from dynascope.store.compact_across import AcrossStats, fold_writers
 from dynascope.store.finished import done_writers
-from dynascope.store.layout import locate, segment_name, valid_from_us
-from dynascope.store.repair import REPAIR_AFTER_S, RepairResult, conform, repair_rollups
+from dynascope.store.layout import locate
+from dynascope.store.merge import merge_segments, remove_merged
+from dynascope.store.repair import REPAIR_AFTER_S, RepairResult, repair_rollups
 from dynascope.store.rollup_across import BY_TENSOR, all_done, refresh
-from dynascope.store.runfiles import FOREVER_US, RunFiles, Seg, num_rows
-from dynascope.store.schema import TABLES
-from dynascope.store.snapshot import held_leases
+from dynascope.store.runfiles import FOREVER_US, RunFiles, num_rows
 
-LOCK = ".compact.lock"
-# Temp files of a writer or compactor that died are removed only when older than this (a live one may be
-# writing a large segment right now).
-_STALE_TMP_S = 3600.0
+LOCK = lease_lock.RUN_LOCK
 
 
 @dataclass
@@ -161,23 +154,17 @@ def _fold(files: RunFiles, repair: RepairResult, done: dict[str, bool], settle_u
 
 
 def _remove(files: RunFiles, grace_s: float, stats: CompactStats, closed: set[str]) -> int:
-    """Delete what no query reads any more (``_remove_expired`` per writer directory), then the commit
-    records none of whose segments is left, then the covers of folded writers that hide nothing any more
-    (``compact_across.remove_spent``). A segment live at a held lease's moment stays, covers included."""
-    leases, problems = held_leases(files.run_dir)
-    stats.skipped += [p for p in problems if p not in stats.skipped]
-    pinned = frozenset().union(*(files.live(lease.snapshot_us) for lease in leases))
-    now_us = time.time_ns() // 1000  # one moment for the whole run: the rule is evaluated once, not per directory
-    removed = sum(_remove_expired(files, wdir, segs, grace_s, pinned, now_us) for wdir, _, segs in files.writer_dirs())
-    for path in files.spent_commits():
-        path.unlink(missing_ok=True)
-        stats.removed_commits += 1
-    return removed + remove_spent(files, grace_s, pinned, closed)
+    """Delete what no query reads any more (``merge.remove_merged``), counted into ``stats``; returns the
+    segments removed."""
+    done = remove_merged(files, grace_s, closed)
+    stats.skipped += [p for p in done.skipped if p not in stats.skipped]
+    stats.removed_commits += done.commits
+    return done.segments
 
 
 def _run_lock(run_dir: Path) -> contextlib.AbstractContextManager[bool]:
-    """The run's compaction lock (``lease_lock.exclusive``); yields whether it was taken."""
-    return lease_lock.exclusive(run_dir / LOCK)
+    """The run's compaction lock (``lease_lock.run_lock``); yields whether it was taken."""
+    return lease_lock.run_lock(run_dir)
 
 
 def _merge_dir(table: str, live: list[tuple[int, int, Path]], settle_us: int, target_rows: int,
@@ -190,7 +177,7 @@ def _merge_dir(table: str, live: list[tuple[int, int, Path]], settle_us: int, ta
         n = num_rows(seg[2]) if seg is not None else 0
         if seg is None or (group and rows + n > target_rows):
             if len(group) >= 2:
-                last_valid = _merge(table, group, settle_us)
+                last_valid = merge_segments(table, group, settle_us)
                 stats.merged_segments += len(group)
                 stats.new_segments += 1
                 stats.rows_merged += rows
@@ -199,70 +186,3 @@ def _merge_dir(table: str, live: list[tuple[int, int, Path]], settle_us: int, ta
             group.append(seg)
             rows += n
     return last_valid
-
-
-def _merge(table: str, group: list[tuple[int, int, Path]], settle_us: int) -> int:
-    """Write the merged segment; returns its valid_from (µs)."""
-    schema = TABLES[table]
-    wdir = group[0][2].parent
-    tmp = wdir / f".merge-{group[0][0]}-{group[-1][1]}.{uuid.uuid4().hex[:8]}.tmp"
-    expected = 0
-    try:
-        with pq.ParquetWriter(tmp, schema, **parquet_options(schema)) as writer:
-            for _, _, src in group:
-                pf = pq.ParquetFile(src)
-                expected += pf.metadata.num_rows
-                for batch in pf.iter_batches(batch_size=262_144):
-                    writer.write_table(conform(pa.Table.from_batches([batch]), table))
-        got = pq.ParquetFile(tmp).metadata.num_rows
-        if got != expected:
-            raise OSError(f"merged file has {got} rows, its sources {expected}")
-        # valid_from is taken only now, just before the rename: the file exists before it takes effect,
-        # however long the merge took.
-        valid_from = time.time_ns() // 1000 + settle_us
-        os.replace(tmp, wdir / segment_name(group[0][0], group[-1][1], valid_from))
-    finally:
-        tmp.unlink(missing_ok=True)
-    return valid_from
-
-
-def _remove_expired(files: RunFiles, wdir: Path, segs: list[Seg], grace_s: float, pinned: frozenset[str],
-                    now_us: int) -> int:
-    """Delete segments no query has read for ``grace_s`` (unless a lease pins them), segments of flushes
-    that were never committed, and stale temp files.
-
-    A segment stops being read when the first merged file containing it takes effect; later merges contain
-    that one in turn, so from then on every new query reads a cover instead. The grace counts from that
-    first cover, not from the newest: with passes more frequent than ``grace_s`` during a live run, each
-    pass re-merges the previous merged file with the new segments, and a cover that young never ages."""
-    live_set = files.live(now_us)
-    # Covers are merged files (a writer's own segments are disjoint), in effect now.
-    covers = [(lo, hi, p, valid_from_us(p)) for lo, hi, p in segs if 0 < valid_from_us(p) <= now_us]
-    removed = 0
-    for lo, hi, path in segs:
-        if str(path) in live_set or str(path) in pinned:
-            continue
-        key = (lo, -hi, path.name)  # the rule's order: a cover sorts before what it covers
-        since = min((v for clo, chi, cp, v in covers if clo <= lo and hi <= chi and (clo, -chi, cp.name) < key),
-                    default=None)
-        stale = files.uncommitted(wdir, (lo, hi, path)) and _age_s(path) >= _STALE_TMP_S
-        if (since is not None and (now_us - since) / 1e6 >= grace_s) or stale \
-                or files.never_committed(wdir, (lo, hi, path)):
-            path.unlink(missing_ok=True)
-            removed += 1
-    now = time.time()
-    for f in wdir.iterdir():
-        try:
-            if f.name.startswith(".") and f.name.endswith(".tmp") and now - f.stat().st_mtime >= max(grace_s, _STALE_TMP_S):
-                f.unlink()  # left by a writer or compactor that died mid-write
-                removed += 1
-        except FileNotFoundError:
-            pass
-    return removed
-
-
-def _age_s(path: Path) -> float:
-    try:
-        return time.time() - path.stat().st_mtime
-    except FileNotFoundError:
-        return 0.0

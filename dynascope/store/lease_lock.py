@@ -28,10 +28,11 @@ from pathlib import Path
 
 from dynascope.core.clock import now_us
 
-__all__ = ["LEASE_FILE", "LEASE_TTL_S", "acquire", "exclusive", "release", "writer_lock"]
+__all__ = ["LEASE_FILE", "LEASE_TTL_S", "RUN_LOCK", "acquire", "exclusive", "release", "run_lock", "writer_lock"]
 
 LEASE_FILE = "_compact.lease"
 LEASE_TTL_S = 600.0  # far beyond one run's compaction pass; a crashed holder's lease frees after it
+RUN_LOCK = ".compact.lock"  # <run>/.compact.lock: one compactor of a run at a time
 
 
 def _read(path: Path) -> dict | None:
@@ -97,6 +98,12 @@ def exclusive(lock_path: Path, lease_name: str = LEASE_FILE) -> Iterator[bool]:
         yield True
     finally:
         fh.close()
+
+
+def run_lock(run_dir: Path) -> contextlib.AbstractContextManager[bool]:
+    """The run's compaction lock (``<run>/.compact.lock``): ``dynascope compact`` and the fold that puts a
+    finished run at rest (``at_rest``) take it, so one of them at a time merges across the run's writers."""
+    return exclusive(run_dir / RUN_LOCK)
 
 
 def writer_lock(run_dir: Path, writer_id: str) -> contextlib.AbstractContextManager[bool]:

@@ -1,16 +1,18 @@
 """A live writer folds its own segments, so it holds a bounded number of files however long it runs.
 
-Each flush adds a segment per table it wrote. Every ``KEEP // 2`` flushes the writer thread merges, in
+Each flush adds a segment per table it wrote. Every ``EVERY`` (4) flushes the writer thread merges, in
 each table's directory, the run of adjacent live segments whose rows add up least and whose merge leaves
-``KEEP // 2``, in one merge, so a table never holds more than ``KEEP`` live segments: each new small
+``LEAVE`` (3), in one merge, so a table holds at most ``LEAVE + EVERY`` (7) live segments, and ``KEEP`` (8)
+with the one flush that may land while the merge settles (``SETTLE_S`` is the default flush interval): each new small
 segment joins its small neighbours first, so a row is rewritten a few times over a run rather than at
-every fold. The merge is compaction's own (``compact``:
+every fold. The merge is compaction's own (``merge``, which ``dynascope compact`` uses too:
 a merged file ``<lo>-<hi>.v<valid_from>`` takes effect ``SETTLE_S`` after it is written and covers its
 sources for every query that starts later), under the writer's own lock (``lease_lock.writer_lock``),
 which ``dynascope compact`` takes too before it merges in a writer's directory, so the two never write
 overlapping merges while the writers of a run never wait on each other; a writer that finds its lock
-taken tries again at its next flush. A source is deleted ``GRACE_S`` after its cover took effect, then the commit records none
-of whose segments is left. A query that began before and still opens a deleted source runs again
+taken tries again at its next flush. A source is deleted ``GRACE_S`` after its cover took effect, in the
+first deletion window after that (``DELETE_PERIOD_S``), then the commit records none of whose segments is
+left. A query that began before and still opens a deleted source runs again
 (``reader.retry_vanished``), so the grace can be short: it bounds the files on disk, not the live ones.
 
 Only the writer's own directories are listed (one directory per table and its commit records), never
@@ -20,38 +22,70 @@ a fold that fails leaves every file as it was (the merged file is renamed into p
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dynascope.store import lease_lock
 from dynascope.store.layout import COMMITS, SEGMENT_RE
 from dynascope.store.live import FOREVER_US, Entry
+from dynascope.store.merge import merge_segments, remove_merged
 from dynascope.store.runfiles import RunFiles, Seg, num_rows
 from dynascope.store.schema import TABLES
 
-__all__ = ["GRACE_S", "KEEP", "SETTLE_S", "after_flush", "fold_own"]
+__all__ = ["DELETE_PERIOD_S", "DELETE_WINDOW_S", "EVERY", "GRACE_S", "KEEP", "LEAVE", "SETTLE_S", "Upkeep",
+           "fold_own", "tend"]
 
-KEEP = 8  # live segments per table a writer holds after a fold
+KEEP = 8  # live segments per table a writer holds at most
 SETTLE_S = 2.0  # a merged file takes effect this long after it is written (compact's settle_s)
 GRACE_S = 10.0  # a merged-away source is deleted this long after its cover took effect
 MAX_ROWS = 4_000_000  # a merge never makes a file of more rows (compact's target_rows)
 
 
-def after_flush(writer: Any) -> None:
-    """The writer thread's call after each flush that wrote segments: every ``KEEP // 2`` flushes, fold down
-    to ``KEEP // 2`` live segments per table, so a table never holds more than ``KEEP``. A writer whose
-    ``fold`` attribute is False never folds. Never raises."""
-    every = max(KEEP // 2, 1)
-    writer._flushes_unfolded = getattr(writer, "_flushes_unfolded", 0) + 1
-    if writer._flushes_unfolded < every or getattr(writer, "fold", True) is False:
+EVERY = max(KEEP // 2, 1)  # committed flushes between two folds
+LEAVE = max(KEEP - EVERY - 1, 1)  # live segments a fold leaves in a table: one flush may land as it settles
+# Deletions happen only in the first DELETE_WINDOW_S of each DELETE_PERIOD_S of the wall clock, the same
+# windows for every writer of a run. A query binds every file its glob lists, live or not, so a deletion
+# anywhere in a table sends a query of it running again (``reader.retry_vanished``); a thousand writers
+# deleting whenever their folds end would hit every query of the live run, again and again. Outside the
+# windows nothing is deleted, so a query that meets one runs again once it is over. The window is wider
+# than the default flush interval, so the writer's thread wakes inside each one.
+DELETE_PERIOD_S = 20.0
+DELETE_WINDOW_S = 2.5
+
+
+@dataclass
+class Upkeep:
+    """A writer's fold bookkeeping, kept by its flushes and its thread."""
+
+    flushes: int = 0  # committed flushes since its last fold
+    deleted_in: int = -1  # the last deletion window it deleted in
+
+
+def tend(writer: Any) -> None:
+    """The writer thread's call at each wake: fold once ``EVERY`` flushes were committed since the last
+    fold (explicit ``flush()`` calls included) down to ``LEAVE`` live segments per table, and, once per
+    deletion window, delete what its folds merged away. A writer whose ``fold`` is False does neither.
+    Never raises."""
+    up: Upkeep = writer.upkeep
+    if not writer.fold:
         return
-    writer._flushes_unfolded = 0
+    window = int(time.time() // DELETE_PERIOD_S)
+    delete = time.time() % DELETE_PERIOD_S < DELETE_WINDOW_S and up.deleted_in != window
+    if up.flushes < EVERY and not delete:
+        return
     try:
-        if fold_own(writer.run_dir, writer.writer_id, keep=every, settle_s=SETTLE_S, grace_s=GRACE_S) is None:
-            writer._flushes_unfolded = every  # `dynascope compact` is in its directories: again at the next flush
+        merges = fold_own(writer.run_dir, writer.writer_id, keep=LEAVE, settle_s=SETTLE_S, grace_s=GRACE_S,
+                          delete=delete, merge=up.flushes >= EVERY)
     except Exception as exc:  # a fold is housekeeping: the rows are already committed
+        up.flushes = 0
         writer._problem("fold_error", f"folding its own segments failed ({type(exc).__name__}: {exc}); "
                                       "the segments stay as written")
+        return
+    if merges is not None:  # else `dynascope compact` is in its directories: again at the next wake
+        up.flushes = 0 if up.flushes >= EVERY else up.flushes
+        up.deleted_in = window if delete else up.deleted_in
 
 
 def _listing(run_dir: Path, writer_id: str, tables: tuple[str, ...] = tuple(TABLES)) -> list[Entry]:
@@ -74,16 +108,17 @@ def _listing(run_dir: Path, writer_id: str, tables: tuple[str, ...] = tuple(TABL
 
 
 def fold_own(run_dir: Path, writer_id: str, keep: int = KEEP, settle_s: float = SETTLE_S,
-             grace_s: float = GRACE_S) -> int | None:
-    """Merge this writer's segments down to ``keep`` live ones per table and delete what no query reads any
-    more; returns the merges written, or None when a ``compact`` holds the writer's lock."""
-    from dynascope.store import compact  # compaction's merge and deletion rules
-
+             grace_s: float = GRACE_S, *, delete: bool = True, merge: bool = True) -> int | None:
+    """Delete what no query of this writer's segments reads any more (``delete``) and merge them down to
+    ``keep`` live ones per table (``merge``); returns the merges written, or None when a ``compact`` holds
+    the writer's lock."""
     with lease_lock.writer_lock(run_dir, writer_id) as locked:
         if not locked:
             return None
-        stats = compact.CompactStats()
-        compact._remove(RunFiles.parse(run_dir, _listing(run_dir, writer_id)), grace_s, stats, set())
+        if delete:
+            remove_merged(RunFiles.parse(run_dir, _listing(run_dir, writer_id)), grace_s)
+        if not merge:
+            return 0
         # One listing and one evaluation of the rule for every table: each merge touches its own directory only.
         files = RunFiles.parse(run_dir, _listing(run_dir, writer_id))
         merge_live: frozenset[str] | None = None
@@ -97,7 +132,7 @@ def fold_own(run_dir: Path, writer_id: str, keep: int = KEEP, settle_s: float = 
             live = [s for s in segs if str(s[2]) in merge_live]
             group = _cheapest_run(files, live, len(live) - keep + 1)
             if group is not None:
-                compact._merge(table, group, settle_us)
+                merge_segments(table, group, settle_us)
                 merges += 1
     return merges
 

@@ -26,7 +26,7 @@ import duckdb
 import pyarrow as pa
 
 from dynascope.core.errors import StoreError, first_line
-from dynascope.store import projection
+from dynascope.store import at_rest, projection
 from dynascope.store.layout import StoreLocation, locate
 from dynascope.store.live import MAX_CLOCK_SKEW_US, live_sql
 from dynascope.store.pooling import GLOBAL, global_sql
@@ -199,7 +199,9 @@ def open_store(path: str | os.PathLike, read_only: bool = True, threads: int | N
     """Open a run directory or a store root as a DuckDB connection with one view per table.
 
     Each query reads the segments live when it starts; with ``at_us`` (µs since the epoch), the segments
-    that were live then (a ``snapshot``'s ``at_us``: its lease keeps them on disk).
+    that were live then (a ``snapshot``'s ``at_us``: its lease keeps them on disk). A finished run whose
+    writers were not folded together (its last writer's close ran out of time, or it was killed) is folded
+    on a thread of this process (``at_rest.settle_later``), so later opens read a few files per table.
 
     Raises ``StoreError`` (one-line message) for a missing path, a directory that is not a store, or a run
     written with a newer schema.
@@ -235,6 +237,8 @@ def open_store(path: str | os.PathLike, read_only: bool = True, threads: int | N
     except duckdb.Error as exc:
         con.close()
         raise StoreError(explain_error(exc, f"{loc.path}: could not open store")) from None
+    for run_dir in loc.run_dirs:  # a finished run left untidy is folded behind this reader, for the next one
+        at_rest.settle_later(run_dir)
     return StoreConnection(con, loc, read_only)
 
 

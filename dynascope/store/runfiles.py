@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 
 from dynascope.core.errors import first_line
 from dynascope.store.layout import SEGMENT_RE
-from dynascope.store.live import FOREVER_US, Entry, list_run, live_files_in
+from dynascope.store.live import FOREVER_US, Entry, list_run, live_paths
 
 COMMIT_RE = re.compile(r"^(\d{12})-(\d{12})\.v(\d{1,20})\.json$")
 
@@ -57,7 +57,7 @@ class RunFiles:
         """Paths of the segments live at ``at_us`` (default: now; ``FOREVER_US``: every merge in effect)."""
         at = time.time_ns() // 1000 if at_us is None else at_us
         if at not in self._live:
-            self._live[at] = frozenset(e.path for e in live_files_in(self.listing, None, at))
+            self._live[at] = live_paths((e.path for e in self.listing), at)
         return self._live[at]
 
     def writer_dirs(self, schema_too: bool = False):

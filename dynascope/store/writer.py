@@ -5,7 +5,10 @@ touches the disk, so it cannot block training (unless ``max_block_s`` asks it to
 thread converts the queued batches to Arrow and writes them every ``flush_rows`` rows or ``flush_secs``
 seconds, and at ``close``/atexit, as one commit (``flush``: a table's segment with its rollups, and one
 commit record naming them); it also touches the writer's heartbeat file so ``dynascope runs`` can tell
-live from crashed. ``close`` records a ``run_end`` event, within its timeout whatever the disk does.
+live from crashed. Every few flushes the thread folds the writer's own segments (``own_fold``), so each
+table of it holds a bounded number of files. ``close`` records a ``run_end`` event, within its timeout
+whatever the disk does, and the run's last writer to close folds the run's writers together
+(``writer_close``, ``at_rest``).
 
 Failures never propagate into the caller: a failed write keeps its rows as they were encoded (``backlog``;
 bounded with the buffer by ``max_buffer_rows`` and ``max_buffer_bytes``, oldest dropped first and counted),
@@ -20,7 +23,6 @@ import json
 import os
 import socket
 import threading
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -30,7 +32,7 @@ import pyarrow as pa
 from dynascope.core.clock import now_us
 from dynascope.core.version import __version__
 from dynascope.core.warn import warn
-from dynascope.store import lineage, open_writers, own_fold, preempt
+from dynascope.store import at_rest, lineage, open_writers, own_fold, preempt, writer_close
 from dynascope.store.backlog import Backlog, Backoff
 from dynascope.store.buffer import TableBuffer, batch_len, drop_oldest, salvage, to_arrow
 from dynascope.store.flush import (
@@ -60,6 +62,9 @@ class RunWriter:
             retry); beyond either the oldest batches are dropped and counted.
         max_block_s: how long ``append`` may wait for room before dropping (0, the default: never blocks).
         run_name, world_size, framework, config: recorded in ``runs`` by the process that creates the run.
+        fold: keep its files bounded: fold its own segments every few flushes (``own_fold``) and, as the
+            run's last writer to close, the run's writers together (``at_rest``). Default: on, unless the
+            environment sets ``DYNASCOPE_FOLD=0`` (``at_rest.auto_fold``).
     """
 
     def __init__(
@@ -78,6 +83,7 @@ class RunWriter:
         framework: str = "pytorch",
         config: dict | None = None,
         compression: str = "auto",
+        fold: bool | None = None,
     ) -> None:
         self.run_dir = Path(run_dir).expanduser().resolve()
         self.rank, self.role = int(rank), str(role)
@@ -87,6 +93,9 @@ class RunWriter:
         self.compression = compression
         self.writer_id = safe_id(f"r{self.rank}-{self.role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
         self.rows_written = 0
+        # fold its own segments (``own_fold``) and, closing last, the run's (``at_rest``)
+        self.fold = at_rest.auto_fold() if fold is None else bool(fold)
+        self.upkeep = own_fold.Upkeep()  # its fold's bookkeeping: flushes since the last, deletion windows
         self.rows_dropped = 0
         self.write_errors = 0
         self._seq = 0
@@ -218,9 +227,9 @@ class RunWriter:
                 self.flush()
             except Exception as exc:  # never let the thread die silently
                 self._problem("writer_error", f"flush failed: {type(exc).__name__}: {exc}")
-            if self._seq != seq:  # it wrote: give Arrow's memory back, and now and then fold its own segments
+            if self._seq != seq:  # it wrote: give Arrow's memory back
                 release_arrow_memory()
-                own_fold.after_flush(self)
+            own_fold.tend(self)  # every few flushes (explicit ones too), fold its own segments
 
     def flush(self) -> None:
         """Write everything buffered now as one commit (called by the thread; safe to call from anywhere)."""
@@ -243,6 +252,7 @@ class RunWriter:
             except Exception as exc:
                 done = Flushed(failed=[(g, exc) for g in groups], next_seq=self._seq)
             self._seq = done.next_seq
+            self.upkeep.flushes += bool(done.committed)
             # rows_written counts what was appended, not derived rows
             self.rows_written += sum(a.num_rows for g in done.committed for t, a in g.parts if t not in ROLLUP_TABLES)
             for g, err in done.failed:
@@ -336,57 +346,11 @@ class RunWriter:
 
     # ---- shutdown -----------------------------------------------------------------------------------
     def close(self, timeout_s: float = 30.0) -> None:
-        """Flush what is buffered and stop the thread, within ``timeout_s`` whatever the disk does. Idempotent.
-
-        The last flushes run on a thread of their own: on a stalled file system (an NFS or Lustre hang)
-        ``close`` returns at the deadline and reports the rows still unwritten; a flush that lands later
-        is whole (its commit record), and a writer without ``run_end`` reads as crashed."""
-        if self._closed:
-            return
-        deadline = time.monotonic() + timeout_s
-        with self._lock:
-            self._closed = True
-            self._wake.notify_all()
-            self._room.notify_all()
-        self._thread.join(timeout_s)
-        last = threading.Thread(target=self._final_flushes, name=f"dynascope-writer-close-{self.rank}", daemon=True)
-        last.start()
-        last.join(max(deadline - time.monotonic(), 0.0))
-        if last.is_alive():
-            with self._lock:
-                pending = self._buffered + self._backlog.rows
-            self.close_timed_out = True
-            self._problem("close_timeout", f"close gave up after {timeout_s:g} s with the disk not answering: "
-                          f"{pending} rows still buffered and a flush in progress; they are written if the disk "
-                          "comes back before the process exits", emit_event=False)
-        open_writers.discard(self)
-
-    def _final_flushes(self) -> None:
-        for attempt in range(4):  # later passes write events produced by earlier ones, and retry failed writes
-            if attempt == 1:
-                # run_end lets `dynascope runs` tell a finished run from a crashed one (one per writer).
-                with self._lock:
-                    self._pending_events.append({
-                        "event": "run_end", "severity": "info", "message": "writer closed",
-                        "writer_id": self.writer_id, "rows_written": self.rows_written,
-                        "rows_dropped": self.rows_dropped, "write_errors": self.write_errors})
-            try:
-                self.flush()
-            except Exception as exc:
-                self._problem("writer_error", f"final flush failed: {type(exc).__name__}: {exc}", emit_event=False)
-            if attempt >= 1 and not self._pending_events and not self._buffered and not self._backlog.rows:
-                break
-        with self._lock:
-            lost = self._buffered + self._backlog.rows
-            self._buffers = {t: TableBuffer() for t in TABLES}
-            self._buffered = self._buffered_bytes = 0
-            self._backlog, self._pending_events = Backlog(), []  # (the lock stays: close may still hold it)
-        if lost:
-            self.rows_dropped += lost
-            self._problem("rows_lost", f"{lost} rows could not be written before close and were dropped",
-                          emit_event=False)
-        self._heartbeat()
-        release_arrow_memory()  # the final flushes ran on this thread: its heap kept their pages
+        """Flush what is buffered and stop the thread, within ``timeout_s`` whatever the disk does; the run's
+        last writer to close also folds the run's writers together in what is left of it (``writer_close``,
+        ``at_rest``). Idempotent."""
+        if not self._closed:
+            writer_close.close_writer(self, timeout_s)
 
     def __enter__(self) -> RunWriter:
         return self

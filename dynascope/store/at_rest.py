@@ -1,0 +1,162 @@
+"""A finished run at rest: once none of its writers will write again, their directories are folded together
+and what that leaves behind is deleted, so the run holds a few files per table with no manual command.
+
+Who does it: the last writer to close (``RunWriter.close``, on its closing thread, within close's deadline),
+and any reader that opens a finished run left untidy (``open_store``, on a thread of its own, once per run
+per process; neither with ``DYNASCOPE_FOLD=0``), the way ``dynascope compact`` would and under its lock (``lease_lock.run_lock``): one of them
+at a time. A writer leaves ``_writers/<id>.closed`` once its ``run_end`` is committed and its thread has
+stopped; the run is finished when every writer with a heartbeat has that marker or a heartbeat older than a
+crashed writer's (twice its flush interval plus ``finished.CRASHED_MARGIN_S``). One listing of ``_writers``
+tells, so a writer that is not the last pays nothing more. Only closed writers are folded here: a crashed
+writer's directories, and those of writers without commit records (older runs, imports), are left to
+``dynascope compact``, which waits for them to be quiet and checks their rollups.
+
+Each step is a compaction step (``compact_across.fold_writers``, then ``merge.remove_merged``), safe under
+kill -9 at any point and within the live-segment rule, with held leases honoured: a fold interrupted, or
+whose grace periods outlast the deadline, is finished by the next close, open or ``dynascope compact``.
+The grace here is short (``GRACE_S``): a query that still opens a deleted segment runs again
+(``reader.retry_vanished``), and an engine reading a file list takes a lease (``snapshot``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+from dynascope.store import lease_lock
+from dynascope.store.compact_across import fold_writers
+from dynascope.store.finished import CRASHED_MARGIN_S
+from dynascope.store.layout import HEARTBEATS, is_writer_dir
+from dynascope.store.merge import remove_merged
+from dynascope.store.runfiles import RunFiles
+from dynascope.store.schema import TABLES
+
+__all__ = ["CLOSED", "GRACE_S", "SETTLE_S", "auto_fold", "finished_writers", "mark_closed", "settle", "settle_later"]
+
+CLOSED = ".closed"  # <run>/_writers/<writer_id>.closed: its run_end is committed, it writes no more
+SETTLE_S = 2.0  # the fold takes effect this long after it is written (compact's settle_s)
+GRACE_S = 1.0  # its sources, then its covers, go this long after they stop being read
+TARGET_ROWS = 4_000_000  # rows per merged file (compact's target_rows)
+_settling: set[Path] = set()  # runs a reader thread of this process is settling now
+_settling_lock = threading.Lock()
+
+
+def auto_fold() -> bool:
+    """Whether writers and readers fold on their own (the default). ``DYNASCOPE_FOLD=0`` turns it off: writers
+    keep every segment as written and readers fold nothing, so only ``dynascope compact`` merges."""
+    return os.environ.get("DYNASCOPE_FOLD", "1") != "0"
+
+
+def mark_closed(run_dir: Path, writer_id: str) -> None:
+    """Declare that this writer will not write again (its last flush is committed)."""
+    (run_dir / HEARTBEATS / f"{writer_id}{CLOSED}").touch()
+
+
+def finished_writers(run_dir: Path) -> dict[str, bool] | None:
+    """Every writer of the run with a heartbeat -> closed (True) or crashed (False), or None while one of them
+    may still write (and for a run without heartbeats: nothing here says it is finished)."""
+    try:
+        names = os.listdir(run_dir / HEARTBEATS)
+    except OSError:
+        return None
+    closed = {n.removesuffix(CLOSED) for n in names if n.endswith(CLOSED)}
+    beats = [n.removesuffix(".json") for n in names if n.endswith(".json") and not n.startswith(".")]
+    if not beats:
+        return None
+    now = time.time()
+    for wid in beats:
+        if wid in closed:
+            continue
+        beat = run_dir / HEARTBEATS / f"{wid}.json"
+        try:
+            age = now - beat.stat().st_mtime
+            flush_s = float(json.loads(beat.read_text(encoding="utf-8")).get("flush_secs", 2.0))
+        except (OSError, ValueError, TypeError, AttributeError):
+            return None  # being written, or unreadable: not known to be done
+        if age <= 2 * flush_s + CRASHED_MARGIN_S:
+            return None  # alive, as far as anyone can tell
+    return {wid: wid in closed for wid in beats}
+
+
+def _untidy(run_dir: Path, writers: set[str] | dict[str, bool]) -> bool:
+    """Whether any table still holds a directory of one of ``writers``."""
+    for table in TABLES:
+        try:
+            names = os.listdir(run_dir / table)
+        except OSError:
+            continue
+        if any(is_writer_dir(n) and n.removeprefix("writer=") in writers for n in names):
+            return True
+    return False
+
+
+def settle(run_dir: Path, until: float, settle_s: float | None = None, grace_s: float | None = None,
+           folded: threading.Event | None = None) -> bool:
+    """Fold the finished writers of ``run_dir`` together and delete what no query reads any more, passing
+    again as grace periods end, until ``until`` (``time.monotonic()``); True once the run is at rest. Returns
+    False at once while a writer may still write or another compactor holds the run. ``folded`` is set once
+    the first pass is over (the fold written, or nothing to fold)."""
+    try:
+        return _settle(run_dir, until, SETTLE_S if settle_s is None else settle_s,
+                       GRACE_S if grace_s is None else grace_s, folded)
+    finally:
+        if folded is not None:
+            folded.set()
+
+
+def _settle(run_dir: Path, until: float, settle_s: float, grace_s: float, folded: threading.Event | None) -> bool:
+    settle_us = max(int(settle_s * 1e6), 50_000)
+    pause = max(min(grace_s, settle_s) / 2, 0.02)
+    while True:
+        with lease_lock.run_lock(run_dir) as locked:
+            writers = finished_writers(run_dir) if locked else None
+            if writers is None:
+                return False
+            closed = {w for w, c in writers.items() if c}
+            files = RunFiles.of(run_dir)
+            done = remove_merged(files, grace_s, closed)
+            if done.segments or done.commits:
+                files = RunFiles.of(run_dir)
+            # Closed writers only: a crashed one (its segment 0 may lie under a cover's range) and writers
+            # without commit records (older runs, imports) wait for `dynascope compact`.
+            fold_writers(files, {w: True for w in closed if f"writer={w}" in files.keeps}, settle_us, TARGET_ROWS)
+            if not _untidy(run_dir, closed):
+                return True
+        if folded is not None:
+            folded.set()
+        if time.monotonic() + pause > until:
+            return False
+        time.sleep(pause)
+
+
+def settle_later(run_dir: Path, seconds: float = 60.0) -> None:
+    """A reader's part: if ``run_dir`` is finished and not at rest, settle it on a daemon thread (one per run
+    per process), so the next open reads a few files per table. Cheap when there is nothing to do (a
+    listing of ``_writers``, and one of each table while a finished run is untidy); never raises."""
+    if not auto_fold():
+        return
+    try:
+        writers = finished_writers(run_dir)
+        closed = {w for w, c in (writers or {}).items() if c}
+        if not closed or not _untidy(run_dir, closed) or not os.access(run_dir, os.W_OK):
+            return
+    except OSError:
+        return
+    with _settling_lock:
+        if run_dir in _settling:
+            return
+        _settling.add(run_dir)
+
+    def work() -> None:
+        try:
+            settle(run_dir, time.monotonic() + seconds)
+        except Exception:  # noqa: BLE001 - housekeeping for a reader: the next open or `dynascope compact` retries
+            pass
+        finally:
+            with _settling_lock:
+                _settling.discard(run_dir)
+
+    threading.Thread(target=work, name="dynascope-settle", daemon=True).start()

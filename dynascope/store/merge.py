@@ -1,0 +1,132 @@
+"""The two file operations every fold shares: write one merged segment, and delete what no query reads.
+
+``dynascope compact`` (``compact``), a live writer folding its own segments (``own_fold``) and a finished run
+put at rest (``at_rest``) all merge and delete through these two, so the live-segment rule is applied one
+way: a merged file ``<lo>-<hi>.v<valid_from>`` takes effect ``settle`` after it is written and covers its
+sources for every query that starts later; a source is deleted once its first cover has been in effect
+for the grace period and no held lease (``snapshot``) pins it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dynascope.store._columns import parquet_options
+from dynascope.store.compact_across import remove_spent
+from dynascope.store.layout import segment_name, valid_from_us
+from dynascope.store.repair import conform
+from dynascope.store.runfiles import RunFiles, Seg
+from dynascope.store.schema import TABLES
+from dynascope.store.snapshot import held_leases
+
+__all__ = ["Removed", "merge_segments", "remove_merged"]
+
+# Temp files of a writer or compactor that died are removed only when older than this (a live one may be
+# writing a large segment right now).
+STALE_TMP_S = 3600.0
+
+
+@dataclass
+class Removed:
+    """What one ``remove_merged`` call deleted, and the leases it could not read."""
+
+    segments: int = 0  # merged-away segments, spent covers and stale temp files
+    commits: int = 0  # commit records none of whose segments was left
+    skipped: list[str] = field(default_factory=list)
+
+
+def merge_segments(table: str, group: list[Seg], settle_us: int) -> int:
+    """Write the segments of ``group`` (adjacent, one writer directory) as one merged segment; returns its
+    valid_from (µs). The file is renamed into place whole, or not at all."""
+    schema = TABLES[table]
+    wdir = group[0][2].parent
+    tmp = wdir / f".merge-{group[0][0]}-{group[-1][1]}.{uuid.uuid4().hex[:8]}.tmp"
+    expected = 0
+    try:
+        with pq.ParquetWriter(tmp, schema, **parquet_options(schema)) as writer:
+            for _, _, src in group:
+                pf = pq.ParquetFile(src)
+                expected += pf.metadata.num_rows
+                for batch in pf.iter_batches(batch_size=262_144):
+                    writer.write_table(conform(pa.Table.from_batches([batch]), table))
+        got = pq.ParquetFile(tmp).metadata.num_rows
+        if got != expected:
+            raise OSError(f"merged file has {got} rows, its sources {expected}")
+        # valid_from is taken only now, just before the rename: the file exists before it takes effect,
+        # however long the merge took.
+        valid_from = time.time_ns() // 1000 + settle_us
+        os.replace(tmp, wdir / segment_name(group[0][0], group[-1][1], valid_from))
+    finally:
+        tmp.unlink(missing_ok=True)
+    return valid_from
+
+
+def remove_merged(files: RunFiles, grace_s: float, closed: set[str] | frozenset[str] = frozenset()) -> Removed:
+    """Delete what no query reads any more (``_remove_expired`` per writer directory), then the commit
+    records none of whose segments is left, then the covers of folded writers that hide nothing any more
+    (``compact_across.remove_spent``; ``closed``: writers whose ``begin.json`` may go with their last
+    directory). A segment live at a held lease's moment stays, covers included."""
+    out = Removed()
+    leases, out.skipped = held_leases(files.run_dir)
+    pinned = frozenset().union(*(files.live(lease.snapshot_us) for lease in leases))
+    now_us = time.time_ns() // 1000  # one moment for the whole run: the rule is evaluated once, not per directory
+    out.segments = sum(_remove_expired(files, wdir, segs, grace_s, pinned, now_us)
+                       for wdir, _, segs in files.writer_dirs())
+    for path in files.spent_commits():
+        path.unlink(missing_ok=True)
+        out.commits += 1
+    out.segments += remove_spent(files, grace_s, pinned, set(closed))
+    return out
+
+
+def _remove_expired(files: RunFiles, wdir: Path, segs: list[Seg], grace_s: float, pinned: frozenset[str],
+                    now_us: int) -> int:
+    """Delete segments no query has read for ``grace_s`` (unless a lease pins them), segments of flushes
+    that were never committed, and stale temp files.
+
+    A segment stops being read when the first merged file containing it takes effect; later merges contain
+    that one in turn, so from then on every new query reads a cover instead. The grace counts from that
+    first cover, not from the newest: with passes more frequent than ``grace_s`` during a live run, each
+    pass re-merges the previous merged file with the new segments, and a cover that young never ages."""
+    live_set = files.live(now_us)
+    # Covers are merged files (a writer's own segments are disjoint), in effect now.
+    covers = [(lo, hi, p, valid_from_us(p)) for lo, hi, p in segs if 0 < valid_from_us(p) <= now_us]
+    removed = 0
+    for lo, hi, path in segs:
+        if str(path) in live_set or str(path) in pinned:
+            continue
+        key = (lo, -hi, path.name)  # the rule's order: a cover sorts before what it covers
+        since = min((v for clo, chi, cp, v in covers if clo <= lo and hi <= chi and (clo, -chi, cp.name) < key),
+                    default=None)
+        stale = files.uncommitted(wdir, (lo, hi, path)) and _age_s(path) >= STALE_TMP_S
+        if (since is not None and (now_us - since) / 1e6 >= grace_s) or stale \
+                or files.never_committed(wdir, (lo, hi, path)):
+            path.unlink(missing_ok=True)
+            removed += 1
+    now = time.time()
+    try:
+        temps = [f for f in wdir.iterdir() if f.name.startswith(".") and f.name.endswith(".tmp")]
+    except FileNotFoundError:  # emptied and removed meanwhile (``remove_spent``)
+        return removed
+    for f in temps:
+        try:
+            if now - f.stat().st_mtime >= max(grace_s, STALE_TMP_S):
+                f.unlink()  # left by a writer or compactor that died mid-write
+                removed += 1
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def _age_s(path: Path) -> float:
+    try:
+        return time.time() - path.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0

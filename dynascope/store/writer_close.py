@@ -1,0 +1,108 @@
+"""How a ``RunWriter`` closes: its last flushes, its ``run_end``, and, for the run's last writer, the run at rest.
+
+The last flushes run on a thread of their own: on a stalled file system (an NFS or Lustre hang) ``close``
+returns at the deadline and reports the rows still unwritten; a flush that lands later is whole (its commit
+record), and a writer without ``run_end`` reads as crashed. A writer whose last flushes all landed marks
+itself closed (``at_rest.mark_closed``); if every writer of the run is then done, this one folds the run's
+writers together (``at_rest.settle``) with what is left of the deadline. That fold is housekeeping: if it
+cannot finish in time, ``close`` returns anyway and the next open of the run, or ``dynascope compact``,
+finishes it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from dynascope.store import at_rest, open_writers
+from dynascope.store.backlog import Backlog
+from dynascope.store.buffer import TableBuffer
+from dynascope.store.flush import release_arrow_memory
+from dynascope.store.schema import TABLES
+
+if TYPE_CHECKING:
+    from dynascope.store.writer import RunWriter
+
+__all__ = ["close_writer"]
+
+_MARGIN_S = 0.5  # the fold at close stops passing this long before close's deadline
+
+
+def close_writer(w: RunWriter, timeout_s: float) -> None:
+    """``RunWriter.close``: flush, stop the thread, record ``run_end``, and settle the run if this writer was
+    its last, all within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    with w._lock:
+        w._closed = True
+        w._wake.notify_all()
+        w._room.notify_all()
+    w._thread.join(timeout_s)
+    flushed, folded = threading.Event(), threading.Event()
+    last = threading.Thread(target=_last_work, args=(w, flushed, folded, deadline),
+                            name=f"dynascope-writer-close-{w.rank}", daemon=True)
+    last.start()
+    flushed.wait(max(deadline - time.monotonic(), 0.0))
+    if not flushed.is_set():
+        with w._lock:
+            pending = w._buffered + w._backlog.rows
+        w.close_timed_out = True
+        w._problem("close_timeout", f"close gave up after {timeout_s:g} s with the disk not answering: "
+                   f"{pending} rows still buffered and a flush in progress; they are written if the disk "
+                   "comes back before the process exits", emit_event=False)
+    else:  # the run's fold, if this writer is its last, bounded by the same deadline; the deletions that
+        # follow it once grace periods end go on behind (they need no waiting for: any later open finishes them)
+        folded.wait(max(deadline - time.monotonic(), 0.0))
+    open_writers.discard(w)
+
+
+def _last_work(w: RunWriter, flushed: threading.Event, folded: threading.Event, deadline: float) -> None:
+    """The close thread: the last flushes, then (all written, the writer thread stopped) the closed mark and,
+    if no writer of the run writes any more, the run at rest (``folded`` is set once its fold is written)."""
+    try:
+        whole = _final_flushes(w)
+    finally:
+        flushed.set()
+    if not whole or w._thread.is_alive():
+        folded.set()
+        return  # a writer that may still write, or whose rows did not all land, is not closed
+    try:
+        at_rest.mark_closed(w.run_dir, w.writer_id)
+        if w.fold:
+            at_rest.settle(w.run_dir, deadline - _MARGIN_S, folded=folded)
+    except Exception as exc:  # housekeeping: the rows are committed; the next open or compact folds them
+        w._problem("fold_error", f"folding the finished run failed ({type(exc).__name__}: {exc}); "
+                                 "the next open or `dynascope compact` folds it", emit_event=False)
+    finally:
+        folded.set()
+
+
+def _final_flushes(w: RunWriter) -> bool:
+    """Flush until nothing is pending (``run_end`` included); True when every row landed."""
+    for attempt in range(4):  # later passes write events produced by earlier ones, and retry failed writes
+        if attempt == 1:
+            # run_end lets `dynascope runs` tell a finished run from a crashed one (one per writer).
+            with w._lock:
+                w._pending_events.append({
+                    "event": "run_end", "severity": "info", "message": "writer closed",
+                    "writer_id": w.writer_id, "rows_written": w.rows_written,
+                    "rows_dropped": w.rows_dropped, "write_errors": w.write_errors})
+        try:
+            w.flush()
+        except Exception as exc:
+            w._problem("writer_error", f"final flush failed: {type(exc).__name__}: {exc}", emit_event=False)
+        if attempt >= 1 and not w._pending_events and not w._buffered and not w._backlog.rows:
+            break
+    with w._lock:
+        lost = w._buffered + w._backlog.rows
+        unsaid = bool(w._pending_events)  # run_end among them, perhaps
+        w._buffers = {t: TableBuffer() for t in TABLES}
+        w._buffered = w._buffered_bytes = 0
+        w._backlog, w._pending_events = Backlog(), []  # (the lock stays: close may still hold it)
+    if lost:
+        w.rows_dropped += lost
+        w._problem("rows_lost", f"{lost} rows could not be written before close and were dropped",
+                   emit_event=False)
+    w._heartbeat()
+    release_arrow_memory()  # the final flushes ran on this thread: its heap kept their pages
+    return not lost and not unsaid
