@@ -24,7 +24,7 @@ from dynascope.core.net import free_port
 CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 # page → (url path, least number of plotly charts the fixture store must fill on it); Runs is the default page
-PAGES = {"runs": ("", 2), "dynamics": ("dynamics", 9), "cluster": ("cluster", 3), "rollouts": ("rollouts", 7),
+PAGES = {"runs": ("runs", 2), "dynamics": ("dynamics", 9), "cluster": ("cluster", 3), "rollouts": ("rollouts", 7),
          "events": ("events", 1), "sql": ("sql", 0)}
 
 needs_browser = pytest.mark.browser
@@ -108,6 +108,7 @@ def open_page(page, base: str, name: str) -> list[int]:
     page.wait_for_function(_DRAWN_JS, arg=charts, timeout=120_000)  # a loaded 2-core machine is slow
     errors = page.locator('[data-testid="stException"]')
     assert errors.count() == 0, f"{name}: Streamlit exception: {errors.first.inner_text()[:1000]}"
+    assert page.get_by_text("Page not found").count() == 0, f"/{url} answered 'Page not found'"
     page.screenshot(path=str(ARTIFACTS / f"dashboard-{name}.png"), full_page=True)
     return page.evaluate(_POINTS_JS)
 
@@ -291,6 +292,18 @@ def test_event_tables_fit_the_page(dashboard):
     widths = page.evaluate("""() => [...document.querySelectorAll('[data-testid="stDataFrame"] .dvn-scroller')]
         .map(e => [e.scrollWidth, e.clientWidth])""")
     assert len(widths) >= 3 and all(sw <= cw + 1 for sw, cw in widths), widths
+
+
+@needs_browser
+@pytest.mark.slow
+def test_cluster_rank_tables_fit_the_page(dashboard):
+    """The slowest ranks' and nodes' tables show all their columns without scrolling sideways."""
+    _, base, page = dashboard
+    open_page(page, base, "cluster")
+    grids = ".st-key-cl_top_ranks .dvn-scroller, .st-key-cl_top_nodes .dvn-scroller"
+    page.locator(grids).first.wait_for(timeout=30_000)
+    widths = page.evaluate("g => [...document.querySelectorAll(g)].map(e => [e.scrollWidth, e.clientWidth])", grids)
+    assert widths and all(sw <= cw + 1 for sw, cw in widths), widths
 
 
 @needs_browser

@@ -50,6 +50,7 @@ if TYPE_CHECKING:  # the same names, for IDEs and type checkers
         weight_sync_checks,
         zero_variance_groups,
     )
+    from dynascope.analyses.slower_ranks import rank_busy
     from dynascope.analyses.step_shares import phase_shares
     from dynascope.analyses.steps import critical_path, idle_time, step_breakdown
     from dynascope.analyses.stragglers import straggler_scores
@@ -79,6 +80,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "outliers": ("cluster_outliers",),
     "step_shares": ("phase_shares",),
     "probe_time": ("DEFAULT_PROBE_COST", "PROBE_PHASE", "probe_cost"),
+    "slower_ranks": ("rank_busy",),
     "rollouts": ("async_staleness", "logprob_gap_by_step", "rollout_long_tail", "rollout_train_overlap",
                  "tail_wait_share", "tail_wait_summary", "weight_sync_checks", "zero_variance_groups"),
     "steps": ("critical_path", "idle_time", "step_breakdown"),
@@ -96,7 +98,7 @@ __all__ = ["DEFAULT_PROBE_COST", "DTYPE_BYTES", "EVENT_KINDS", "FLEET_COLUMNS", 
            "delta_sync_bytes", "delta_sync_numbers", "delta_sync_summary", "detect_instability", "fmt_ms",
            "fmt_pct", "fleet_summary", "forgetting_by_point", "goodput_incidents", "goodput_summary", "idle_time", "kernel_type_breakdown",
            "logprob_gap_by_step", "logprob_gap_floor_by_step", "peak_tflops_for", "phase_shares", "probe_cost", "probe_cost_numbers",
-           "rank1_dominance", "rank1_linear_fit", "ranked_findings", "rl_throughput", "rollout_long_tail",
+           "rank1_dominance", "rank1_linear_fit", "rank_busy", "ranked_findings", "rl_throughput", "rollout_long_tail",
            "rollout_train_overlap", "schedule_inputs", "schedule_staleness", "schedule_what_if", "sentence",
            "sparsity_comparison", "sparsity_over_training", "step_breakdown", "straggler_scores", "summarize_delta_sync",
            "tail_wait_numbers", "tail_wait_share", "tail_wait_summary", "temporal_breakdown", "throughput_mfu",

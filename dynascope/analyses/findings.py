@@ -43,6 +43,7 @@ from dynascope.analyses.rollouts import (
     tail_wait_summary,
     zero_variance_groups,
 )
+from dynascope.analyses.slower_ranks import rank_busy
 from dynascope.analyses.stragglers import straggler_scores
 from dynascope.analyses.throughput import throughput_mfu
 from dynascope.analyses.what_if_rank import what_if
@@ -127,12 +128,16 @@ def _stragglers(con, run: str) -> list[Finding]:
                           max(stake, 0.0), n["saved_pct"]))
         if len(out) == MAX_STRAGGLERS:
             break
-    # Whole ranks: "rank 3 costs 27% of step time", when no straggler finding already names that rank.
+    # Whole ranks: "rank 3 costs 27% of step time", when no straggler finding already names that rank, and
+    # only a rank that stands out as slower than its role (rank_busy, the dashboard's rule): on ranks that
+    # jitter alike, capping any one at the median saves its share of the jitter, faster ranks' too.
     ranks = wi.filter(pl.col("rank").is_not_null() & pl.col("phase").is_null()
                       & (pl.col("saved_pct") >= MIN_RANK_COST_PCT))
     named = {(role, rank) for role, rank, _ in seen}
+    slower = {(role or "", int(rank)) for role, rank in rank_busy(con, run).filter(pl.col("slow"))
+              .select("role", "rank").iter_rows()}
     for r in ranks.head(MAX_STRAGGLERS).iter_rows(named=True):
-        if (r["role"], r["rank"]) in named:
+        if (r["role"], r["rank"]) in named or (r["role"] or "", r["rank"]) not in slower:
             continue
         by_phase = wi.filter((pl.col("rank") == r["rank"]) & (pl.col("role") == r["role"]) & pl.col("phase").is_not_null())
         n = {"rank": r["rank"], "steps": r["steps"], "saved_ms": _r(r["saved_ms"]), "saved_pct": _r(r["saved_pct"], 2),

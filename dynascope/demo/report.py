@@ -170,13 +170,17 @@ def slowest_rank_sentence(w: dict) -> str:
 
 
 def costly_rank_sentence(con: StoreConnection) -> str | None:
-    """The report's ``rank_cost`` sentence for the rank whose whole-rank what-if saves the most, when that is
-    at least the report's threshold: a rank slower in no single phase beyond its noise can still cost the
-    step time, and the report names it so (``analyses.what_if``, one answer for every surface)."""
+    """The report's ``rank_cost`` sentence for the rank that stands out as slower (``analyses.rank_busy``)
+    whose whole-rank what-if saves the most, when that is at least the report's threshold: a rank slower in
+    no single phase beyond its noise can still cost the step time, and the report names it so
+    (``analyses.what_if``, one answer for every surface)."""
     from dynascope.analyses.findings import MIN_RANK_COST_PCT
 
     wi = analyses.what_if(con, by_phase=True)
-    whole = wi.filter(pl.col("rank").is_not_null() & pl.col("phase").is_null()).sort("saved_pct", descending=True)
+    run = str(wi["run_id"][0]) if wi.height else ""
+    slower = analyses.rank_busy(con, run).filter(pl.col("slow")).select("role", "rank")  # the report's rule
+    whole = (wi.filter(pl.col("rank").is_not_null() & pl.col("phase").is_null())
+             .join(slower, on=["role", "rank"], how="semi").sort("saved_pct", descending=True))
     if whole.is_empty() or whole["saved_pct"][0] < MIN_RANK_COST_PCT:
         return None
     r = whole.row(0, named=True)

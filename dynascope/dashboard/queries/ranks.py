@@ -2,8 +2,9 @@
 map, the distribution of per-rank busy time, the slowest ranks and nodes (what a rank costs the step is
 ``analyses.what_if``'s, joined on by ``with_rank_costs``).
 
-One scan of ``timings`` gives each (role, rank, step) its busy time (``rank_steps``, the definitions of
-``dynascope.analyses.steps``); everything else is polars over that frame, so the page pays
+One scan of ``timings`` gives each (role, rank, step) its busy time, and the per-rank table and which ranks
+stand out come from it (``rank_steps``, ``relative_busy`` and ``rank_table`` of ``analyses.slower_ranks``, the
+report's rule too); everything else is polars over that frame, so the page pays
 for the table once however many views it draws. In a synchronous step every rank's step lasts as long as
 the slowest rank's (the others wait in the collectives), so ranks are told apart by their *busy* time,
 each against the cross-rank median of its role in that step.
@@ -11,29 +12,13 @@ each against the cross-rank median of its role in that step.
 
 from __future__ import annotations
 
-from statistics import NormalDist
-
 import polars as pl
 
+from dynascope.analyses.slower_ranks import rank_steps, rank_table, relative_busy
 from dynascope.store import StoreConnection, quote_literal
 
-_STEP_KEYS = ["role", "step"]
-
-
-def rank_steps(store: StoreConnection, run: str) -> pl.DataFrame:
-    """Per (role, rank, step) with busy time: ``busy_us``, the top-level phases without waits and
-    collectives (the definitions of ``dynascope.analyses.steps``), filtered before they are summed. Only
-    steps with the rank's step row count, as in the report, ``dynascope runs`` and the what-if: phases after
-    the last optimizer step (a final evaluation) are no step."""
-    from dynascope.analyses.steps import STEP_ROW, SYNC, TOP_LEVEL
-
-    r = quote_literal(run)
-    return store.frame(f"""
-        WITH busy AS (SELECT coalesce(role, '') AS role, rank, step, sum(dur_us) AS busy_us
-                      FROM timings WHERE run_id = {r} AND {TOP_LEVEL} AND NOT ({SYNC}) GROUP BY ALL),
-             st AS (SELECT DISTINCT coalesce(role, '') AS role, rank, step FROM timings WHERE run_id = {r} AND {STEP_ROW})
-        SELECT busy.* FROM busy SEMI JOIN st USING (role, rank, step) ORDER BY role, rank, step""")
-
+__all__ = ["apart_from_node", "heat_cells", "node_table", "rank_hosts", "rank_steps", "rank_table", "relative_busy",
+           "straggler_table", "typical_rank", "with_rank_costs"]
 
 def rank_hosts(store: StoreConnection, run: str, run_dir: str | None) -> pl.DataFrame:
     """(role, rank, host) of every rank: the ``runs`` rows a rank wrote, else its writer's heartbeat (the
@@ -47,44 +32,6 @@ def rank_hosts(store: StoreConnection, run: str, run_dir: str | None) -> pl.Data
                                                                           "host": pl.String}, orient="row")
     listed = listed.cast({"rank": pl.Int32})
     return pl.concat([listed, beats.join(listed, on=["role", "rank"], how="anti")]).sort("role", "rank")
-
-
-def relative_busy(rs: pl.DataFrame) -> pl.DataFrame:
-    """Each (role, rank, step) with busy time and the step's cross-rank median busy time of its role:
-    ``rel_pct`` = 100 · (busy / median − 1). Steps timed on a single rank of the role are left out."""
-    busy = rs.filter(pl.col("busy_us").is_not_null())
-    return (busy.with_columns(pl.col("busy_us").median().over(_STEP_KEYS).alias("median_us"),
-                              pl.len().over(_STEP_KEYS).alias("ranks"))
-            .filter((pl.col("ranks") > 1) & (pl.col("median_us") > 0))
-            .with_columns((100.0 * (pl.col("busy_us") / pl.col("median_us") - 1)).alias("rel_pct")))
-
-
-def rank_table(rel: pl.DataFrame, alpha: float = 0.01) -> pl.DataFrame:
-    """Per rank, from ``relative_busy``: mean busy ms per step, ``score_pct`` (its busy time over the run
-    against the step medians', 100 · (Σ busy / Σ median − 1): negative for a rank faster than the median),
-    how often it was its role's slowest and above the median (``above_median_pct``), and ``slow``: whether
-    it stands out as slower than its role.
-
-    A rank stands out when it is above the step's median in more steps than chance allows: a rank no slower
-    than the others is above it in about half of them, so its count is tested against Binomial(n, ½), one
-    sided, at ``alpha`` shared among its role's ranks (normal approximation). A rank slower by less than its
-    role's step-to-step jitter, or faster, does not stand out, however far its mean is pulled by a few steps.
-
-    What a rank costs the step ("what if rank R ran at the median") is ``analyses.what_if``'s scenario
-    ``rank R``, the report's figure too: ``with_rank_costs`` joins it on.
-    """
-    order = pl.col("busy_us").rank("ordinal", descending=True).over(_STEP_KEYS)
-    df = (rel.with_columns(order.alias("pos")).group_by("role", "rank").agg(
-        (pl.col("busy_us").mean() / 1000).alias("mean_busy_ms"),
-        (100.0 * (pl.col("busy_us").sum() / pl.col("median_us").sum() - 1)).alias("score_pct"),
-        (100.0 * (pl.col("pos") == 1).mean()).alias("slowest_share_pct"),
-        (100.0 * (pl.col("rel_pct") > 0).mean()).alias("above_median_pct"), pl.len().alias("steps")))
-    n, k = pl.col("steps"), pl.col("above_median_pct") * pl.col("steps") / 100
-    z = (k - n / 2 - 0.5) / (n.sqrt() / 2)  # continuity-corrected
-    need = pl.col("rank").count().over("role").map_elements(
-        lambda ranks: NormalDist().inv_cdf(1 - alpha / ranks), return_dtype=pl.Float64)
-    return (df.with_columns(((pl.col("score_pct") > 0) & (z >= need)).alias("slow"))
-            .sort(["score_pct", "role", "rank"], descending=[True, False, False]))
 
 
 def with_rank_costs(ranks: pl.DataFrame, what_if: pl.DataFrame) -> pl.DataFrame:
