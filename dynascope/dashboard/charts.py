@@ -78,10 +78,10 @@ def log_axis(fig: go.Figure, lo: float | None, hi: float | None) -> go.Figure:
     a decade; plotly's default labels 2 and 5 of every decade, which crowds a short chart. Counts read as
     1k/10k, small values as powers of ten."""
     fig.update_yaxes(type="log")
-    if lo and hi and lo > 0 and hi / lo >= 10:
+    if lo and hi and lo > 0 and math.floor(math.log10(hi)) - math.ceil(math.log10(lo)) >= 1:
         fig.update_yaxes(dtick=1, minor=dict(dtick="D1", showgrid=True, gridcolor="rgba(0, 0, 0, 0.04)"))
     elif lo and hi and 0 < lo < hi:
-        # Within one decade plotly labels at most one power of ten, often none: four ticks spread
+        # With fewer than two powers of ten inside the data plotly labels one or none: four ticks spread
         # evenly on the log scale over the data, each written with its magnitude.
         vals = sorted({float(f"{v:.2g}") for v in (lo * (hi / lo) ** (i / 3) for i in range(4))})
         return fig.update_yaxes(tickvals=vals, ticktext=[f"{v:.2g}" for v in vals])
