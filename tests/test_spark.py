@@ -34,6 +34,7 @@ from dynascope.store.rollup_across import BY_TENSOR
 from dynascope.store.schema import RENAMED
 from dynascope.store.snapshot import open_snapshot
 
+from helpers.as_written import module_as_written  # noqa: F401 - autouse: the fleet is compaction's input, as written
 from helpers.fleet_runs import write_synthetic_run
 
 pytest.importorskip("pyspark", reason="pyspark is in the dev extra: pip install -e '.[dev]'")

@@ -1,9 +1,10 @@
 """A finished run at rest: once none of its writers will write again, their directories are folded together
 and what that leaves behind is deleted, so the run holds a few files per table with no manual command.
 
-Who does it: the last writer to close (``RunWriter.close``, on its closing thread, within close's deadline),
-and any reader that opens a finished run left untidy (``open_store``, on a thread of its own, once per run
-per process; neither with ``DYNASCOPE_FOLD=0``), the way ``dynascope compact`` would and under its lock (``lease_lock.run_lock``): one of them
+Who does it: the last writer to close (``RunWriter.close``: the fold, on its closing thread within close's
+deadline), then a process of its own for the deletions that wait out grace periods (``settle_later``), which
+any reader that opens a finished run left untidy also starts (``open_store``; neither with
+``DYNASCOPE_FOLD=0``), the way ``dynascope compact`` would and under its lock (``lease_lock.run_lock``): one of them
 at a time. A writer leaves ``_writers/<id>.closed`` once its ``run_end`` is committed and its thread has
 stopped; the run is finished when every writer with a heartbeat has that marker or a heartbeat older than a
 crashed writer's (twice its flush interval plus ``finished.CRASHED_MARGIN_S``). One listing of ``_writers``
@@ -20,8 +21,11 @@ The grace here is short (``GRACE_S``): a query that still opens a deleted segmen
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -40,8 +44,8 @@ CLOSED = ".closed"  # <run>/_writers/<writer_id>.closed: its run_end is committe
 SETTLE_S = 2.0  # the fold takes effect this long after it is written (compact's settle_s)
 GRACE_S = 1.0  # its sources, then its covers, go this long after they stop being read
 TARGET_ROWS = 4_000_000  # rows per merged file (compact's target_rows)
-_settling: set[Path] = set()  # runs a reader thread of this process is settling now
-_settling_lock = threading.Lock()
+_spawned: set[Path] = set()  # runs this process started a settling process for
+_spawned_lock = threading.Lock()
 
 
 def auto_fold() -> bool:
@@ -94,20 +98,12 @@ def _untidy(run_dir: Path, writers: set[str] | dict[str, bool]) -> bool:
 
 
 def settle(run_dir: Path, until: float, settle_s: float | None = None, grace_s: float | None = None,
-           folded: threading.Event | None = None) -> bool:
-    """Fold the finished writers of ``run_dir`` together and delete what no query reads any more, passing
-    again as grace periods end, until ``until`` (``time.monotonic()``); True once the run is at rest. Returns
-    False at once while a writer may still write or another compactor holds the run. ``folded`` is set once
-    the first pass is over (the fold written, or nothing to fold)."""
-    try:
-        return _settle(run_dir, until, SETTLE_S if settle_s is None else settle_s,
-                       GRACE_S if grace_s is None else grace_s, folded)
-    finally:
-        if folded is not None:
-            folded.set()
-
-
-def _settle(run_dir: Path, until: float, settle_s: float, grace_s: float, folded: threading.Event | None) -> bool:
+           once: bool = False) -> bool:
+    """Fold the closed writers of ``run_dir`` together and delete what no query reads any more, passing
+    again as grace periods end, until ``until`` (``time.monotonic()``; ``once``: one pass); True once the run
+    is at rest. Returns False at once while a writer may still write or another compactor holds the run."""
+    settle_s = SETTLE_S if settle_s is None else settle_s
+    grace_s = GRACE_S if grace_s is None else grace_s
     settle_us = max(int(settle_s * 1e6), 50_000)
     pause = max(min(grace_s, settle_s) / 2, 0.02)
     while True:
@@ -125,17 +121,17 @@ def _settle(run_dir: Path, until: float, settle_s: float, grace_s: float, folded
             fold_writers(files, {w: True for w in closed if f"writer={w}" in files.keeps}, settle_us, TARGET_ROWS)
             if not _untidy(run_dir, closed):
                 return True
-        if folded is not None:
-            folded.set()
-        if time.monotonic() + pause > until:
+        if once or time.monotonic() + pause > until:
             return False
         time.sleep(pause)
 
 
-def settle_later(run_dir: Path, seconds: float = 60.0) -> None:
-    """A reader's part: if ``run_dir`` is finished and not at rest, settle it on a daemon thread (one per run
-    per process), so the next open reads a few files per table. Cheap when there is nothing to do (a
-    listing of ``_writers``, and one of each table while a finished run is untidy); never raises."""
+def settle_later(run_dir: Path, seconds: float = 120.0) -> None:
+    """If ``run_dir`` is finished and not at rest, settle it in a process of its own (``python -m
+    dynascope.store.at_rest``, detached, at low priority; at most one per run per process): the grace
+    periods that end after this process has exited are its to wait out, and no thread of this process is
+    left inside Arrow or DuckDB when it exits. Cheap when there is nothing to do (a listing of ``_writers``,
+    and one of each table while a finished run is untidy); never raises."""
     if not auto_fold():
         return
     try:
@@ -145,18 +141,21 @@ def settle_later(run_dir: Path, seconds: float = 60.0) -> None:
             return
     except OSError:
         return
-    with _settling_lock:
-        if run_dir in _settling:
+    with _spawned_lock:
+        if run_dir in _spawned:
             return
-        _settling.add(run_dir)
+        _spawned.add(run_dir)
+    try:
+        subprocess.Popen([sys.executable, "-m", "dynascope.store.at_rest", str(run_dir), str(seconds), str(SETTLE_S),
+                          str(GRACE_S)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+    except OSError:  # no process to spare: the next open, or `dynascope compact`, does it
+        with _spawned_lock:
+            _spawned.discard(run_dir)
 
-    def work() -> None:
-        try:
-            settle(run_dir, time.monotonic() + seconds)
-        except Exception:  # noqa: BLE001 - housekeeping for a reader: the next open or `dynascope compact` retries
-            pass
-        finally:
-            with _settling_lock:
-                _settling.discard(run_dir)
 
-    threading.Thread(target=work, name="dynascope-settle", daemon=True).start()
+if __name__ == "__main__":  # settle_later's process: RUN SECONDS SETTLE_S GRACE_S
+    with contextlib.suppress(OSError):
+        os.nice(10)  # housekeeping: behind the training and the readers on the machine
+    run, secs, settle_arg, grace_arg = sys.argv[1:5]
+    settle(Path(run), time.monotonic() + float(secs), float(settle_arg), float(grace_arg))

@@ -3,7 +3,7 @@
 Each flush adds a segment per table it wrote. Every ``EVERY`` (4) flushes the writer thread merges, in
 each table's directory, the run of adjacent live segments whose rows add up least and whose merge leaves
 ``LEAVE`` (3), in one merge, so a table holds at most ``LEAVE + EVERY`` (7) live segments, and ``KEEP`` (8)
-with the one flush that may land while the merge settles (``SETTLE_S`` is the default flush interval): each new small
+with the one flush the writer lets land while the merge settles (``hold_s``): each new small
 segment joins its small neighbours first, so a row is rewritten a few times over a run rather than at
 every fold. The merge is compaction's own (``merge``, which ``dynascope compact`` uses too:
 a merged file ``<lo>-<hi>.v<valid_from>`` takes effect ``SETTLE_S`` after it is written and covers its
@@ -35,7 +35,7 @@ from dynascope.store.runfiles import RunFiles, Seg, num_rows
 from dynascope.store.schema import TABLES
 
 __all__ = ["DELETE_PERIOD_S", "DELETE_WINDOW_S", "EVERY", "GRACE_S", "KEEP", "LEAVE", "SETTLE_S", "Upkeep",
-           "fold_own", "tend"]
+           "fold_own", "hold_s", "tend"]
 
 KEEP = 8  # live segments per table a writer holds at most
 SETTLE_S = 2.0  # a merged file takes effect this long after it is written (compact's settle_s)
@@ -61,6 +61,15 @@ class Upkeep:
 
     flushes: int = 0  # committed flushes since its last fold
     deleted_in: int = -1  # the last deletion window it deleted in
+    settles_at_us: int = 0  # when its last merge takes effect (its sources count until then)
+
+
+def hold_s(writer: Any) -> float:
+    """How long the writer thread holds its next flush: while its last merge settles, one flush may land
+    (``KEEP`` counts it), a second waits until the merge takes effect, so a table never holds more than
+    ``KEEP`` live segments however fast flushes come. Rows wait in the buffer, never the training thread."""
+    up: Upkeep = writer.upkeep
+    return max(up.settles_at_us / 1e6 - time.time(), 0.0) if writer.fold and up.flushes >= 1 else 0.0
 
 
 def tend(writer: Any) -> None:
@@ -76,14 +85,15 @@ def tend(writer: Any) -> None:
     if up.flushes < EVERY and not delete:
         return
     try:
-        merges = fold_own(writer.run_dir, writer.writer_id, keep=LEAVE, settle_s=SETTLE_S, grace_s=GRACE_S,
+        valid_us = fold_own(writer.run_dir, writer.writer_id, keep=LEAVE, settle_s=SETTLE_S, grace_s=GRACE_S,
                           delete=delete, merge=up.flushes >= EVERY)
     except Exception as exc:  # a fold is housekeeping: the rows are already committed
         up.flushes = 0
         writer._problem("fold_error", f"folding its own segments failed ({type(exc).__name__}: {exc}); "
                                       "the segments stay as written")
         return
-    if merges is not None:  # else `dynascope compact` is in its directories: again at the next wake
+    if valid_us is not None:  # else `dynascope compact` is in its directories: again at the next wake
+        up.settles_at_us = max(up.settles_at_us, valid_us)
         up.flushes = 0 if up.flushes >= EVERY else up.flushes
         up.deleted_in = window if delete else up.deleted_in
 
@@ -110,8 +120,8 @@ def _listing(run_dir: Path, writer_id: str, tables: tuple[str, ...] = tuple(TABL
 def fold_own(run_dir: Path, writer_id: str, keep: int = KEEP, settle_s: float = SETTLE_S,
              grace_s: float = GRACE_S, *, delete: bool = True, merge: bool = True) -> int | None:
     """Delete what no query of this writer's segments reads any more (``delete``) and merge them down to
-    ``keep`` live ones per table (``merge``); returns the merges written, or None when a ``compact`` holds
-    the writer's lock."""
+    ``keep`` live ones per table (``merge``); returns when the last merge takes effect (µs, 0 for none),
+    or None when a ``compact`` holds the writer's lock."""
     with lease_lock.writer_lock(run_dir, writer_id) as locked:
         if not locked:
             return None
@@ -122,7 +132,7 @@ def fold_own(run_dir: Path, writer_id: str, keep: int = KEEP, settle_s: float = 
         # One listing and one evaluation of the rule for every table: each merge touches its own directory only.
         files = RunFiles.parse(run_dir, _listing(run_dir, writer_id))
         merge_live: frozenset[str] | None = None
-        merges = 0
+        valid_us = 0
         settle_us = max(int(settle_s * 1e6), 50_000)
         for _, table, segs in list(files.writer_dirs()):
             if len(segs) <= keep:
@@ -132,9 +142,8 @@ def fold_own(run_dir: Path, writer_id: str, keep: int = KEEP, settle_s: float = 
             live = [s for s in segs if str(s[2]) in merge_live]
             group = _cheapest_run(files, live, len(live) - keep + 1)
             if group is not None:
-                merge_segments(table, group, settle_us)
-                merges += 1
-    return merges
+                valid_us = max(valid_us, merge_segments(table, group, settle_us))
+    return valid_us
 
 
 def _cheapest_run(files: RunFiles, live: list[Seg], size: int) -> list[Seg] | None:

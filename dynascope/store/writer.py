@@ -219,6 +219,8 @@ class RunWriter:
                     self._wake.wait(self.flush_secs)
                 while not self._closed and (backoff := self._backoff.wait_s()) > 0:  # after failed writes
                     self._wake.wait(backoff)
+                while not self._closed and (hold := own_fold.hold_s(self)) > 0:  # its last merge settling
+                    self._wake.wait(hold)
                 if self._closed:
                     return
             self._heartbeat()

@@ -4,9 +4,10 @@ The last flushes run on a thread of their own: on a stalled file system (an NFS 
 returns at the deadline and reports the rows still unwritten; a flush that lands later is whole (its commit
 record), and a writer without ``run_end`` reads as crashed. A writer whose last flushes all landed marks
 itself closed (``at_rest.mark_closed``); if every writer of the run is then done, this one folds the run's
-writers together (``at_rest.settle``) with what is left of the deadline. That fold is housekeeping: if it
-cannot finish in time, ``close`` returns anyway and the next open of the run, or ``dynascope compact``,
-finishes it.
+writers together (``at_rest.settle``, one pass) with what is left of the deadline, and leaves the deletions
+that wait out grace periods to a process of its own (``at_rest.settle_later``). That fold is housekeeping:
+if it cannot finish in time, ``close`` returns anyway and the next open of the run, or ``dynascope
+compact``, finishes it.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ def close_writer(w: RunWriter, timeout_s: float) -> None:
         w._wake.notify_all()
         w._room.notify_all()
     w._thread.join(timeout_s)
-    flushed, folded = threading.Event(), threading.Event()
-    last = threading.Thread(target=_last_work, args=(w, flushed, folded, deadline),
+    flushed = threading.Event()
+    last = threading.Thread(target=_last_work, args=(w, flushed, deadline),
                             name=f"dynascope-writer-close-{w.rank}", daemon=True)
     last.start()
     flushed.wait(max(deadline - time.monotonic(), 0.0))
@@ -50,31 +51,28 @@ def close_writer(w: RunWriter, timeout_s: float) -> None:
         w._problem("close_timeout", f"close gave up after {timeout_s:g} s with the disk not answering: "
                    f"{pending} rows still buffered and a flush in progress; they are written if the disk "
                    "comes back before the process exits", emit_event=False)
-    else:  # the run's fold, if this writer is its last, bounded by the same deadline; the deletions that
-        # follow it once grace periods end go on behind (they need no waiting for: any later open finishes them)
-        folded.wait(max(deadline - time.monotonic(), 0.0))
+    else:  # the run's fold, if this writer is its last, bounded by the same deadline
+        last.join(max(deadline - time.monotonic(), 0.0))
     open_writers.discard(w)
 
 
-def _last_work(w: RunWriter, flushed: threading.Event, folded: threading.Event, deadline: float) -> None:
+def _last_work(w: RunWriter, flushed: threading.Event, deadline: float) -> None:
     """The close thread: the last flushes, then (all written, the writer thread stopped) the closed mark and,
-    if no writer of the run writes any more, the run at rest (``folded`` is set once its fold is written)."""
+    if no writer of the run writes any more, the run's fold; the deletions that wait out its grace periods
+    go to a process of their own (``at_rest.settle_later``)."""
     try:
         whole = _final_flushes(w)
     finally:
         flushed.set()
     if not whole or w._thread.is_alive():
-        folded.set()
         return  # a writer that may still write, or whose rows did not all land, is not closed
     try:
         at_rest.mark_closed(w.run_dir, w.writer_id)
-        if w.fold:
-            at_rest.settle(w.run_dir, deadline - _MARGIN_S, folded=folded)
+        if w.fold and not at_rest.settle(w.run_dir, deadline - _MARGIN_S, once=True):
+            at_rest.settle_later(w.run_dir)
     except Exception as exc:  # housekeeping: the rows are committed; the next open or compact folds them
         w._problem("fold_error", f"folding the finished run failed ({type(exc).__name__}: {exc}); "
                                  "the next open or `dynascope compact` folds it", emit_event=False)
-    finally:
-        folded.set()
 
 
 def _final_flushes(w: RunWriter) -> bool:
