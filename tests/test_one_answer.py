@@ -23,6 +23,7 @@ from dynascope.dashboard.queries import ranks as R
 from dynascope.report import build_report, render
 from dynascope.store import open_store
 from dynascope.store.catalog import list_runs
+from dynascope.store.snapshot import snapshot
 
 from helpers.fleet_runs import write_synthetic_run
 
@@ -32,6 +33,12 @@ SLOW = 3
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Path:
     return write_synthetic_run(tmp_path_factory.mktemp("one_answer") / "run", ranks=4, steps=30, slow=3.0)
+
+
+def _fleet(run: Path) -> dict:
+    """``dynascope fleet``'s row for the run, read as the CLI reads it: under a lease against compaction."""
+    with snapshot(run, lease_ttl_s=600, holder="test") as snap:
+        return fleet_summary(snap).row(0, named=True)
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +93,7 @@ def test_step_counts_read_the_same(run, report):
     assert f"run {run_id}: 4 rank(s), {steps} step(s)" in report
     assert set(ranks["steps"].to_list()) == {steps}
     assert shares.unique(["role", "stage"])["steps"].sum() == steps
-    assert fleet_summary(run).row(0, named=True)["steps"] == steps
+    assert _fleet(run)["steps"] == steps
 
 
 def test_rollout_share_says_what_it_covers(run, report):
@@ -98,7 +105,7 @@ def test_rollout_share_says_what_it_covers(run, report):
     rl_share = rl.filter(pl.col("phase").is_in(ROLLOUT_PHASES))["share_pct"].sum()
     line = re.search(r"step time, rl \(\d+ steps\): ([^;]*?)(?= step time,| Findings)", report)
     assert line and f"rollout {fmt_pct(rl_share)}" in line.group(1)
-    fleet = fleet_summary(run).row(0, named=True)
+    fleet = _fleet(run)
     assert "rollout_pct" not in fleet  # the unlabelled column is gone
     every = shares.unique(["role", "stage"])["step_ms"].sum()
     assert fleet["all_steps_rollout_pct"] == pytest.approx(

@@ -53,10 +53,13 @@ def rank_table(rel: pl.DataFrame, alpha: float = 0.01) -> pl.DataFrame:
     how often it was its role's slowest and above the median (``above_median_pct``), and ``slow``: whether
     it stands out as slower than its role.
 
-    A rank stands out when it is above the step's median in more steps than chance allows: a rank no slower
-    than the others is above it in about half of them, so its count is tested against Binomial(n, ½), one
-    sided, at ``alpha`` shared among its role's ranks (normal approximation). A rank slower by less than its
-    role's step-to-step jitter, or faster, does not stand out, however far its mean is pulled by a few steps.
+    A rank slower than the median (``score_pct`` > 0) stands out on either of two counts, each one-sided at
+    ``alpha`` shared among its role's ranks: it is above the step's median in more steps than chance allows
+    (a rank no slower than the others is above it in about half of them, so its count is tested against
+    Binomial(n, ½), normal approximation): slow at most steps; or its ``score_pct`` lies beyond its role's
+    ranks' spread (robust z over 1.4826 · MAD of the role's scores, as a normal deviate): slow by much at
+    some steps, as a rollout worker that drew the long tail. A rank slower by less than its role's
+    step-to-step jitter and its ranks' spread, or faster, does not stand out.
 
     What a rank costs the step ("what if rank R ran at the median") is ``what_if``'s scenario ``rank R``.
     """
@@ -67,11 +70,14 @@ def rank_table(rel: pl.DataFrame, alpha: float = 0.01) -> pl.DataFrame:
         (100.0 * (pl.col("pos") == 1).mean()).alias("slowest_share_pct"),
         (100.0 * (pl.col("rel_pct") > 0).mean()).alias("above_median_pct"), pl.len().alias("steps")))
     n, k = pl.col("steps"), pl.col("above_median_pct") * pl.col("steps") / 100
-    z = (k - n / 2 - 0.5) / (n.sqrt() / 2)  # continuity-corrected
+    z_steps = (k - n / 2 - 0.5) / (n.sqrt() / 2)  # continuity-corrected
+    score = pl.col("score_pct")
+    spread = 1.4826 * (score - score.median().over("role")).abs().median().over("role")
+    z_spread = (score - score.median().over("role")) / spread  # inf for a lone outlier among equal ranks
     need = pl.col("rank").count().over("role").map_elements(
         lambda ranks: NormalDist().inv_cdf(1 - alpha / ranks), return_dtype=pl.Float64)
-    return (df.with_columns(((pl.col("score_pct") > 0) & (z >= need)).alias("slow"))
-            .sort(["score_pct", "role", "rank"], descending=[True, False, False]))
+    out = ((score > 0) & ((z_steps >= need) | (z_spread.fill_nan(0.0) >= need))).fill_null(False)
+    return df.with_columns(out.alias("slow")).sort(["score_pct", "role", "rank"], descending=[True, False, False])
 
 
 def rank_busy(store: StoreLike, run: str, *, alpha: float = 0.01) -> pl.DataFrame:

@@ -77,7 +77,7 @@ def section(path: str, run: str) -> pl.DataFrame:
                                            "busy time over the run, % above (+) or below (−) the step medians'",
                                            named=shown.filter(pl.col("slow")).head(3)["name"].to_list()),
                     "cl_rank_strip")
-    with data.guard("Slowest ranks and nodes"):
+    with data.guard("Slowest ranks and nodes"), st.container(key="cl_rank_tables"):  # the key names it in the page
         _tables(ranks, nodes, roles)
     return ranks
 
@@ -127,8 +127,9 @@ def _tables(ranks: pl.DataFrame, nodes: pl.DataFrame, roles: int) -> None:
                "far their busy time is above their node's median rank, in robust standard deviations of their "
                "role's ranks (σ). vs median: busy time over the run against the step medians'; above median: "
                "share of steps above the step's median rank; slowest: share of steps it was its role's "
-               "slowest; stands out: above the median in more steps than chance allows (one-sided binomial "
-               "test, 1% shared among the role's ranks). What a rank costs the step: Stragglers, below")
+               "slowest; stands out: above the median in more steps than chance allows, or beyond its role's ranks' "
+               "spread (one-sided tests at 1% shared among the role's ranks). What a rank costs the step: "
+               "Stragglers, below")
     pct = {"format": "%+.1f%%"}
     st.dataframe(top.select("rank_name", "host", "slow", "sigmas", "vs_node_pct", "score_pct", "mean_busy_ms",
                             "above_median_pct", "slowest_share_pct"),
