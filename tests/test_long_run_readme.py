@@ -1,6 +1,8 @@
 """README's long real-model run section is generated from the committed results file, and its reading of
 them holds: the table is exactly ``smollm2_long.py --render --short`` of the file, and each sentence that
-compares a figure with a paper is checked against the file's own figures and intervals."""
+compares a figure with a paper is checked against the file's own figures and intervals. The same for the
+seeds: docs/dynamics.md holds exactly ``--render-seeds`` of the committed seed files, and README says at how
+many seeds each verdict holds, as those files decide it."""
 
 from __future__ import annotations
 
@@ -8,10 +10,13 @@ import json
 from pathlib import Path
 
 from dynascope.demo.reproduction import markdown_table
+from dynascope.demo.reproduction_seeds import load_seed_files, render, verdict_sentence
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = json.loads((ROOT / "benchmarks" / "results" / "smollm2_long.json").read_text())
 README = (ROOT / "README.md").read_text()
+DYNAMICS = (ROOT / "docs" / "dynamics.md").read_text()
+SEEDS = load_seed_files(ROOT / "benchmarks" / "results" / "smollm2_seeds")
 
 
 def test_readme_holds_the_rendered_table() -> None:
@@ -40,3 +45,54 @@ def test_readme_reading_matches_the_figures() -> None:
     for sentence in ("falls short of the final model", "rose at every evaluation point through RL",
                      "not all of it"):
         assert sentence in README.replace("\n", " ")
+
+
+def test_the_seeds_ran_at_one_setting_and_docs_hold_their_render() -> None:
+    assert len(SEEDS) >= 3 and len({d["regime"]["seed"] for d in SEEDS}) == len(SEEDS)
+    settings = [{k: v for k, v in d["regime"].items() if k != "seed"} for d in SEEDS]
+    assert all(s == settings[0] for s in settings) and len({d["rl_steps"] for d in SEEDS}) == 1
+    assert render(SEEDS) in DYNAMICS
+
+
+def test_readme_says_at_how_many_seeds_each_verdict_holds() -> None:
+    assert verdict_sentence(SEEDS) in README
+
+
+def test_readme_reading_of_the_seeds_matches_their_figures() -> None:
+    from dynascope.demo.reproduction_seeds import forgetting_correlations
+
+    text = README.replace("\n", " ")
+    for d in SEEDS:  # "stays below 10⁻⁶ nats per token with no token outside [0.9, 1.1] at every seed"
+        floor = d["gap_floor"]
+        assert floor["self_mean_nats"]["value"] < 1e-6 and floor["self_ratio_outside_share"]["value"] == 0
+        assert floor["excess_mean_nats"]["ci_low"] > 0
+        assert d["forgetting_nats"]["sft"]["rl"]["value"] > 0  # "rose over RL at every seed"
+        assert d["mukherjee_rl"]["value"] > 0.95  # "sparsity is still above 95%"
+    rho = {r["candidate"]: r for r in forgetting_correlations(SEEDS)}
+    others = [r["value"] for k, r in rho.items() if k != "rl_step"]
+    assert rho["rl_step"]["value"] >= max(others) and min(others) > 0  # "every ... tracks it, the step count as well as any"
+    assert rho["forward_kl_nats"]["within_step_ci"][0] <= 0  # "at a fixed step the seeds' KL ... did not rank"
+    for sentence in ("stays below 10⁻⁶ nats per token with no token outside [0.9, 1.1] at every seed",
+                     "rose over RL at every seed", "the step count as well as any",
+                     "at a fixed step the seeds' KL to the base did not rank their forgetting"):
+        assert sentence in text, sentence
+
+
+def test_docs_reading_of_the_seeds_matches_their_figures() -> None:
+    from dynascope.demo.reproduction_seeds import verdicts
+
+    text = DYNAMICS.replace("\n", " ")
+    held = verdicts(SEEDS)
+    assert all(held["pulse"]) and "PULSE's invisibility holds at every seed" in text
+    assert not any(held["alpharl_short"]) and not any(held["relex_short"])
+    assert "are not shown to fall short at this length" in text
+    gains = [d["rl_gain"]["value"] for d in SEEDS]
+    assert all(0.08 <= g <= 0.12 for g in gains) and "RL's gain is about 10 points at each" in text
+    for d in SEEDS:
+        floor = d["gap_floor"]
+        assert floor["self_mean_nats"]["value"] < 5e-7 and floor["self_max_nats"] < 5e-5  # "about 10⁻⁷ ... 2·10⁻⁵"
+        assert floor["self_over_share"]["value"] == 0 and floor["rollout_gap_above_floor_share"]["value"] > 0.999
+        assert 0.13 <= floor["rollout_ratio_outside_share"]["value"] <= 0.20  # "14–19% of tokens outside the band"
+        assert 0.15e-3 <= d["forgetting_nats"]["sft"]["rl"]["value"] <= 0.65e-3  # "by 0.2–0.6·10⁻³ nats per token"
+    sft = sum(d["forgetting_nats"]["pretrained"]["sft"]["value"] for d in SEEDS) / len(SEEDS)
+    assert -2.0e-3 <= sft <= -1.2e-3  # "SFT had lowered it by about 1.6·10⁻³"
