@@ -10,7 +10,8 @@ import json
 from pathlib import Path
 
 from dynascope.demo.reproduction import markdown_table
-from dynascope.demo.reproduction_seeds import load_seed_files, render, verdict_sentence
+from dynascope.demo.reproduction_seeds import load_seed_files, render
+from dynascope.demo.reproduction_seeds_text import verdict_sentence
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = json.loads((ROOT / "benchmarks" / "results" / "smollm2_long.json").read_text())
@@ -60,21 +61,25 @@ def test_readme_says_at_how_many_seeds_each_verdict_holds() -> None:
 
 def test_readme_reading_of_the_seeds_matches_their_figures() -> None:
     from dynascope.demo.reproduction_seeds import forgetting_correlations
+    from dynascope.demo.reproduction_seeds_text import forgetting_sentence
 
     text = README.replace("\n", " ")
     for d in SEEDS:  # "stays below 10⁻⁶ nats per token with no token outside [0.9, 1.1] at every seed"
         floor = d["gap_floor"]
         assert floor["self_mean_nats"]["value"] < 1e-6 and floor["self_ratio_outside_share"]["value"] == 0
         assert floor["excess_mean_nats"]["ci_low"] > 0
-        assert d["forgetting_nats"]["sft"]["rl"]["value"] > 0  # "rose over RL at every seed"
         assert d["mukherjee_rl"]["value"] > 0.95  # "sparsity is still above 95%"
+    assert forgetting_sentence(SEEDS) in README
     rho = {r["candidate"]: r for r in forgetting_correlations(SEEDS)}
-    others = [r["value"] for k, r in rho.items() if k != "rl_step"]
-    assert rho["rl_step"]["value"] >= max(others) and min(others) > 0  # "every ... tracks it, the step count as well as any"
-    assert rho["forward_kl_nats"]["within_step_ci"][0] <= 0  # "at a fixed step the seeds' KL ... did not rank"
+    kl = rho.pop("forward_kl_nats")
+    for r in rho.values():  # "the KL's interval overlaps those of the weight measures and of the step count"
+        assert kl["ci_low"] <= r["ci_high"] and r["ci_low"] <= kl["ci_high"], r["candidate"]
+    low, high = kl["within_step_ci"]  # "the test that holds the step fixed has too few seeds to decide"
+    assert low is None or low <= 0 <= high
     for sentence in ("stays below 10⁻⁶ nats per token with no token outside [0.9, 1.1] at every seed",
-                     "rose over RL at every seed", "the step count as well as any",
-                     "at a fixed step the seeds' KL to the base did not rank their forgetting"):
+                     "the KL's interval overlaps those of the weight measures and of the step count",
+                     "the test that holds the step fixed has too few seeds to decide",
+                     "support no weight measure as a predictor of forgetting"):
         assert sentence in text, sentence
 
 
@@ -87,12 +92,15 @@ def test_docs_reading_of_the_seeds_matches_their_figures() -> None:
     assert not any(held["alpharl_short"]) and not any(held["relex_short"])
     assert "are not shown to fall short at this length" in text
     gains = [d["rl_gain"]["value"] for d in SEEDS]
-    assert all(0.08 <= g <= 0.12 for g in gains) and "RL's gain is about 10 points at each" in text
+    sft = [d["accuracy"]["sft"]["value"] for d in SEEDS]
+    assert max(gains) < max(sft) - min(sft) and "RL's gain at every seed is smaller than that spread" in text
     for d in SEEDS:
         floor = d["gap_floor"]
         assert floor["self_mean_nats"]["value"] < 5e-7 and floor["self_max_nats"] < 5e-5  # "about 10⁻⁷ ... 2·10⁻⁵"
         assert floor["self_over_share"]["value"] == 0 and floor["rollout_gap_above_floor_share"]["value"] > 0.999
         assert 0.13 <= floor["rollout_ratio_outside_share"]["value"] <= 0.20  # "14–19% of tokens outside the band"
-        assert 0.15e-3 <= d["forgetting_nats"]["sft"]["rl"]["value"] <= 0.65e-3  # "by 0.2–0.6·10⁻³ nats per token"
+        assert d["forgetting_nats"]["sft"]["rl"]["value"] < 1e-3  # "by a few 10⁻⁴ nats per token"
+    rises = [d["forgetting_nats"]["sft"]["rl"]["value"] > 0 for d in SEEDS]
+    assert sum(rises) > len(rises) / 2 and "rose over RL at most seeds" in text
     sft = sum(d["forgetting_nats"]["pretrained"]["sft"]["value"] for d in SEEDS) / len(SEEDS)
     assert -2.0e-3 <= sft <= -1.2e-3  # "SFT had lowered it by about 1.6·10⁻³"

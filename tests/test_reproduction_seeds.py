@@ -72,6 +72,15 @@ def test_verdicts_are_counted_at_every_seed():
     assert "| KL to the pretrained model rose at every evaluation point | yes | no | yes | 2 of 3 seeds |" in table
 
 
+def test_the_readme_sentence_says_at_how_many_seeds_each_verdict_holds():
+    from dynascope.demo.reproduction_seeds_text import verdict_sentence
+
+    text = verdict_sentence(DOCS)
+    assert text.startswith("Across 3 seeds: PULSE's ≥99% bf16 invisibility per step holds at every seed; ")
+    assert "AlphaRL's rank-1 replacement stays below 99% of RL's gain (interval below 99%) at 2 of 3 seeds;" in text
+    assert "RELEX's extrapolations fall short of the final model (both intervals below 0) at no seed;" in text
+
+
 def test_correlations_pool_points_over_seeds_and_report_each_seed():
     rows = {r["candidate"]: r for r in forgetting_correlations(DOCS)}
     assert rows["forward_kl_nats"]["value"] == pytest.approx(1.0) and rows["forward_kl_nats"]["points"] == 6

@@ -20,7 +20,7 @@ import numpy as np
 from dynascope.demo.intervals import bootstrap
 from dynascope.demo.reproduction import fmt
 
-__all__ = ["VERDICTS", "correlation_table", "forgetting_correlations", "load_seed_files", "points_table", "render",
+__all__ = ["VERDICTS", "correlation_table", "forgetting_correlations", "load_seed_files", "points_table", "render", "rho_text",
            "seeds_table", "spearman", "verdicts"]
 
 # t₀.₉₇₅ with n − 1 degrees of freedom, n = 2..10 seeds
@@ -215,7 +215,8 @@ def forgetting_correlations(docs: Sequence[dict[str, Any]]) -> list[dict[str, An
     return out
 
 
-def _rho(v: float | None) -> str:
+def rho_text(v: float | None) -> str:
+    """ρ as the tables show it: signed, two decimals; '—' when there is none."""
     return "—" if v is None or not math.isfinite(v) else f"{v:+.2f}"
 
 
@@ -230,11 +231,11 @@ def correlation_table(docs: Sequence[dict[str, Any]]) -> str:
              "|" + "---|" * (4 + len(seeds))]
 
     def shown(v: float | None, lo: float | None, hi: float | None) -> str:
-        return _rho(v) + (f" [{_rho(lo)}, {_rho(hi)}]" if lo is not None else "")
+        return rho_text(v) + (f" [{rho_text(lo)}, {rho_text(hi)}]" if lo is not None else "")
 
     for r in rows:
         lines.append(f"| {r['label']} | {r['points']} | {shown(r['value'], r.get('ci_low'), r.get('ci_high'))} | "
-                     + " | ".join(_rho(r["per_seed"].get(s)) for s in seeds)
+                     + " | ".join(rho_text(r["per_seed"].get(s)) for s in seeds)
                      + f" | {shown(r['within_step'], *r['within_step_ci'])} |")
     return "\n".join(lines) + "\n"
 
@@ -270,3 +271,4 @@ def render(docs: Sequence[dict[str, Any]]) -> str:
             + "; ".join(f"`{d['command']}` ({d['wall_s'] / 60:.0f} min)" for d in docs) + ".\n\n")
     return (head + seeds_table(docs) + "\nForgetting against its candidate predictors, at every RL evaluation point:\n\n"
             + points_table(docs) + "\nSpearman's ρ with forgetting over those points:\n\n" + correlation_table(docs))
+
