@@ -7,6 +7,7 @@ many seeds each verdict holds, as those files decide it."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from dynascope.demo.reproduction import markdown_table
@@ -98,9 +99,10 @@ def test_docs_reading_of_the_seeds_matches_their_figures() -> None:
         floor = d["gap_floor"]
         assert floor["self_mean_nats"]["value"] < 5e-7 and floor["self_max_nats"] < 5e-5  # "about 10⁻⁷ ... 2·10⁻⁵"
         assert floor["self_over_share"]["value"] == 0 and floor["rollout_gap_above_floor_share"]["value"] > 0.999
-        assert 0.13 <= floor["rollout_ratio_outside_share"]["value"] <= 0.20  # "14–19% of tokens outside the band"
         assert d["forgetting_nats"]["sft"]["rl"]["value"] < 1e-3  # "by a few 10⁻⁴ nats per token"
     rises = [d["forgetting_nats"]["sft"]["rl"]["value"] > 0 for d in SEEDS]
     assert sum(rises) > len(rises) / 2 and "rose over RL at most seeds" in text
+    out = [100 * d["gap_floor"]["rollout_ratio_outside_share"]["value"] for d in SEEDS]
+    assert f"{math.floor(min(out))}–{math.ceil(max(out))}% of tokens outside the band" in text
     sft = sum(d["forgetting_nats"]["pretrained"]["sft"]["value"] for d in SEEDS) / len(SEEDS)
     assert -2.0e-3 <= sft <= -1.2e-3  # "SFT had lowered it by about 1.6·10⁻³"
