@@ -13,6 +13,10 @@ import pytest
 from dynascope.store import RunWriter, open_store
 from dynascope.store.compact import compact_store
 
+from helpers.as_written import as_written  # noqa: F401 - the fixture pytestmark names
+
+pytestmark = pytest.mark.usefixtures("as_written")  # compaction's input, no settling process beside it
+
 # A writer process: `rows` rows with unique integer ids in `step`, paced so readers see it grow.
 CHILD = textwrap.dedent("""
     import sys, time
