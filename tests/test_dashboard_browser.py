@@ -300,8 +300,9 @@ def test_cluster_rank_tables_fit_the_page(dashboard):
     """The slowest ranks' and nodes' tables show all their columns without scrolling sideways."""
     _, base, page = dashboard
     open_page(page, base, "cluster")
-    grids = ".st-key-cl_top_ranks .dvn-scroller, .st-key-cl_top_nodes .dvn-scroller"
-    page.locator(grids).first.wait_for(timeout=30_000)
+    grids = ".st-key-cl_rank_tables .dvn-scroller"
+    page.locator(".st-key-cl_rank_tables").scroll_into_view_if_needed(timeout=60_000)  # grids draw when shown
+    page.locator(grids).first.wait_for(timeout=60_000)
     widths = page.evaluate("g => [...document.querySelectorAll(g)].map(e => [e.scrollWidth, e.clientWidth])", grids)
     assert widths and all(sw <= cw + 1 for sw, cw in widths), widths
 
@@ -490,7 +491,9 @@ def test_cluster_queries_find_the_slow_rank(store):
     sc = with_rank_costs(cluster.straggler_table(store, "grpo-sync"), what_if(store, "grpo-sync"))
     slow = sc.row(0, named=True)
     assert slow["rank"] == 1 and slow["slowest_share_pct"] == 100.0 and slow["whatif_saved_ms"] > 0 and slow["slow"]
-    assert sc.filter(pl.col("rank") == 0)["whatif_saved_ms"].item() == 0
+    # the fast rank is the slowest in no step: capping it at the median saves next to nothing
+    assert sc.filter(pl.col("rank") == 0)["whatif_saved_ms"].item() < 0.05 * slow["whatif_saved_ms"]
+    assert not sc.filter(pl.col("rank") == 0)["slow"].item()
     bd = cluster.phase_breakdown(store, "grpo-sync")
     per_rank = bd.group_by("rank").agg(pl.col("ms_per_step").sum()).sort("rank")["ms_per_step"].to_list()
     steps = store.sql("SELECT rank, avg(dur_us) / 1000 FROM timings WHERE run_id = 'grpo-sync' AND phase = 'step' "
