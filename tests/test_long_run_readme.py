@@ -102,6 +102,8 @@ def test_docs_reading_of_the_seeds_matches_their_figures() -> None:
         assert d["forgetting_nats"]["sft"]["rl"]["value"] < 1e-3  # "by a few 10⁻⁴ nats per token"
     rises = [d["forgetting_nats"]["sft"]["rl"]["value"] > 0 for d in SEEDS]
     assert sum(rises) > len(rises) / 2 and "rose over RL at most seeds" in text
+    cost = [100 * d["rl_step_s"]["self_check"] / d["rl_step_s"]["step"] for d in SEEDS]
+    assert f"{math.floor(min(cost))}–{math.ceil(max(cost))}% of an RL step in these runs" in text
     out = [100 * d["gap_floor"]["rollout_ratio_outside_share"]["value"] for d in SEEDS]
     assert f"{math.floor(min(out))}–{math.ceil(max(out))}% of tokens outside the band" in text
     sft = sum(d["forgetting_nats"]["pretrained"]["sft"]["value"] for d in SEEDS) / len(SEEDS)
