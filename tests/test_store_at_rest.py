@@ -94,10 +94,14 @@ def test_the_last_writer_to_close_folds_the_run_under_a_counting_reader(tmp_path
             (r, float(r) * FLUSHES * ROWS) for r in range(WRITERS)]
 
 
-def test_a_finished_run_its_last_close_did_not_fold_is_folded_by_the_next_open(tmp_path: Path) -> None:
+def test_a_finished_run_its_last_close_did_not_fold_is_folded_by_the_next_open(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     run = tmp_path / "r"
-    for w in _write(run, fold=False):  # closed, but folding nothing: as a close that ran out of time leaves it
-        w.close()
+    with monkeypatch.context() as m:  # closed, but folding nothing: as a close that ran out of time leaves it
+        m.setattr(at_rest, "settle", lambda *a, **k: False)
+        m.setattr(at_rest, "settle_later", lambda *a, **k: None)
+        for w in _write(run):
+            w.close()
     assert not _at_rest(run) and max(_files(run).values()) >= FLUSHES
     assert _counts(run) == EXPECTED  # this open folds the run behind itself
     wait_until(lambda: _at_rest(run), "the open to put the run at rest", timeout_s=120)

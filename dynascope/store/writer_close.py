@@ -64,11 +64,11 @@ def _last_work(w: RunWriter, flushed: threading.Event, deadline: float) -> None:
         whole = _final_flushes(w)
     finally:
         flushed.set()
-    if not whole or w._thread.is_alive():
-        return  # a writer that may still write, or whose rows did not all land, is not closed
+    if not whole or w._thread.is_alive() or not w.fold:
+        return  # a writer that may still write, whose rows did not all land, or that keeps its files as written
     try:
         at_rest.mark_closed(w.run_dir, w.writer_id)
-        if w.fold and not at_rest.settle(w.run_dir, deadline - _MARGIN_S, once=True):
+        if not at_rest.settle(w.run_dir, deadline - _MARGIN_S, once=True):
             at_rest.settle_later(w.run_dir)
     except Exception as exc:  # housekeeping: the rows are committed; the next open or compact folds them
         w._problem("fold_error", f"folding the finished run failed ({type(exc).__name__}: {exc}); "
