@@ -103,7 +103,8 @@ def test_symlink_out_of_the_store_is_not_followed(store_dir):
 def test_hostile_names_are_escaped_everywhere(tmp_path):
     root = tmp_path / "root"
     run = root / "run 'quoted'; DROP \"x\""  # the path goes into glob patterns and ATTACH strings
-    with RunWriter(run, run_name=HOSTILE, rank=0, role=HOSTILE) as w:
+    # fold=False: its segments as written, for `compact` below to merge under the hostile names
+    with RunWriter(run, run_name=HOSTILE, rank=0, role=HOSTILE, fold=False) as w:
         w.append("tensor_stats", {"step": [1, 2], "tensor": [HOSTILE, "ok"], "kind": HOSTILE, "w_norm": 1.0})
         w.flush()
         w.append("tensor_stats", {"step": 3, "tensor": HOSTILE, "w_norm": 2.0})
