@@ -13,6 +13,7 @@ import torch
 import dynascope
 from dynascope.probes.resolver import Resolver
 from dynascope.probes.rows import Record, tensor_stats_batch
+from dynascope.store.live import live_files
 from dynascope.store.schema import TENSOR_STATS_COLUMNS
 
 from helpers.records import record as _record
@@ -76,7 +77,7 @@ def _rows(run) -> list[tuple]:
                      [c.name for c in TENSOR_STATS_COLUMNS if c.name not in ("tensor", "layer", "kind", "shape",
                                                                            "numel", "sharded", "dtype")])
     with duckdb.connect() as con:
-        return con.execute(f"SELECT {cols} FROM read_parquet('{run}/tensor_stats/**/*.parquet') "
+        return con.execute(f"SELECT {cols} FROM read_parquet({live_files(run, 'tensor_stats')!r}, union_by_name = true) "
                            "ORDER BY step, tensor").fetchall()
 
 
@@ -140,9 +141,9 @@ def test_one_bad_record_costs_only_its_own_rows(tmp_path) -> None:
         opt.zero_grad()
     scope.close()
     with duckdb.connect() as con:
-        steps = [r[0] for r in con.execute(f"SELECT DISTINCT step FROM read_parquet('{tmp_path}/run/tensor_stats/**/*.parquet') "
+        steps = [r[0] for r in con.execute(f"SELECT DISTINCT step FROM read_parquet({live_files(tmp_path / 'run', 'tensor_stats')!r}, union_by_name = true) "
                                            "ORDER BY step").fetchall()]
-        errors = con.execute(f"SELECT message FROM read_parquet('{tmp_path}/run/events/**/*.parquet') "
+        errors = con.execute(f"SELECT message FROM read_parquet({live_files(tmp_path / 'run', 'events')!r}, union_by_name = true) "
                              "WHERE event = 'probe_error'").fetchall()
     assert steps == [0, 1, 2, 4, 5]
     assert errors and all("resolve:tensor_stats" in m for (m,) in errors)

@@ -11,6 +11,7 @@ import torch
 
 from dynascope.probes.rows import Record, summarize, tensor_stats_batch
 from dynascope.stats import REGISTRY
+from dynascope.store.live import live_files
 from dynascope.store.schema import TENSOR_STATS_COLUMNS
 from dynascope.store.writer import RunWriter
 
@@ -127,7 +128,7 @@ def test_writer_stores_the_arrays_with_their_nulls(tmp_path) -> None:
 
     con = duckdb.connect()
     got = con.execute(f"SELECT step, tensor, layer, numel, w_norm, w_nan_count, update_ratio, ref_covered "
-                      f"FROM read_parquet('{tmp_path}/run/tensor_stats/**/*.parquet') "
+                      f"FROM read_parquet({live_files(tmp_path / 'run', 'tensor_stats')!r}, union_by_name = true) "
                       "ORDER BY step, tensor").fetchall()
     assert len(got) == 2 * len(tracked)
     row1 = [r for r in got if r[0] == 1 and r[1] == "layers.1.w"][0]
