@@ -50,11 +50,33 @@ def test_loss_spikes_near_zero_need_to_stand_out_series_wide(spiky):
     df = instability.detect_instability(spiky)
     assert df.select("rank", "step", "event").rows() == [(1, SPIKE_STEP, "loss_spike"), (2, SPIKE_STEP, "loss_spike")]
     # Without the floor the windowed robust z alone turns the blips around 0 into spikes on ranks 0 and 1.
-    bare = instability.detect_instability(spiky, min_rise=0)
+    bare = instability.detect_instability(spiky, min_rise=0, range_factor=0)
     assert bare.filter(pl.col("rank") == 0).height >= 5
     assert bare.filter(pl.col("rank") == 1).height > 1
     with pytest.raises(ValueError, match="min_rise"):
         instability.detect_instability(spiky, min_rise=-1)
+
+
+def test_a_zero_crossing_surrogate_loss_spikes_only_beyond_its_range(tmp_path):
+    """GRPO's loss on 4 ranks: small values of both signs, and now and then a burst to ~0.1-0.2 on one rank
+    or another (a batch whose long completions had large advantages), as the 4-rank demo logs it. Those are
+    within the range the role's loss already showed; a divergence 10x beyond it is still a spike."""
+    rng = np.random.default_rng(3)
+    bursts = {(0, 20): 0.11, (3, 22): 0.11, (0, 25): 0.2, (0, 34): 0.13, (1, 59): 0.09, (3, 53): 0.034}
+    run = tmp_path / "run"
+    for rank in range(4):
+        x = 0.004 + 0.006 * rng.standard_normal(STEPS)
+        for (r, step), v in bursts.items():
+            if r == rank:
+                x[step] = v
+        if rank == 2:
+            x[70] = 2.0  # the loss leaves everything it did before
+        with RunWriter(run, rank=rank, world_size=4) as w:
+            w.append("scalars", {"step": list(range(STEPS)), "key": "rl/loss", "value": x.tolist()})
+    df = instability.detect_instability(run)
+    assert df.select("rank", "step", "event").rows() == [(2, 70, "loss_spike")]
+    # the windowed z and the series-wide floor alone flag the bursts: the range is what tells them apart
+    assert instability.detect_instability(run, range_factor=0).height > 1
 
 
 def test_a_lone_jump_in_a_flat_series_is_still_a_spike():

@@ -253,6 +253,7 @@ def _instability(con, run: str) -> list[Finding]:
         series = g.filter((pl.col("source") == first["source"]) & (pl.col("role") == first["role"])
                           & (pl.col("rank").eq_missing(first["rank"])))["step"].to_list()
         n = {"events": g.height, "steps": steps, "step": first["step"], "rank": first["rank"],
+             "ranks": sorted({r for r in g["rank"].to_list() if r is not None}),
              "source": first["source"], "value": _r(first["value"], 6), "message": first["message"]}
         out.append(_found(run, event, first["severity"], n, S.instability_sql(run, first, sorted(series)[:SQL_STEPS_SHOWN])))
     return out

@@ -93,7 +93,12 @@ INSTABILITY_LABELS = {"grad_norm_spike": "grad-norm spikes", "loss_spike": "loss
 
 
 def _instability(label: str) -> Callable[[N], str]:
-    return lambda n: f"{label} at step {_steps(n['steps'])}: {n['message']}"
+    def say(n: N) -> str:
+        ranks = n.get("ranks") or []
+        on = f" on ranks {', '.join(map(str, ranks))}" if len(ranks) > 1 else ""
+        return f"{label} at step {_steps(n['steps'])}{on}: {n['message']}"
+
+    return say
 
 
 def _kl_to_base(n: N) -> str:

@@ -13,6 +13,12 @@
   zero-filled stretches cannot shrink it to nothing). A floor relative to the series' level (|x|) would
   not do: one high enough to hide blips around 0 would hide a 2.0 → 2.5 spike on an ordinary loss.
   With fewer than ``min_history`` untied deviations (a flat series with a jump or two) there is no floor.
+  A loss that takes both signs (a GRPO or PPO surrogate: −advantage × ratio averaged over tokens, plus a
+  KL term) has no floor to rise from, and its size follows the batch's advantages, not the training's
+  health: a step's value 100× its trailing median is ordinary there. So on such a series, a spike must
+  also exceed ``range_factor`` × the largest magnitude the role's zero-crossing series of that key reaches
+  at any other step on any rank: bursts that recur are the surrogate's noise, a divergence leaves every
+  other step far behind. (Over a live run, "other steps" are the steps recorded so far.)
   Without a grad_norm scalar, the global gradient norm is rebuilt from ``tensor_stats_global`` (√Σ
   grad_norm² over the whole tensors, one series per run and role: shards pooled, replicas once).
 - *Entropy collapse*: the first step where the scalar ``entropy`` falls below ``collapse_frac`` × its
@@ -68,8 +74,30 @@ def _spikes(x: np.ndarray, window: int, z_threshold: float, min_history: int,
             if z > z_threshold and r - centre > floor]
 
 
+def _crosses_zero(v: np.ndarray) -> bool:
+    fin = v[np.isfinite(v)]
+    return bool(len(fin)) and fin.min() < 0 < fin.max()
+
+
+def _other_range(series: pl.DataFrame) -> dict[tuple, dict[int, float]]:
+    """Per (run, role, key): step → the largest |value| at any other step, on any rank of the role whose
+    series of that key takes both signs (a zero-crossing surrogate loss's range without that step)."""
+    crossing = [g for _, g in series.group_by(["run_id", "role", "rank", "key"], maintain_order=True)
+                if _crosses_zero(g["value"].to_numpy().astype(float))]
+    out: dict[tuple, dict[int, float]] = {}
+    if not crossing:
+        return out
+    for (run_id, role, key), g in pl.concat(crossing).group_by(["run_id", "role", "key"], maintain_order=True):
+        per_step = g.filter(pl.col("value").is_finite()).group_by("step").agg(pl.col("value").abs().max())
+        steps, peak = per_step["step"].to_list(), per_step["value"].to_numpy()
+        order = np.argsort(peak)[::-1]
+        top, second = float(peak[order[0]]), float(peak[order[1]]) if len(peak) > 1 else 0.0
+        out[(run_id, role, key)] = {s: (second if i == order[0] else top) for i, s in enumerate(steps)}
+    return out
+
+
 def _series_events(con, run: str | None, window: int, z_threshold: float, min_history: int,
-                   collapse_frac: float, min_rise: float) -> list[dict]:
+                   collapse_frac: float, min_rise: float, range_factor: float = 2.0) -> list[dict]:
     rc = run_clause(run)
     series = frame(con, f"""
         SELECT run_id, coalesce(role, '') AS role, rank, key, step, AVG(value) AS value FROM scalars
@@ -84,6 +112,7 @@ def _series_events(con, run: str | None, window: int, z_threshold: float, min_hi
         GROUP BY ALL
         ORDER BY run_id, role, rank, key, step""")
     events = []
+    ranges = _other_range(series.filter(pl.col("key").str.contains(r"(^|[/.])loss$")))
     for (run_id, role, rank, key), g in series.group_by(["run_id", "role", "rank", "key"], maintain_order=True):
         steps, x = g["step"].to_numpy(), g["value"].to_numpy().astype(float)
         name = key.rsplit("/", 1)[-1].rsplit(".", 1)[-1]
@@ -105,7 +134,10 @@ def _series_events(con, run: str | None, window: int, z_threshold: float, min_hi
         event = "grad_norm_spike" if "grad_norm" in key else "loss_spike"
         if key == "grad_norm(tensor_stats)":
             base["source"] = "tensor_stats:grad_norm"
+        prior = ranges.get((run_id, role, key)) if _crosses_zero(x) else None
         for i, med, z in _spikes(x, window, z_threshold, min_history, min_rise):
+            if prior is not None and not x[i] > range_factor * prior.get(int(steps[i]), 0.0):
+                continue  # a zero-crossing surrogate loss within the range it shows at other steps
             events.append({**base, "step": int(steps[i]), "event": event, "severity": "warning", "value": float(x[i]),
                            "baseline": med, "robust_z": z,
                            "message": f"{key} = {x[i]:.4g} at step {int(steps[i])}, {x[i] / med:.1f}× the trailing "
@@ -139,11 +171,13 @@ def _nan_events(con, run: str | None) -> list[dict]:
 
 
 def detect_instability(store: StoreLike, run: str | None = None, *, window: int = 20, z_threshold: float = 6.0,
-                       min_history: int = 5, collapse_frac: float = 0.1, min_rise: float = 6.0) -> pl.DataFrame:
+                       min_history: int = 5, collapse_frac: float = 0.1, min_rise: float = 6.0,
+                       range_factor: float = 2.0) -> pl.DataFrame:
     """Instability events, one row each (see the module docstring for the rules).
 
     ``min_rise`` sets the series-wide floor for spikes, in multiples of the series' typical deviation
-    from its trailing median (0 turns it off and leaves only the windowed robust z).
+    from its trailing median (0 turns it off and leaves only the windowed robust z); ``range_factor`` the
+    multiple of a zero-crossing loss's range at its other steps that a spike on it must exceed (0: off).
 
     Columns: run_id, role, rank, step, event (grad_norm_spike | loss_spike | entropy_collapse | nan_inf),
     severity, source, value, baseline, robust_z, message.
@@ -151,6 +185,6 @@ def detect_instability(store: StoreLike, run: str | None = None, *, window: int 
     if min_rise < 0:
         raise ValueError("min_rise must be >= 0")
     con = as_store(store)
-    rows = _series_events(con, run, window, z_threshold, min_history, collapse_frac, min_rise)
+    rows = _series_events(con, run, window, z_threshold, min_history, collapse_frac, min_rise, range_factor)
     rows += _nan_events(con, run)
     return pl.DataFrame(rows, schema=_SCHEMA).sort(["run_id", "step", "rank", "event"])
