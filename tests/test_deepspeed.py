@@ -146,9 +146,11 @@ def assert_user_statistics(run: Path, record: dict) -> None:
     and Σ|g| of the gathered masters and gradients: a statistic added later needs no code for ZeRO."""
     import duckdb
 
-    files = str(run / "tensor_stats" / "*" / "*.parquet")
+    from dynascope.store import live_files
+
+    files = live_files(run, "tensor_stats")  # what a query reads: the writers' files or what they were folded into
     got = duckdb.sql(f"select step, tensor, count(*) n, sum(test_update_l1) u, sum(test_grad_l1) g "
-                     f"from read_parquet('{files}', union_by_name=true) group by step, tensor").fetchall()
+                     f"from read_parquet({files!r}, union_by_name=true) group by step, tensor").fetchall()
     assert len(got) == worker.STEPS * len(record["theta0"])
     for step, tensor, n, u, g in got:
         before = record["weights"][step - 1] if step else record["theta0"]
