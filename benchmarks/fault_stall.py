@@ -1,12 +1,21 @@
-"""Training under a file system that stops answering: step time with the store's writes stalled, against
-the same loop with them answering, in one process, alternating, on a real FUSE mount
-(``tests/helpers/faultfs.py``; needs /dev/fuse, fusermount and fusepy).
+"""Training under each fault the probe must absorb: step time during the fault against the same loop
+healthy, in one process, alternating, on a real FUSE mount (``tests/helpers/faultfs.py``; needs /dev/fuse,
+fusermount and fusepy).
 
-Each round runs the probed loop for ``--phase-s`` seconds with the mount healthy, then as long with every
-write blocked (the writer thread is mid-flush in a ``write`` that does not return), and reports the ratio
-of median step times. A probe that waited on its disk would show a ratio of tens or hundreds (steps
-blocked for the whole phase); the floor is 1.0. Then ``close(timeout_s=1)`` is timed with the mount
-stalled, and the rows are checked to land whole once it answers again.
+Faults, one phase each per round, each after a healthy phase of the same length:
+
+- ``stall``: every write of the store blocks (an NFS or Lustre server that stops answering);
+- ``enospc`` / ``eio``: every write fails (a full disk, a dying one): the writer retries with back-off;
+- ``listener-raise``: a listener raises at every call, under ``warnings.simplefilter("error")``;
+- ``listener-hang``: a listener that never returns (a ``wandb.log`` on a dead network), added fresh each
+  round: it is dropped after its deadline;
+- ``warnings-error``: ``warnings.simplefilter("error")`` with a probe that raises at every step.
+
+Each round alternates ``--pairs`` short healthy and fault blocks per fault (an in-process A/B: load
+from the rest of the machine falls on both alike) and reports the ratio of the fault blocks' median step
+time to the healthy blocks'. A probe that waited on its disk or a listener would show ratios of tens or
+hundreds (steps blocked for the block); the floor is 1.0. Then ``close(timeout_s=1)`` is timed with the mount stalled, and every step's rows are
+checked to land once it answers again.
 
     python3 benchmarks/fault_stall.py --rounds 5
 """
@@ -17,17 +26,34 @@ import argparse
 import statistics
 import sys
 import tempfile
+import threading
 import time
+import warnings
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
 import dynascope
+from dynascope.probes.protocol import Probe
 from dynascope.store import open_store
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))
 from faultfs import Mount  # noqa: E402 - the fault tests' FUSE mount (needs fusepy)
+
+FAULTS = ("stall", "enospc", "eio", "listener-raise", "listener-hang", "warnings-error")
+
+
+class _Switch(Probe):
+    """A probe that raises at every step while ``on`` (the warnings-as-errors fault)."""
+
+    name = "planted"
+    on = False
+
+    def after(self, ctx):
+        if self.on:
+            raise ValueError("planted probe failure")
 
 
 def _wait(cond, what: str, timeout_s: float = 60.0) -> None:
@@ -41,16 +67,26 @@ def _wait(cond, what: str, timeout_s: float = 60.0) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--phase-s", type=float, default=2.0)
+    ap.add_argument("--phase-s", type=float, default=0.25, help="length of one block")
+    ap.add_argument("--pairs", type=int, default=8, help="healthy/fault block pairs per fault per round")
+    ap.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated, of {', '.join(FAULTS)}")
     args = ap.parse_args()
+    faults = args.faults.split(",")
     m = Mount(Path(tempfile.mkdtemp(prefix="dynascope-stall-")))
-    backing, mnt, mode = m.backing, m.path, m.set
+    release = threading.Event()  # lets the hung listeners' threads end with the benchmark
     try:
-
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(256, 512), nn.Tanh(), nn.Linear(512, 64))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        scope = dynascope.watch(model, opt, run=mnt / "run", system_interval_s=None, memory_budget=None)
+        planted = _Switch()
+        raising = {"on": False}
+
+        def listener(step, summary):
+            if raising["on"]:
+                raise RuntimeError("planted listener failure")
+
+        scope = dynascope.watch(model, opt, run=m.path / "run", system_interval_s=None, memory_budget=None,
+                                probes=[planted], listeners=[listener])
         scope.writer.flush_secs = 0.2
         x = torch.randn(64, 256)
 
@@ -64,34 +100,59 @@ def main() -> None:
                 out.append(time.perf_counter() - t)
             return out
 
+        def faulty(fault: str) -> list[float]:
+            with ExitStack() as stack:
+                if fault in ("stall", "enospc", "eio"):
+                    m.set(fault)
+                    stack.callback(m.set, "ok")
+                if fault in ("listener-raise", "warnings-error"):
+                    stack.enter_context(warnings.catch_warnings())
+                    warnings.simplefilter("error")
+                if fault == "listener-raise":
+                    raising["on"] = True
+                    stack.callback(raising.update, on=False)
+                if fault == "warnings-error":
+                    planted.on = True
+                    stack.callback(setattr, planted, "on", False)
+                if fault == "listener-hang":
+                    scope.add_listener(lambda step, summary: release.wait(3600), deadline_s=0.5)
+                return phase()
+
         phase()  # warm-up
-        ratios, steps = [], 0
-        print(f"{'round':>5} {'healthy ms':>11} {'stalled ms':>11} {'slowest stalled ms':>19} {'ratio':>7}")
+        ratios: dict[str, list[float]] = {f: [] for f in faults}
+        steps = 0
+        print(f"{'fault':>15} {'round':>5} {'healthy ms':>11} {'fault ms':>9} {'slowest fault ms':>17} {'ratio':>7}")
         for r in range(args.rounds):
-            mode("ok")
-            healthy = phase()
-            mode("stall")
-            stalled = phase()
-            steps += len(healthy) + len(stalled)
-            ratio = statistics.median(stalled) / statistics.median(healthy)
-            ratios.append(ratio)
-            print(f"{r:>5} {statistics.median(healthy) * 1e3:>11.3f} {statistics.median(stalled) * 1e3:>11.3f} "
-                  f"{max(stalled) * 1e3:>19.1f} {ratio:>7.3f}")
+            for fault in faults:
+                healthy, during = [], []
+                for _ in range(args.pairs):
+                    healthy += phase()
+                    during += faulty(fault)
+                steps += len(healthy) + len(during)
+                ratio = statistics.median(during) / statistics.median(healthy)
+                ratios[fault].append(ratio)
+                print(f"{fault:>15} {r:>5} {statistics.median(healthy) * 1e3:>11.3f} "
+                      f"{statistics.median(during) * 1e3:>9.3f} {max(during) * 1e3:>17.1f} {ratio:>7.3f}")
+        m.set("stall")
         t0 = time.monotonic()
         scope.close(timeout_s=1.0)
         closed = time.monotonic() - t0
-        mode("ok")
-        print(f"\nstalled/healthy median step time: median {statistics.median(ratios):.3f}x, "
-              f"range {min(ratios):.3f}-{max(ratios):.3f}x over {args.rounds} rounds; "
-              f"close(timeout_s=1) with the mount stalled returned in {closed:.2f} s")
+        m.set("ok")
+        print(f"\nfault/healthy median step time over {args.rounds} rounds (median, range):")
+        for fault, rs in ratios.items():
+            print(f"  {fault:>15}: {statistics.median(rs):.3f}x ({min(rs):.3f}-{max(rs):.3f})")
+        print(f"close(timeout_s=1) with the mount stalled returned in {closed:.2f} s")
 
         def landed() -> bool:
-            with open_store(backing / "run") as con:
-                return con.rows("SELECT count(DISTINCT step) FROM tensor_stats")[0][0] >= steps
+            with open_store(m.backing / "run") as con:
+                return con.rows("SELECT count(DISTINCT step) FROM timings WHERE category = 'step'")[0][0] >= steps
 
         _wait(landed, "the rows to land after the stall", timeout_s=120)
-        print("every step's rows landed once the mount answered again")
+        with open_store(m.backing / "run") as con:
+            kinds = dict(con.rows("SELECT event, count(*) FROM events GROUP BY 1"))
+        print(f"every step's timing rows landed once the mount answered again; events: {kinds}")
     finally:
+        release.set()
         m.close()
 
 
