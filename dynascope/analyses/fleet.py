@@ -9,6 +9,7 @@ snapshot's listing, the same for both engines.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from dynascope.store.snapshot import Snapshot, open_snapshot
 __all__ = ["FLEET_COLUMNS", "fleet_summary"]
 
 ENGINES = ("duckdb", "spark")
+VANISHED_DEADLINE_S = 30.0
 FLEET_COLUMNS: dict[str, Any] = {
     "run_id": pl.String, "name": pl.String, "status": pl.String, "steps": pl.Int64, "ranks": pl.Int64,
     "median_step_ms": pl.Float64, "all_steps_rollout_pct": pl.Float64, "slowest_rank": pl.Int64, "slowest_phase": pl.String,
@@ -52,12 +54,33 @@ def fleet_summary(store: str | os.PathLike | Snapshot, engine: str = "duckdb", *
 
     ``engine``: "duckdb" or "spark" (``spark``: a SparkSession, else a local one). Give a ``Snapshot``
     taken with a lease for a Spark job that may outlive compaction's grace period; with a path, the store
-    is listed now without a lease (this function writes nothing). ``progress(done, total)`` follows the
+    is listed now without a lease (this function writes nothing), and listed again if a fold deleted a
+    listed segment before the engine read it. ``progress(done, total)`` follows the
     listing, run by run.
     """
     if engine not in ENGINES:
         raise UserError(f"unknown engine {engine!r} (duckdb or spark)")
-    snap = store if isinstance(store, Snapshot) else open_snapshot(store, lease_ttl_s=None, progress=progress)
+    if isinstance(store, Snapshot):
+        return _summary(store, engine, spark)
+    # Listed without a lease: a fold that finishes meanwhile (a run's last writer closing, or compaction)
+    # deletes segments the listing named. Listing again reads the merged files instead: the same rows.
+    end = time.monotonic() + VANISHED_DEADLINE_S
+    while True:
+        try:
+            return _summary(open_snapshot(store, lease_ttl_s=None, progress=progress), engine, spark)
+        except Exception as exc:
+            if not _vanished(exc) or time.monotonic() >= end:
+                raise
+            time.sleep(0.2)
+
+
+def _vanished(exc: BaseException) -> bool:
+    """A listed file was gone when the engine opened it (DuckDB's or Spark's words for it)."""
+    msg = str(exc)
+    return any(s in msg for s in ("No such file", "No files found", "FileNotFoundException", "PATH_NOT_FOUND"))
+
+
+def _summary(snap: Snapshot, engine: str, spark: Any) -> pl.DataFrame:
     tables: DuckDBTables | SparkTables
     if engine == "duckdb":
         tables, q = DuckDBTables(snap), quote_ident
