@@ -107,4 +107,13 @@ def test_docs_reading_of_the_seeds_matches_their_figures() -> None:
     out = [100 * d["gap_floor"]["rollout_ratio_outside_share"]["value"] for d in SEEDS]
     assert f"{math.floor(min(out))}–{math.ceil(max(out))}% of tokens outside the band" in text
     sft = sum(d["forgetting_nats"]["pretrained"]["sft"]["value"] for d in SEEDS) / len(SEEDS)
-    assert -2.0e-3 <= sft <= -1.2e-3  # "SFT had lowered it by about 1.6·10⁻³"
+    assert sft < 0 and f"SFT had lowered it by about {-sft * 1e3:.1f}·10⁻³" in text
+    from dynascope.demo.reproduction_seeds import forgetting_correlations
+
+    rho = {r["candidate"]: r for r in forgetting_correlations(SEEDS)}
+    kl = rho.pop("forward_kl_nats")
+    assert kl["value"] == max([kl["value"], *(r["value"] for r in rho.values())])  # "the KL's pooled ρ is the highest"
+    weights = ("drift_norm", "drift_ratio", "mukherjee_changed_share", "rank1_energy")
+    assert all(kl["within_step"] > rho[k]["within_step"] for k in weights)  # "above every weight measure's"
+    steps = [d["rl_step_s"]["step"] for d in SEEDS]
+    assert f"ran at {math.floor(min(steps))}–{math.ceil(max(steps))} s per step" in text
