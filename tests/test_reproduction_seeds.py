@@ -118,3 +118,14 @@ def test_a_seed_without_a_figure_is_not_counted_as_failing_it(tmp_path):
     loaded = load_seed_files(tmp_path)
     assert [d["regime"]["seed"] for d in loaded] == [0, 1, 2, 3]
     assert render(loaded).startswith("4 seeds (0, 1, 2, 3), 4 RL steps, 8 held-out problems each. Commands: `run 0` (10 min);")
+
+
+def test_the_forgetting_sentence_counts_seeds_and_quotes_each_pooled_rho():
+    from dynascope.demo.reproduction_seeds_text import forgetting_sentence
+
+    docs = [{**d, "forgetting_nats": {"sft": {"rl": _iv(f, f - 0.01, f + 0.01)}}} for d, f in zip(DOCS, [0.02, -0.01, 0.005], strict=True)]
+    text = forgetting_sentence(docs)
+    assert "rose at 2 of 3 seeds, its interval above 0 at 1." in text
+    assert "Spearman's ρ with forgetting is +1.00 [+1.00, +1.00] for the KL to the SFT base" in text
+    everywhere = [{**d, "forgetting_nats": {"sft": {"rl": _iv(0.02, 0.01, 0.03)}}} for d in DOCS]
+    assert "rose at every seed, its interval above 0 at 3." in forgetting_sentence(everywhere)

@@ -46,8 +46,9 @@ def forgetting_sentence(docs: Sequence[dict[str, Any]]) -> str:
     kl = rho["forward_kl_nats"]
     within = rho_text(kl["within_step"]) + (f" [{rho_text(kl['within_step_ci'][0])}, {rho_text(kl['within_step_ci'][1])}]"
                                         if kl["within_step_ci"][0] is not None else "")
+    where = "every seed" if up == len(docs) else f"{up} of {len(docs)} seeds"
     return (f"Forgetting (the log-loss on held-out Python-docs prose, from the SFT point to the end of RL) rose at "
-            f"{up} of {len(docs)} seeds, its interval above 0 at {sure}. Over every seed's evaluation points, "
+            f"{where}, its interval above 0 at {sure}. Over every seed's evaluation points, "
             f"Spearman's ρ with forgetting is {pooled('forward_kl_nats')} for the KL to the SFT base on the training "
             f"task, {pooled('drift_norm')} for ‖W − θ₀‖, {pooled('mukherjee_changed_share')} for Mukherjee's changed "
             f"share, {pooled('rank1_energy')} for the rank-1 energy and {pooled('rl_step')} for the number of RL "
