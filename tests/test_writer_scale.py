@@ -57,7 +57,9 @@ def test_sixteen_writers_a_thousand_flushes_each_stay_bounded_and_exact(tmp_path
     # match (the forked ranks inherit them); a query that meets a deletion window runs again after it.
     monkeypatch.setattr(own_fold, "SETTLE_S", 0.02)
     monkeypatch.setattr(own_fold, "GRACE_S", 0.5)
-    monkeypatch.setattr(own_fold, "DELETE_PERIOD_S", 2.0)
+    # A period a count on a loaded 2-core machine (16 writer processes share it) fits in between two windows:
+    # with 2 s, a count that took 2-4 s met a window at each try until its retry deadline.
+    monkeypatch.setattr(own_fold, "DELETE_PERIOD_S", 4.0)
     monkeypatch.setattr(own_fold, "DELETE_WINDOW_S", 0.25)
     monkeypatch.setattr(at_rest, "SETTLE_S", 0.05)
     monkeypatch.setattr(at_rest, "GRACE_S", 0.1)
@@ -90,7 +92,9 @@ def test_sixteen_writers_a_thousand_flushes_each_stay_bounded_and_exact(tmp_path
     assert samples >= 10 and min(done) == FLUSHES
     print(f"open + count of the live run: median {statistics.median(opens):.2f} s, max {max(opens):.2f} s, "
           f"{samples} samples; most live segments of a writer per table {dict(peaks)}")  # the figure is benchmarks/writer_files.py's; this bound is generous
-    assert statistics.median(opens) < 5.0
+    # 2-5 s here on a loaded machine (the figure is the benchmark's); unfolded, its ~32k files would take ~15 s
+    # (0.46 ms a file, docs/scale.md)
+    assert statistics.median(opens) < 10.0
     assert peaks["timings"] <= own_fold.KEEP, peaks  # unfolded, a writer would hold a thousand
     assert 0 < peaks["events"] <= own_fold.KEEP, peaks
 
