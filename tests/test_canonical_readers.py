@@ -46,7 +46,7 @@ def _write(run: Path, layout: str, windowed: bool) -> None:
                     row = stats_row(name, new[a:z], old[a:z], None if ref is None else ref[a:z], sharded=True,
                                     mesh="2x2", shard=str(r % 2), replica=r // 2)
                 w.append("tensor_stats", {"step": step, "stage": "rl", **row})
-        for r, w in enumerate(writers):
+        for w in writers:
             w.append("timings", {"step": step, "phase": "step", "category": "step", "start_us": 10**15 + step * STEP_US,
                                  "dur_us": STEP_US})
         writers[0].append("samples", {"step": step, "prompt_len": [TOKENS // 4] * 2, "response_len": [TOKENS // 4] * 2,
