@@ -55,11 +55,16 @@ def record_offset(scope: Any, clock_sync: bool) -> None:
             return
         stats = scope.stats
         group = stats.window.agreement_group() if stats is not None else None
-        if group is None:
+        own = group is None
+        if own:
             if not clock_sync:
                 return
             group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
-        offset, spread, ref = measure_offset(group)
+        try:
+            offset, spread, ref = measure_offset(group)
+        finally:
+            if own:  # made for this measurement only (the agreement's group lives on for the time budget)
+                dist.destroy_process_group(group)
         scope.writer.event("clock_offset", f"wall clock {offset / 1e3:+.3f} ms from rank {ref}'s "
                            f"(±{spread / 2e3:.3f} ms over {ROUNDS} barrier rounds)", step=scope.step_index,
                            severity="info", offset_us=offset, spread_us=spread, reference_rank=ref)
