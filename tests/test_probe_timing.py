@@ -11,7 +11,7 @@ import torch.nn as nn
 
 import dynascope
 from dynascope.probes.schedule import as_schedule, every, log_spaced, never
-from dynascope.probes.timing import PROBE_PHASE, first_grad_tensor
+from dynascope.probes.timing import PROBE_PHASE, grad_tensors
 
 from helpers.waiting import wait_until
 
@@ -171,10 +171,10 @@ def test_schedules() -> None:
         as_schedule("often")
 
 
-def test_first_grad_tensor_walks_outputs() -> None:
+def test_grad_tensors_walks_outputs() -> None:
     a = torch.ones(2, requires_grad=True) * 2
-    assert first_grad_tensor({"loss": None, "logits": (torch.ones(1), a)}) is a
-    assert first_grad_tensor(torch.ones(2)) is None
+    assert [t is a for t in grad_tensors({"loss": None, "logits": (torch.ones(1), a)})] == [True]
+    assert grad_tensors(torch.ones(2)) == []
 
 
 def test_host_rss_reads_what_the_kernel_reports() -> None:

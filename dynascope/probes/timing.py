@@ -31,8 +31,7 @@ import torch
 from dynascope.core.clock import now_us
 from dynascope.probes.protocol import Probe, Rows, StepContext
 
-__all__ = ["CUDA_CLOCK", "HOST_CLOCK", "PROBE_PHASE", "PhaseRecord", "Timer", "TimingProbe", "first_grad_tensor",
-           "grad_tensors"]
+__all__ = ["CUDA_CLOCK", "HOST_CLOCK", "PROBE_PHASE", "PhaseRecord", "Timer", "TimingProbe", "grad_tensors"]
 
 PROBE_PHASE = "dynascope"
 # The ``clock`` of a timings row: where its duration was measured
@@ -115,20 +114,6 @@ class Timer:
         with self._lock:
             out, self.done = self.done, []
         return out
-
-
-def first_grad_tensor(out: Any, depth: int = 0) -> torch.Tensor | None:
-    """The first floating tensor that requires grad in a model output (tensor, tuple, dict, ModelOutput)."""
-    if isinstance(out, torch.Tensor):
-        return out if out.requires_grad and out.is_floating_point() else None
-    if depth > 3:
-        return None
-    items = out.values() if isinstance(out, dict) else out if isinstance(out, (list, tuple)) else ()
-    for v in items:
-        t = first_grad_tensor(v, depth + 1)
-        if t is not None:
-            return t
-    return None
 
 
 def grad_tensors(out: Any, limit: int = 16) -> list[torch.Tensor]:
