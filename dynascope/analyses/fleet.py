@@ -9,7 +9,6 @@ snapshot's listing, the same for both engines.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from dynascope.store.catalog import ranks_of, run_status, writer_ids
 from dynascope.store.engines import DuckDBTables, SparkTables, local_spark
 from dynascope.store.layout import read_marker, safe_id
 from dynascope.store.projection import spark_quote
+from dynascope.store.reader import VANISHED_FROM_LIST, retry_vanished
 from dynascope.store.snapshot import Snapshot, open_snapshot
 
 __all__ = ["FLEET_COLUMNS", "fleet_summary"]
@@ -64,20 +64,8 @@ def fleet_summary(store: str | os.PathLike | Snapshot, engine: str = "duckdb", *
         return _summary(store, engine, spark)
     # Listed without a lease: a fold that finishes meanwhile (a run's last writer closing, or compaction)
     # deletes segments the listing named. Listing again reads the merged files instead: the same rows.
-    end = time.monotonic() + VANISHED_DEADLINE_S
-    while True:
-        try:
-            return _summary(open_snapshot(store, lease_ttl_s=None, progress=progress), engine, spark)
-        except Exception as exc:
-            if not _vanished(exc) or time.monotonic() >= end:
-                raise
-            time.sleep(0.2)
-
-
-def _vanished(exc: BaseException) -> bool:
-    """A listed file was gone when the engine opened it (DuckDB's or Spark's words for it)."""
-    msg = str(exc)
-    return any(s in msg for s in ("No such file", "No files found", "FileNotFoundException", "PATH_NOT_FOUND"))
+    return retry_vanished(lambda: _summary(open_snapshot(store, lease_ttl_s=None, progress=progress), engine, spark),
+                          deadline_s=VANISHED_DEADLINE_S, vanished=VANISHED_FROM_LIST)
 
 
 def _summary(snap: Snapshot, engine: str, spark: Any) -> pl.DataFrame:

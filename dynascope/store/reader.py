@@ -68,22 +68,31 @@ def _view_sql(loc: StoreLocation, table: str, at: str, commit_at: str | None = N
     """
 
 
-def retry_vanished(fetch: Callable[[], T], deadline_s: float = 10.0) -> T:
-    """Run ``fetch`` (a query and its fetch), again if a segment vanished between listing and reading it.
+# How the engines say a listed file was gone when they opened it: DuckDB reading a glob ("No such file"), and
+# for a reader of an explicit file list (``engines``), DuckDB binding it ("No files found") and Spark
+# ("FileNotFoundException", "PATH_NOT_FOUND"). A glob of the store's own views always matches its schema
+# file, so only a user's query can get "No files found" there: that is bad input, answered at once.
+VANISHED = ("No such file",)
+VANISHED_FROM_LIST = (*VANISHED, "No files found", "FileNotFoundException", "PATH_NOT_FOUND")
+
+
+def retry_vanished(fetch: Callable[[], T], deadline_s: float = 10.0, vanished: Sequence[str] = VANISHED) -> T:
+    """Run ``fetch`` (a query and its fetch, or a listing and its queries), again if a segment vanished
+    between listing and reading it.
 
     DuckDB lists a query's files when it binds and opens them while it runs; a compaction that deletes a
     merged-away segment in between fails that query with "No such file". Running it again lists the
     files anew and reads the merged segment instead, so the rows are the same. Two folds at once (a
     writer's own and ``dynascope compact``) can delete twice in a row, so it retries until a deadline
-    rather than a fixed number of times.
+    rather than a fixed number of times. ``vanished``: the error texts that mean a file vanished.
     """
     end = time.monotonic() + deadline_s
     attempt = 0
     while True:
         try:
             return fetch()
-        except duckdb.Error as exc:
-            if "No such file" not in str(exc) or time.monotonic() >= end:
+        except Exception as exc:
+            if not any(s in str(exc) for s in vanished) or time.monotonic() >= end:
                 raise
             attempt += 1
             time.sleep(min(0.02 * attempt, 0.2))  # let a compaction that is deleting a batch of segments finish
