@@ -178,7 +178,7 @@ def test_watch_run_follows_from_another_process(tmp_path: Path) -> None:
     done = subprocess.run([*CLI, "watch-run", str(run), "--rules", str(rules), "--once"], capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert "[error] step 4: straggler_score < 0.75: straggler_score = 0.3333 at step 4 (trainer rank 2)" in done.stdout
+    assert "[error] step 4: straggler_score < 0.75: straggler_score = 0.3333 at step 4 (trainer rank 2, train)" in done.stdout
     assert [(a["step"], a["rank"]) for a in _alerts(run)] == [(4, 2)]
     rules.write_text("- {quantity: loss, condition: 'big'}\n")
     bad = subprocess.run([*CLI, "watch-run", str(run), "--rules", str(rules), "--once"], capture_output=True,

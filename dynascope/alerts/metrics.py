@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import polars as pl
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -93,7 +94,8 @@ class StoreCollector(Collector):
         fam = GaugeMetricFamily("dynascope_straggler_score", "Median rank's time over this rank's, slowest "
                                 "phase (1 = as fast as the median).", labels=_LABELS)
         since = max((s for *_, s, _ in latest), default=0) - 20
-        df = series(store, "straggler_score", max(since, 0)).sort("step")
+        df = series(store, "straggler_score", max(since, 0))  # per phase: the slowest phase's score is the rank's
+        df = df.group_by(["run_id", "role", "rank", "step"]).agg(pl.col("value").min()).sort("step")
         for run, role, rank, _, value in df.group_by(["run_id", "role", "rank"]).last().iter_rows():
             fam.add_metric([run, role or "", str(rank)], value)
         return fam

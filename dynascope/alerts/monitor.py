@@ -8,6 +8,7 @@ still run a monitor, to see the stop request of the one that does.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -26,7 +27,7 @@ from dynascope.store import open_store
 
 __all__ = ["Firing", "Monitor"]
 
-Key = tuple[str, str, int | None]  # (run_id, role, rank)
+Key = tuple[str, str, int | None, str | None]  # (run_id, role, rank, part)
 
 
 @dataclass(frozen=True)
@@ -39,10 +40,12 @@ class Firing:
     rank: int | None
     step: int
     value: float | None
+    part: str | None = None  # the series within the rank (the straggler rule's phase)
 
     @property
     def message(self) -> str:
         where = f"{self.role or 'run'} rank {self.rank}" if self.rank is not None else self.run_id
+        where += f", {self.part}" if self.part else ""
         value = "" if self.value is None else f" = {self.value:.4g}"
         return self.rule.message or f"{self.rule.label}: {self.rule.quantity}{value} at step {self.step} ({where})"
 
@@ -50,7 +53,7 @@ class Firing:
         return {"rule": self.rule.label, "quantity": self.rule.quantity, "condition": self.rule.condition,
                 "value": self.value, "threshold": self.rule.threshold, "severity": self.rule.severity,
                 "step": self.step, "run_id": self.run_id, "role": self.role, "rank": self.rank,
-                "message": self.message}
+                "part": self.part, "message": self.message}
 
 
 @dataclass
@@ -58,6 +61,18 @@ class _Series:
     judged: int = -1        # last step judged
     streak: int = 0         # consecutive judged steps the condition held on, ending at ``judged``
     quiet_until: int = -1   # no firing at or before this step (hold-down)
+
+
+DUTY = 0.2  # the share of wall time the monitor thread may spend judging
+
+
+def _lower_priority() -> None:
+    """Nice the calling thread (Linux: priority is per thread, and the DuckDB threads it starts inherit it),
+    so that on a host whose cores training fills the monitor yields to the trainer."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass
 
 
 class Monitor:
@@ -88,15 +103,16 @@ class Monitor:
         new: list[Firing] = []
         newest: int | None = None
         if self.rules:
-            try:
-                store = open_store(self.run_dir)
+            try:  # one DuckDB thread: a pass shares the host's cores with training, and is not in a hurry
+                store = open_store(self.run_dir, threads=1)
             except StoreError:  # nothing flushed yet
                 store = None
             if store is not None:
                 with store:
+                    cache: dict = {}
                     for rule in self.rules:
                         try:
-                            new += self._judge(rule, store, final)
+                            new += self._judge(rule, store, final, cache)
                         except Exception as exc:  # a bad rule or a query failure: reported, not raised
                             self.errors += 1
                             self._report(f"alert rule {rule.label} failed: {type(exc).__name__}: {exc}")
@@ -106,14 +122,19 @@ class Monitor:
         self._check_stop_file()
         return new
 
-    def _judge(self, rule: Rule, store: Any, final: bool) -> list[Firing]:
+    def _judge(self, rule: Rule, store: Any, final: bool, cache: dict) -> list[Firing]:
         state = self._state[rule.label]
-        since = min((s.judged for s in state.values()), default=-1) + 1
-        df = series(store, rule.quantity, since).sort("step")
+        # from the step after the one the furthest-behind rank has judged (a rank's series per part move
+        # together but for a phase it ran once, which must not hold the reads back to that step)
+        judged: dict[tuple, int] = {}
+        for k, s in state.items():
+            judged[k[:3]] = max(judged.get(k[:3], -1), s.judged)
+        since = min(judged.values(), default=-1) + 1
+        df = series(store, rule.quantity, since, cache).sort("step")
         out: list[Firing] = []
         detector = rule.quantity in DETECTORS
-        for (run_id, role, rank), g in df.group_by(["run_id", "role", "rank"], maintain_order=True):
-            key: Key = (str(run_id), str(role) if role is not None else "", rank)
+        for (run_id, role, rank, part), g in df.group_by(["run_id", "role", "rank", "part"], maintain_order=True):
+            key: Key = (str(run_id), str(role) if role is not None else "", rank, part)
             s = state.setdefault(key, _Series())
             last = int(g["step"].max())  # type: ignore[arg-type]
             for step, value in g.select("step", "value").iter_rows():
@@ -124,7 +145,7 @@ class Monitor:
                 s.judged = step
                 if holds and s.streak >= (1 if detector else rule.window) and step > s.quiet_until:
                     s.quiet_until = step + rule.hold_down - 1 if rule.hold_down else step - 1
-                    out.append(Firing(rule, key[0], role, rank, int(step), value))
+                    out.append(Firing(rule, key[0], role, rank, int(step), value, part))
         return out
 
     def _newest(self, store: Any) -> int:
@@ -180,12 +201,18 @@ class Monitor:
         return self
 
     def _loop(self) -> None:
-        while not self._closing.wait(self.interval_s):
+        _lower_priority()
+        wait = self.interval_s
+        while not self._closing.wait(wait):
+            began = time.monotonic()
             try:
                 self.poll()
             except Exception as exc:  # never let the thread die silently
                 self.errors += 1
                 self._report(f"alert monitor: {type(exc).__name__}: {exc}")
+            # busy at most DUTY of the time: a pass that takes longer than interval_s · DUTY (a long run's
+            # whole-run detectors, a slow file system) spaces the next one out instead of running back to back
+            wait = max(self.interval_s, (time.monotonic() - began) * (1 - DUTY) / DUTY)
 
     def close(self, timeout_s: float = 5.0, final: bool = True) -> None:
         """Stop the thread and judge the last steps once (within ``timeout_s``: a pass still running after
