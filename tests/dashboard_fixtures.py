@@ -173,10 +173,13 @@ def _consistency_rows(w: RunWriter, t0: int) -> None:
         if bad:
             w.event("weight_sync_mismatch", f"1 of {len(_tensors())} tensors differ from the trainer's weights cast to "
                     f"the rollout dtype: {stale} (values)", step=step, severity="error", tensors=[stale])
-    for step, kl_pre, kl_sft in ((SFT_STEPS, 0.05, 0.0), (SFT_STEPS + RL_STEPS, 0.06, 0.012)):
+    # log-loss on held-out prose before RL, then beside each KL: forgetting 0, then 0.004 nats/token
+    w.append("scalars", {"step": SFT_STEPS, "time_us": t0 + SFT_STEPS * 1_000_000, "stage": "sft",
+                         "key": "eval/prose_nll_nats", "value": 2.5})
+    for step, kl_pre, kl_sft, nll in ((SFT_STEPS, 0.05, 0.0, 2.5), (SFT_STEPS + RL_STEPS, 0.06, 0.012, 2.504)):
         w.append("scalars", {"step": step, "time_us": t0 + step * 1_000_000 + 1, "stage": "rl",
-                             "key": ["eval/forward_kl_pretrained_nats", "eval/forward_kl_sft_nats"],
-                             "value": [kl_pre, kl_sft]})
+                             "key": ["eval/forward_kl_pretrained_nats", "eval/forward_kl_sft_nats", "eval/prose_nll_nats"],
+                             "value": [kl_pre, kl_sft, nll]})
 
 
 def make_store(root: Path, seed: int = 0) -> Path:

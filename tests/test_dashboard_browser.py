@@ -24,7 +24,7 @@ from dynascope.core.net import free_port
 CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 # page → (url path, least number of plotly charts the fixture store must fill on it); Runs is the default page
-PAGES = {"runs": ("runs", 2), "dynamics": ("dynamics", 9), "cluster": ("cluster", 3), "rollouts": ("rollouts", 7),
+PAGES = {"runs": ("runs", 2), "dynamics": ("dynamics", 10), "cluster": ("cluster", 3), "rollouts": ("rollouts", 7),
          "events": ("events", 1), "sql": ("sql", 0)}
 
 needs_browser = pytest.mark.browser
@@ -220,6 +220,12 @@ def test_dynamics_axes_are_honest_and_name_the_relative_measure(dashboard):
     assert chart(found, "rank-1 energy")["y"]["range"] == [0, 1]
     grad = chart(found, "gradient sparsity")
     assert grad["y"]["range"][0] == 0 and (grad["y"]["range"][1] == 1 or "zoomed" in grad["y"]["title"])
+    # RL's Razor's pair on one chart, each run's values as forgetting_by_point gives them
+    forgot = chart(found, "forgetting and forward KL to the base")
+    traces = {t["name"]: t for t in forgot["traces"]}
+    assert traces["grpo-sync · forgetting"]["y"] == pytest.approx([0.0, 0.004])
+    assert traces["grpo-sync · KL to base"]["y"] == pytest.approx([0.0, 0.012])
+    assert "nats" in forgot["y"]["title"]
 
 
 @needs_browser

@@ -56,9 +56,10 @@ def open_scope(s: DemoSettings, model: torch.nn.Module, opt: torch.optim.Optimiz
                role: str = "trainer", spectral: RLSpectralSchedule | None = None, stage: str = "sft") -> Any:
     """The demo's probes: every tensor every step (the model is tiny), spectra on RL's schedule."""
     spec = dict(k=s.spectral_k, time_budget=None, schedule=spectral) if spectral is not None else False
+    live = dict(alerts=True, alert_interval_s=1.0) if s.alerts and role == "trainer" else {}
     return dynascope.watch(model, opt, run=s.run_dir, rank=rank, role=role, world_size=world, stage=stage,
                            every=1 if opt is not None else 0, memory_budget=None, spectral=spec,
-                           system_interval_s=2.0, config={"demo": json.loads(s.to_json())})
+                           system_interval_s=2.0, config={"demo": json.loads(s.to_json())}, **live)
 
 
 def train_rank(s: DemoSettings, rank: int = 0, world: int = 1) -> dict:

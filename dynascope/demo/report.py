@@ -219,6 +219,18 @@ def _bottlenecks(con: StoreConnection, console: Console) -> None:
                       f"took {fmt_ms(ov['weight_sync_ms'])}.", highlight=False)
 
 
+def _alerts(con: StoreConnection, console: Console) -> None:
+    """The alerts the run's monitor fired while it trained: how many, and each rule's first."""
+    rows = con.rows("SELECT fields_json ->> 'rule', message FROM events WHERE event = 'alert' ORDER BY time_us")
+    first: dict[str, str] = {}
+    for rule, message in rows:
+        first.setdefault(str(rule), str(message))
+    console.print(f"Alerts judged live: {len(rows)} fired" + ("; each rule's first:" if rows else "."),
+                  highlight=False)
+    for message in first.values():
+        console.print(f"  {message}", highlight=False)
+
+
 def print_report(s: DemoSettings, console: Console, train_s: float, cpu_s: float | None = None) -> None:
     """Print the report for the finished run ``s.run_dir`` (trained in ``train_s`` of wall time and ``cpu_s``
     of CPU time)."""
@@ -231,6 +243,8 @@ def print_report(s: DemoSettings, console: Console, train_s: float, cpu_s: float
         _dynamics(s, con, console)
         _time(con, console)
         _bottlenecks(con, console)
+        if s.alerts:
+            _alerts(con, console)
     console.print(f"\nθ₀ (SFT) and the RL policy: {run_dir / THETA0_FILE}, {run_dir / FINAL_FILE}")
     console.print("Explore it:  [bold]dynascope dashboard " + str(run_dir) + "[/]", highlight=False)
     console.print("Findings:    dynascope report " + str(run_dir), highlight=False)

@@ -57,6 +57,7 @@ class Scope:
         self._step = 0
         self._due: list[Probe] | None = None  # probes whose before() ran for the current step (None: none ran)
         self._warned: set[str] = set()
+        self._failures: dict[str, int] = {}  # per probe: how many times it has failed
         self._handles: list[Any] = []
         self._closed = False
         self._stop: tuple[int | None] | None = None  # (step to stop at, or None: now) once a stop is asked
@@ -108,7 +109,11 @@ class Scope:
         if probe not in self._warned:
             self._warned.add(probe)
             warn(f"dynascope: probe {msg} (training continues)", RuntimeWarning, stacklevel=3)
-        self.writer.event("probe_error", msg, step=self._step, severity="warning", probe=probe)
+        # a probe that fails at every step of a long run is an events row for each of its first ten
+        # failures, then at the 16th, 32nd, 64th...: the count says how many there were, not a row apiece
+        n = self._failures[probe] = self._failures.get(probe, 0) + 1
+        if n <= 10 or n & (n - 1) == 0:
+            self.writer.event("probe_error", msg, step=self._step, severity="warning", probe=probe, failures=n)
 
     def _resolver_error(self, probe: str, exc: BaseException) -> None:
         self._report(f"resolve:{probe}", exc)

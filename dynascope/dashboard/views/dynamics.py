@@ -1,4 +1,5 @@
-"""Parameter dynamics: layer × step heat maps, SFT-vs-RL overlay, ΔW spectra, rank-1 fit, gradient health."""
+"""Parameter dynamics: layer × step heat maps, SFT-vs-RL overlay, ΔW spectra, rank-1 fit, gradient health,
+KL to the base beside forgetting."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from dynascope.core.naming import KINDS
 from dynascope.dashboard import charts, data
 from dynascope.dashboard.queries import params as P
 from dynascope.dashboard.queries.params import HEAT_METRICS
-from dynascope.dashboard.views import dynamics_layers
+from dynascope.dashboard.views import dynamics_forgetting, dynamics_layers
 
 
 def page() -> None:
@@ -92,6 +93,9 @@ def _body() -> None:
 
     with data.guard("Delta weight sync"):
         _delta_sync(path, runs)
+
+    with data.guard("KL to the base and forgetting"):
+        dynamics_forgetting.section(path, runs)
 
 
 def _changed(ov: pl.DataFrame) -> None:
