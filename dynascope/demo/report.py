@@ -220,14 +220,16 @@ def _bottlenecks(con: StoreConnection, console: Console) -> None:
 
 
 def _alerts(con: StoreConnection, console: Console) -> None:
-    """The alerts the run's monitor fired while it trained: how many, and each rule's first."""
-    rows = con.rows("SELECT fields_json ->> 'rule', message FROM events WHERE event = 'alert' ORDER BY time_us")
-    first: dict[str, str] = {}
-    for rule, message in rows:
-        first.setdefault(str(rule), str(message))
-    console.print(f"Alerts judged live: {len(rows)} fired" + ("; each rule's first:" if rows else "."),
+    """The alerts the run's monitor fired while it trained: how many, and the first on each series (a rule's
+    rank and part: the straggler rule's rank and phase)."""
+    rows = con.rows("SELECT fields_json ->> 'rule', fields_json ->> 'rank', fields_json ->> 'part', message "
+                    "FROM events WHERE event = 'alert' ORDER BY time_us")
+    first: dict[tuple, str] = {}
+    for rule, rank, part, message in rows:
+        first.setdefault((str(rule), rank, part), str(message))
+    console.print(f"Alerts judged live: {len(rows)} fired" + ("; the first of each rule on each rank:" if rows else "."),
                   highlight=False)
-    for message in first.values():
+    for _, message in sorted(first.items(), key=lambda kv: (kv[0][0], str(kv[0][1]), str(kv[0][2]))):
         console.print(f"  {message}", highlight=False)
 
 
