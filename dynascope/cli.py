@@ -332,13 +332,14 @@ def demo(
     steps: Annotated[int | None, typer.Option("--steps", help="RL steps (--model smollm2).")] = None,
     device: Annotated[str, typer.Option("--device", help="cpu or cuda (--model smollm2).")] = "cpu",
     alerts: Annotated[bool, typer.Option("--alerts", help="Judge the default alert rules while the run trains (rank 0).")] = False,
+    spike_step: Annotated[int | None, typer.Option("--spike-step", help="Plant a gradient spike: this RL step's gradients ×10⁴.")] = None,
 ) -> None:
     """A real RL post-training run (SFT then GRPO) on CPU, probed end to end, then a short report."""
     from dynascope.demo import run_demo
 
     run_demo(run_dir=run, quick=quick, ranks=ranks, slow_rank=slow_rank, slow_factor=slow_factor,
              long_tail=long_tail, use_async=async_, seed=seed, console=console, model=model, steps=steps,
-             device=device, alerts=alerts)
+             device=device, alerts=alerts, spike_step=spike_step)
 
 
 def entry() -> None:  # pragma: no cover - console script shim

@@ -6,9 +6,6 @@ the analyses say, never about wall-clock speed.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import polars as pl
@@ -17,18 +14,7 @@ import pytest
 from dynascope import analyses, open_store
 from dynascope.alerts import DEFAULT_RULES, Monitor
 
-CLI = [sys.executable, "-c", "from dynascope.cli import app; app()"]
-
-
-def run_cli(*args: str, timeout: int = 400) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "140"}
-    done = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, env=env)
-    if "Ray could not start a local node" in done.stderr:
-        # Ray's raylet gives its agent a fixed start-up wait that a saturated machine can miss
-        # (ray-project/ray#65983): that is the machine, not the demo. Anything else fails below.
-        pytest.skip("Ray could not start a local node on this machine: " + done.stderr.strip().splitlines()[-1])
-    assert done.returncode == 0, f"exit {done.returncode}\n--- stdout\n{done.stdout[-4000:]}\n--- stderr\n{done.stderr[-4000:]}"
-    return done
+from helpers.demo_cli import run_cli
 
 
 def scalar(con, key: str, stage: str) -> float:

@@ -1,7 +1,8 @@
 """`dynascope demo --alerts`: the default rules judged while the real demo workload trains.
 
-A rank slowed from the first RL step on fires the straggler rule for its rollout while the run is still
-training, within two of the writer's flushes of the step that completed the rule's window.
+A rank slowed from the first RL step on fires the straggler rule for its rollout, and a gradient spike
+planted at one RL step fires the gradient-norm rule at that step, while the run is still training, each
+within two of the writer's flushes of the step it names.
 """
 
 from __future__ import annotations
@@ -10,13 +11,17 @@ import json
 from pathlib import Path
 
 import pytest
-from test_demo import run_cli
 
 from dynascope import open_store
 from dynascope.alerts import DEFAULT_RULES
-from dynascope.probes.attach import WRITER_FLUSH_S
+
+from helpers.demo_cli import run_cli
 
 pytestmark = pytest.mark.slow
+FLUSH_S = 2.0  # the demo's flush interval with --alerts
+PASS_S = 5.0  # the monitor's next pass after the rows land: its 1 s interval, spaced out, and the pass itself
+SPIKE = 22  # the RL step whose gradients the demo scales ×10⁴ (past the default rule's 20-step hold-down
+            # from an alert at the SFT → RL switch, where the gradient norm jumps by itself)
 
 
 def test_a_slow_rank_fires_its_alert_while_the_demo_trains(tmp_path: Path) -> None:
@@ -24,7 +29,7 @@ def test_a_slow_rank_fires_its_alert_while_the_demo_trains(tmp_path: Path) -> No
     # a factor of 6 on one of two ranks: the rollout's score is near 0.6, clear of the 0.75 threshold (see
     # test_demo's two-rank test for why 3 is not)
     out = run_cli("demo", "--quick", "--ranks", "2", "--slow-rank", "1", "--slow-factor", "6", "--alerts",
-                  "--run", str(run)).stdout
+                  "--spike-step", str(SPIKE), "--run", str(run)).stdout
     window = next(r.window for r in DEFAULT_RULES if r.quantity == "straggler_score")
     with open_store(run) as con:
         alerts = [(t, {**json.loads(f), "step": step}) for t, step, f in con.rows(
@@ -38,9 +43,16 @@ def test_a_slow_rank_fires_its_alert_while_the_demo_trains(tmp_path: Path) -> No
     # not before the rule's window of slow rollouts has filled (on a busy host a rollout of rank 0's can run
     # long enough to break the first run of five: the test_demo two-rank test holds the step on a quiet one)
     assert first_rl + window - 1 <= f["step"], (f, first_rl)
-    # live: before the last step ended, and within two flushes of the step it names (the step's rows and the
-    # next step's, which tells the monitor the step is complete, reach disk at the next flush; the monitor
-    # polls every second)
+    # live: before the last step ended, and within two flushes of the step it names (the step's rows, and the
+    # next step's that tell the monitor the step is complete, are on disk two flushes after it at the latest)
+    # and the monitor's next pass (a second apart, spaced out to keep it busy a fifth of the time at most)
+    bound_us = (2 * FLUSH_S + PASS_S) * 1e6
     assert fired_us < last_end, (fired_us, last_end)
-    assert fired_us - ends[f["step"]] <= 2 * WRITER_FLUSH_S * 1e6, (fired_us - ends[f["step"]]) / 1e6
+    assert fired_us - ends[f["step"]] <= bound_us, (fired_us - ends[f["step"]]) / 1e6
+    # the planted spike: the gradient-norm rule names its step within the same bound (this quick run's RL
+    # ends a few seconds after the step, so the pass that finds it may be the one at close)
+    planted = first_rl + SPIKE
+    spiked = [(t, f) for t, f in alerts if f["quantity"] == "grad_norm_spike" and f["step"] == planted]
+    assert spiked, [f for _, f in alerts if f["quantity"] == "grad_norm_spike"]
+    assert spiked[0][0] - ends[planted] <= bound_us, (spiked[0][0] - ends[planted]) / 1e6
     assert "Alerts judged live:" in out and "straggler rank: straggler_score = " in out, out

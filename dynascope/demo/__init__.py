@@ -62,7 +62,7 @@ def default_run(model: str = "tiny", ranks: int = 1, use_async: bool = False) ->
 def run_demo(run_dir: str | os.PathLike | None = None, quick: bool = False, ranks: int = 1, slow_rank: int | None = None,
              slow_factor: float = 2.0, long_tail: bool = False, use_async: bool = False, seed: int = 0,
              console: Console | None = None, model: str = "tiny", steps: int | None = None,
-             device: str = "cpu", alerts: bool = False) -> Path:
+             device: str = "cpu", alerts: bool = False, spike_step: int | None = None) -> Path:
     """Train (SFT then GRPO) with dynascope's probes into ``run_dir``, then print the report; returns the run dir.
 
     Without ``run_dir`` each variant has its own (``default_run``), so the variants run one after another.
@@ -70,7 +70,8 @@ def run_demo(run_dir: str | os.PathLike | None = None, quick: bool = False, rank
     leaves nothing that blocks its retry.
 
     ``model="smollm2"`` runs the real pretrained model instead (``dynascope.demo.smollm2_train``), with
-    ``steps`` RL steps on ``device``. ``alerts``: the default alert rules judge the run while it trains.
+    ``steps`` RL steps on ``device``. ``alerts``: the default alert rules judge the run while it trains;
+    ``spike_step``: the RL step whose gradients are planted 10⁴ times too large.
     """
     from dynascope.demo.settings import DemoSettings
 
@@ -80,9 +81,9 @@ def run_demo(run_dir: str | os.PathLike | None = None, quick: bool = False, rank
     if model == "smollm2":
         from dynascope.demo.smollm2_train import run_smollm2
 
-        if quick or ranks != 1 or use_async or long_tail or alerts:
-            raise ValueError("--model smollm2 runs one process: leave --quick, --ranks, --async, --long-tail and "
-                             "--alerts out")
+        if quick or ranks != 1 or use_async or long_tail or alerts or spike_step is not None:
+            raise ValueError("--model smollm2 runs one process: leave --quick, --ranks, --async, --long-tail, "
+                             "--alerts and --spike-step out")
         return run_smollm2(run_dir, steps=steps, device=device, seed=seed, console=console)
     if model != "tiny":
         raise ValueError(f"--model {model!r}: choose tiny (the default) or smollm2")
@@ -95,7 +96,9 @@ def run_demo(run_dir: str | os.PathLike | None = None, quick: bool = False, rank
 
         check_installed(["ray"], "dynascope demo --async")
     s = DemoSettings.build(str(run_dir), quick=quick, ranks=ranks, slow_rank=slow_rank, slow_factor=slow_factor,
-                           long_tail=long_tail, use_async=use_async, seed=seed, alerts=alerts)
+                           long_tail=long_tail, use_async=use_async, seed=seed, alerts=alerts, spike_step=spike_step)
+    if spike_step is not None and (use_async or not 0 <= spike_step < s.rl.steps):
+        raise ValueError(f"--spike-step must be an RL step, 0 to {s.rl.steps - 1}, of the synchronous demo")
     run_dir.mkdir(parents=True, exist_ok=True)
     settings_path = run_dir / "demo_settings.json"
     settings_path.write_text(s.to_json())

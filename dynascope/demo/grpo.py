@@ -113,16 +113,21 @@ def record_samples(scope: Any, expanded: list[str], r: Rollout, rewards: torch.T
         policy_version=[policy_version] * n, trainer_version=[trainer_version] * n)
 
 
+SPIKE_SCALE = 1e4  # the planted gradient spike: the loss, and so every gradient, times this on one step
+
+
 def train_on_batch(*, policy: torch.nn.Module, ref: TinyLM, opt: torch.optim.Optimizer, scope: Any, r: Rollout,
-                   rewards: torch.Tensor, old_lp: torch.Tensor | None, cfg: GRPOConfig, world: int) -> dict[str, float]:
-    """ref_logprob → train → (grad_allreduce) → optimizer step; the optimizer step closes the probe's step."""
+                   rewards: torch.Tensor, old_lp: torch.Tensor | None, cfg: GRPOConfig, world: int,
+                   spike: bool = False) -> dict[str, float]:
+    """ref_logprob → train → (grad_allreduce) → optimizer step; the optimizer step closes the probe's step.
+    ``spike``: the gradients of this step are SPIKE_SCALE times what they would be (logged scalars are not)."""
     adv = group_advantages(rewards, cfg.group)
     with scope.phase("ref_logprob"), torch.no_grad():
         ref_lp, _ = token_logprobs(ref, r)
     with scope.phase("train"):
         loss, stats = grpo_loss(policy, r, adv, old_lp, ref_lp, cfg)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        (loss * SPIKE_SCALE if spike else loss).backward()
     if world > 1:
         with scope.phase("grad_allreduce", category="comm"):
             allreduce_grads(policy, world)
@@ -135,7 +140,7 @@ def train_on_batch(*, policy: torch.nn.Module, ref: TinyLM, opt: torch.optim.Opt
 
 def rl_step(*, policy: TinyLM, rollout_model: TinyLM, ref: TinyLM, opt: torch.optim.Optimizer, scope: Any,
             tok: CharTokenizer, task: TaskConfig, cfg: GRPOConfig, gen: torch.Generator, version: int,
-            rank: int = 0, world: int = 1, slow: SlowDevice | None = None) -> dict[str, float]:
+            rank: int = 0, world: int = 1, slow: SlowDevice | None = None, spike: bool = False) -> dict[str, float]:
     """One synchronous GRPO step on this rank: weight_sync → rollout → reward → ref_logprob → train → step."""
     with scope.phase("weight_sync"):
         sync_weights(policy, rollout_model)
@@ -145,7 +150,7 @@ def rl_step(*, policy: TinyLM, rollout_model: TinyLM, ref: TinyLM, opt: torch.op
         rewards = score(expanded, r, tok)
     record_samples(scope, expanded, r, rewards, cfg, (version * world + rank) * len(expanded), version, version)
     return train_on_batch(policy=policy, ref=ref, opt=opt, scope=scope, r=r, rewards=rewards, old_lp=None,
-                          cfg=cfg, world=world)
+                          cfg=cfg, world=world, spike=spike)
 
 
 @torch.no_grad()

@@ -22,6 +22,7 @@ class DemoSettings:
     slow_factor: float = 2.0
     use_async: bool = False
     alerts: bool = False  # the default alert rules, judged live on rank 0 (``watch(alerts=True)``)
+    spike_step: int | None = None  # the RL step whose loss is scaled ×SPIKE_SCALE: a planted gradient spike
     # torch threads per process: 1, because these ops are tiny; a second OpenMP thread buys little on
     # an idle machine and spins badly on a busy one (20× slower measured on a loaded 2-core box), and
     # the probe's writer/resolver threads get the other core.
@@ -38,11 +39,12 @@ class DemoSettings:
 
     @classmethod
     def build(cls, run_dir: str, *, quick: bool, ranks: int, slow_rank: int | None, slow_factor: float,
-              long_tail: bool, use_async: bool, seed: int, alerts: bool = False) -> DemoSettings:
+              long_tail: bool, use_async: bool, seed: int, alerts: bool = False,
+              spike_step: int | None = None) -> DemoSettings:
         """Defaults (≤ 3 min on 2 cores) or ``quick`` (< 60 s) settings for the requested variant."""
         rl = GRPOConfig(steps=40, prompts=16) if quick else GRPOConfig()
         return cls(run_dir=str(run_dir), seed=seed, quick=quick, ranks=max(ranks, 1), slow_rank=slow_rank,
-                   slow_factor=slow_factor, use_async=use_async, alerts=alerts,
+                   slow_factor=slow_factor, use_async=use_async, alerts=alerts, spike_step=spike_step,
                    eval_n=128 if quick else 256, spectral_every=5 if quick else 10,
                    task=TaskConfig(long_tail=long_tail), rl=rl)
 

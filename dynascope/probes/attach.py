@@ -21,7 +21,7 @@ from dynascope.probes.memory import MemoryProbe
 from dynascope.probes.protocol import Listener, Probe
 from dynascope.probes.schedule import as_schedule, every
 from dynascope.probes.scope import Scope
-from dynascope.probes.settings import WatchSettings, settings_from
+from dynascope.probes.settings import WRITER_FLUSH_S, WatchSettings, settings_from
 from dynascope.probes.system import SystemSampler
 from dynascope.probes.tensors import TensorStats
 from dynascope.probes.timing import TimingProbe
@@ -35,7 +35,6 @@ __all__ = ["WRITER_FLUSH_S", "watch"]
 # The price: rows reach the store, and the dashboard, up to 10 s later (12 s with the resolver's batches,
 # probes.resolver.RESOLVE_DELAY_S), and ``dynascope runs`` calls a
 # killed run crashed after 25 s instead of 9 s. Pass ``writer=RunWriter(..., flush_secs=2)`` for fresher rows.
-WRITER_FLUSH_S = 10.0
 
 
 def watch(model: Any, optimizer: Any = None, run: str | os.PathLike = "runs/default", *,
@@ -54,7 +53,7 @@ def watch(model: Any, optimizer: Any = None, run: str | os.PathLike = "runs/defa
             ``stage="sft"``, ``wandb=True``...), applied over ``settings``.
         config: the run's own configuration (hyperparameters), recorded in the ``runs`` table.
         writer: share an existing ``RunWriter`` (it is then flushed, not closed, by ``close``); by
-            default watch() makes one that flushes every ``WRITER_FLUSH_S`` (10 s).
+            default watch() makes one that flushes every ``flush_secs`` (10 s).
         probes: further ``Probe`` objects, run after the built-in ones.
         listeners: ``fn(step, summary)`` callables called after each recorded step; the name "wandb"
             stands for the wandb mirror (as ``wandb=True`` does).
@@ -69,7 +68,7 @@ def watch(model: Any, optimizer: Any = None, run: str | os.PathLike = "runs/defa
         model, optimizer = deepspeed.model, deepspeed.optimizer
     own = writer is None
     if writer is None:
-        writer = RunWriter(run, rank=r, role=role, world_size=ws, config=config, flush_secs=WRITER_FLUSH_S,
+        writer = RunWriter(run, rank=r, role=role, world_size=ws, config=config, flush_secs=s.flush_secs,
                            framework="pytorch" if deepspeed is None else "deepspeed")
     schedule = as_schedule(s.every)
     built: list[Probe] = [TensorStats(s.memory_budget, s.grad_tol, time_budget=s.time_budget, schedule=schedule,

@@ -18,7 +18,9 @@ from typing import Any
 from dynascope.probes.schedule import Schedule
 from dynascope.probes.tensors import DRIFT_EVERY, TIME_BUDGET, W_NORM_EVERY
 
-__all__ = ["WatchSettings", "settings_from"]
+__all__ = ["WRITER_FLUSH_S", "WatchSettings", "settings_from"]
+
+WRITER_FLUSH_S = 10.0  # the default flush interval of the writer watch() makes
 
 
 @dataclass(kw_only=True)
@@ -50,6 +52,9 @@ class WatchSettings:
         stage: label of the rows recorded from now on (``scope.set_stage`` changes it), e.g. "sft".
         rank, role, world_size: identity for processes outside torch.distributed (e.g. Ray actors).
         system_interval_s: system sampler period (None or 0 switches it off).
+        flush_secs: how often the writer watch() makes writes its rows (default 10 s): rows reach
+            readers, alert rules and /metrics a flush after they are recorded, and each flush is a few
+            files (docs/scale.md). Not used when watch() is given a ``writer``.
         clock_sync: measure this rank's wall-clock offset from rank 0 in ``watch()`` (an ``events`` row
             ``clock_offset``, ``probes.clocks``) even where the probe makes no process group of its own
             (a sharded run's is used always): every rank of the default group must then run the probe.
@@ -71,6 +76,7 @@ class WatchSettings:
     role: str | None = None
     world_size: int | None = None
     system_interval_s: float | None = 5.0
+    flush_secs: float = WRITER_FLUSH_S
     clock_sync: bool = False
     wandb: bool = False
 
