@@ -117,3 +117,41 @@ def test_docs_reading_of_the_seeds_matches_their_figures() -> None:
     assert all(kl["within_step"] > rho[k]["within_step"] for k in weights)  # "above every weight measure's"
     steps = [d["rl_step_s"]["step"] for d in SEEDS]
     assert f"ran at {math.floor(min(steps))}–{math.ceil(max(steps))} s per step" in text
+
+
+SEEDS64 = load_seed_files(ROOT / "benchmarks" / "results" / "smollm2_seeds64")
+
+
+def test_the_64_step_seeds_ran_at_one_setting_and_docs_hold_their_render() -> None:
+    assert len(SEEDS64) >= 3 and len({d["regime"]["seed"] for d in SEEDS64}) == len(SEEDS64)
+    settings = [{k: v for k, v in d["regime"].items() if k != "seed"} for d in SEEDS64]
+    assert all(s == settings[0] for s in settings) and {d["rl_steps"] for d in SEEDS64} == {64}
+    assert "<!-- seeds64:begin -->\n\n" + render(SEEDS64) + "\n<!-- seeds64:end -->" in DYNAMICS
+
+
+def test_the_reading_of_the_64_step_seeds_matches_their_figures() -> None:
+    from dynascope.demo.reproduction_seeds import forgetting_correlations, verdicts
+    from dynascope.demo.reproduction_seeds_text import forgetting_sentence
+
+    readme, docs = README.replace("\n", " "), DYNAMICS.replace("\n", " ")
+    assert verdict_sentence(SEEDS64) in README and forgetting_sentence(SEEDS64) in README
+    held = verdicts(SEEDS64)  # "... at one seed of three each", "a different one"
+    assert sum(held["alpharl_short"]) == 1 and sum(held["relex_short"]) == 1
+    assert held["alpharl_short"] != held["relex_short"]
+    assert "at one seed of three each, so at 64 steps neither verdict holds across seeds" in readme
+    rises = [d["forgetting_nats"]["sft"]["rl"] for d in SEEDS64]  # "its interval is above 0 at every seed"
+    assert all(f["ci_low"] > 0 for f in rises) and "its interval is above 0 at every seed" in docs
+    mean24 = sum(d["forgetting_nats"]["sft"]["rl"]["value"] for d in SEEDS) / len(SEEDS)
+    mean64 = sum(f["value"] for f in rises) / len(rises)  # "about threefold", "about 1·10⁻³"
+    assert 2.5 < mean64 / mean24 < 3.5 and 0.75e-3 < mean64 < 1.25e-3 and "grew about threefold" in docs
+    sparsity = [d["mukherjee_rl"]["value"] for d in SEEDS64]  # "still above their 70–95%"
+    assert min(sparsity) > 0.95 and "still above their 70–95%" in docs
+    rho = {r["candidate"]: r for r in forgetting_correlations(SEEDS64)}
+    kl, clock = rho.pop("forward_kl_nats"), rho.pop("rl_step")
+    assert clock["value"] > max(r["value"] for r in rho.values()) and clock["value"] > kl["value"]  # "the highest"
+    for r in (*rho.values(), clock):  # "its interval overlaps all of theirs"
+        assert kl["ci_low"] <= r["ci_high"] and r["ci_low"] <= kl["ci_high"], r["candidate"]
+    assert kl["value"] < min(rho[k]["value"] for k in ("drift_norm", "drift_ratio", "mukherjee_changed_share"))
+    assert kl["value"] > rho["rank1_energy"]["value"]  # "above the rank-1 energy's"
+    assert kl["within_step_ci"][0] <= 0 <= kl["within_step_ci"][1]
+    assert "no measure is supported as a predictor of forgetting beyond the step count" in readme
