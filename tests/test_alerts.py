@@ -212,3 +212,27 @@ def test_a_planted_gradient_spike_fires_the_default_rule_live(tmp_path: Path) ->
         (median,) = store.rows("SELECT median(g) FROM (SELECT step, sqrt(sum(grad_norm * grad_norm)) AS g "
                                "FROM tensor_stats GROUP BY step)")[0]
     assert spikes[0]["value"] > 1000 * median
+
+
+def test_a_phase_that_runs_every_few_steps_is_judged_live(tmp_path: Path) -> None:
+    """The straggler rule keeps one series per rank and phase: a phase seen every fifth step is judged as its
+    rank moves on, poll by poll, not held back until the phase runs again (or lost between two reads)."""
+    run = tmp_path / "run"
+    writers = [RunWriter(run, rank=r, world_size=3, flush_secs=60) for r in range(3)]
+    mon = Monitor(run, [Rule("straggler_score", "< 0.75", hold_down=0)])
+    polls: list[list[tuple[int | None, int, str | None]]] = []
+    for start in range(0, 40, 8):
+        for w in writers:
+            for step in range(start, start + 8):
+                phases = {"train": 50_000} | ({"eval": 30_000 * (3 if w.rank == 2 else 1)} if step % 5 == 0 else {})
+                w.append("timings", {"step": step, "phase": list(phases), "category": "phase", "parent": None,
+                                     "start_us": 1_000_000 * step, "dur_us": list(phases.values())})
+            w.flush()
+        polls.append([(f.rank, f.step, f.part) for f in mon.poll()])
+    # each poll judges the steps before the ranks' newest (a step is complete once a later one is written):
+    # the first poll the evals at 0 and 5 of steps 0-7, the second the eval at 10 (15 is then the newest)...
+    assert polls == [[(2, s, "eval") for s in range(max(start - 1, 0), start + 7) if s % 5 == 0]
+                     for start in range(0, 40, 8)]
+    assert mon.poll(final=True) == []
+    for w in writers:
+        w.close()

@@ -133,10 +133,14 @@ class Monitor:
         df = series(store, rule.quantity, since, cache).sort("step")
         out: list[Firing] = []
         detector = rule.quantity in DETECTORS
+        # a step is complete once its rank has a later one: the rank's newest step, over all of its parts (a
+        # phase that runs every few steps is judged by the rank's progress, not held back by its own)
+        newest = {(r, o, k): int(m) for r, o, k, m in
+                  df.group_by(["run_id", "role", "rank"]).agg(pl.col("step").max()).iter_rows()}
         for (run_id, role, rank, part), g in df.group_by(["run_id", "role", "rank", "part"], maintain_order=True):
             key: Key = (str(run_id), str(role) if role is not None else "", rank, part)
             s = state.setdefault(key, _Series())
-            last = int(g["step"].max())  # type: ignore[arg-type]
+            last = newest[(run_id, role, rank)]
             for step, value in g.select("step", "value").iter_rows():
                 if step <= s.judged or (not final and not detector and step >= last):
                     continue
