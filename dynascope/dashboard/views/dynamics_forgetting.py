@@ -24,11 +24,9 @@ FORGET_COLOR, KL_COLOR = charts.PALETTE[3], charts.PALETTE[0]
 
 def section(path: str, runs: tuple[str, ...]) -> None:
     st.subheader("KL to the base and forgetting")
-    frames = [data.analysis(analyses.forgetting_by_point, path, run=r) for r in runs]
-    df = pl.concat([f for f in frames if f.height], how="vertical") if any(f.height for f in frames) else None
-    both = None if df is None else df.filter(pl.col("forgetting_nats").is_not_null()
-                                             | pl.col("forward_kl_nats").is_not_null())
-    if both is None or both.is_empty():
+    df = pl.concat([data.analysis(analyses.forgetting_by_point, path, run=r) for r in runs], how="diagonal_relaxed")
+    both = df.filter(pl.col("forgetting_nats").is_not_null() | pl.col("forward_kl_nats").is_not_null())
+    if both.is_empty():
         st.info("No evaluation points with forgetting or a KL to the base in these runs: log the log-loss on "
                 "held-out text as `eval/prose_nll_nats` (before RL and at each RL evaluation) and the forward KL "
                 "to the SFT policy on the training task as `eval/forward_kl_sft_nats`.")
