@@ -108,6 +108,7 @@ class ChunkStager:
         self._query = _SELECT.format(file=quote_literal(str(self._chunk)), columns=_COLUMNS_SQL)
         self.chunks = 0
         self.bytes = 0
+        self._attempts = 0
 
     def __call__(self, events: memoryview) -> None:
         if self.stop is not None and self.stop.is_set():
@@ -115,7 +116,11 @@ class ChunkStager:
         with open(self._chunk, "wb") as f:
             f.writelines((b"[", events, b"]"))
         final = self.out_dir / f"{self.chunks:06d}.parquet"
-        tmp = final.with_name(final.name + ".tmp")
+        # A name of its own for every attempt: a run of events DuckDB rejected is cut again and retried, and
+        # the failed COPY's clean-up can remove its file after the next COPY has begun; under one name that
+        # took the retry's file with it (one import in a few hundred lost its chunk).
+        self._attempts += 1
+        tmp = final.with_name(f"{final.name}.{self._attempts}.tmp")
         try:
             self.con.execute(f"COPY ({self._query}) TO {quote_literal(str(tmp))} (FORMAT parquet, COMPRESSION lz4)")
         except (duckdb.InvalidInputException, duckdb.ConversionException) as exc:

@@ -9,7 +9,8 @@ leaves either the whole flush or none of it: never a source segment without its 
 
 A *group* (a source segment and its rollups) whose files cannot be written is taken out whole: its
 temporary files are deleted and its rows go back to the buffer for the next flush. The commit record's name
-is all a reader needs; its body (files, rows) is for people and tools, so it is not fsynced.
+is all a reader needs; its body (files, rows) is for people and tools, so it is written in place (one
+create, no rename) and not fsynced.
 """
 
 from __future__ import annotations
@@ -133,7 +134,15 @@ def _write_commit(run_dir: Path, writer_id: str, lo: int, hi: int, files: list[P
             "rows": _rows_per_table(groups)}
     path = commit_dir(run_dir, writer_id) / f"{lo:012d}-{hi:012d}.v{at}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    _write_text(path, json.dumps(body))
+    # Created in place, not renamed into place: its name commits the flush the moment it exists, and no
+    # reader opens the body, so a temporary name would cost the metadata servers a rename per flush for
+    # nothing. "x": a name is never reused, so an existing one is a bug to hear of, not to overwrite.
+    f = open(path, "x", encoding="utf-8")
+    try:  # committed from here on: a body that cannot be written (a full disk) leaves the name, which suffices
+        with f:
+            f.write(json.dumps(body))
+    except OSError:
+        pass
     return path
 
 
