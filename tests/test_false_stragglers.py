@@ -74,3 +74,29 @@ def test_the_live_alert_shares_the_noise_floor(planted):
     assert (df.filter(pl.col("rank") == FAST)["value"] == 1.0).all()
     fired = Monitor(planted, [r for r in DEFAULT_RULES if r.quantity == "straggler_score"]).poll(final=True)
     assert {f.rank for f in fired} == {SLOW}
+
+
+def test_the_probe_phase_is_no_straggler_anywhere(tmp_path: Path) -> None:
+    """Rank 0 runs the live monitor, so its probe phase can be 3x the others' on a busy host: that is
+    ``probe_cost``'s to report. The analysis, the live rule and the fleet summary all leave it out."""
+    from dynascope.alerts.quantities import series
+    from dynascope.analyses import PROBE_PHASE
+    from dynascope.analyses.fleet import fleet_summary
+    from dynascope.store import open_store
+
+    rng = np.random.default_rng(5)
+    ms = {"train": [100.0] * 4, PROBE_PHASE: [30.0, 10.0, 10.0, 10.0]}
+    run = write_phase_rows(tmp_path / "run", list(ms), 4, STEPS, lambda r, _, p: ms[p][r] + 0.5 * rng.standard_normal(),
+                           step_us=10**6)
+    df = stragglers.straggler_scores(run)
+    assert df["phase"].to_list() != [] and PROBE_PHASE not in df["phase"].to_list()
+    assert df.filter(pl.col("status") != "ok").height == 0
+    with open_store(run) as con:
+        live = series(con, "straggler_score", 0)
+    assert live.height > 0 and PROBE_PHASE not in live["part"].unique().to_list()
+    assert fleet_summary(run)["slowest_phase"].to_list() == ["train"]
+    # the same run with the phase under another name: rank 0 is named, so the rule above is what left it out
+    ms["other"] = ms.pop(PROBE_PHASE)
+    renamed = write_phase_rows(tmp_path / "renamed", list(ms), 4, STEPS,
+                               lambda r, _, p: ms[p][r] + 0.5 * rng.standard_normal(), step_us=10**6)
+    assert stragglers.straggler_scores(renamed).filter(pl.col("status") != "ok").select("rank", "phase").rows() == [(0, "other")]

@@ -31,7 +31,7 @@ import polars as pl
 from dynascope.analyses import detect_instability, logprob_gap_by_step, rollout_long_tail
 from dynascope.analyses.probe_time import PROBE_PHASE
 from dynascope.analyses.steps import STEP_ROW
-from dynascope.analyses.stragglers import MIN_EFFECT_MS, NOISE_K, phase_times_sql
+from dynascope.analyses.stragglers import MIN_EFFECT_MS, NOISE_K, straggler_phases_sql
 from dynascope.store import StoreConnection, quote_literal
 
 __all__ = ["DETECTORS", "MIN_PHASE_MS", "series"]
@@ -65,8 +65,7 @@ def _straggler(con: StoreConnection, since: int) -> pl.DataFrame:
     # the step's cross-rank median by more than the phase's noise (NOISE_K · 1.4826 · MAD of each rank's
     # time minus that median, over the last NOISE_STEPS steps, the median over ranks) and MIN_EFFECT_MS.
     df = con.frame(f"""
-        WITH p AS (SELECT * FROM ({phase_times_sql(None, f' AND step >= {int(since) - NOISE_STEPS}')})
-                   WHERE phase <> {quote_literal(PROBE_PHASE)}),
+        WITH p AS ({straggler_phases_sql(None, f' AND step >= {int(since) - NOISE_STEPS}')}),
         m AS (SELECT *, median(dur_us) OVER (PARTITION BY run_id, role, step, phase) AS med_us,
                      count(*) OVER (PARTITION BY run_id, role, step, phase) AS ranks FROM p),
         noise AS (SELECT run_id AS n_run, role AS n_role, phase AS n_phase, median(sigma_us) AS noise_us FROM (

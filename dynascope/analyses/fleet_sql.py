@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from dynascope.analyses.probe_time import PROBE_PHASE
 from dynascope.analyses.rollouts import ROLLOUT_PHASES
 from dynascope.analyses.steps import STEP_ROW, TOP_LEVEL
 from dynascope.store import quote_literal
@@ -61,6 +62,7 @@ def _stragglers_sql(q: Quote) -> str:
                    CASE WHEN coalesce(parent, '') IN ('', 'step') THEN phase ELSE concat(parent, '/', phase) END AS phase
             FROM {q('timings')} WHERE step IS NOT NULL AND phase IS NOT NULL AND phase <> 'step' AND stream IS NULL
               AND coalesce(category, 'phase') = 'phase') p
+        WHERE phase <> {quote_literal(PROBE_PHASE)}  -- straggler_phases_sql: the probe's time is probe_cost's
         GROUP BY run_id, role, {q('rank')}, step, phase),
     g AS (
         SELECT d.*, CAST(floor(CAST(step - MIN(step) OVER (PARTITION BY run_id, role) AS DOUBLE) / {WINDOW})

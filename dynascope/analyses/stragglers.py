@@ -24,6 +24,8 @@ from __future__ import annotations
 import polars as pl
 
 from dynascope.analyses._common import StoreLike, as_store, frame, run_clause
+from dynascope.analyses.probe_time import PROBE_PHASE
+from dynascope.store import quote_literal
 
 __all__ = ["straggler_scores"]
 
@@ -39,6 +41,13 @@ def phase_times_sql(run: str | None, where: str = "") -> str:
         WHERE step IS NOT NULL AND phase IS NOT NULL AND phase <> 'step' AND stream IS NULL
           AND coalesce(category, 'phase') = 'phase'{where}{run_clause(run)}
         GROUP BY ALL"""
+
+
+def straggler_phases_sql(run: str | None, where: str = "") -> str:
+    """``phase_times_sql`` less the probe's own phase: the phases a straggler is judged in, here and by the
+    live rule. The probe's time is ``probe_cost``'s and the alert ``probe_pct``'s: rank 0 runs the live
+    monitor, so on a busy host its probe phase is slower for a reason no straggler search should report."""
+    return f"SELECT * FROM ({phase_times_sql(run, where)}) WHERE phase <> {quote_literal(PROBE_PHASE)}"
 
 
 NOISE_K, MIN_EFFECT_MS = 2.0, 0.5  # the false-straggler floors' defaults, shared with the live alert
@@ -61,7 +70,8 @@ def straggler_scores(store: StoreLike, run: str | None = None, *, window: int = 
     on one rank scores like a real straggler but costs nothing worth chasing.
     Phases are all ``category='phase'`` rows at any nesting level, summed per step and named by their
     place: ``backward`` at the top level, ``train/forward`` for a forward inside train (a forward in
-    rollout is different work). Only phases seen on at least two ranks in a step are compared.
+    rollout is different work). Only phases seen on at least two ranks in a step are compared; the probe's
+    own phase is ``probe_cost``'s (``straggler_phases_sql``).
     """
     if baseline not in ("fastest", "median"):
         raise ValueError(f"baseline must be 'fastest' or 'median', not {baseline!r}")
@@ -75,7 +85,7 @@ def straggler_scores(store: StoreLike, run: str | None = None, *, window: int = 
     thr = float(threshold)
     con = as_store(store)
     return frame(con, f"""
-        WITH d AS MATERIALIZED ({phase_times_sql(run)}),
+        WITH d AS MATERIALIZED ({straggler_phases_sql(run)}),
         -- each row's (run, role) first step and (run, role, step, phase) rank count and baseline: grouped and
         -- joined back, half the time of the same as windows at a thousand ranks (role and phase are never
         -- NULL here, run_id may be)
