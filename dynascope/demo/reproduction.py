@@ -25,12 +25,16 @@ def _pct(x: float | None, digits: int = 1) -> str:
     return "—" if x is None else f"{100 * x + 0.0:.{digits}f}%"  # + 0.0: no "-0%"
 
 
-def fmt(f: dict[str, Any] | None, digits: int = 1, pct: bool = True, unit: str = "", pts: bool = False) -> str:
+def fmt(f: dict[str, Any] | None, digits: int = 1, pct: bool = True, unit: str = "", pts: bool = False,
+        sci: bool = False) -> str:
     """'value [low, high]' for an interval dict (``Interval.as_dict``); '—' when there is no value. ``pts``: a
-    difference of two shares, in signed percentage points."""
+    difference of two shares, in signed percentage points; ``sci``: ``digits`` significant digits, in
+    scientific notation (a floor near 10⁻⁷ prints as 0.000000 in fixed point)."""
     if not f or f.get("value") is None:
         return "—"
-    if pts:
+    if sci:
+        show = lambda x: f"{x:.{max(digits - 1, 0)}e}{unit}" if x else f"0{unit}"  # noqa: E731
+    elif pts:
         show = lambda x: f"{100 * x + 0.0:+.{digits}f} pts"  # noqa: E731
     elif pct:
         show = lambda x: _pct(x, digits)  # noqa: E731
@@ -104,7 +108,7 @@ def _gap_row(doc: dict[str, Any]) -> Row:
     note = f"{doc.get('regime', {}).get('rollout_dtype', '?')} rollout copy vs fp32 trainer, {g['tokens']} tokens"
     floor = doc.get("gap_floor", {})
     if floor.get("self_mean_nats"):  # the trainer against itself: two fp32 passes over the same tokens
-        note += (f"; the trainer against itself (another micro-batch split) {fmt(floor['self_mean_nats'], 6, pct=False)} "
+        note += (f"; the trainer against itself (another micro-batch split) {fmt(floor['self_mean_nats'], 2, sci=True)} "
                  f"nats, ratio outside [0.9, 1.1] on {fmt(floor['self_ratio_outside_share'], 2)} of tokens vs the "
                  f"rollout's {fmt(floor['rollout_ratio_outside_share'], 2)}")
     return ("Trainer↔rollout log-prob gap |log π_rollout − log π_trainer| per sampled token",
