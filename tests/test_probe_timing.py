@@ -60,6 +60,49 @@ def test_phases_nest_and_auto_phases_are_timed(tmp_path: Path) -> None:
     assert last["phase/rollout_ms"] >= 2.0
 
 
+def test_a_generation_loop_is_one_forward_row_per_step(tmp_path: Path) -> None:
+    """A rollout that calls the model once per token without gradients is one ``rollout/forward`` row a
+    step, lasting the calls' summed time; forwards with gradients (two micro-batches) keep a row each."""
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    run = tmp_path / "t"
+    tokens, spent_ns = 40, {}
+    with dynascope.watch(model, opt, run=run, system_interval_s=None, time_budget=None) as scope:
+        for step in range(3):
+            with scope.phase("rollout"), torch.no_grad():
+                t0 = time.perf_counter_ns()
+                for _ in range(tokens):
+                    model(torch.randn(1, 16))
+                spent_ns[step] = time.perf_counter_ns() - t0
+            with scope.phase("train"):
+                for _ in range(2):
+                    model(torch.randn(8, 16)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+    got = rows(run, "select step, parent, dur_us from timings where phase = 'forward' order by step, start_us")
+    for step in range(3):
+        fwd = [r for r in got if r["step"] == step]
+        assert [r["parent"] for r in fwd] == ["rollout", "train", "train"], fwd
+        # the summed row: the calls' time, within the loop that made them
+        assert 0 < fwd[0]["dur_us"] <= spent_ns[step] // 1000
+    rollout = rows(run, "select step, dur_us from timings where phase = 'rollout' order by step")
+    assert all(r["dur_us"] >= f["dur_us"] for r, f in zip(rollout, [g for g in got if g["parent"] == "rollout"],
+                                                          strict=True))
+
+
+def test_summed_records_resolve_to_one_row_of_their_total() -> None:
+    from dynascope.probes.timing import PhaseRecord, summed
+
+    recs = []
+    for i, (parent, flag) in enumerate([("rollout", True), ("train", False), ("rollout", True), ("rollout", True)]):
+        r = PhaseRecord("forward", parent, "phase", 7, "cpu")
+        r.t0, r.t1, r.summed = 0, (i + 1) * 1_000_000, flag
+        recs.append(r)
+    out = [r.resolve() for r in summed(recs)]
+    assert [(r["parent"], r["dur_us"]) for r in out] == [("rollout", 1000 + 3000 + 4000), ("train", 2000)]
+    assert out[0]["start_us"] == recs[0].start_us
+
+
 def test_the_probes_own_work_is_a_phase_outside_the_optimizer(tmp_path: Path) -> None:
     # The statistics the probes compute before and after optimizer.step() on the training thread are timed
     # as their own phase: top-level when the loop has no phase around them, never inside `optimizer`.

@@ -8,6 +8,11 @@ each row's ``clock`` says which clock its ``dur_us`` comes from (``cuda_event`` 
 ``TimingProbe`` is the probe: it hooks the model, and at each step boundary writes one
 ``phase='step'`` row spanning boundary to boundary plus the phases that finished in the step.
 
+A forward run without gradients inside a user phase (``scope.phase("rollout")`` around a generation loop,
+which calls the model once per token) is summed: one ``forward`` row per (step, parent phase), starting
+where the first call began, lasting the calls' summed time. Forwards with gradients keep a row each, so
+gradient accumulation's micro-batches stay visible.
+
 Backward is timed with autograd hooks rather than "end of forward → optimizer step": a hook on the
 model's output fires when backward reaches the model, and ``queue_callback`` fires when the whole
 backward pass is done. That stays right with gradient accumulation, losses computed outside the
@@ -31,7 +36,8 @@ import torch
 from dynascope.core.clock import now_us
 from dynascope.probes.protocol import Probe, Rows, StepContext
 
-__all__ = ["CUDA_CLOCK", "HOST_CLOCK", "PROBE_PHASE", "PhaseRecord", "Timer", "TimingProbe", "grad_tensors"]
+__all__ = ["CUDA_CLOCK", "HOST_CLOCK", "PROBE_PHASE", "PhaseRecord", "SummedRecord", "Timer", "TimingProbe",
+           "grad_tensors", "summed"]
 
 PROBE_PHASE = "dynascope"
 # The ``clock`` of a timings row: where its duration was measured
@@ -41,7 +47,7 @@ CUDA_CLOCK, HOST_CLOCK = "cuda_event", "host"
 class PhaseRecord:
     """One timed interval; resolved to a ``timings`` row by ``resolve`` (may block on a CUDA event)."""
 
-    __slots__ = ("phase", "parent", "category", "step", "start_us", "device", "t0", "t1", "ev0", "ev1")
+    __slots__ = ("phase", "parent", "category", "step", "start_us", "device", "t0", "t1", "ev0", "ev1", "summed")
 
     def __init__(self, phase: str, parent: str | None, category: str, step: int, device: str) -> None:
         self.phase, self.parent, self.category, self.step, self.device = phase, parent, category, step, device
@@ -49,6 +55,7 @@ class PhaseRecord:
         self.t0 = time.perf_counter_ns()
         self.t1: int | None = None
         self.ev0 = self.ev1 = None
+        self.summed = False  # one row with the step's other summed records of its (parent, phase): ``summed``
 
     def resolve(self) -> dict[str, Any]:
         if self.ev0 is not None and self.ev1 is not None:
@@ -58,6 +65,33 @@ class PhaseRecord:
             dur, clock = ((self.t1 or self.t0) - self.t0) // 1000, HOST_CLOCK
         return {"step": self.step, "phase": self.phase, "parent": self.parent, "start_us": self.start_us,
                 "dur_us": dur, "device": self.device, "category": self.category, "clock": clock}
+
+
+class SummedRecord:
+    """Records of one (step, parent, phase) as one row: it starts where the first began and lasts their
+    summed time, so it lies within the parent phase and its duration is exact; when each call ran within
+    the parent is not kept."""
+
+    def __init__(self, first: PhaseRecord) -> None:
+        self.records = [first]
+
+    def resolve(self) -> dict[str, Any]:
+        rows = [r.resolve() for r in self.records]
+        return {**rows[0], "dur_us": sum(r["dur_us"] for r in rows)}
+
+
+def summed(records: list[PhaseRecord]) -> list[PhaseRecord | SummedRecord]:
+    """``records`` with those marked ``summed`` folded into one ``SummedRecord`` per (step, parent, phase)."""
+    out: list[PhaseRecord | SummedRecord] = []
+    groups: dict[tuple, SummedRecord] = {}
+    for r in records:
+        if not r.summed:
+            out.append(r)
+        elif (key := (r.step, r.parent, r.phase)) in groups:
+            groups[key].records.append(r)
+        else:
+            out.append(groups.setdefault(key, SummedRecord(r)))
+    return out
 
 
 class Timer:
@@ -171,7 +205,12 @@ class TimingProbe(Probe):
         self.autograd_backward = False
 
     def _fwd_pre(self, module: Any, args: Any) -> None:
-        module._dynascope_fwd = None if self.model_paused else self.timer.start("forward")
+        rec = None if self.model_paused else self.timer.start("forward")
+        if rec is not None and rec.parent is not None and not torch.is_grad_enabled():
+            # A generation loop inside a user phase calls the model once per token: its forwards are one
+            # row per step (their summed time), not a row and two CUDA events to resolve per token.
+            rec.summed = True
+        module._dynascope_fwd = rec
 
     def _fwd_post(self, module: Any, args: Any, out: Any) -> None:
         rec = getattr(module, "_dynascope_fwd", None)
@@ -211,14 +250,14 @@ class TimingProbe(Probe):
                     "dur_us": (t1 - self._t0) // 1000, "device": self.timer.device, "category": "step",
                     "clock": HOST_CLOCK}  # boundary to boundary on the host: the steps tile the host's time
         self._t0, self._start_us = t1, now_us()
-        phases = self.timer.take()
+        phases = summed(self.timer.take())
         self._bwd_live = False  # a backward that raised never ran its end callback; do not stay stuck
         self.timer.step = ctx.step + 1
         return lambda: {"timings": _columns([step_row] + [p.resolve() for p in phases])}
 
     def leftover(self) -> Rows:
         """Phases that finished after the last boundary (written at close)."""
-        phases = self.timer.take()
+        phases = summed(self.timer.take())
         return {"timings": _columns([p.resolve() for p in phases])} if phases else {}
 
     def summarize(self, rows: Rows) -> dict[str, float]:
