@@ -117,9 +117,11 @@ def _open_count(arm: str, path: Path, rounds: int, env: dict | None = None) -> l
 
 
 def _files(path: Path, arm: str) -> dict[str, int]:
+    def count(d: Path, suffix: str) -> int:  # os.walk passes over directories a fold removes meanwhile
+        return sum(1 for _, _, names in os.walk(d) for n in names if n.endswith(suffix))
     if arm == "torchtitan":
-        return {"jsonl": sum(1 for _ in path.rglob("*.jsonl"))}
-    return {t: sum(1 for _ in (path / t).rglob("*.parquet")) for t in ("timings", "events")}
+        return {"jsonl": count(path, ".jsonl")}
+    return {t: count(path / t, ".parquet") for t in ("timings", "events")}
 
 
 def _live_peak(run: Path) -> dict[str, int]:

@@ -171,3 +171,31 @@ def test_kill_9_during_the_fold_at_close_loses_and_doubles_nothing(tmp_path: Pat
     for run in closed:  # each open that finds it untidy folds it further behind itself
         wait_until(lambda run=run: _counts(run) == EXPECTED and _at_rest(run), f"{run.name} at rest after opens",
                    timeout_s=120, interval_s=0.2)
+
+
+def test_the_folds_keep_the_writers_codec(tmp_path: Path) -> None:
+    """A writer's ``compression`` survives its own fold's merges and the run's fold at close: the merged
+    files are written in the codec their sources were, not re-encoded in the default."""
+    import pyarrow.parquet as pq
+
+    def codecs(files: list[Path]) -> set[str]:
+        out = set()
+        for f in files:
+            md = pq.ParquetFile(f).metadata
+            out |= {md.row_group(g).column(c).compression for g in range(md.num_row_groups) for c in range(md.num_columns)}
+        return out
+
+    run = tmp_path / "r"
+    w = RunWriter(run, rank=0, flush_secs=0.2, flush_rows=10**9, compression="snappy")  # wakes to fold
+    for i in range(FLUSHES):
+        w.append("scalars", {"step": np.arange(i * ROWS, (i + 1) * ROWS), "key": "loss", "value": 1.0})
+        w.flush()
+    wait_until(lambda: any(".v" in f.name for f in (run / "scalars" / f"writer={w.writer_id}").glob("*.parquet")),
+               "the writer's own fold to merge")
+    own = [f for f in (run / "scalars" / f"writer={w.writer_id}").glob("*.parquet") if ".v" in f.name]
+    assert own and codecs(own) == {"SNAPPY"}
+    w.close()
+    wait_until(lambda: _at_rest(run), "the close to put the run at rest", timeout_s=120)
+    merged = list((run / "scalars" / MERGED).glob("*.parquet"))
+    assert merged and codecs(merged) == {"SNAPPY"}
+    assert _counts(run) == (FLUSHES * ROWS, FLUSHES * ROWS)

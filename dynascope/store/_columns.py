@@ -15,11 +15,13 @@ batch that gives the column):
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 # Piece kinds: ("s", value, n) scalar broadcast, ("l", seq, n) Python sequence, ("a", ndarray, n) array,
 # ("p", pa.Array, n) Arrow array.
@@ -151,7 +153,7 @@ def _generic(pieces: Sequence[Piece], typ: pa.DataType, total: int) -> pa.Array:
     return arrays[0] if len(arrays) == 1 else pa.concat_arrays(arrays)
 
 
-def parquet_options(schema: pa.Schema, compression: str = "auto") -> dict[str, Any]:
+def parquet_options(schema: pa.Schema, compression: str | dict[str, str] = "auto") -> dict[str, Any]:
     """``pq.write_table`` options for a segment of ``schema``: what readers scan fastest.
 
     ``auto``: float columns LZ4 (metric mantissas are close to random, so zstd saved ~6% of bytes and cost
@@ -165,3 +167,20 @@ def parquet_options(schema: pa.Schema, compression: str = "auto") -> dict[str, A
         codec = {f.name: ("lz4" if f.name in floats else "zstd") for f in schema}
     return {"compression": codec, "use_dictionary": [f.name for f in schema if f.name not in floats],
             "store_schema": False}
+
+
+def codecs_like(path: str | os.PathLike, schema: pa.Schema) -> dict[str, str] | str:
+    """Per column of ``schema``, the codec the Parquet file ``path`` was written with: a merge keeps what its
+    writer chose (``RunWriter(compression=...)``) rather than ``auto``'s. A column the file lacks gets
+    ``auto``'s codec; a file without row groups, or unreadable, gives ``auto``."""
+    try:
+        md = pq.ParquetFile(path).metadata
+    except (OSError, pa.ArrowException):
+        return "auto"
+    if md.num_row_groups == 0:
+        return "auto"
+    rg = md.row_group(0)
+    found = {rg.column(i).path_in_schema.split(".")[0]: rg.column(i).compression for i in range(rg.num_columns)}
+    auto = parquet_options(schema)["compression"]
+    return {f.name: ("none" if found[f.name] == "UNCOMPRESSED" else found[f.name].lower()) if f.name in found
+            else auto[f.name] for f in schema}

@@ -42,7 +42,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dynascope.core.errors import first_line
-from dynascope.store._columns import parquet_options
+from dynascope.store._columns import codecs_like, parquet_options
 from dynascope.store.flush import BEGIN, commit_dir
 from dynascope.store.layout import MERGED, is_writer_dir, segment_name, valid_from_us
 from dynascope.store.repair import conform
@@ -129,10 +129,12 @@ def _fold_table(mdir: Path, table: str, number: int, todo: list[tuple[Path, list
     tmp = mdir / f".merge-{uuid.uuid4().hex[:12]}.tmp"
     writer: pq.ParquetWriter | None = None
     con = duckdb.connect(":memory:")
+    # the codecs the writers chose (RunWriter's compression), as the first directory's first segment has them
+    like = codecs_like(todo[0][1][0][2], schema) if todo and todo[0][1] else "auto"
 
     def write_pending() -> None:
         nonlocal writer, rows, pending, pending_rows
-        writer = writer or pq.ParquetWriter(tmp, schema, **parquet_options(schema))
+        writer = writer or pq.ParquetWriter(tmp, schema, **parquet_options(schema, like))
         if pending:
             writer.write_table(pa.Table.from_batches(pending, schema=schema))
         rows, pending, pending_rows = rows + pending_rows, [], 0

@@ -18,7 +18,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dynascope.store._columns import parquet_options
+from dynascope.store._columns import codecs_like, parquet_options
 from dynascope.store.compact_across import remove_spent
 from dynascope.store.layout import segment_name, valid_from_us
 from dynascope.store.repair import conform
@@ -50,7 +50,8 @@ def merge_segments(table: str, group: list[Seg], settle_us: int) -> int:
     tmp = wdir / f".merge-{group[0][0]}-{group[-1][1]}.{uuid.uuid4().hex[:8]}.tmp"
     expected = 0
     try:
-        with pq.ParquetWriter(tmp, schema, **parquet_options(schema)) as writer:
+        # in the codecs its writer chose, as its first source has them
+        with pq.ParquetWriter(tmp, schema, **parquet_options(schema, codecs_like(group[0][2], schema))) as writer:
             for _, _, src in group:
                 pf = pq.ParquetFile(src)
                 expected += pf.metadata.num_rows
