@@ -54,7 +54,14 @@ AB_CONFIGS: dict[str, dict[str, Any]] = {
     "spectral-all": {"memory_budget": 1.9, "time_budget": None, "spectral": {"every": 1, "time_budget": None}},
     # Full coverage (benchmarks/full_coverage.py): every statistic of every tensor at every step, S_k included.
     "full": {"memory_budget": None, "time_budget": None, "bf16_k": 2},
+    # The writer's own fold (store/own_fold.py) at 200x its default rate: a flush every 50 ms instead of
+    # 10 s, so a 16-step block folds several times. The pair differs only in the fold; the difference in
+    # step ratio and in background CPU per step is the fold's, at 200x the flushes of a default run.
+    "flush-50ms": {"flush_secs": 0.05},
+    "flush-50ms-nofold": {"flush_secs": 0.05},
 }
+# Environment a configuration's writer is made under (read when watch() makes it), restored after its block.
+AB_ENV: dict[str, dict[str, str]] = {"flush-50ms-nofold": {"DYNASCOPE_FOLD": "0"}}
 STAT_CONFIGS = ("timings", "norms", "window-all", "drift-all", "spectral-all")
 # In-step families: (label, where the callable lives, attribute); "pass:<key>" is the probe's pass of the
 # declared statistics with that key (tier:inputs, ``stats.engine.Pass``). Names missing in this version of
@@ -202,7 +209,13 @@ def block(loop: Loop, config: str | None, steps: int, drop: int, tmp: str, famil
     scope, acc, restore = None, {}, (lambda: None)
     run = tempfile.mkdtemp(prefix="run-", dir=tmp)
     if config is not None:
-        scope = dynascope.watch(loop.model, loop.opt, run=run, **watch_kwargs(config))
+        saved = {k: os.environ.get(k) for k in AB_ENV.get(config, {})}
+        os.environ.update(AB_ENV.get(config, {}))
+        try:
+            scope = dynascope.watch(loop.model, loop.opt, run=run, **watch_kwargs(config))
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
         acc, restore = instrument(scope, families)
     threads = _probe_threads()
     times: list[float] = []
@@ -216,6 +229,7 @@ def block(loop: Loop, config: str | None, steps: int, drop: int, tmp: str, famil
     bg = _thread_cpu(threads) - cpu0
     faults = minor_faults() - faults0
     inside = dict(acc)
+    merged = _merged_files(run)  # before close: the fold's own merges, not the run's fold at close
     if scope is not None:
         scope.close()
     restore()
@@ -223,7 +237,12 @@ def block(loop: Loop, config: str | None, steps: int, drop: int, tmp: str, famil
     kept = times[drop:]
     n = max(len(kept), 1)
     return {"median_s": statistics.median(kept), "bg_s": bg / n, "faults": faults / n,
-            "inside": {k: v / n for k, v in inside.items()}}
+            "inside": {k: v / n for k, v in inside.items()}, "merged": merged}
+
+
+def _merged_files(run: str) -> int:
+    """Merged segments (``<lo>-<hi>.v<t>.parquet``) under ``run``: how many merges its writer's fold made."""
+    return sum(1 for _, _, names in os.walk(run) for n in names if ".v" in n and n.endswith(".parquet"))
 
 
 def ab_child(args: argparse.Namespace) -> dict[str, Any]:
@@ -234,7 +253,7 @@ def ab_child(args: argparse.Namespace) -> dict[str, Any]:
     for _ in range(args.warmup):
         loop.step()
     out: dict[str, Any] = {c: {"ratio": [], "step_s": [], "base_s": [], "bg_s": [], "faults": [], "base_faults": [],
-                               "inside": []} for c in configs}
+                               "inside": [], "merged": []} for c in configs}
     families = bool(args.families)
     try:
         prev = block(loop, None, args.block, args.drop, tmp, families)
@@ -252,6 +271,7 @@ def ab_child(args: argparse.Namespace) -> dict[str, Any]:
                 o["faults"].append(probed["faults"])
                 o["base_faults"].append((prev["faults"] + nxt["faults"]) / 2)
                 o["inside"].append(probed["inside"])
+                o["merged"].append(probed["merged"])
                 prev = nxt
         rotation = rotation_run(loop, args.rotation_steps, tmp) if args.rotation_steps else None
     finally:
@@ -352,7 +372,7 @@ def print_ab(res: dict[str, Any], args: argparse.Namespace) -> None:
           f"params={res['param_bytes'] / 4e6:.2f}M, {args.ab_rounds} rounds of blocks of {args.block} steps "
           f"(first {args.drop} dropped), each probed block between two plain blocks")
     print(f"{'config':<14}{'ratio min / median / max':>27}{'plain ms':>10}{'probed ms':>11}"
-          f"{'in-step ms':>12}{'bg CPU ms/step':>16}{'faults/step plain':>19}{'probed':>8}")
+          f"{'in-step ms':>12}{'bg CPU ms/step':>16}{'faults/step plain':>19}{'probed':>8}{'merges/block':>14}")
     for c, o in res["configs"].items():
         if not o["ratio"]:
             continue
@@ -360,7 +380,7 @@ def print_ab(res: dict[str, Any], args: argparse.Namespace) -> None:
         print(f"{c:<14}{spread(o['ratio']):>27}{statistics.median(o['base_s']) * 1e3:>10.1f}"
               f"{statistics.median(o['step_s']) * 1e3:>11.1f}{inside:>12.2f}"
               f"{statistics.median(o['bg_s']) * 1e3:>16.2f}{statistics.median(o['base_faults']):>19.0f}"
-              f"{statistics.median(o['faults']):>8.0f}")
+              f"{statistics.median(o['faults']):>8.0f}{statistics.median(o.get('merged') or [0]):>14.0f}")
 
 
 def print_families(res: dict[str, Any]) -> None:

@@ -54,6 +54,8 @@ COUNT = {"dynascope": ("from dynascope.store import open_store; s = open_store({
                        "n = s.rows('SELECT count(*) FROM timings')[0][0]"),
          "torchtitan": ("import duckdb; n = duckdb.sql(\"SELECT count(*) FROM read_json({path!r} || "
                         "'/structured_logs/*.jsonl', format = 'newline_delimited', ignore_errors = true)\").fetchall()[0][0]")}
+# The same open with the views bound by every file's footer (``union_by_name``), as for runs of other columns.
+COUNT["dynascope-wide"] = "import dynascope.store.views as v; v.narrow = lambda loc: False; " + COUNT["dynascope"]
 
 
 def _dyn_rank(run: str, rank: int, ranks: int, steps: int, done, go, out) -> None:
@@ -116,6 +118,17 @@ def _open_count(arm: str, path: Path, rounds: int, env: dict | None = None) -> l
     return out
 
 
+def _open_ab(path: Path, rounds: int, env: dict | None = None) -> tuple[list[dict], list[dict]]:
+    """``open + count`` with narrow views (the default for runs of the current columns) and wide ones,
+    alternating round by round, which goes first too."""
+    narrow: list[dict] = []
+    wide: list[dict] = []
+    for r in range(rounds):
+        for arm, out in (("dynascope", narrow), ("dynascope-wide", wide))[::1 if r % 2 == 0 else -1]:
+            out += _open_count(arm, path, 1, env)
+    return narrow, wide
+
+
 def _files(path: Path, arm: str) -> dict[str, int]:
     def count(d: Path, suffix: str) -> int:  # os.walk passes over directories a fold removes meanwhile
         return sum(1 for _, _, names in os.walk(d) for n in names if n.endswith(suffix))
@@ -148,7 +161,9 @@ def run_arm(arm: str, path: Path, ranks: int, steps: int, rounds: int, lib: str 
         time.sleep(0.2)
     wall = time.perf_counter() - t0
     res: dict = {"wall_s": wall, "live_peak": dict(peak), "files_live": _files(path, arm)}
-    if rounds:
+    if rounds and arm == "dynascope":
+        res["open_count"], res["open_count_wide"] = _open_ab(path, rounds)
+    elif rounds:
         res["open_count"] = _open_count(arm, path, rounds)
     go.set()
     costs = dict(out.get(timeout=600) for _ in procs)
@@ -203,7 +218,8 @@ def open_vs_files(writers: list[int], flushes: int, rounds: int) -> dict[int, di
                     w.flush()
                 w.close()
             files = sum(1 for _ in (d / "r").rglob("*.parquet"))
-            out[n] = {"files": files, "open_count": _open_count("dynascope", d / "r", rounds, {"DYNASCOPE_FOLD": "0"})}
+            narrow, wide = _open_ab(d / "r", rounds, {"DYNASCOPE_FOLD": "0"})
+            out[n] = {"files": files, "open_count": narrow, "open_count_wide": wide}
             print(f"open vs files: {n} writers, {files} files: "
                   f"{statistics.median(x['s'] for x in out[n]['open_count']):.2f} s", flush=True)
         finally:
@@ -277,19 +293,21 @@ def main() -> None:
         args.json.write_text(json.dumps(results, indent=1))
     print(f"\n{args.ranks} ranks, one process each; medians (min–max); load average after {os.getloadavg()}\n")
     print("| arm | steps | live files/writer/table (peak) | files live (timings) | files at rest (timings) | "
-          "open + count live s | its peak MB | µs per step on the training thread (ranks' medians) |")
-    print("|---|---|---|---|---|---|---|---|")
+          "open + count live s | its peak MB | wide views: s | µs per step on the training thread (ranks' medians) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for key, r in results["sizes"].items():
         arm, steps = key.split()
         oc = r.get("open_count", [])
         live = r["files_live"].get("timings", r["files_live"].get("jsonl"))
         rest = r["files_rest"].get("timings", r["files_rest"].get("jsonl"))
         print(f"| {arm} | {steps} | {r['live_peak'].get('timings', '—')} | {live} | {rest} | "
-              f"{_med([x['s'] for x in oc])} | {_med([x['rss_mb'] for x in oc], '{:.0f}')} | {_med(r['step_us'], '{:.1f}')} |")
+              f"{_med([x['s'] for x in oc])} | {_med([x['rss_mb'] for x in oc], '{:.0f}')} | "
+              f"{_med([x['s'] for x in r.get('open_count_wide', [])])} | {_med(r['step_us'], '{:.1f}')} |")
     print(f"\nnode aggregation's send, µs per step on the training thread: {_med(results['ipc_us'], '{:.1f}')}")
     for n, r in results["open_vs_files"].items():
         print(f"open + count, {n} writers x 8 live segments ({r['files']} Parquet files): "
-              f"{_med([x['s'] for x in r['open_count']])} s, {_med([x['rss_mb'] for x in r['open_count']], '{:.0f}')} MB")
+              f"{_med([x['s'] for x in r['open_count']])} s, {_med([x['rss_mb'] for x in r['open_count']], '{:.0f}')} MB; "
+              f"wide views {_med([x['s'] for x in r['open_count_wide']])} s")
     print(f"\nmetadata operations per writer per step ({args.fuse_ranks} ranks x {args.fuse_steps} steps on FUSE, "
           "the run's whole life), and per writer-hour at a step every 2 s (the default flush interval)\n")
     print("| arm | " + " | ".join(META) + " | create+rename+unlink+mkdir+rmdir per hour | all per hour |")

@@ -8,13 +8,12 @@ from dynascope.store.reader import (
     StoreLike,
     as_store,
     open_store,
-    quote_ident,
-    quote_literal,
     retry_vanished,
     run_sql,
 )
 from dynascope.store.schema import SCHEMA_VERSION, TABLES
 from dynascope.store.snapshot import Snapshot, snapshot
+from dynascope.store.views import quote_ident, quote_literal
 from dynascope.store.writer import RunWriter
 
 __all__ = [

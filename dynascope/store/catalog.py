@@ -30,7 +30,8 @@ from dynascope.store.layout import (
     printable,
     read_marker,
 )
-from dynascope.store.reader import explain_error, open_store, quote_ident
+from dynascope.store.reader import explain_error, open_store
+from dynascope.store.views import quote_ident
 
 LIVE_MARGIN_S = 5.0
 _RANK = re.compile(r"^r(\d+)-")

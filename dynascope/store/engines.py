@@ -20,9 +20,9 @@ import duckdb
 
 from dynascope.store.pooling import GLOBAL, global_sql
 from dynascope.store.projection import select_list, spark_ddl, spark_quote
-from dynascope.store.reader import quote_ident, quote_literal, typed_nulls
 from dynascope.store.schema import TABLES
 from dynascope.store.snapshot import Snapshot
+from dynascope.store.views import quote_ident, quote_literal, typed_nulls
 
 __all__ = ["DuckDBTables", "SparkTables", "local_spark"]
 

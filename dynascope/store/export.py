@@ -8,8 +8,9 @@ from pathlib import Path
 import duckdb
 
 from dynascope.core.errors import StoreError, first_line
-from dynascope.store.reader import open_store, quote_ident, quote_literal
+from dynascope.store.reader import open_store
 from dynascope.store.schema import TABLES
+from dynascope.store.views import quote_ident, quote_literal
 
 
 def export_store(path: str | os.PathLike, duckdb_path: str | os.PathLike | None = None,

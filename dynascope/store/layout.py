@@ -172,6 +172,10 @@ class StoreLocation:
     def table_glob(self, table: str) -> str:
         return str(self._runs() / table / "*" / "*.parquet")
 
+    def schema_glob(self, table: str) -> str:
+        """The runs' empty segments of ``table``, written with their creator's full schema."""
+        return str(self._runs() / table / "writer=_schema" / "*.parquet")
+
     def commit_glob(self) -> str:
         """Every commit record (and begin record) of the runs here."""
         return str(self._runs() / COMMITS / "*" / "*.json")

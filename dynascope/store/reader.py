@@ -11,11 +11,11 @@ locked, and statements other than queries are refused before they reach DuckDB.
 from __future__ import annotations
 
 import functools
-import glob
 import os
 import re
 import shutil
 import tempfile
+import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -26,12 +26,11 @@ import duckdb
 import pyarrow as pa
 
 from dynascope.core.errors import StoreError, first_line
-from dynascope.store import at_rest, projection
+from dynascope.store import at_rest, views
 from dynascope.store.layout import StoreLocation, locate
-from dynascope.store.live import MAX_CLOCK_SKEW_US, live_sql
+from dynascope.store.live import MAX_CLOCK_SKEW_US
 from dynascope.store.pooling import GLOBAL, global_sql
-from dynascope.store.projection import select_list
-from dynascope.store.schema import TABLES, sql_type
+from dynascope.store.views import quote_literal
 
 if TYPE_CHECKING:  # polars is imported by DuckDB when a frame is asked for
     import polars as pl
@@ -43,29 +42,6 @@ Params = Sequence[Any] | Mapping[str, Any] | None
 # Statement types a user may run on a read-only connection.
 _ALLOWED_STATEMENTS = {duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN}
 _EXPLAIN_PREFIX = re.compile(r"^\s*EXPLAIN\s+(?:ANALY[SZ]E\s+)?(?:\([^)]*\)\s*)?", re.IGNORECASE)
-
-
-def quote_literal(text: str) -> str:
-    """A SQL string literal for ``text`` (names from user data are never pasted in raw)."""
-    return "'" + str(text).replace("'", "''") + "'"
-
-
-def quote_ident(name: str) -> str:
-    return '"' + str(name).replace('"', '""') + '"'
-
-
-def _view_sql(loc: StoreLocation, table: str, at: str, commit_at: str | None = None) -> str:
-    pattern = quote_literal(loc.table_glob(table))
-    listing = f"(SELECT file FROM glob({pattern}) UNION ALL SELECT file FROM glob({quote_literal(loc.commit_glob())}))"
-    # The live-segment rule (``live``), over the query's own listing, at the query's start (or ``at_us``).
-    return f"""
-    CREATE OR REPLACE VIEW {quote_ident(table)} AS
-    SELECT {select_list(table, quote_ident)} FROM (
-        SELECT * FROM read_parquet({pattern}, union_by_name = true, filename = '_segment_file')
-        WHERE _segment_file IN ({live_sql(listing, at, commit_at)})
-        UNION ALL BY NAME  -- columns added to the schema after a run's segments were written read as NULL
-        SELECT {typed_nulls(table, with_old_names=True)} WHERE false)
-    """
 
 
 # How the engines say a listed file was gone when they opened it: DuckDB reading a glob ("No such file"), and
@@ -98,13 +74,6 @@ def retry_vanished(fetch: Callable[[], T], deadline_s: float = 10.0, vanished: S
             time.sleep(min(0.02 * attempt, 0.2))  # let a compaction that is deleting a batch of segments finish
 
 
-def typed_nulls(table: str, with_old_names: bool = False) -> str:
-    """A select list of typed NULLs for every column (and, ``with_old_names``, every former name): unioned
-    by name with the segments, it makes every name exist with its type whatever the segments carry."""
-    fields = projection.read_columns(table) if with_old_names else [(f.name, f.type) for f in TABLES[table]]
-    return ", ".join(f"CAST(NULL AS {sql_type(t)}) AS {quote_ident(n)}" for n, t in fields)
-
-
 class StoreConnection:
     """A store opened for queries: a DuckDB database with one view per table.
 
@@ -116,10 +85,13 @@ class StoreConnection:
     store every one of them refuses statements other than SELECT/EXPLAIN.
     """
 
-    def __init__(self, con: duckdb.DuckDBPyConnection, location: StoreLocation, read_only: bool) -> None:
+    def __init__(self, con: duckdb.DuckDBPyConnection, location: StoreLocation, read_only: bool,
+                 widen: Callable[[], None] | None = None) -> None:
         self._con = con
         self.location = location
         self.read_only = read_only
+        self._widen = widen  # narrow views (``views``): how to bind them by name, once a file needs it
+        self._widen_lock = threading.Lock()
 
     @property
     def path(self) -> Path:
@@ -150,7 +122,22 @@ class StoreConnection:
             finally:
                 cur.close()
 
-        return retry_vanished(attempt)
+        try:
+            try:
+                return retry_vanished(attempt)
+            except Exception as exc:
+                if self._widen is None or not any(m in str(exc) for m in views.MISMATCH):
+                    raise
+            with self._widen_lock:  # a file of another schema: every query from now on binds the glob by name
+                if self._widen is not None:
+                    self._widen()
+                    self._widen = None
+            return retry_vanished(attempt)
+        except duckdb.Error as exc:  # narrow views open a table's files when a query scans them, not at open
+            text = explain_error(exc, "SQL error")
+            if "corrupt segment" in text:
+                raise StoreError(text) from None
+            raise
 
     def check(self, query: str) -> None:
         """Raise ``StoreError`` unless every statement in ``query`` is a read-only query."""
@@ -224,12 +211,9 @@ def open_store(path: str | os.PathLike, read_only: bool = True, threads: int | N
         con.execute("SET enable_progress_bar = false")  # it would interleave with CSV/JSON on stdout
         if threads:
             con.execute(f"SET threads = {int(threads)}")
-        for table in TABLES:
-            if glob.glob(loc.table_glob(table)):
-                # Binding reads the files' schemas: a compaction may delete one in between, so bind again.
-                retry_vanished(functools.partial(con.execute, _view_sql(loc, table, at, commit_at)))
-            else:  # runs written before this table existed: read_parquet would fail on an empty glob
-                con.execute(f"CREATE VIEW {quote_ident(table)} AS SELECT {typed_nulls(table)} WHERE false")
+        # Binding reads file schemas: a compaction may delete one in between, so bind again (retry_vanished).
+        wide = not views.narrow(loc)
+        views.create_views(con, loc, at, commit_at, wide, retry_vanished)
         # The canonical per-tensor view: one row per (run, role, stage, step, tensor), pooled by store.pooling's rule.
         retry_vanished(functools.partial(con.execute, f"CREATE OR REPLACE VIEW {GLOBAL} AS {global_sql()}"))
         if read_only:
@@ -248,7 +232,8 @@ def open_store(path: str | os.PathLike, read_only: bool = True, threads: int | N
         raise StoreError(explain_error(exc, f"{loc.path}: could not open store")) from None
     for run_dir in loc.run_dirs:  # a finished run left untidy is folded behind this reader, for the next one
         at_rest.settle_later(run_dir)
-    return StoreConnection(con, loc, read_only)
+    widen = None if wide else functools.partial(views.create_views, con, loc, at, commit_at, True, retry_vanished)
+    return StoreConnection(con, loc, read_only, widen)
 
 
 StoreLike = StoreConnection | str | os.PathLike  # what the toolkit's readers take: an open store or its path

@@ -48,6 +48,7 @@ from dynascope.store.layout import MARKER, create_run, heartbeat_path, read_mark
 from dynascope.store.rollup import ROLLUP_TABLES
 from dynascope.store.rollup_across import BY_TENSOR
 from dynascope.store.schema import SCHEMA_VERSION, TABLES
+from dynascope.store.views import COLUMNS_ID
 
 __all__ = ["RunWriter", "release_arrow_memory"]
 
@@ -133,7 +134,7 @@ class RunWriter:
 
     def _init_run(self, name: str | None, world_size: int, framework: str, config: dict) -> str:
         run_id = safe_id(self.run_dir.name)
-        meta = {"schema_version": SCHEMA_VERSION, "run_id": run_id, "created_us": now_us()}
+        meta = {"schema_version": SCHEMA_VERSION, "columns": COLUMNS_ID, "run_id": run_id, "created_us": now_us()}
         if create_run(self.run_dir, meta, write_empty_segments):
             self.append("runs", {
                 "name": name or self.run_dir.name, "start_us": meta["created_us"], "host": socket.gethostname(),
@@ -324,7 +325,8 @@ class RunWriter:
 
     def _recreate_run_dir(self) -> None:
         self._problem("run_dir_missing", f"{self.run_dir} vanished; recreating it", emit_event=False)
-        meta = {"schema_version": SCHEMA_VERSION, "run_id": self.run_id, "created_us": now_us(), "recreated": True}
+        meta = {"schema_version": SCHEMA_VERSION, "columns": COLUMNS_ID, "run_id": self.run_id, "created_us": now_us(),
+                "recreated": True}
         create_run(self.run_dir, meta, write_empty_segments)
         self._begun = False
         self._heartbeat()
