@@ -107,3 +107,23 @@ def test_a_writer_told_not_to_fold_keeps_every_segment(tmp_path: Path, quick: No
     _flush_many(w, 3 * own_fold.KEEP)
     w.close()
     assert _own(run, "scalars", w.writer_id) == (3 * own_fold.KEEP, 3 * own_fold.KEEP)
+
+
+def test_a_writer_that_flushes_seldom_deletes_in_the_first_window(tmp_path: Path, quick: None) -> None:
+    """watch()'s writer flushes every 10 s, less often than deletion windows come: its thread wakes for the
+    first window after its merged-away sources' grace, not at its next flush, which here is 10 minutes off."""
+    run = tmp_path / "r"
+    w = RunWriter(run, flush_secs=600, flush_rows=50)  # flushes when 50 rows arrive, never on the clock
+    wdir = run / "scalars" / f"writer={w.writer_id}"
+    try:
+        for i in range(2 * own_fold.EVERY):
+            seq = w._seq
+            w.append("scalars", {"step": i, "key": [f"m{k}" for k in range(50)], "value": np.full(50, float(i))})
+            wait_until(lambda seq=seq: w._seq > seq, "the writer thread's flush")  # noqa: B023
+        wait_until(lambda: any(".v" in f.name for f in wdir.glob("*.parquet")), "a merge")
+        wait_until(lambda: _own(run, "scalars", w.writer_id) == (len(list(wdir.glob("*.parquet"))),) * 2 and
+                   w.upkeep.delete_from_us == 0, "the merged-away sources deleted", timeout_s=30)
+        with open_store(run) as con:
+            assert con.rows("SELECT count(*) FROM scalars")[0][0] == 50 * 2 * own_fold.EVERY
+    finally:
+        w.close()

@@ -22,6 +22,7 @@ a fold that fails leaves every file as it was (the merged file is renamed into p
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +36,7 @@ from dynascope.store.runfiles import RunFiles, Seg, num_rows
 from dynascope.store.schema import TABLES
 
 __all__ = ["DELETE_PERIOD_S", "DELETE_WINDOW_S", "EVERY", "GRACE_S", "KEEP", "LEAVE", "SETTLE_S", "Upkeep",
-           "fold_own", "hold_s", "tend"]
+           "fold_own", "hold_s", "tend", "wake_s"]
 
 KEEP = 8  # live segments per table a writer holds at most
 SETTLE_S = 2.0  # a merged file takes effect this long after it is written (compact's settle_s)
@@ -49,8 +50,9 @@ LEAVE = max(KEEP - EVERY - 1, 1)  # live segments a fold leaves in a table: one 
 # windows for every writer of a run. A query binds every file its glob lists, live or not, so a deletion
 # anywhere in a table sends a query of it running again (``reader.retry_vanished``); a thousand writers
 # deleting whenever their folds end would hit every query of the live run, again and again. Outside the
-# windows nothing is deleted, so a query that meets one runs again once it is over. The window is wider
-# than the default flush interval, so the writer's thread wakes inside each one.
+# windows nothing is deleted, so a query that meets one runs again once it is over. A writer whose merged-away
+# sources wait wakes its thread at the window's start (``wake_s``) whatever its flush interval: watch()'s
+# 10 s interval would otherwise land in a 2.5 s window of each 20 s only by the phase of its clock.
 DELETE_PERIOD_S = 20.0
 DELETE_WINDOW_S = 2.5
 
@@ -62,6 +64,7 @@ class Upkeep:
     flushes: int = 0  # committed flushes since its last fold
     deleted_in: int = -1  # the last deletion window it deleted in
     settles_at_us: int = 0  # when its last merge takes effect (its sources count until then)
+    delete_from_us: int = 0  # when its merged-away sources may go (0: none wait)
 
 
 def hold_s(writer: Any) -> float:
@@ -70,6 +73,21 @@ def hold_s(writer: Any) -> float:
     ``KEEP`` live segments however fast flushes come. Rows wait in the buffer, never the training thread."""
     up: Upkeep = writer.upkeep
     return max(up.settles_at_us / 1e6 - time.time(), 0.0) if writer.fold and up.flushes >= 1 else 0.0
+
+
+def wake_s(writer: Any) -> float:
+    """Seconds until the writer thread should wake to delete its merged-away sources: the start of the first
+    deletion window it has not deleted in, once their grace is over; ``inf`` when none wait."""
+    up: Upkeep = writer.upkeep
+    if not writer.fold or not up.delete_from_us:
+        return math.inf
+    now = time.time()
+    t = max(now, up.delete_from_us / 1e6)
+    window = int(t // DELETE_PERIOD_S)
+    if t % DELETE_PERIOD_S >= DELETE_WINDOW_S or window == up.deleted_in:
+        window += 1
+        t = window * DELETE_PERIOD_S + 0.01  # just inside it: the clock's resolution never lands before
+    return max(t - now, 0.0)
 
 
 def tend(writer: Any) -> None:
@@ -93,6 +111,10 @@ def tend(writer: Any) -> None:
                                       "the segments stay as written")
         return
     if valid_us is not None:  # else `dynascope compact` is in its directories: again at the next wake
+        if delete and up.delete_from_us <= time.time() * 1e6:
+            up.delete_from_us = 0  # this pass deleted every source whose grace was over
+        if valid_us:
+            up.delete_from_us = max(up.delete_from_us, valid_us + int(GRACE_S * 1e6))
         up.settles_at_us = max(up.settles_at_us, valid_us)
         up.flushes = 0 if up.flushes >= EVERY else up.flushes
         up.deleted_in = window if delete else up.deleted_in

@@ -23,6 +23,7 @@ import json
 import os
 import socket
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -214,16 +215,27 @@ class RunWriter:
 
     # ---- flushing -----------------------------------------------------------------------------------
     def _loop(self) -> None:
+        due = time.monotonic() + self.flush_secs  # the next flush
+        retry = 0.0  # a deletion wake that could not delete (a compact holds the lock) waits a second
         while True:
             with self._lock:
+                early = False
                 if not self._closed and self._buffered < self.flush_rows:
-                    self._wake.wait(self.flush_secs)
-                while not self._closed and (backoff := self._backoff.wait_s()) > 0:  # after failed writes
+                    now = time.monotonic()
+                    wake = max(own_fold.wake_s(self), retry - now)
+                    notified = self._wake.wait(max(min(due - now, wake), 0.0))  # appends notify to flush
+                    early = wake < due - now and not notified and not self._closed
+                while not early and not self._closed and (backoff := self._backoff.wait_s()) > 0:  # failed writes
                     self._wake.wait(backoff)
-                while not self._closed and (hold := own_fold.hold_s(self)) > 0:  # its last merge settling
+                while not early and not self._closed and (hold := own_fold.hold_s(self)) > 0:  # a merge settling
                     self._wake.wait(hold)
                 if self._closed:
                     return
+            if early:  # woken for a deletion window (``own_fold.wake_s``), not to flush
+                own_fold.tend(self)
+                retry = time.monotonic() + 1.0
+                continue
+            due = time.monotonic() + self.flush_secs
             self._heartbeat()
             seq = self._seq
             try:
