@@ -168,6 +168,7 @@ class StoreLocation:
     path: Path
     is_root: bool
     run_dirs: tuple[Path, ...]
+    columns: frozenset[str | None] = frozenset()  # the runs' markers' ``columns`` (None: a marker without one)
 
     def table_glob(self, table: str) -> str:
         return str(self._runs() / table / "*" / "*.parquet")
@@ -194,15 +195,18 @@ def locate(path: str | os.PathLike) -> StoreLocation:
     p = p.resolve()
     _check_utf8(p)
     if (p / MARKER).exists():
-        read_marker(p)
-        return StoreLocation(p, False, (p,))
+        return StoreLocation(p, False, (p,), frozenset({_columns(read_marker(p))}))
     runs = tuple(sorted(d for d in p.iterdir() if d.is_dir() and (d / MARKER).exists()))
     if not runs:
         raise StoreError(f"{p}: not a dynascope run directory or store root (no {MARKER} found)")
     for d in runs:
         _check_utf8(d)
-        read_marker(d)
-    return StoreLocation(p, True, runs)
+    return StoreLocation(p, True, runs, frozenset(_columns(read_marker(d)) for d in runs))
+
+
+def _columns(meta: dict) -> str | None:
+    c = meta.get("columns")
+    return c if isinstance(c, str) else None
 
 
 def printable(path: os.PathLike | str) -> str:

@@ -29,7 +29,7 @@ from functools import partial
 import duckdb
 
 from dynascope.store import projection
-from dynascope.store.layout import MARKER, StoreLocation
+from dynascope.store.layout import StoreLocation
 from dynascope.store.live import live_sql
 from dynascope.store.projection import select_list
 from dynascope.store.schema import TABLES, sql_type
@@ -60,14 +60,9 @@ def typed_nulls(table: str, with_old_names: bool = False) -> str:
 
 
 def narrow(loc: StoreLocation) -> bool:
-    """Whether every run here was created with the current columns (its marker's ``columns``)."""
-    for run in loc.run_dirs:
-        try:
-            if json.loads((run / MARKER).read_text(encoding="utf-8")).get("columns") != COLUMNS_ID:
-                return False
-        except (OSError, ValueError, AttributeError):
-            return False
-    return True
+    """Whether every run here was created with the current columns (its marker's ``columns``, as ``locate``
+    read it)."""
+    return loc.columns == {COLUMNS_ID}
 
 
 def view_sql(loc: StoreLocation, table: str, at: str, commit_at: str | None = None, wide: bool = True) -> str:
