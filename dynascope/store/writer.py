@@ -135,7 +135,7 @@ class RunWriter:
 
     def _init_run(self, name: str | None, world_size: int, framework: str, config: dict) -> str:
         run_id = safe_id(self.run_dir.name)
-        meta = {"schema_version": SCHEMA_VERSION, "columns": COLUMNS_ID, "run_id": run_id, "created_us": now_us()}
+        meta = _marker(run_id)
         if create_run(self.run_dir, meta, write_empty_segments):
             self.append("runs", {
                 "name": name or self.run_dir.name, "start_us": meta["created_us"], "host": socket.gethostname(),
@@ -337,8 +337,7 @@ class RunWriter:
 
     def _recreate_run_dir(self) -> None:
         self._problem("run_dir_missing", f"{self.run_dir} vanished; recreating it", emit_event=False)
-        meta = {"schema_version": SCHEMA_VERSION, "columns": COLUMNS_ID, "run_id": self.run_id, "created_us": now_us(),
-                "recreated": True}
+        meta = {**_marker(self.run_id), "recreated": True}
         create_run(self.run_dir, meta, write_empty_segments)
         self._begun = False
         self._heartbeat()
@@ -378,3 +377,7 @@ class RunWriter:
         self._fresh_state()
         self._closed = self.forked = True
 
+
+def _marker(run_id: str) -> dict[str, Any]:
+    """A run's marker as its creator writes it: the schema version and columns its segments carry."""
+    return {"schema_version": SCHEMA_VERSION, "columns": COLUMNS_ID, "run_id": run_id, "created_us": now_us()}
