@@ -57,8 +57,11 @@ AB_CONFIGS: dict[str, dict[str, Any]] = {
     # The writer's own fold (store/own_fold.py) at 200x its default rate: a flush every 50 ms instead of
     # 10 s, so a 16-step block folds several times. The pair differs only in the fold; the difference in
     # step ratio and in background CPU per step is the fold's, at 200x the flushes of a default run.
-    "flush-50ms": {"flush_secs": 0.05},
-    "flush-50ms-nofold": {"flush_secs": 0.05},
+    "flush-50ms": {"flush_secs": 0.05, "seal_secs": None},
+    "flush-50ms-nofold": {"flush_secs": 0.05, "seal_secs": None},
+    # The journal (store/journal.py) at 200x its default rates against a segment per flush: a flush every
+    # 50 ms appended to the journal, sealed every 1.5 s (the default 300 s / 200).
+    "journal-50ms": {"flush_secs": 0.05, "seal_secs": 1.5},
 }
 # Environment a configuration's writer is made under (read when watch() makes it), restored after its block.
 AB_ENV: dict[str, dict[str, str]] = {"flush-50ms-nofold": {"DYNASCOPE_FOLD": "0"}}

@@ -208,8 +208,10 @@ def test_sigkill_at_100_random_points(tmp_path):
     # half the kills count from the fork (some land while the run is being created), half from the run's
     # creation (they land among the flushes)
     jobs = [(str(tmp_path / f"run{i:03d}"), rng.uniform(0.0, 0.8), i % 2 == 1) for i in range(100)]
-    with mp.get_context("fork").Pool(4) as pool:
-        durable = pool.map(_kill_one, jobs)
+    # spawned workers: a worker forked from this many-threaded process can inherit a lock another thread
+    # held at the fork (a pool's queue lock), and wait on it for ever
+    with mp.get_context("spawn").Pool(4) as pool:
+        durable = pool.map_async(_kill_one, jobs).get(timeout=900)
     runs = [j[0] for j in jobs if os.path.exists(os.path.join(j[0], "dynascope.json"))]
     with open_store(tmp_path) as s:  # the root of 100 killed runs opens, and every run reads
         rows = s.sql("SELECT run_id, count(*), min(step), max(step), count(DISTINCT step) "

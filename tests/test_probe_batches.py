@@ -90,9 +90,10 @@ def test_the_store_holds_the_same_rows_batched_or_not(tmp_path, monkeypatch) -> 
     _train(tmp_path / "single", 12)
     batched, single = _rows(tmp_path / "batched"), _rows(tmp_path / "single")
     assert len(batched) == 12 * 4 and [r[:8] for r in batched] == [r[:8] for r in single]
-    # the statistics agree to float rounding (the two runs train the same model from the same seed)
+    # the statistics agree to float32 rounding (the two runs train the same model from the same seed; on a
+    # loaded machine a float32 reduction's order can differ between runs: ‖g‖ then differs in its 8th digit)
     for a, b in zip(batched, single, strict=True):
-        assert all(_same(x, y) or (isinstance(x, float) and math.isclose(x, y, rel_tol=1e-9)) for x, y in
+        assert all(_same(x, y) or (isinstance(x, float) and math.isclose(x, y, rel_tol=1e-6)) for x, y in
                    zip(a, b, strict=True)), (a, b)
     assert {r[1] for r in batched} == {None, "rl"}
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from dynascope.probes.schedule import Schedule
 from dynascope.probes.tensors import DRIFT_EVERY, TIME_BUDGET, W_NORM_EVERY
+from dynascope.store.journal import SEAL_SECS
 
 __all__ = ["WRITER_FLUSH_S", "WatchSettings", "settings_from"]
 
@@ -53,8 +54,11 @@ class WatchSettings:
         rank, role, world_size: identity for processes outside torch.distributed (e.g. Ray actors).
         system_interval_s: system sampler period (None or 0 switches it off).
         flush_secs: how often the writer watch() makes writes its rows (default 10 s): rows reach
-            readers, alert rules and /metrics a flush after they are recorded, and each flush is a few
-            files (docs/scale.md). Not used when watch() is given a ``writer``.
+            readers, alert rules and /metrics a flush after they are recorded; each flush appends to
+            the writer's journals (``seal_secs``; docs/scale.md). Not used when watch() is given a ``writer``.
+        seal_secs: each flush appends to a journal per table (one file, not one per flush), which the
+            writer seals into Parquet segments every ``seal_secs`` (default 300 s) and at close
+            (``store.journal``; docs/scale.md). None: a segment per table per flush.
         clock_sync: measure this rank's wall-clock offset from rank 0 in ``watch()`` (an ``events`` row
             ``clock_offset``, ``probes.clocks``) even where the probe makes no process group of its own
             (a sharded run's is used always): every rank of the default group must then run the probe.
@@ -77,6 +81,7 @@ class WatchSettings:
     world_size: int | None = None
     system_interval_s: float | None = 5.0
     flush_secs: float = WRITER_FLUSH_S
+    seal_secs: float | None = SEAL_SECS
     clock_sync: bool = False
     wandb: bool = False
 

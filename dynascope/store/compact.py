@@ -37,7 +37,7 @@ import duckdb
 import pyarrow as pa
 
 from dynascope.core.errors import StoreError, first_line
-from dynascope.store import lease_lock
+from dynascope.store import journal, lease_lock
 from dynascope.store.compact_across import AcrossStats, fold_writers
 from dynascope.store.finished import done_writers
 from dynascope.store.layout import locate
@@ -96,6 +96,8 @@ def compact_store(path: str | os.PathLike, grace_s: float = 60.0, *, settle_s: f
             if repair.repaired:
                 files = RunFiles.of(run_dir)
             done = done_writers(files, repair_after_s)
+            if journal.seal_orphans(run_dir, set(done), files.live(FOREVER_US), grace_s):  # before they fold
+                files = RunFiles.of(run_dir)
             closed[run_dir] = {w for w, c in done.items() if c}
             stats.removed_segments += _remove(files, grace_s, stats, closed[run_dir])
             folded = _fold(files, repair, done, settle_us, target_rows, stats)

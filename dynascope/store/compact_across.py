@@ -44,7 +44,7 @@ import pyarrow.parquet as pq
 from dynascope.core.errors import first_line
 from dynascope.store._columns import codecs_like, parquet_options
 from dynascope.store.flush import BEGIN, commit_dir
-from dynascope.store.layout import MERGED, is_writer_dir, segment_name, valid_from_us
+from dynascope.store.layout import JOURNAL_RE, MERGED, is_writer_dir, segment_name, valid_from_us
 from dynascope.store.repair import conform
 from dynascope.store.rollup import ROLLUPS
 from dynascope.store.runfiles import FOREVER_US, RunFiles, Seg
@@ -276,7 +276,7 @@ def remove_spent(files: RunFiles, grace_s: float, pinned: frozenset[str], closed
         except OSError:  # a corrupt segment: left alone, named by the merge that reads it
             continue
         if any(str(p) in pinned or not 0 < valid_from_us(p) <= (now - grace_s) * 1e6 for p in left) \
-                or now - _mtime(wdir) < grace_s:
+                or now - _mtime(wdir) < grace_s or not _drop_journals(wdir, [(lo, hi) for lo, hi, p in segs if p in left]):
             continue
         for p in left:
             p.unlink(missing_ok=True)
@@ -298,6 +298,20 @@ def remove_spent(files: RunFiles, grace_s: float, pinned: frozenset[str], closed
         except OSError:
             continue
     return removed
+
+
+def _drop_journals(wdir: Path, covers: list[tuple[int, int]]) -> bool:
+    """Delete the directory's journals before its covers, which hide them too (a journal outliving its cover
+    would count again); False, deleting none, if one is not covered (a writer's journal not sealed yet)."""
+    try:
+        names = [n for n in os.listdir(wdir) if JOURNAL_RE.match(n)]
+    except OSError:
+        return False
+    if not all(any(lo <= int(n[:12]) <= hi for lo, hi in covers) for n in names):
+        return False
+    for n in names:
+        (wdir / n).unlink(missing_ok=True)
+    return True
 
 
 def _mtime(path: Path) -> float:

@@ -4,6 +4,7 @@
                                                          with it, whole: see ``create_run``)
     <root>/<run>/<table>/writer=<writer_id>/<lo>-<hi>.parquet   immutable segments
     <root>/<run>/<table>/writer=_merged/<n>-<n>.v<t>.parquet     rows of finished writers, folded together
+    <root>/<run>/<table>/writer=<writer_id>/<n>.jsonl    a writer's journal: rows since its last seal (``journal``)
     <root>/<run>/_writers/<writer_id>.json                writer heartbeat (mtime = last sign of life)
 
 A writer numbers its segments 0, 1, 2, … and names each ``<seq>-<seq>.parquet``. Compaction merges a
@@ -39,6 +40,8 @@ HEARTBEATS = "_writers"  # <run>/_writers/<writer_id>.json; not a table, so no v
 COMMITS = "_commits"  # <run>/_commits/writer=<writer_id>/<lo>-<hi>.v<t>.json: one record per flush (``live``)
 MERGED = "writer=_merged"  # <run>/<table>/writer=_merged/: rows of finished writers folded together (``compact_across``)
 SEGMENT_RE = re.compile(r"^(\d{12})-(\d{12})(?:\.v(\d{1,20}))?\.parquet$")
+JOURNAL = ".jsonl"
+JOURNAL_RE = re.compile(r"^(\d{12})\.jsonl$")
 _SAFE_ID = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
@@ -67,6 +70,11 @@ def valid_from_us(path: Path) -> int:
     """When a segment starts to count (0 for a writer's own segments, which count at once)."""
     m = SEGMENT_RE.match(path.name)
     return int(m.group(3)) if m and m.group(3) else 0
+
+
+def journal_name(n: int) -> str:
+    """A journal's file name: the number its seal's segment takes (``journal``)."""
+    return f"{n:012d}{JOURNAL}"
 
 
 def writer_dir(run_dir: Path, table: str, writer_id: str) -> Path:
@@ -173,9 +181,14 @@ class StoreLocation:
     def table_glob(self, table: str) -> str:
         return str(self._runs() / table / "*" / "*.parquet")
 
-    def schema_glob(self, table: str) -> str:
-        """The runs' empty segments of ``table``, written with their creator's full schema."""
-        return str(self._runs() / table / "writer=_schema" / "*.parquet")
+    def journal_glob(self, table: str) -> str:
+        """The writers' journals of ``table`` (``journal``), the runs' empty schema journals among them."""
+        return str(self._runs() / table / "*" / "*.jsonl")
+
+    def schema_glob(self, table: str, suffix: str = ".parquet") -> str:
+        """The runs' empty segments of ``table``, written with their creator's full schema (``suffix``
+        ``JOURNAL``: their empty journals, which say the runs' writers may keep journals)."""
+        return str(self._runs() / table / "writer=_schema" / f"*{suffix}")
 
     def commit_glob(self) -> str:
         """Every commit record (and begin record) of the runs here."""

@@ -10,6 +10,10 @@ At a query's start time ``at`` (µs since the epoch) a segment is read when
 2. and it is not covered: no other segment in effect in the same directory has ``lo' <= lo`` and
    ``hi' >= hi`` (ties between two merges of one range go to the smaller file name).
 
+A writer's journal ``<run>/<table>/<writer dir>/<n>.jsonl`` (``journal``) counts while no segment counted
+by the rule above covers its number ``n`` (``journal_sql``): its seal is the merged segment ``n-n.v<t>``.
+Only DuckDB's views of the present read journals; ``live_files`` lists segments.
+
 DuckDB's views evaluate ``live_sql`` over ``glob()``; ``live_files`` evaluates the same SQL over a listing
 made here or given by the caller (an object store's list call), so every engine reads the same files.
 ``live_paths`` is the same rule in Python, for the small listings of compaction and a writer's own fold,
@@ -34,6 +38,7 @@ from dynascope.store.schema import TABLES
 
 # Regular expressions of the SQL below (RE2 in DuckDB): a segment, and a commit record or a writer's begin record.
 SEGMENT_SQL_RE = r"^(.*)/([^/]+)/([^/]+)/(\d{12})-(\d{12})(?:\.v(\d{1,20}))?\.parquet$"
+JOURNAL_SQL_RE = r"^(.*)/([^/]+)/([^/]+)/(\d{12})\.jsonl$"
 COMMIT_SQL_RE = r"^(.*)/" + COMMITS + r"/([^/]+)/(?:(\d{12})-(\d{12})\.v(\d{1,20})|begin)\.json$"
 FOREVER_US = 2**62
 
@@ -68,6 +73,39 @@ def live_sql(listing: str, at: str, commit_at: str | None = None) -> str:
     and per directory the furthest segment so far in (lo, hi descending, name) order says whether a
     segment is covered.
     """
+    return live_ctes(listing, at, commit_at) + " SELECT file FROM live"
+
+
+def journal_sql(listing: str, at: str, commit_at: str | None = None) -> str:
+    """A query of the journals (``journal``) among ``listing`` whose rows count at ``at``: those that no
+    segment counted then covers (a seal writes journal ``n``'s rows to a merged segment ``n-n.v<t>``, and
+    later merges and covers span ``n`` in turn). ``listing`` holds the table's segments, its journals and
+    the commit records."""
+    return live_ctes(listing, at, commit_at) + " SELECT file FROM jlive"
+
+
+def live_ctes(listing: str, at: str, commit_at: str | None = None) -> str:
+    """``WITH`` clauses ending in ``live`` (``live_sql``'s files) and ``jlive`` (``journal_sql``'s), over one
+    listing: a view that reads both reads them from the same moment's files."""
+    jre = _literal(JOURNAL_SQL_RE)
+    return _counted_sql(listing, at, commit_at) + f""", live AS (
+        SELECT file FROM (
+            SELECT file, hi, max(hi) OVER (PARTITION BY dir ORDER BY lo, hi DESC, file
+                                           ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS reach
+            FROM counted)
+        WHERE reach IS NULL OR reach < hi
+    ), jr AS (
+        SELECT file, regexp_extract(file, {jre}, ['run', 'tbl', 'w', 'n']) AS j FROM listed WHERE file LIKE '%.jsonl'
+    ), jlive AS (
+        SELECT file FROM jr WHERE j.w <> '' AND NOT EXISTS (
+            SELECT 1 FROM counted c WHERE c.dir = j.run || '/' || j.tbl || '/' || j.w
+            AND c.lo <= CAST(j.n AS BIGINT) AND c.hi >= CAST(j.n AS BIGINT))
+    )"""
+
+
+def _counted_sql(listing: str, at: str, commit_at: str | None) -> str:
+    """The common part of ``live_sql`` and ``journal_sql``: CTEs ending in ``counted``, the segments in
+    effect at ``at`` (``dir``, ``lo``, ``hi``), covered or not."""
     seg, com = _literal(SEGMENT_SQL_RE), _literal(COMMIT_SQL_RE)
     return f"""
     WITH listed AS MATERIALIZED (SELECT file FROM {listing}),  -- one listing, read by both parses below
@@ -91,12 +129,7 @@ def live_sql(listing: str, at: str, commit_at: str | None = None) -> str:
         LEFT JOIN keeps k ON f.run = k.run AND f.w = k.w
         LEFT JOIN committed c ON f.run = c.run AND f.w = c.w AND f.lo = c.seq AND f.hi = f.lo
         WHERE f.merged OR k.w IS NULL OR c.seq IS NOT NULL
-    )
-    SELECT file FROM (
-        SELECT file, hi, max(hi) OVER (PARTITION BY dir ORDER BY lo, hi DESC, file
-                                       ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS reach
-        FROM counted)
-    WHERE reach IS NULL OR reach < hi"""
+    )"""
 
 
 _SEG = re.compile(SEGMENT_SQL_RE)

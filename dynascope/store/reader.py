@@ -138,6 +138,9 @@ class StoreConnection:
             if "corrupt segment" in text:
                 raise StoreError(text) from None
             raise
+        except UnicodeDecodeError as exc:  # a string DuckDB read from a damaged file is not UTF-8
+            raise StoreError(f"a value read is not UTF-8 ({exc.reason} at byte {exc.start}): a segment or "
+                             "journal this query read is damaged") from None
 
     def check(self, query: str) -> None:
         """Raise ``StoreError`` unless every statement in ``query`` is a read-only query."""
@@ -213,7 +216,7 @@ def open_store(path: str | os.PathLike, read_only: bool = True, threads: int | N
             con.execute(f"SET threads = {int(threads)}")
         # Binding reads file schemas: a compaction may delete one in between, so bind again (retry_vanished).
         wide = not views.narrow(loc)
-        views.create_views(con, loc, at, commit_at, wide, retry_vanished)
+        views.create_views(con, loc, at, commit_at, wide, retry_vanished, journals=at_us is None)
         # The canonical per-tensor view: one row per (run, role, stage, step, tensor), pooled by store.pooling's rule.
         retry_vanished(functools.partial(con.execute, f"CREATE OR REPLACE VIEW {GLOBAL} AS {global_sql()}"))
         if read_only:
@@ -232,7 +235,8 @@ def open_store(path: str | os.PathLike, read_only: bool = True, threads: int | N
         raise StoreError(explain_error(exc, f"{loc.path}: could not open store")) from None
     for run_dir in loc.run_dirs:  # a finished run left untidy is folded behind this reader, for the next one
         at_rest.settle_later(run_dir)
-    widen = None if wide else functools.partial(views.create_views, con, loc, at, commit_at, True, retry_vanished)
+    widen = None if wide else functools.partial(views.create_views, con, loc, at, commit_at, True, retry_vanished,
+                                                   journals=at_us is None)
     return StoreConnection(con, loc, read_only, widen)
 
 

@@ -14,6 +14,10 @@ A view reads ``read_parquet(<the table's glob>)`` and keeps the rows of the file
   views and runs the query again (``MISMATCH``). In a narrow view a later file's extra columns are
   ignored by name and a missing one is an error, never a silent NULL.
 
+Views of the present also read the writers' journals (``journal``): ``read_json`` of the table's
+``*.jsonl`` files, typed by the schema, those that ``live.journal_sql`` keeps, from the same listing as the
+segments'. A run whose ``_schema`` directory holds an empty journal may have them.
+
 Both open every file the table's glob lists, live or merged away: DuckDB prunes a file by a filter on its
 name only where the filter is a constant, and the rule's file list is a subquery.
 """
@@ -29,8 +33,8 @@ from functools import partial
 import duckdb
 
 from dynascope.store import projection
-from dynascope.store.layout import StoreLocation
-from dynascope.store.live import live_sql
+from dynascope.store.layout import JOURNAL, StoreLocation
+from dynascope.store.live import live_ctes
 from dynascope.store.projection import select_list
 from dynascope.store.schema import TABLES, sql_type
 
@@ -65,28 +69,45 @@ def narrow(loc: StoreLocation) -> bool:
     return loc.columns == {COLUMNS_ID}
 
 
-def view_sql(loc: StoreLocation, table: str, at: str, commit_at: str | None = None, wide: bool = True) -> str:
+def view_sql(loc: StoreLocation, table: str, at: str, commit_at: str | None = None, wide: bool = True,
+             journals: bool = False) -> str:
     pattern = quote_literal(loc.table_glob(table))
-    listing = f"(SELECT file FROM glob({pattern}) UNION ALL SELECT file FROM glob({quote_literal(loc.commit_glob())}))"
+    listed = [pattern, quote_literal(loc.commit_glob())] + ([quote_literal(loc.journal_glob(table))] if journals else [])
+    listing = "(" + " UNION ALL ".join(f"SELECT file FROM glob({g})" for g in listed) + ")"
     # Narrow: the runs' schema segments first, so DuckDB binds the creator's columns (they hold no rows, so
     # reading them twice adds none); wide: every file's footer, matched by name.
     files = f"{pattern}, union_by_name = true" if wide else f"[{quote_literal(loc.schema_glob(table))}, {pattern}]"
+    # The journals' rows (``journal``), typed by the schema; a line cut short by a crash reads as NULLs.
+    journal = f"""
+        UNION ALL BY NAME
+        SELECT * EXCLUDE (_end) FROM read_json({listed[2]}, columns = {json_columns(table)},
+            format = 'newline_delimited', ignore_errors = true, filename = '_segment_file', hive_partitioning = false)
+        WHERE _end IS NOT NULL AND _segment_file IN (SELECT file FROM jlive)""" if journals else ""
     # The live-segment rule (``live``), over the query's own listing, at the query's start (or ``at_us``).
     return f"""
     CREATE OR REPLACE VIEW {quote_ident(table)} AS
+    {live_ctes(listing, at, commit_at)}
     SELECT {select_list(table, quote_ident)} FROM (
         SELECT * FROM read_parquet({files}, filename = '_segment_file')
-        WHERE _segment_file IN ({live_sql(listing, at, commit_at)})
+        WHERE _segment_file IN (SELECT file FROM live){journal}
         UNION ALL BY NAME  -- columns added to the schema after a run's segments were written read as NULL
         SELECT {typed_nulls(table, with_old_names=True)} WHERE false)
     """
 
 
+def json_columns(table: str) -> str:
+    """read_json's ``columns`` for a journal of ``table``: the table's, and the ``_end`` mark of a whole line."""
+    cols = [(f.name, sql_type(f.type)) for f in TABLES[table]] + [("_end", "INTEGER")]
+    return "{" + ", ".join(f"{quote_literal(n)}: {quote_literal(t)}" for n, t in cols) + "}"
+
+
 def create_views(con: duckdb.DuckDBPyConnection, loc: StoreLocation, at: str, commit_at: str | None, wide: bool,
-                 retry: Callable) -> None:
-    """One view per table on ``con``; ``retry`` runs a statement again if a segment vanished while it bound."""
+                 retry: Callable, journals: bool = True) -> None:
+    """One view per table on ``con``; ``retry`` runs a statement again if a segment vanished while it bound.
+    ``journals``: read the writers' journals too (a read of the present; the runs created with schema journals)."""
     for table in TABLES:
         if glob.glob(loc.table_glob(table)):
-            retry(partial(con.execute, view_sql(loc, table, at, commit_at, wide)))
+            with_journals = journals and bool(glob.glob(loc.schema_glob(table, JOURNAL)))
+            retry(partial(con.execute, view_sql(loc, table, at, commit_at, wide, with_journals)))
         else:  # runs written before this table existed: read_parquet would fail on an empty glob
             con.execute(f"CREATE OR REPLACE VIEW {quote_ident(table)} AS SELECT {typed_nulls(table)} WHERE false")

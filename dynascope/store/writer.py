@@ -45,6 +45,7 @@ from dynascope.store.flush import (
     write_empty_segments,
     write_flush,
 )
+from dynascope.store.journal import Journal
 from dynascope.store.layout import MARKER, create_run, heartbeat_path, read_marker, safe_id, touch_heartbeat
 from dynascope.store.rollup import ROLLUP_TABLES
 from dynascope.store.rollup_across import BY_TENSOR
@@ -67,6 +68,8 @@ class RunWriter:
         fold: keep its files bounded: fold its own segments every few flushes (``own_fold``) and, as the
             run's last writer to close, the run's writers together (``at_rest``). Default: on, unless the
             environment sets ``DYNASCOPE_FOLD=0`` (``at_rest.auto_fold``).
+        seal_secs: append each flush to a journal per table, sealed into segments this often and at close
+            (``journal``: no file created per flush); None (the default here): a segment per flush.
     """
 
     def __init__(
@@ -86,6 +89,7 @@ class RunWriter:
         config: dict | None = None,
         compression: str = "auto",
         fold: bool | None = None,
+        seal_secs: float | None = None,
     ) -> None:
         self.run_dir = Path(run_dir).expanduser().resolve()
         self.rank, self.role = int(rank), str(role)
@@ -98,6 +102,7 @@ class RunWriter:
         # fold its own segments (``own_fold``) and, closing last, the run's (``at_rest``)
         self.fold = at_rest.auto_fold() if fold is None else bool(fold)
         self.upkeep = own_fold.Upkeep()  # its fold's bookkeeping: flushes since the last, deletion windows
+        self.journal = None if seal_secs is None else Journal(self.run_dir, self.writer_id, seal_secs, compression=compression)
         self.rows_dropped = 0
         self.write_errors = 0
         self._seq = 0
@@ -256,6 +261,7 @@ class RunWriter:
             groups += [g for table, buf in self._take().items() for part in buf.split(self.flush_rows)
                        if (g := self._group(table, part)) is not None]
             if not groups:
+                self._seal()  # a journal's seal falls due without new rows too
                 return
             try:
                 if not (self.run_dir / MARKER).exists():
@@ -267,7 +273,7 @@ class RunWriter:
             except Exception as exc:
                 done = Flushed(failed=[(g, exc) for g in groups], next_seq=self._seq)
             self._seq = done.next_seq
-            self.upkeep.flushes += bool(done.committed)
+            self.upkeep.flushes += bool(done.committed) and self.journal is None
             # rows_written counts what was appended, not derived rows
             self.rows_written += sum(a.num_rows for g in done.committed for t, a in g.parts if t not in ROLLUP_TABLES)
             for g, err in done.failed:
@@ -288,9 +294,17 @@ class RunWriter:
                     self._pending_events.append({"event": "write_recovered", "severity": "info",
                                                  "message": "segment writes succeed again",
                                                  "write_errors": self.write_errors})
+            self._seal()
+
+    def _seal(self, force: bool = False) -> None:
+        """Seal the journal when due (``force``: at close); a seal wrote segments, which the fold counts."""
+        if self.journal is not None:
+            self.upkeep.flushes += self.journal.tend(force, self._problem)
 
     def _commit(self, groups: list[Group]) -> Flushed:
-        """Write the groups' segments and their commit record (the seam tests use to slow or fail the disk)."""
+        """Write the groups' segments and commit record, or journal them (the seam tests use to fail the disk)."""
+        if self.journal is not None:
+            return self.journal.write(groups, self._seq)
         return write_flush(self.run_dir, self.writer_id, self._seq, groups, self.compression)
 
     def _take(self) -> dict[str, TableBuffer]:
@@ -340,6 +354,7 @@ class RunWriter:
         meta = {**_marker(self.run_id), "recreated": True}
         create_run(self.run_dir, meta, write_empty_segments)
         self._begun = False
+        self.journal = self.journal and self.journal.reset()  # its files went with the directory
         self._heartbeat()
         with self._lock:
             self._pending_events.append({"event": "run_dir_recreated", "severity": "warning",
@@ -376,6 +391,7 @@ class RunWriter:
         """In a forked child (``open_writers``): fresh locks, no buffers, closed."""
         self._fresh_state()
         self._closed = self.forked = True
+        self.journal = None  # the parent's files: not this process's to write or seal
 
 
 def _marker(run_id: str) -> dict[str, Any]:

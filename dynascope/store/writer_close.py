@@ -16,6 +16,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from dynascope.core.clock import now_us
 from dynascope.store import at_rest, open_writers
 from dynascope.store.backlog import Backlog
 from dynascope.store.buffer import TableBuffer
@@ -62,6 +63,10 @@ def _last_work(w: RunWriter, flushed: threading.Event, deadline: float) -> None:
     go to a process of their own (``at_rest.settle_later``)."""
     try:
         whole = _final_flushes(w)
+        if w.journal is not None and (wait := (w.journal.effective_us - now_us()) / 1e6) > 0:
+            # the last seal in effect before close returns: readers of segments only (snapshots, Spark)
+            # then see every row as soon as the writer is closed
+            time.sleep(min(wait, max(deadline - time.monotonic(), 0.0)))
     finally:
         flushed.set()
     if not whole or w._thread.is_alive() or not w.fold:
@@ -91,6 +96,11 @@ def _final_flushes(w: RunWriter) -> bool:
             w._problem("writer_error", f"final flush failed: {type(exc).__name__}: {exc}", emit_event=False)
         if attempt >= 1 and not w._pending_events and not w._buffered and not w._backlog.rows:
             break
+    try:  # the journal's rows into segments: other engines and reads of the past see segments only
+        with w._flush_lock:
+            w._seal(force=True)
+    except Exception as exc:
+        w._problem("writer_error", f"final seal failed: {type(exc).__name__}: {exc}", emit_event=False)
     with w._lock:
         lost = w._buffered + w._backlog.rows
         unsaid = bool(w._pending_events)  # run_end among them, perhaps

@@ -1,0 +1,225 @@
+"""A writer's journal (``store.journal``): flushes append to one file per table instead of creating files,
+queries of the present read the journal's rows exactly once before, during and after its seal, the sealed
+segments hold the same values, and a writer killed with its journals unsealed loses no committed row."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import pytest
+
+import dynascope.store.journal as journal
+import dynascope.store.own_fold as own_fold
+from dynascope.store import RunWriter, at_rest, open_store
+from dynascope.store.live import live_files
+
+from helpers.waiting import wait_until
+
+ODD = ["plain", "", None, 'quote " and \\ backslash', "new\nline", "ünïcode ✓", "x" * 300]
+
+
+@pytest.fixture
+def quick(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Settle and grace periods scaled down, for the seal and for the writer's own fold."""
+    for mod in (journal, own_fold):
+        monkeypatch.setattr(mod, "SETTLE_S", 0.3)
+        monkeypatch.setattr(mod, "GRACE_S", 0.5)
+    monkeypatch.setattr(own_fold, "DELETE_PERIOD_S", 0.5)
+    monkeypatch.setattr(own_fold, "DELETE_WINDOW_S", 0.2)
+
+
+def _rows(i: int) -> dict:
+    values = [float(i), math.nan, math.inf, -math.inf, 1e-300, 0.1 + i, None]
+    return {"step": i, "key": [f"k{k}:{ODD[k]}" if ODD[k] is not None else None for k in range(7)], "value": values}
+
+
+def _files(run: Path, writer_id: str) -> dict[str, list[str]]:
+    return {t.name: sorted(f.name for f in (t / f"writer={writer_id}").iterdir())
+            for t in run.iterdir() if (t / f"writer={writer_id}").is_dir() and t.name != "_commits"}
+
+
+def test_flushes_append_to_one_file_per_table_and_read_exactly(tmp_path: Path) -> None:
+    run = tmp_path / "r"
+    w = RunWriter(run, flush_secs=3600, seal_secs=3600)
+    for i in range(200):
+        w.append("scalars", _rows(i))
+        w.append("spectra", {"step": i, "tensor": "w", "k": 2, "sigma": [[1.5, float(i), math.nan]],
+                             "u1": [[np.float32(0.1).item(), -2.5]], "v1": [None]})
+        w.flush()
+    files = _files(run, w.writer_id)
+    assert all(len(names) == 1 and names[0].endswith(".jsonl") for names in files.values()), files
+    expected = [(i, k, v) for i in range(200) for k, v in zip(_rows(i)["key"], _rows(i)["value"], strict=True)]
+    with open_store(run) as s:
+        got = s.rows("SELECT step, key, value FROM scalars ORDER BY step, value NULLS LAST, key NULLS LAST")
+        spectra = s.rows("SELECT step, sigma, u1, v1 FROM spectra ORDER BY step")
+    assert len(got) == len(expected) == 1400
+    assert _same(got, expected)
+    assert [r[0] for r in spectra] == list(range(200)) and spectra[7][1][:2] == [1.5, 7.0] and math.isnan(spectra[7][1][2])
+    assert spectra[7][2] == [np.float32(0.1).item(), -2.5] and spectra[7][3] is None  # float32 lists, exactly
+    assert _sealed(run) == []  # other engines read segments only: nothing sealed yet
+    w.close()
+    with open_store(run) as s:  # sealed at close: the same values from the segment, for every engine
+        sealed = s.rows("SELECT step, key, value FROM scalars ORDER BY step, value NULLS LAST, key NULLS LAST")
+        assert str(s.rows("SELECT step, sigma, u1, v1 FROM spectra ORDER BY step")) == str(spectra)
+    assert _same(sealed, got)
+    files = wait_until(lambda: _sealed(run), "the sealed segment in effect (its settle after close)")
+    assert duckdb.sql(f"SELECT count(*) FROM read_parquet({files!r})").fetchall() == [(1400,)]
+
+
+def _sealed(run: Path) -> list[str]:
+    return [f for f in live_files(run, "scalars") if "writer=_schema" not in f]
+
+
+def _same(a: list, b: list) -> bool:
+    key = lambda r: (r[0], r[2] is None, -1 if r[2] is None or math.isnan(r[2]) else r[2], r[1] or "")  # noqa: E731
+    return all(x[0] == y[0] and x[1] == y[1] and (x[2] == y[2] or (x[2] is not None and y[2] is not None and
+               math.isnan(x[2]) and math.isnan(y[2]))) for x, y in zip(sorted(a, key=key), sorted(b, key=key), strict=True))
+
+
+def test_every_query_reads_each_row_once_while_the_writer_seals(tmp_path: Path, quick: None) -> None:
+    """Seals every few flushes, the sealed journals deleted after their grace, and the writer's own fold
+    merging the sealed segments: a counting reader sees, at every moment, every row flushed before its
+    query started and none that was not appended by its end (a flush may land while it runs)."""
+    run = tmp_path / "r"
+    w = RunWriter(run, flush_secs=0.03, seal_secs=0.15)
+    done, appended = [0], [0]  # rows flushed, rows handed to the writer
+    stop = threading.Event()
+    counts: list[tuple[int, int, int]] = []
+    failure: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            while not stop.is_set():
+                lo = done[0]
+                with open_store(run) as s:
+                    n = s.rows("SELECT count(*) FROM scalars")[0][0]
+                counts.append((lo, n, appended[0]))
+        except BaseException as exc:  # reported by the test thread
+            failure.append(exc)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 8
+        i = 0
+        while time.monotonic() < deadline or len(counts) < 20:
+            appended[0] = 50 * (i + 1)
+            w.append("scalars", {"step": i, "key": [f"m{k}" for k in range(50)], "value": np.full(50, float(i))})
+            i += 1
+            wait_until(lambda n=50 * i: w.rows_written >= n, "the writer thread's flush")  # noqa: B023
+            done[0] = 50 * i
+            assert time.monotonic() < deadline + 120, "the reader made too few queries"
+    finally:
+        stop.set()
+        reader.join(60)
+    assert not failure, failure
+    bad = [c for c in counts if not c[0] <= c[1] <= c[2]]
+    assert not bad, bad[:5]
+    assert own_fold.KEEP >= len([f for f in live_files(run, "scalars") if w.writer_id in f])
+    sealed = [f for f in (run / "scalars" / f"writer={w.writer_id}").glob("*.jsonl")]
+    # sealed journals are deleted after their settle and grace: the open one, and those sealed since then
+    assert len(sealed) <= 2 + math.ceil((journal.SETTLE_S + journal.GRACE_S) / 0.15), sealed
+    w.close()
+    with open_store(run) as s:
+        assert s.rows("SELECT count(*), count(DISTINCT step) FROM scalars") == [(50 * i, i)]
+
+
+def test_a_failed_append_is_cut_back_and_written_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = tmp_path / "r"
+    w = RunWriter(run, flush_secs=3600, seal_secs=3600)
+    w.append("scalars", _rows(0))
+    w.flush()
+    real = os.write
+    calls = [0]
+
+    def half(fd: int, data) -> int:  # the disk fills halfway through the next flush's bytes
+        calls[0] += 1
+        if calls[0] == 1:
+            real(fd, bytes(data[: len(data) // 2]))
+            raise OSError(28, "No space left on device")
+        return real(fd, data)
+
+    monkeypatch.setattr(journal.os, "write", half)
+    with pytest.warns(RuntimeWarning, match="segment write failed"):
+        w.append("scalars", _rows(1))
+        w.flush()
+    with open_store(run) as s:
+        assert s.rows("SELECT count(*) FROM scalars") == [(7,)]  # the half-written flush reads as nothing
+    monkeypatch.setattr(journal.os, "write", real)
+    w._backoff.record(ok=True)  # the retry waits out no backoff here
+    w.flush()
+    w.close()
+    with open_store(run) as s:
+        assert s.rows("SELECT step, count(*) FROM scalars GROUP BY step ORDER BY step") == [(0, 7), (1, 7)]
+
+
+_KILLED = """
+import sys, time
+from dynascope.store import RunWriter
+w = RunWriter(sys.argv[1], flush_secs=0.5, seal_secs=3600)
+for i in range(10_000):
+    w.append("scalars", {"step": i, "key": [f"m{k}" for k in range(20)], "value": [float(i)] * 20})
+    w.flush()
+    print(i, flush=True)
+"""
+
+
+def test_a_writer_killed_leaves_journals_that_count_and_are_sealed_for_it(
+        tmp_path: Path, quick: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(at_rest, "CRASHED_MARGIN_S", 0.5)  # the dead writer is known dead a second after
+    run = tmp_path / "r"
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED, str(run)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    acked = -1
+    while acked < 40:
+        acked = int(proc.stdout.readline())
+    proc.send_signal(signal.SIGKILL)
+    rest = proc.stdout.read().split()
+    proc.wait(30)
+    acked = int(rest[-1]) if rest else acked
+    with open_store(run) as s:
+        n, steps = s.rows("SELECT count(*), count(DISTINCT step) FROM scalars")[0]
+    assert n == 20 * steps and acked + 1 <= steps <= acked + 2, (n, steps, acked)  # whole flushes, the last maybe
+    jfile = next((run / "scalars").glob("writer=r0-*/*.jsonl"))
+    with open(jfile, "ab") as f:  # a line cut short by the kill
+        f.write(b'{"run_id":"r","rank":0,"role":"trainer","step":99999,"key":"m0","val')
+    with open_store(run) as s:
+        assert s.rows("SELECT count(*) FROM scalars") == [(n,)]
+    # The heartbeat goes stale, the run's fold seals the journal for the dead writer, and deletes it once covered.
+    wait_until(lambda: at_rest.settle(run, time.monotonic() + 1.0, 0.3, 0.5) is not None and not list(
+        (run / "scalars").glob("writer=r0-*/*.jsonl")), "the orphan journal sealed and deleted", timeout_s=120)
+    with open_store(run) as s:
+        assert s.rows("SELECT count(*), count(DISTINCT step) FROM scalars") == [(n, steps)]
+    assert duckdb.sql(f"SELECT count(*) FROM read_parquet({live_files(run, 'scalars')!r})").fetchall() == [(n,)]
+
+
+def test_a_closed_run_comes_to_rest_without_journals(tmp_path: Path, quick: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two writers close; the run's fold moves their sealed segments into ``writer=_merged``, and its
+    deletions take the journals before the covers that hide them: at rest, no writer directory is left."""
+    monkeypatch.setattr(at_rest, "SETTLE_S", 0.3)
+    monkeypatch.setattr(at_rest, "GRACE_S", 0.5)
+    run = tmp_path / "r"
+    writers = [RunWriter(run, rank=r, flush_secs=3600, seal_secs=3600) for r in range(2)]
+    for i in range(30):
+        for r, w in enumerate(writers):
+            w.append("scalars", {"step": i, "key": f"r{r}", "value": float(i)})
+            w.flush()
+        if i == 14:
+            for w in writers:
+                w._seal(force=True)  # a first generation sealed mid-run, the second at close
+    for w in writers:
+        w.close()
+    wait_until(lambda: at_rest.settle(run, time.monotonic() + 1.0, 0.3, 0.5), "the run at rest", timeout_s=120)
+    left = sorted(str(p.relative_to(run)) for p in run.glob("*/writer=r*/*"))
+    assert left == [], left
+    with open_store(run) as s:
+        assert s.rows("SELECT count(*), count(DISTINCT (step, key)) FROM scalars") == [(60, 60)]
