@@ -35,7 +35,7 @@ from dynascope.store.compact_across import fold_writers
 from dynascope.store.finished import CRASHED_MARGIN_S
 from dynascope.store.layout import HEARTBEATS, is_writer_dir
 from dynascope.store.merge import remove_merged
-from dynascope.store.runfiles import FOREVER_US, RunFiles
+from dynascope.store.runfiles import RunFiles
 from dynascope.store.schema import TABLES
 
 __all__ = ["CLOSED", "GRACE_S", "SETTLE_S", "auto_fold", "finished_writers", "mark_closed", "settle", "settle_later"]
@@ -114,7 +114,7 @@ def settle(run_dir: Path, until: float, settle_s: float | None = None, grace_s: 
             closed = {w for w, c in writers.items() if c}
             files = RunFiles.of(run_dir)
             # journals of writers that will not seal them: sealed for them, or deleted once covered
-            if journal.seal_orphans(run_dir, set(writers), files.live(FOREVER_US), grace_s):
+            if journal.seal_orphans(files, set(writers), grace_s):
                 files = RunFiles.of(run_dir)
             done = remove_merged(files, grace_s, closed)
             if done.segments or done.commits:

@@ -96,7 +96,7 @@ def compact_store(path: str | os.PathLike, grace_s: float = 60.0, *, settle_s: f
             if repair.repaired:
                 files = RunFiles.of(run_dir)
             done = done_writers(files, repair_after_s)
-            if journal.seal_orphans(run_dir, set(done), files.live(FOREVER_US), grace_s):  # before they fold
+            if journal.seal_orphans(files, set(done), grace_s):  # before they fold
                 files = RunFiles.of(run_dir)
             closed[run_dir] = {w for w, c in done.items() if c}
             stats.removed_segments += _remove(files, grace_s, stats, closed[run_dir])

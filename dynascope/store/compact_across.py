@@ -44,7 +44,8 @@ import pyarrow.parquet as pq
 from dynascope.core.errors import first_line
 from dynascope.store._columns import codecs_like, parquet_options
 from dynascope.store.flush import BEGIN, commit_dir
-from dynascope.store.layout import JOURNAL_RE, MERGED, is_writer_dir, segment_name, valid_from_us
+from dynascope.store.journal import journals_in
+from dynascope.store.layout import MERGED, is_writer_dir, segment_name, valid_from_us
 from dynascope.store.repair import conform
 from dynascope.store.rollup import ROLLUPS
 from dynascope.store.runfiles import FOREVER_US, RunFiles, Seg
@@ -303,14 +304,11 @@ def remove_spent(files: RunFiles, grace_s: float, pinned: frozenset[str], closed
 def _drop_journals(wdir: Path, covers: list[tuple[int, int]]) -> bool:
     """Delete the directory's journals before its covers, which hide them too (a journal outliving its cover
     would count again); False, deleting none, if one is not covered (a writer's journal not sealed yet)."""
-    try:
-        names = [n for n in os.listdir(wdir) if JOURNAL_RE.match(n)]
-    except OSError:
+    journals = journals_in(wdir)
+    if journals is None or not all(any(lo <= n <= hi for lo, hi in covers) for n, _ in journals):
         return False
-    if not all(any(lo <= int(n[:12]) <= hi for lo, hi in covers) for n in names):
-        return False
-    for n in names:
-        (wdir / n).unlink(missing_ok=True)
+    for _, path in journals:
+        path.unlink(missing_ok=True)
     return True
 
 

@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 
 from dynascope.core.clock import now_us
 from dynascope.store._columns import parquet_options
-from dynascope.store.layout import COMMITS, journal_name, segment_name, writer_dir
+from dynascope.store.layout import COMMITS, schema_journal, segment_name, writer_dir
 from dynascope.store.rollup import ROLLUPS
 from dynascope.store.schema import TABLES
 
@@ -180,8 +180,7 @@ def write_empty_segments(run_dir: Path) -> None:
     for table, schema in TABLES.items():
         # not schema.empty_table(): that imports pandas (0.4 s, 30 MB) in every process that makes a run
         atomic_write(pa.Table.from_batches([], schema=schema), writer_dir(run_dir, table, "_schema") / segment_name(0, 0))
-        # and an empty journal: readers of a run that has one read its writers' journals (``journal``)
-        (writer_dir(run_dir, table, "_schema") / journal_name(0)).touch()
+        schema_journal(run_dir, table).touch()  # readers then look for its writers' journals (``journal``)
 
 
 def release_arrow_memory() -> bool:

@@ -9,7 +9,7 @@ JSON lines (DuckDB's ``to_json`` of each row, ending in ``"_end":1``) to one fil
 Every ``seal_secs`` (or once the journals hold ``seal_bytes``), and at close, the writer *seals* them: each
 journal's rows become a segment ``<n>-<n>.v<t>.parquet`` of its directory, a merged segment in ``live``'s
 terms, which counts from ``t`` (``SETTLE_S`` after it is written) and from then covers journal ``n``
-(``live.journal_sql``). A query that starts before ``t`` reads the journal, one that starts later reads
+(``live.live_ctes``'s ``jlive``). A query that starts before ``t`` reads the journal, one that starts later reads
 the segment (whose file it listed, since it was renamed before ``t``): each row once, at every moment. The
 journal is deleted ``GRACE_S`` after ``t``; a query still reading it then runs again
 (``reader.retry_vanished``). Later folds merge the sealed segments like any others and cover ``n`` in turn.
@@ -46,11 +46,19 @@ import pyarrow as pa
 
 from dynascope.core.clock import now_us
 from dynascope.store.flush import Flushed, Group, write_parquet
-from dynascope.store.layout import JOURNAL_RE, SEGMENT_RE, journal_name, segment_name, writer_dir
+from dynascope.store.layout import (
+    JOURNAL_RE,
+    journal_name,
+    schema_journal,
+    segment_name,
+    valid_from_us,
+    writer_dir,
+)
+from dynascope.store.runfiles import FOREVER_US, RunFiles
 from dynascope.store.schema import TABLES
-from dynascope.store.views import json_columns
+from dynascope.store.views import journal_scan
 
-__all__ = ["GRACE_S", "SEAL_BYTES", "SEAL_SECS", "Journal", "read_journal", "seal_orphans"]
+__all__ = ["GRACE_S", "SEAL_BYTES", "SEAL_SECS", "Journal", "journals_in", "read_journal", "seal_orphans"]
 
 SEAL_SECS = 300.0  # watch()'s default: ~30 metadata operations a seal, ~400 a writer-hour
 SEAL_BYTES = 32 << 20  # a writer's journals are sealed once they hold this much: bounds what a query parses
@@ -155,12 +163,11 @@ class Journal:
                     keep.append((after, [p]))  # tried again at the next flush; ``seal_orphans`` if it never works
         self.sealed = keep
 
-    def reset(self) -> Journal:
+    def reset(self) -> None:
         """Forget the generation (its directory vanished): its files are gone."""
         for f in self.files.values():
             _close(f.fd)
         self.files, self.base, self.sealed = {}, None, []
-        return self
 
     def _file(self, table: str) -> _File:
         f = self.files.get(table)
@@ -168,10 +175,10 @@ class Journal:
             assert self.base is not None
             d = writer_dir(self.run_dir, table, self.writer_id)
             d.mkdir(parents=True, exist_ok=True)
-            schema_journal = writer_dir(self.run_dir, table, "_schema") / journal_name(0)
-            if not schema_journal.exists():  # a run made by an older version: readers look for journals by it
-                schema_journal.parent.mkdir(parents=True, exist_ok=True)
-                schema_journal.touch()
+            schema = schema_journal(self.run_dir, table)
+            if not schema.exists():  # a run made by an older version: readers look for journals by it
+                schema.parent.mkdir(parents=True, exist_ok=True)
+                schema.touch()
             path = d / journal_name(self.base + _INDEX[table])
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0), 0o644)
             f = self.files[table] = _File(path, fd, os.lseek(fd, 0, os.SEEK_END))
@@ -217,12 +224,9 @@ if hasattr(os, "register_at_fork"):
 def read_journal(con: duckdb.DuckDBPyConnection, path: Path) -> pa.Table:
     """A journal's whole lines as its table's rows, typed by the schema, read as queries read them."""
     table = path.parent.parent.name
-    cols = json_columns(table)
     cur = con.cursor()
     try:
-        out: pa.Table = cur.sql(f"SELECT * EXCLUDE (_end) FROM read_json(?, columns = {cols}, format = 'newline_delimited',"
-                                " ignore_errors = true, hive_partitioning = false) WHERE _end IS NOT NULL",
-                                params=[str(path)]).to_arrow_table()
+        out: pa.Table = cur.sql(journal_scan("?", table), params=[str(path)]).to_arrow_table()
     finally:
         cur.close()
     return out.cast(TABLES[table])
@@ -256,30 +260,29 @@ def seal_files(paths: list[Path], con: duckdb.DuckDBPyConnection, compression: s
         raise
 
 
-def seal_orphans(run_dir: Path, writers: set[str], live: frozenset[str], grace_s: float = GRACE_S) -> int:
+def journals_in(wdir: Path) -> list[tuple[int, Path]] | None:
+    """A writer directory's journals as (number, path); None if it cannot be listed."""
+    try:
+        return [(int(n[:12]), wdir / n) for n in os.listdir(wdir) if JOURNAL_RE.match(n)]
+    except OSError:
+        return None
+
+
+def seal_orphans(files: RunFiles, writers: set[str], grace_s: float = GRACE_S) -> int:
     """For the done ``writers`` of a run: seal their journals that no live segment covers, and delete those
-    one has covered for ``grace_s``; ``live``: the run's live segments (``RunFiles.live``). Returns the
-    journals sealed or deleted."""
-    by_dir: dict[Path, list[tuple[int, int, int]]] = {}
-    for p in live:
-        m = SEGMENT_RE.match(os.path.basename(p))
-        if m:
-            by_dir.setdefault(Path(p).parent, []).append((int(m[1]), int(m[2]), int(m[3] or 0)))
+    one has covered for ``grace_s``. Returns the journals sealed or deleted."""
+    live = files.live(FOREVER_US)
     todo, done, now = [], 0, now_us()
     for w in writers:
         for table in TABLES:
-            d = writer_dir(run_dir, table, w)
-            try:
-                names = [n for n in os.listdir(d) if JOURNAL_RE.match(n)]
-            except OSError:
-                continue
-            for name in names:
-                n = int(name[:12])
-                covers = [v for lo, hi, v in by_dir.get(d, []) if lo <= n <= hi]
+            d = writer_dir(files.run_dir, table, w)
+            covering = [(lo, hi, valid_from_us(p)) for lo, hi, p in files.segs.get(d, []) if str(p) in live]
+            for n, path in journals_in(d) or []:
+                covers = [v for lo, hi, v in covering if lo <= n <= hi]
                 if not covers:
-                    todo.append(d / name)
+                    todo.append(path)
                 elif all(v + grace_s * 1e6 <= now for v in covers):
-                    (d / name).unlink(missing_ok=True)
+                    path.unlink(missing_ok=True)
                     done += 1
     if todo:
         con = duckdb.connect(":memory:")

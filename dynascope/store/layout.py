@@ -41,7 +41,7 @@ COMMITS = "_commits"  # <run>/_commits/writer=<writer_id>/<lo>-<hi>.v<t>.json: o
 MERGED = "writer=_merged"  # <run>/<table>/writer=_merged/: rows of finished writers folded together (``compact_across``)
 SEGMENT_RE = re.compile(r"^(\d{12})-(\d{12})(?:\.v(\d{1,20}))?\.parquet$")
 JOURNAL = ".jsonl"
-JOURNAL_RE = re.compile(r"^(\d{12})\.jsonl$")
+JOURNAL_RE = re.compile(r"^(\d{12})" + re.escape(JOURNAL) + "$")
 _SAFE_ID = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
@@ -75,6 +75,11 @@ def valid_from_us(path: Path) -> int:
 def journal_name(n: int) -> str:
     """A journal's file name: the number its seal's segment takes (``journal``)."""
     return f"{n:012d}{JOURNAL}"
+
+
+def schema_journal(run_dir: Path, table: str) -> Path:
+    """The run's empty journal of ``table``: readers of a run that has one read its writers' journals."""
+    return run_dir / table / "writer=_schema" / journal_name(0)
 
 
 def writer_dir(run_dir: Path, table: str, writer_id: str) -> Path:

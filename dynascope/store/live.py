@@ -11,7 +11,7 @@ At a query's start time ``at`` (µs since the epoch) a segment is read when
    ``hi' >= hi`` (ties between two merges of one range go to the smaller file name).
 
 A writer's journal ``<run>/<table>/<writer dir>/<n>.jsonl`` (``journal``) counts while no segment counted
-by the rule above covers its number ``n`` (``journal_sql``): its seal is the merged segment ``n-n.v<t>``.
+by the rule above covers its number ``n`` (``live_ctes``'s ``jlive``): its seal is the merged segment ``n-n.v<t>``.
 Only DuckDB's views of the present read journals; ``live_files`` lists segments.
 
 DuckDB's views evaluate ``live_sql`` over ``glob()``; ``live_files`` evaluates the same SQL over a listing
@@ -76,17 +76,11 @@ def live_sql(listing: str, at: str, commit_at: str | None = None) -> str:
     return live_ctes(listing, at, commit_at) + " SELECT file FROM live"
 
 
-def journal_sql(listing: str, at: str, commit_at: str | None = None) -> str:
-    """A query of the journals (``journal``) among ``listing`` whose rows count at ``at``: those that no
-    segment counted then covers (a seal writes journal ``n``'s rows to a merged segment ``n-n.v<t>``, and
-    later merges and covers span ``n`` in turn). ``listing`` holds the table's segments, its journals and
-    the commit records."""
-    return live_ctes(listing, at, commit_at) + " SELECT file FROM jlive"
-
-
 def live_ctes(listing: str, at: str, commit_at: str | None = None) -> str:
-    """``WITH`` clauses ending in ``live`` (``live_sql``'s files) and ``jlive`` (``journal_sql``'s), over one
-    listing: a view that reads both reads them from the same moment's files."""
+    """``WITH`` clauses ending in ``live`` (``live_sql``'s files) and ``jlive``: the journals (``journal``)
+    whose rows count at ``at``, those no counted segment covers (a seal writes journal ``n``'s rows to a
+    merged segment ``n-n.v<t>``, and later merges and covers span ``n`` in turn). One listing for both: a
+    view that reads both reads them from the same moment's files."""
     jre = _literal(JOURNAL_SQL_RE)
     return _counted_sql(listing, at, commit_at) + f""", live AS (
         SELECT file FROM (
@@ -104,7 +98,7 @@ def live_ctes(listing: str, at: str, commit_at: str | None = None) -> str:
 
 
 def _counted_sql(listing: str, at: str, commit_at: str | None) -> str:
-    """The common part of ``live_sql`` and ``journal_sql``: CTEs ending in ``counted``, the segments in
+    """The common part of ``live`` and ``jlive``: CTEs ending in ``counted``, the segments in
     effect at ``at`` (``dir``, ``lo``, ``hi``), covered or not."""
     seg, com = _literal(SEGMENT_SQL_RE), _literal(COMMIT_SQL_RE)
     return f"""

@@ -15,7 +15,7 @@ A view reads ``read_parquet(<the table's glob>)`` and keeps the rows of the file
   ignored by name and a missing one is an error, never a silent NULL.
 
 Views of the present also read the writers' journals (``journal``): ``read_json`` of the table's
-``*.jsonl`` files, typed by the schema, those that ``live.journal_sql`` keeps, from the same listing as the
+``*.jsonl`` files (``journal_scan``), those that ``live.live_ctes``'s ``jlive`` keeps, from the same listing as the
 segments'. A run whose ``_schema`` directory holds an empty journal may have them.
 
 Both open every file the table's glob lists, live or merged away: DuckDB prunes a file by a filter on its
@@ -49,6 +49,7 @@ MISMATCH = ("schema mismatch",)
 
 
 def quote_literal(text: str) -> str:
+    """A SQL string literal for ``text`` (names from user data are never pasted in raw)."""
     return "'" + str(text).replace("'", "''") + "'"
 
 
@@ -77,12 +78,11 @@ def view_sql(loc: StoreLocation, table: str, at: str, commit_at: str | None = No
     # Narrow: the runs' schema segments first, so DuckDB binds the creator's columns (they hold no rows, so
     # reading them twice adds none); wide: every file's footer, matched by name.
     files = f"{pattern}, union_by_name = true" if wide else f"[{quote_literal(loc.schema_glob(table))}, {pattern}]"
-    # The journals' rows (``journal``), typed by the schema; a line cut short by a crash reads as NULLs.
+    # The journals' rows (``journal``) that no counted segment covers.
     journal = f"""
         UNION ALL BY NAME
-        SELECT * EXCLUDE (_end) FROM read_json({listed[2]}, columns = {json_columns(table)},
-            format = 'newline_delimited', ignore_errors = true, filename = '_segment_file', hive_partitioning = false)
-        WHERE _end IS NOT NULL AND _segment_file IN (SELECT file FROM jlive)""" if journals else ""
+        {journal_scan(listed[2], table, "filename = '_segment_file'")} AND _segment_file IN (SELECT file FROM jlive)""" \
+        if journals else ""
     # The live-segment rule (``live``), over the query's own listing, at the query's start (or ``at_us``).
     return f"""
     CREATE OR REPLACE VIEW {quote_ident(table)} AS
@@ -95,10 +95,14 @@ def view_sql(loc: StoreLocation, table: str, at: str, commit_at: str | None = No
     """
 
 
-def json_columns(table: str) -> str:
-    """read_json's ``columns`` for a journal of ``table``: the table's, and the ``_end`` mark of a whole line."""
+def journal_scan(files: str, table: str, options: str = "") -> str:
+    """A query of the whole lines of ``table``'s journals ``files`` (a SQL expression), typed by the schema:
+    a line cut short by a crash is not JSON, reads as NULLs and lacks the ``_end`` mark. Views and seals
+    both read journals through it, so a sealed segment holds what queries read from its journal."""
     cols = [(f.name, sql_type(f.type)) for f in TABLES[table]] + [("_end", "INTEGER")]
-    return "{" + ", ".join(f"{quote_literal(n)}: {quote_literal(t)}" for n, t in cols) + "}"
+    columns = "{" + ", ".join(f"{quote_literal(n)}: {quote_literal(t)}" for n, t in cols) + "}"
+    return (f"SELECT * EXCLUDE (_end) FROM read_json({files}, columns = {columns}, format = 'newline_delimited', "
+            f"ignore_errors = true, hive_partitioning = false{', ' + options if options else ''}) WHERE _end IS NOT NULL")
 
 
 def create_views(con: duckdb.DuckDBPyConnection, loc: StoreLocation, at: str, commit_at: str | None, wide: bool,

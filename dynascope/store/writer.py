@@ -354,7 +354,8 @@ class RunWriter:
         meta = {**_marker(self.run_id), "recreated": True}
         create_run(self.run_dir, meta, write_empty_segments)
         self._begun = False
-        self.journal = self.journal and self.journal.reset()  # its files went with the directory
+        if self.journal is not None:
+            self.journal.reset()  # its files went with the directory
         self._heartbeat()
         with self._lock:
             self._pending_events.append({"event": "run_dir_recreated", "severity": "warning",
