@@ -18,15 +18,16 @@ from helpers.demo_cli import run_cli
 
 
 def scalar(con, key: str, stage: str) -> float:
-    rows = con.sql(f"SELECT value FROM scalars WHERE key = '{key}' AND stage = '{stage}' "
-                   "ORDER BY step DESC, time_us DESC LIMIT 1").fetchall()
+    rows = con.rows(f"SELECT value FROM scalars WHERE key = '{key}' AND stage = '{stage}' "
+                    "ORDER BY step DESC, time_us DESC LIMIT 1")
     assert rows, f"no {key} scalar in stage {stage}"
     return rows[0][0]
 
 
 def one(con, sql: str) -> tuple:
-    """The first row of a query (DuckDB 2 relations have no fetchone)."""
-    return con.sql(sql).fetchall()[0]
+    """The first row of a query. ``rows`` runs it again if a file vanished meanwhile: the run's fold at
+    rest (``store.at_rest``) is deleting what it merged while these queries run."""
+    return con.rows(sql)[0]
 
 
 def rl_start(con) -> int:
@@ -47,19 +48,19 @@ def test_quick_demo_single_process(quick_demo: tuple[Path, str]) -> None:
         assert 0.0 < before < 0.9, f"SFT should leave the policy partly right, got {before}"
         assert after > before, (before, after)
         for table in ("tensor_stats", "scalars"):
-            stages = dict(con.sql(f"SELECT stage, count(*) FROM {table} GROUP BY stage").fetchall())
+            stages = dict(con.rows(f"SELECT stage, count(*) FROM {table} GROUP BY stage"))
             assert stages.get("sft", 0) > 0 and stages.get("rl", 0) > 0, (table, stages)
         # timings have no stage column: split them at the step where RL began.
         sft_t, rl_t = one(con, f"SELECT count(*) FILTER (step < {start}), count(*) FILTER (step >= {start}) "
                               "FROM timings")
         assert sft_t > 0 and rl_t > 0
-        phases = {p for (p,) in con.sql(f"SELECT DISTINCT phase FROM timings WHERE step >= {start}").fetchall()}
+        phases = {p for (p,) in con.rows(f"SELECT DISTINCT phase FROM timings WHERE step >= {start}")}
         assert {"rollout", "reward", "ref_logprob", "train", "weight_sync"} <= phases, phases
         # samples are RL rollouts (SFT has demonstrations, not generations), with lengths and groups.
         n, groups, lens = one(con, "SELECT count(*), count(DISTINCT group_id), count(DISTINCT response_len) "
                                   f"FROM samples WHERE step >= {start} AND gen_end_us >= gen_start_us")
         assert n > 0 and groups > 1 and lens > 1
-        keys = {k for (k,) in con.sql("SELECT DISTINCT key FROM scalars WHERE stage = 'rl'").fetchall()}
+        keys = {k for (k,) in con.rows("SELECT DISTINCT key FROM scalars WHERE stage = 'rl'")}
         assert {"rl/kl", "rl/entropy", "rl/clip_frac", "rl/reward"} <= keys
         assert one(con, "SELECT count(*) FROM spectra WHERE stage = 'rl'")[0] > 0
 
@@ -82,7 +83,7 @@ def test_torchrun_two_ranks_names_the_slow_rank(tmp_path: Path) -> None:
     # 6 lands near 4.5 (a score near 0.6), clear of both.
     out = run_cli("demo", "--quick", "--ranks", "2", "--slow-rank", "1", "--slow-factor", "6", "--run", str(run)).stdout
     with open_store(run) as con:
-        ranks = {r for (r,) in con.sql("SELECT DISTINCT rank FROM timings").fetchall()}
+        ranks = {r for (r,) in con.rows("SELECT DISTINCT rank FROM timings")}
         assert ranks == {0, 1}
         comm = one(con, "SELECT count(*) FROM timings WHERE phase = 'grad_allreduce' AND category = 'comm'")
         assert comm[0] > 0
@@ -110,7 +111,7 @@ def test_ray_async_records_staleness(tmp_path: Path) -> None:
     run = tmp_path / "async"
     out = run_cli("demo", "--quick", "--async", "--run", str(run), timeout=500).stdout
     with open_store(run) as con:
-        roles = {r for (r,) in con.sql("SELECT DISTINCT role FROM timings").fetchall()}
+        roles = {r for (r,) in con.rows("SELECT DISTINCT role FROM timings")}
         assert roles == {"trainer", "rollout"}
         stale = analyses.async_staleness(con)
         assert stale["staleness_steps"].max() > 0, stale

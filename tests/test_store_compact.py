@@ -11,10 +11,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dynascope.store import RunWriter, open_store
+from dynascope.store import RunWriter, merge, open_store
 from dynascope.store.compact import compact_store
 from dynascope.store.layout import list_segments, segment_name, valid_from_us
 from dynascope.store.live import live_files
+from dynascope.store.runfiles import RunFiles
+from dynascope.store.snapshot import take_lease
 
 from helpers.as_written import as_written  # noqa: F401 - the fixture pytestmark names
 from helpers.waiting import wait_until
@@ -165,3 +167,26 @@ def test_a_second_compactor_on_the_same_run_stands_aside(tmp_path):
         stats = compact_store(run, grace_s=0.0, settle_s=0.05)
     assert stats.new_segments == 0 and "another compaction" in stats.skipped[0]
     assert compact_store(run, grace_s=0.0, settle_s=0.05).new_segments == 1
+
+
+def test_a_pass_deletes_by_the_clock_it_read_before_the_leases(tmp_path, monkeypatch):
+    """A lease can appear while a deleting pass runs. The pass reads its clock, then the leases: a lease it
+    missed came after that clock, so the grace it judges by is over no later than the clock says (read the
+    other way round, a pass stalled after reading the leases deleted sources a new lease pinned)."""
+    run = tmp_path / "r"
+    write_steps(run, 4)
+    compact_store(run, grace_s=3600, settle_s=0.1)  # merged; the sources stay
+    (names,) = segments(run).values()
+    (valid,) = {valid_from_us(Path(n)) for n in names if ".v" in n}
+    wait_until(lambda: time.time_ns() // 1000 >= valid, "the merged segment to take effect")
+    real = merge.held_leases
+
+    def leased_meanwhile(run_dir, now_us=None):
+        out = real(run_dir, now_us)
+        take_lease(run, valid - 1, ttl_s=600)  # a reader's moment before the merge took effect
+        wait_until(lambda: time.time_ns() // 1000 >= valid + 1_000_000, "the grace to pass")
+        return out
+
+    monkeypatch.setattr(merge, "held_leases", leased_meanwhile)
+    merge.remove_merged(RunFiles.of(run), grace_s=0.5)
+    assert list(segments(run).values()) == [names]  # the sources too: the grace was not over at the pass's clock

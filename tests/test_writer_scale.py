@@ -30,8 +30,10 @@ def _rank(run: str, rank: int, done: mp.Array) -> None:  # type: ignore[valid-ty
     """One rank's process: a step's rows, flushed by the writer's own thread (``flush_rows`` is reached)."""
     w = RunWriter(run, rank=rank, world_size=WRITERS, flush_secs=3600, flush_rows=len(PHASES))
     for step in range(FLUSHES):
+        if step % 50 == 0:  # a second table in the fold: an event with every 50th step's flush
+            w.event("checkpoint", step=step)
         w.append("timings", {"step": step, "phase": list(PHASES), "dur_us": [1000, 2000, 500]})
-        rows = len(PHASES) * (step + 1)
+        rows = len(PHASES) * (step + 1) + step // 50 + 1  # timings and events
         deadline = time.monotonic() + 120
         while w.rows_written < rows and time.monotonic() < deadline:  # the flush is committed
             time.sleep(0.001)

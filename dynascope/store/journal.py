@@ -65,6 +65,7 @@ SEAL_BYTES = 32 << 20  # a writer's journals are sealed once they hold this much
 # A sealed segment counts this long after its file is written: time for its renames (a handful; a merge's
 # ``own_fold.SETTLE_S`` is 2 s), and the wait of a closing writer for its last seal (``writer_close``).
 SETTLE_S = 1.0
+ORPHAN_SETTLE_S = 5.0  # the same, for a dead or closed writer's journals sealed on its behalf (``seal_orphans``)
 GRACE_S = 10.0  # a sealed journal is deleted this long after its segment took effect
 _INDEX = {t: i for i, t in enumerate(TABLES)}
 
@@ -232,10 +233,11 @@ def read_journal(con: duckdb.DuckDBPyConnection, path: Path) -> pa.Table:
     return out.cast(TABLES[table])
 
 
-def seal_files(paths: list[Path], con: duckdb.DuckDBPyConnection, compression: str = "auto") -> int:
+def seal_files(paths: list[Path], con: duckdb.DuckDBPyConnection, compression: str = "auto",
+               settle_s: float = SETTLE_S) -> int:
     """Write each journal ``<n>.jsonl`` as ``<n>-<n>.v<t>.parquet`` beside it, all renamed before ``t``, or
     none (and raise); returns ``t``. ``t`` is taken once the files are written, so only the renames must fit
-    in ``SETTLE_S``."""
+    in ``settle_s``."""
     staged: list[tuple[Path, int]] = []
     renamed: list[Path] = []
     try:
@@ -243,13 +245,13 @@ def seal_files(paths: list[Path], con: duckdb.DuckDBPyConnection, compression: s
             tmp = p.with_name(f".seal-{uuid.uuid4().hex[:12]}.tmp")
             staged.append((tmp, int(p.name[:12])))
             write_parquet(read_journal(con, p), tmp, compression)
-        t = now_us() + int(SETTLE_S * 1e6)
+        t = now_us() + int(settle_s * 1e6)
         for tmp, n in staged:
             final = tmp.with_name(segment_name(n, n, t))
             os.replace(tmp, final)
             renamed.append(final)
         if now_us() >= t:  # renamed late: a query that started after t may not have listed them
-            raise TimeoutError(f"sealed segments renamed after they took effect ({SETTLE_S:g} s)")
+            raise TimeoutError(f"sealed segments renamed after they took effect ({settle_s:g} s)")
         return t
     except BaseException:
         for q in [tmp for tmp, _ in staged] + renamed:
@@ -287,7 +289,10 @@ def seal_orphans(files: RunFiles, writers: set[str], grace_s: float = GRACE_S) -
     if todo:
         con = duckdb.connect(":memory:")
         try:
-            seal_files(todo, con)
+            # Nobody waits for these rows to move (they count from the journal meanwhile): a longer settle,
+            # so a pass at low priority on a busy machine does not run late and roll its renames back
+            # under a reader that already listed them.
+            seal_files(todo, con, settle_s=ORPHAN_SETTLE_S)
             done += len(todo)
         finally:
             con.close()

@@ -75,15 +75,19 @@ def remove_merged(files: RunFiles, grace_s: float, closed: set[str] | frozenset[
     (``compact_across.remove_spent``; ``closed``: writers whose ``begin.json`` may go with their last
     directory). A segment live at a held lease's moment stays, covers included."""
     out = Removed()
-    leases, out.skipped = held_leases(files.run_dir)
-    pinned = frozenset().union(*(files.live(lease.snapshot_us) for lease in leases))
+    # The clock first, then the leases: a lease this pass cannot see was written after ``now_us``, and its
+    # moment is at most ``snapshot.LEASE_SLACK_S`` before that, so what it pins was still live at
+    # ``now_us - grace_s`` and nothing below deletes it. (Read the other way round, a pause between the two
+    # reads longer than the grace would delete a segment a new lease pins.)
     now_us = time.time_ns() // 1000  # one moment for the whole run: the rule is evaluated once, not per directory
+    leases, out.skipped = held_leases(files.run_dir, now_us)
+    pinned = frozenset().union(*(files.live(lease.snapshot_us) for lease in leases))
     out.segments = sum(_remove_expired(files, wdir, segs, grace_s, pinned, now_us)
                        for wdir, _, segs in files.writer_dirs())
     for path in files.spent_commits():
         path.unlink(missing_ok=True)
         out.commits += 1
-    out.segments += remove_spent(files, grace_s, pinned, set(closed))
+    out.segments += remove_spent(files, grace_s, pinned, set(closed), now_us)
     return out
 
 

@@ -32,7 +32,7 @@ import duckdb
 
 from dynascope.core.errors import StoreError, first_line
 from dynascope.store.clock_offsets import OFFSETS_SQL
-from dynascope.store.reader import StoreConnection, open_store
+from dynascope.store.reader import StoreConnection, open_store, retry_vanished
 from dynascope.store.snapshot import snapshot
 
 __all__ = ["export_perfetto"]
@@ -174,6 +174,12 @@ def export_perfetto(path: str | os.PathLike, out: str | os.PathLike) -> dict[str
     if target.exists():
         raise StoreError(f"{target}: already exists; refusing to overwrite")
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    # A leased moment pins its segments against compaction, but a journal's seal that ran late takes its
+    # segments back (``journal.seal_files``): the export is made again, at a new moment.
+    return retry_vanished(lambda: _export(path, target, tmp))
+
+
+def _export(path: str | os.PathLike, target: Path, tmp: Path) -> dict[str, int]:
     # One leased moment for every query: rows a live writer commits meanwhile are not half in, and
     # compaction cannot delete a segment under the export.
     with snapshot(path, holder="perfetto-export") as snap:

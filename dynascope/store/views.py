@@ -84,11 +84,16 @@ def view_sql(loc: StoreLocation, table: str, at: str, commit_at: str | None = No
         {journal_scan(listed[2], table, "filename = '_segment_file'")} AND _segment_file IN (SELECT file FROM jlive)""" \
         if journals else ""
     # The live-segment rule (``live``), over the query's own listing, at the query's start (or ``at_us``).
+    # The row of NULLs is for the join's planner, and the filter drops it: a narrow glob is estimated at its
+    # first file's rows, the schema segment's none, and a side estimated empty is the one a hash join
+    # builds on -- every row of the table held in memory, all its columns, to keep those of a few thousand
+    # files (~350 bytes a row for a count). With one row estimated, the live files are the build side.
     return f"""
     CREATE OR REPLACE VIEW {quote_ident(table)} AS
     {live_ctes(listing, at, commit_at)}
     SELECT {select_list(table, quote_ident)} FROM (
-        SELECT * FROM read_parquet({files}, filename = '_segment_file')
+        SELECT * FROM (SELECT * FROM read_parquet({files}, filename = '_segment_file')
+                       UNION ALL BY NAME SELECT CAST(NULL AS VARCHAR) AS _segment_file)
         WHERE _segment_file IN (SELECT file FROM live){journal}
         UNION ALL BY NAME  -- columns added to the schema after a run's segments were written read as NULL
         SELECT {typed_nulls(table, with_old_names=True)} WHERE false)
