@@ -162,6 +162,36 @@ def test_a_failed_append_is_cut_back_and_written_once(tmp_path: Path, monkeypatc
         assert s.rows("SELECT step, count(*) FROM scalars GROUP BY step ORDER BY step") == [(0, 7), (1, 7)]
 
 
+def test_a_failing_seal_is_reported_once_and_tried_less_often(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = tmp_path / "r"
+    w = RunWriter(run, flush_secs=3600, seal_secs=0.01)  # a seal is due at every flush
+    monkeypatch.setattr(journal, "SEAL_RETRY_S", 3600.0)
+    real, tries = journal.seal_files, []
+
+    def full(paths, *args, **kwargs):
+        tries.append(len(paths))
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(journal, "seal_files", full)
+    with pytest.warns(RuntimeWarning, match="sealing the journal failed"):
+        for i in range(10):
+            w.append("scalars", _rows(i))
+            w.flush()
+    assert len(tries) == 1  # then it waits, however many flushes come
+    w.journal.retry_at = 0.0  # the wait is over: tried again, not reported again
+    w.append("scalars", _rows(10))
+    w.flush()
+    assert len(tries) == 2 and w.journal.failures == 2 and w.journal.retry_at - time.monotonic() > 3000  # waits again
+    monkeypatch.setattr(journal, "seal_files", real)
+    w.journal.retry_at = 0.0
+    w.flush()
+    assert w.journal.failures == 0 and w.journal.base is None  # sealed
+    w.close()
+    with open_store(run) as s:
+        assert s.rows("SELECT count(*), count(DISTINCT step) FROM scalars") == [(77, 11)]
+        assert s.rows("SELECT count(*) FROM events WHERE event = 'seal_error'") == [(1,)]
+
+
 _KILLED = """
 import sys, time
 from dynascope.store import RunWriter

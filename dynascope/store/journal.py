@@ -66,6 +66,7 @@ SEAL_BYTES = 32 << 20  # a writer's journals are sealed once they hold this much
 # ``own_fold.SETTLE_S`` is 2 s), and the wait of a closing writer for its last seal (``writer_close``).
 SETTLE_S = 1.0
 ORPHAN_SETTLE_S = 5.0  # the same, for a dead or closed writer's journals sealed on its behalf (``seal_orphans``)
+SEAL_RETRY_S = 10.0  # the first wait after a failed seal (it doubles while seals keep failing)
 GRACE_S = 10.0  # a sealed journal is deleted this long after its segment took effect
 _INDEX = {t: i for i, t in enumerate(TABLES)}
 
@@ -92,6 +93,8 @@ class Journal:
     files: dict[str, _File] = field(default_factory=dict)
     sealed: list[tuple[int, list[Path]]] = field(default_factory=list)  # (delete after µs, journals)
     effective_us: int = 0  # when the last seal's segments take effect
+    failures: int = 0  # seals failed in a row
+    retry_at: float = 0.0  # time.monotonic() of the next try after a failure
     _con: duckdb.DuckDBPyConnection | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -120,14 +123,20 @@ class Journal:
 
     def tend(self, force: bool, problem: Callable[[str, str], None]) -> bool:
         """Seal when due (``force``: now) and delete the journals sealed a grace ago; True if it sealed.
-        A seal that fails is reported to ``problem`` and tried again at the next flush."""
+        A seal that fails is reported to ``problem`` once a run of failures, and tried again after a wait
+        that doubles from ``SEAL_RETRY_S`` up to ``seal_secs`` (a full disk: one event, not one a flush)."""
         sealed = False
-        if force or self.due():
+        if force or (self.due() and time.monotonic() >= self.retry_at):
             try:
                 sealed = self.seal()
+                self.failures = 0
             except Exception as exc:
-                problem("seal_error", f"sealing the journal failed ({type(exc).__name__}: {exc}); it is still "
-                                      "read, and sealed again at the next flush")
+                self.failures += 1
+                self.retry_at = time.monotonic() + min(SEAL_RETRY_S * 2 ** min(self.failures - 1, 20),
+                                                         max(self.seal_secs, SEAL_RETRY_S))
+                if self.failures == 1:
+                    problem("seal_error", f"sealing the journal failed ({type(exc).__name__}: {exc}); it is still "
+                                          f"read, and sealed again in {SEAL_RETRY_S:g} s, then less often")
         self.delete_sealed()
         return sealed
 
