@@ -13,6 +13,8 @@ first and can start a collection. CPython's documentation recommends the same fo
 forked children; the cost is that a child keeps the parent's uncollected garbage (whose pages it shares
 with the parent anyway). A child that drops its last reference to an inherited connection still frees it;
 the journal's connections are kept for that reason (``store.journal``).
+
+Importing this module registers the hooks (``dynascope.store`` imports it); an import runs once a process.
 """
 
 from __future__ import annotations
@@ -20,22 +22,6 @@ from __future__ import annotations
 import gc
 import os
 import threading
-
-__all__ = ["freeze_inherited_in_children"]
-
-_lock = threading.Lock()
-_registered = False
-
-
-def freeze_inherited_in_children() -> None:
-    """Have every child this process forks from now on freeze the objects it inherits (once per process)."""
-    global _registered
-    with _lock:
-        if _registered or not hasattr(os, "register_at_fork"):
-            return
-        _registered = True
-    os.register_at_fork(before=_freeze, after_in_parent=_unfreeze)
-
 
 _thawed = threading.local()  # per forking thread: whether the parent had nothing frozen before this fork
 
@@ -50,3 +36,7 @@ def _unfreeze() -> None:
     # thaw its objects too, so what this fork froze stays frozen with them.
     if getattr(_thawed, "value", False):
         gc.unfreeze()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_freeze, after_in_parent=_unfreeze)

@@ -1,7 +1,7 @@
 """The run store: schema, writer, reader."""
 
+from dynascope.core import forks  # noqa: F401 - a forked child never collects a DuckDB connection its parent made
 from dynascope.core.errors import StoreError
-from dynascope.core.forks import freeze_inherited_in_children
 from dynascope.store.layout import SchemaVersionError
 from dynascope.store.live import live_files, live_files_in
 from dynascope.store.reader import (
@@ -16,8 +16,6 @@ from dynascope.store.schema import SCHEMA_VERSION, TABLES
 from dynascope.store.snapshot import Snapshot, snapshot
 from dynascope.store.views import quote_ident, quote_literal
 from dynascope.store.writer import RunWriter
-
-freeze_inherited_in_children()  # a forked child never collects a DuckDB connection its parent made
 
 __all__ = [
     "SCHEMA_VERSION", "TABLES", "RunWriter", "SchemaVersionError", "Snapshot", "StoreConnection", "StoreError",

@@ -263,12 +263,11 @@ def _cover_range(live: list[Seg]) -> tuple[int, int]:
     return (lo - 1, hi) if lo > 0 else (lo, hi + 1)
 
 
-def remove_spent(files: RunFiles, grace_s: float, pinned: frozenset[str], closed: set[str],
-                 now_us: int | None = None) -> int:
+def remove_spent(files: RunFiles, grace_s: float, pinned: frozenset[str], closed: set[str], now_us: int) -> int:
     """Delete covers that hide nothing any more (see the module docstring) and the emptied writer
     directories, then the ``begin.json`` of each ``closed`` writer that has no directory left; returns the
-    files removed. ``now_us``: the moment ``pinned`` was computed for (default: now)."""
-    now = time.time() if now_us is None else now_us / 1e6
+    files removed. ``now_us``: the moment ``pinned`` was computed for."""
+    now = now_us / 1e6
     removed = 0
     for wdir, _, segs in files.writer_dirs():
         left = [p for _, _, p in segs if p.exists()]

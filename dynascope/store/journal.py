@@ -124,7 +124,8 @@ class Journal:
     def tend(self, force: bool, problem: Callable[[str, str], None]) -> bool:
         """Seal when due (``force``: now) and delete the journals sealed a grace ago; True if it sealed.
         A seal that fails is reported to ``problem`` once a run of failures, and tried again after a wait
-        that doubles from ``SEAL_RETRY_S`` up to ``seal_secs`` (a full disk: one event, not one a flush)."""
+        that doubles from ``SEAL_RETRY_S`` up to ``seal_secs`` or ``SEAL_RETRY_S``, whichever is longer (a
+        full disk: one event, not one a flush)."""
         sealed = False
         if force or (self.due() and time.monotonic() >= self.retry_at):
             try:
