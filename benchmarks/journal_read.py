@@ -1,10 +1,13 @@
-"""What live writers' journals cost a query of the present: open + count of a run of ``--writers`` writers,
-each holding 8 sealed segments of ``timings`` and a journal of ``--flushes`` flushes (its rows since its
-last seal), against the same run with those rows sealed too (a ninth segment instead of the journal). Both
-runs are written through ``store.journal`` (its encoder, its seal), then opened and counted in fresh
-processes, the two arms alternating round by round.
+"""What live writers' journals and sealed segments cost a query of the present: open + count of a run of
+``--writers`` writers, each holding ``--sealed`` sealed segments of ``timings`` and a journal of ``--flushes``
+flushes (its rows since its last seal), against the same run with those rows sealed too (one more segment
+instead of the journal). Both runs are written through ``store.journal`` (its encoder, its seal), then
+opened and counted in fresh processes, the two arms alternating round by round.
 
-    python benchmarks/journal_read.py --writers 256 1280 --flushes 30 300 --rounds 5
+    python benchmarks/journal_read.py --writers 256 1280 --flushes 30 --sealed 4 7 --rounds 5
+
+A live journal writer holds at most ``own_fold.SEALED_LEAVE + SEALED_EVERY`` (4) sealed segments once its
+merges take effect; 7 is what it held when it folded every 4 seals to 3, as a writer without a journal does.
 
 A flush is one step's 4 phase rows. At ``watch()``'s defaults (a flush every 10 s, a seal every 300 s) a
 journal holds at most 30 flushes; 300 is a writer that flushes every second.
@@ -13,6 +16,7 @@ journal holds at most 30 flushes; 300 is a writer that flushes every second.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import shutil
 import statistics
@@ -26,7 +30,7 @@ import pyarrow as pa
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from write_side import _open_count  # noqa: E402  (the same fresh-process open + count as write_side's)
 
-from dynascope.store import RunWriter  # noqa: E402
+from dynascope.store import RunWriter, own_fold  # noqa: E402
 from dynascope.store.flush import Group  # noqa: E402
 from dynascope.store.journal import SETTLE_S, Journal, journals_in  # noqa: E402
 from dynascope.store.schema import TABLES  # noqa: E402
@@ -41,18 +45,18 @@ def _rows(rank: int, steps: range) -> pa.Table:
                                 schema=TABLES["timings"])
 
 
-def build(run: Path, writers: int, flushes: int, seal_last: bool) -> int:
-    """The run: each writer 8 sealed segments of ``flushes`` steps, then ``flushes`` steps in its journal
-    (sealed as well with ``seal_last``); returns the rows."""
+def build(run: Path, writers: int, flushes: int, seal_last: bool, sealed: int) -> int:
+    """The run: each writer ``sealed`` sealed segments of ``flushes`` steps, then ``flushes`` steps in its
+    journal (sealed as well with ``seal_last``); returns the rows."""
     RunWriter(run, fold=False).close()  # the run, its marker and its schema files
     step = 0
     for rank in range(writers):
         j = Journal(run, f"r{rank}-trainer-bench", seal_secs=1e9)
         seq = 0
-        for gen in range(9):  # a generation's flushes in one append: the same lines as one a flush
+        for gen in range(sealed + 1):  # a generation's flushes in one append: the same lines as one a flush
             seq = j.write([Group("timings", [("timings", _rows(rank, range(step, step + flushes)))])], seq).next_seq
             step += flushes
-            if gen < 8 or seal_last:
+            if gen < sealed or seal_last:
                 j.seal()
         j.reset()
         if j._con is not None:
@@ -62,47 +66,48 @@ def build(run: Path, writers: int, flushes: int, seal_last: bool) -> int:
     # a live writer holds one journal a table, and another only in the 10 s after each seal. Delete them
     # as it would: a glob lists them and a query opens them, counted or not.
     for wdir in (run / "timings").glob("writer=*"):
-        sealed = {int(p.name[:12]) for p in wdir.glob("*.v*.parquet")}
+        done = {int(p.name[:12]) for p in wdir.glob("*.v*.parquet")}
         for n, path in journals_in(wdir) or []:
-            if n in sealed:
+            if n in done:
                 path.unlink()
-    return writers * 9 * flushes * len(PHASES) + 1  # and the closed writer's run_end event is not timings
+    return writers * (sealed + 1) * flushes * len(PHASES) + 1  # and the closed writer's run_end event is not timings
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--writers", type=int, nargs="+", default=[256, 1280])
     ap.add_argument("--flushes", type=int, nargs="+", default=[30, 300])
+    ap.add_argument("--sealed", type=int, nargs="+", default=[own_fold.SEALED_LEAVE + own_fold.SEALED_EVERY])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     results = []
-    for n in args.writers:
-        for f in args.flushes:
-            d = Path(tempfile.mkdtemp(prefix="journal-read-"))
-            try:
-                rows = {arm: build(d / arm, n, f, arm == "sealed") for arm in ("journal", "sealed")}
-                arms: dict[str, list[dict]] = {"journal": [], "sealed": []}
-                for r in range(args.rounds):
-                    for arm in (("journal", "sealed") if r % 2 == 0 else ("sealed", "journal")):
-                        arms[arm] += _open_count("dynascope", d / arm, 1, {"DYNASCOPE_FOLD": "0"})
-                for arm, runs in arms.items():
-                    assert all(x["rows"] == n * 9 * f * len(PHASES) for x in runs), (arm, runs, rows)
-                res = {"writers": n, "flushes": f, **{arm: {"s": [x["s"] for x in runs],
-                                                            "rss_mb": [x["rss_mb"] for x in runs]}
-                                                     for arm, runs in arms.items()}}
-                results.append(res)
-                print(json.dumps(res), flush=True)
-            finally:
-                shutil.rmtree(d, ignore_errors=True)
+    for n, f, k in itertools.product(args.writers, args.flushes, args.sealed):
+        d = Path(tempfile.mkdtemp(prefix="journal-read-"))
+        try:
+            rows = {arm: build(d / arm, n, f, arm == "sealed", k) for arm in ("journal", "sealed")}
+            arms: dict[str, list[dict]] = {"journal": [], "sealed": []}
+            for r in range(args.rounds):
+                for arm in (("journal", "sealed") if r % 2 == 0 else ("sealed", "journal")):
+                    arms[arm] += _open_count("dynascope", d / arm, 1, {"DYNASCOPE_FOLD": "0"})
+            for arm, runs in arms.items():
+                assert all(x["rows"] == n * (k + 1) * f * len(PHASES) for x in runs), (arm, runs, rows)
+            res = {"writers": n, "flushes": f, "segments": k,
+                   **{arm: {"s": [x["s"] for x in runs], "rss_mb": [x["rss_mb"] for x in runs]}
+                      for arm, runs in arms.items()}}
+            results.append(res)
+            print(json.dumps(res), flush=True)
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     print(f"\nopen + count of timings, fresh process, median (min–max) of {args.rounds} rounds\n")
-    print("| writers | flushes in a journal | with journals: s | MB | all sealed: s | MB | ratio |")
-    print("|---|---|---|---|---|---|---|")
+    print("| writers | sealed segments a writer | flushes in a journal | with journals: s | MB | all sealed: s | MB "
+          "| ratio |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in results:
         j, s = statistics.median(r["journal"]["s"]), statistics.median(r["sealed"]["s"])
-        print(f"| {r['writers']:,} | {r['flushes']} | {j:.2f} ({min(r['journal']['s']):.2f}–{max(r['journal']['s']):.2f})"
+        print(f"| {r['writers']:,} | {r['segments']} | {r['flushes']} | {j:.2f} ({min(r['journal']['s']):.2f}–{max(r['journal']['s']):.2f})"
               f" | {statistics.median(r['journal']['rss_mb']):.0f} | {s:.2f} ({min(r['sealed']['s']):.2f}–"
               f"{max(r['sealed']['s']):.2f}) | {statistics.median(r['sealed']['rss_mb']):.0f} | {j / s:.2f} |")
 

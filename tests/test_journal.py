@@ -124,7 +124,7 @@ def test_every_query_reads_each_row_once_while_the_writer_seals(tmp_path: Path, 
     assert not failure, failure
     bad = [c for c in counts if not c[0] <= c[1] <= c[2]]
     assert not bad, bad[:5]
-    assert own_fold.KEEP >= len([f for f in live_files(run, "scalars") if w.writer_id in f])
+    assert own_fold.SEALED_KEEP >= len([f for f in live_files(run, "scalars") if w.writer_id in f])
     sealed = [f for f in (run / "scalars" / f"writer={w.writer_id}").glob("*.jsonl")]
     # sealed journals are deleted after their settle and grace: the open one, and those sealed since then
     assert len(sealed) <= 2 + math.ceil((journal.SETTLE_S + journal.GRACE_S) / 0.15), sealed

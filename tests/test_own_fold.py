@@ -4,16 +4,21 @@ each row exactly once, beside a ``dynascope compact`` running at the same time."
 
 from __future__ import annotations
 
+import re
 import threading
+import time
 from pathlib import Path
 
+import duckdb
 import numpy as np
 import pytest
 
 import dynascope.store.own_fold as own_fold
+import dynascope.store.reader as reader
 from dynascope.store import RunWriter, open_store
 from dynascope.store.compact import compact_store
-from dynascope.store.live import live_files
+from dynascope.store.live import FOREVER_US, live_files
+from dynascope.store.reader import retry_vanished
 
 from helpers.waiting import wait_until
 
@@ -43,6 +48,31 @@ def _flush_many(w: RunWriter, n: int, on_flush=lambda i: None) -> None:
         w.append("tensor_stats", {"step": i, "tensor": ["a", "b"], "numel": [4, 4], "w_norm": [1.0, 2.0]})
         wait_until(lambda seq=seq: w._seq > seq, "the writer thread's flush")  # noqa: B023
         on_flush(i)
+
+
+def test_a_journal_writer_holds_at_most_sealed_keep_segments_per_table(tmp_path: Path, quick: None) -> None:
+    """A journal writer makes a segment a seal, not a flush, and folds every ``SEALED_EVERY`` seals: over
+    many seals each table holds at most ``SEALED_KEEP`` live segments beside its journal (and at most
+    ``SEALED_LEAVE + SEALED_EVERY`` once every merge written takes effect), and every query reads each row
+    once."""
+    run = tmp_path / "r"
+    w = RunWriter(run, flush_secs=0.02, seal_secs=0.1)
+    peak, seals = [0, 0], set()
+    wdir = run / "scalars" / f"writer={w.writer_id}"
+    for i in range(FLUSHES):
+        w.append("scalars", {"step": i, "key": [f"m{k}" for k in range(50)], "value": np.full(50, float(i))})
+        wait_until(lambda n=50 * (i + 1): w.rows_written >= n, "the writer thread's flush")  # noqa: B023
+        for k, at_us in enumerate((None, FOREVER_US)):
+            peak[k] = max(peak[k], len([f for f in live_files(run, "scalars", at_us=at_us) if str(wdir) in f]))
+        seals.update(p.name for p in wdir.glob("*.parquet") if re.match(r"(\d{12})-\1\.v", p.name))
+        with open_store(run) as con:
+            assert con.rows("SELECT count(*) FROM scalars")[0][0] == 50 * (i + 1), i
+    w.close()
+    assert len(seals) > 4 * own_fold.SEALED_KEEP, len(seals)  # unfolded, the table would hold each seal
+    assert 0 < peak[0] <= own_fold.SEALED_KEEP, peak
+    assert peak[1] <= own_fold.SEALED_LEAVE + own_fold.SEALED_EVERY, peak
+    with open_store(run) as con:
+        assert con.rows("SELECT count(*), count(DISTINCT step) FROM scalars") == [(50 * FLUSHES, FLUSHES)]
 
 
 def test_a_writer_holds_at_most_keep_live_segments_per_table(tmp_path: Path, quick: None) -> None:
@@ -127,3 +157,22 @@ def test_a_writer_that_flushes_seldom_deletes_in_the_first_window(tmp_path: Path
             assert con.rows("SELECT count(*) FROM scalars")[0][0] == 50 * 2 * own_fold.EVERY
     finally:
         w.close()
+
+
+def test_a_query_that_meets_a_deletion_window_runs_again_once_it_is_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Writers delete merged-away sources only in shared windows of the wall clock, a thousand of them in the
+    same window: a query that met one waits for its end and runs once more, not once per deletion."""
+    monkeypatch.setattr(own_fold, "DELETE_PERIOD_S", 6.0)
+    monkeypatch.setattr(own_fold, "DELETE_WINDOW_S", 1.0)
+    wait_until(lambda: time.time() % 6.0 < 0.3, "a deletion window to begin", timeout_s=10)
+    phases: list[float] = []
+
+    def query() -> str:
+        phases.append(time.time() % 6.0)
+        if phases[-1] < 1.0:  # in the window, some file the query listed is gone by the time it opens it
+            raise duckdb.IOException('Cannot open file "s.parquet": No such file or directory')
+        return "rows"
+
+    assert retry_vanished(query) == "rows"
+    assert len(phases) == 2, phases  # a back-off of 20 ms would have run it ~40 times in the window
+    assert phases[1] >= 1.0 + reader.WINDOW_SPILL_S - 0.05, phases

@@ -1,19 +1,20 @@
 """A live writer folds its own segments, so it holds a bounded number of files however long it runs.
 
-Each flush adds a segment per table it wrote. Every ``EVERY`` (4) flushes the writer thread merges, in
-each table's directory, the run of adjacent live segments whose rows add up least and whose merge leaves
-``LEAVE`` (3), in one merge, so a table holds at most ``LEAVE + EVERY`` (7) live segments, and ``KEEP`` (8)
-with the one flush the writer lets land while the merge settles (``hold_s``): each new small
-segment joins its small neighbours first, so a row is rewritten a few times over a run rather than at
-every fold. The merge is compaction's own (``merge``, which ``dynascope compact`` uses too:
-a merged file ``<lo>-<hi>.v<valid_from>`` takes effect ``SETTLE_S`` after it is written and covers its
-sources for every query that starts later), under the writer's own lock (``lease_lock.writer_lock``),
-which ``dynascope compact`` takes too before it merges in a writer's directory, so the two never write
-overlapping merges while the writers of a run never wait on each other; a writer that finds its lock
-taken tries again at its next flush. A source is deleted ``GRACE_S`` after its cover took effect, in the
-first deletion window after that (``DELETE_PERIOD_S``), then the commit records none of whose segments is
-left. A query that began before and still opens a deleted source runs again
-(``reader.retry_vanished``), so the grace can be short: it bounds the files on disk, not the live ones.
+Each flush adds a segment per table it wrote. Every ``EVERY`` (4) flushes the writer thread merges, in each
+table's directory, the run of adjacent live segments whose rows add up least and whose merge leaves ``LEAVE``
+(3), in one merge, so a table holds at most ``LEAVE + EVERY`` (7) live segments, and ``KEEP`` (8) with the one
+flush the writer lets land while the merge settles (``hold_s``): each new small segment joins its small
+neighbours first, so a row is rewritten a few times over a run rather than at every fold. A journal writer
+makes a segment per seal, not per flush, and folds every ``SEALED_EVERY`` (2) seals to ``SEALED_LEAVE`` (2):
+at most ``SEALED_KEEP`` (5). The merge is compaction's own (``merge``, which ``dynascope compact`` uses too: a
+merged file ``<lo>-<hi>.v<valid_from>`` takes effect ``SETTLE_S`` after it is written and covers its sources
+for every query that starts later), under the writer's own lock (``lease_lock.writer_lock``), which
+``dynascope compact`` takes too before it merges in a writer's directory, so the two never write overlapping
+merges while the writers of a run never wait on each other; a writer that finds its lock taken tries again at
+its next flush. A source is deleted ``GRACE_S`` after its cover took effect, in the first deletion window
+after that (``DELETE_PERIOD_S``), then the commit records none of whose segments is left. A query that began
+before and still opens a deleted source runs again (``reader.retry_vanished``), so the grace can be short: it
+bounds the files on disk, not the live ones.
 
 Only the writer's own directories are listed (one directory per table and its commit records), never
 the run's: at a thousand ranks a fold costs the same as at one. Errors are the writer's to report, once;
@@ -35,8 +36,8 @@ from dynascope.store.merge import merge_segments, remove_merged
 from dynascope.store.runfiles import RunFiles, Seg, num_rows
 from dynascope.store.schema import TABLES
 
-__all__ = ["DELETE_PERIOD_S", "DELETE_WINDOW_S", "EVERY", "GRACE_S", "KEEP", "LEAVE", "SETTLE_S", "Upkeep",
-           "fold_own", "hold_s", "tend", "wake_s"]
+__all__ = ["DELETE_PERIOD_S", "DELETE_WINDOW_S", "EVERY", "GRACE_S", "KEEP", "LEAVE", "SEALED_EVERY", "SEALED_KEEP",
+           "SEALED_LEAVE", "SETTLE_S", "Upkeep", "fold_own", "hold_s", "tend", "wake_s"]
 
 KEEP = 8  # live segments per table a writer holds at most
 SETTLE_S = 2.0  # a merged file takes effect this long after it is written (compact's settle_s)
@@ -46,6 +47,14 @@ MAX_ROWS = 4_000_000  # a merge never makes a file of more rows (compact's targe
 
 EVERY = max(KEEP // 2, 1)  # committed flushes between two folds
 LEAVE = max(KEEP - EVERY - 1, 1)  # live segments a fold leaves in a table: one flush may land as it settles
+# A journal writer's segments come from its seals (every ``seal_secs``: 300 s for watch()), not its flushes,
+# so a fold is due seldom and merges little: it folds every SEALED_EVERY seals down to SEALED_LEAVE, and a
+# table holds SEALED_LEAVE + SEALED_EVERY (4) sealed segments and its journal, 5 files a query opens per
+# writer instead of 8 (SEALED_KEEP counts a fifth segment: a seal that lands in the 2 s a merge settles).
+# It costs 2.5 metadata operations a seal and table where folding every EVERY seals costs 1.75.
+SEALED_EVERY = 2
+SEALED_LEAVE = 2
+SEALED_KEEP = SEALED_LEAVE + SEALED_EVERY + 1  # sealed segments per table a journal writer holds at most
 # Deletions happen only in the first DELETE_WINDOW_S of each DELETE_PERIOD_S of the wall clock, the same
 # windows for every writer of a run. A query binds every file its glob lists, live or not, so a deletion
 # anywhere in a table sends a query of it running again (``reader.retry_vanished``); a thousand writers
@@ -92,19 +101,20 @@ def wake_s(writer: Any) -> float:
 
 def tend(writer: Any) -> None:
     """The writer thread's call at each wake: fold once ``EVERY`` flushes were committed since the last
-    fold (explicit ``flush()`` calls included) down to ``LEAVE`` live segments per table, and, once per
-    deletion window, delete what its folds merged away. A writer whose ``fold`` is False does neither.
-    Never raises."""
+    fold (explicit ``flush()`` calls included) down to ``LEAVE`` live segments per table (a journal writer:
+    every ``SEALED_EVERY`` seals, to ``SEALED_LEAVE``), and, once per deletion window, delete what its folds
+    merged away. A writer whose ``fold`` is False does neither. Never raises."""
     up: Upkeep = writer.upkeep
     if not writer.fold:
         return
+    every, leave = (SEALED_EVERY, SEALED_LEAVE) if writer.journal is not None else (EVERY, LEAVE)
     window = int(time.time() // DELETE_PERIOD_S)
     delete = time.time() % DELETE_PERIOD_S < DELETE_WINDOW_S and up.deleted_in != window
-    if up.flushes < EVERY and not delete:
+    if up.flushes < every and not delete:
         return
     try:
-        valid_us = fold_own(writer.run_dir, writer.writer_id, keep=LEAVE, settle_s=SETTLE_S, grace_s=GRACE_S,
-                          delete=delete, merge=up.flushes >= EVERY)
+        valid_us = fold_own(writer.run_dir, writer.writer_id, keep=leave, settle_s=SETTLE_S, grace_s=GRACE_S,
+                          delete=delete, merge=up.flushes >= every)
     except Exception as exc:  # a fold is housekeeping: the rows are already committed
         up.flushes = 0
         writer._problem("fold_error", f"folding its own segments failed ({type(exc).__name__}: {exc}); "
@@ -116,7 +126,7 @@ def tend(writer: Any) -> None:
         if valid_us:
             up.delete_from_us = max(up.delete_from_us, valid_us + int(GRACE_S * 1e6))
         up.settles_at_us = max(up.settles_at_us, valid_us)
-        up.flushes = 0 if up.flushes >= EVERY else up.flushes
+        up.flushes = 0 if up.flushes >= every else up.flushes
         up.deleted_in = window if delete else up.deleted_in
 
 

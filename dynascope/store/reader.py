@@ -26,7 +26,7 @@ import duckdb
 import pyarrow as pa
 
 from dynascope.core.errors import StoreError, first_line
-from dynascope.store import at_rest, views
+from dynascope.store import at_rest, own_fold, views
 from dynascope.store.layout import StoreLocation, locate
 from dynascope.store.live import MAX_CLOCK_SKEW_US
 from dynascope.store.pooling import GLOBAL, global_sql
@@ -52,7 +52,10 @@ VANISHED = ("No such file",)
 VANISHED_FROM_LIST = (*VANISHED, "No files found", "FileNotFoundException", "PATH_NOT_FOUND")
 
 
-def retry_vanished(fetch: Callable[[], T], deadline_s: float = 10.0, vanished: Sequence[str] = VANISHED) -> T:
+WINDOW_SPILL_S = 0.5  # how long past its deletion window a loaded writer may still be unlinking
+
+
+def retry_vanished(fetch: Callable[[], T], deadline_s: float = 60.0, vanished: Sequence[str] = VANISHED) -> T:
     """Run ``fetch`` (a query and its fetch, or a listing and its queries), again if a segment vanished
     between listing and reading it.
 
@@ -60,7 +63,10 @@ def retry_vanished(fetch: Callable[[], T], deadline_s: float = 10.0, vanished: S
     merged-away segment in between fails that query with "No such file". Running it again lists the
     files anew and reads the merged segment instead, so the rows are the same. Two folds at once (a
     writer's own and ``dynascope compact``) can delete twice in a row, so it retries until a deadline
-    rather than a fixed number of times. ``vanished``: the error texts that mean a file vanished.
+    rather than a fixed number of times. Writers delete only in shared windows of the wall clock
+    (``own_fold.DELETE_PERIOD_S``): a query that met one runs again once it is over, so a thousand writers
+    deleting in the same window cost it one more run, not one per writer. ``vanished``: the error texts
+    that mean a file vanished.
     """
     end = time.monotonic() + deadline_s
     attempt = 0
@@ -71,7 +77,16 @@ def retry_vanished(fetch: Callable[[], T], deadline_s: float = 10.0, vanished: S
             if not any(s in str(exc) for s in vanished) or time.monotonic() >= end:
                 raise
             attempt += 1
-            time.sleep(min(0.02 * attempt, 0.2))  # let a compaction that is deleting a batch of segments finish
+            time.sleep(_after_deletions(attempt))
+
+
+def _after_deletions(attempt: int) -> float:
+    """Seconds to wait before running a query again: until the writers' deletion window it met is over
+    (with ``WINDOW_SPILL_S`` for a writer that began deleting in it on a loaded machine), or a short
+    back-off outside one (a compaction deleting a batch of segments)."""
+    phase = time.time() % own_fold.DELETE_PERIOD_S
+    end = min(own_fold.DELETE_WINDOW_S + WINDOW_SPILL_S, own_fold.DELETE_PERIOD_S)
+    return end - phase if phase < end else min(0.02 * attempt, 0.2)
 
 
 class StoreConnection:

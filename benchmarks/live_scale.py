@@ -1,0 +1,216 @@
+"""A live run at cluster scale through the real writers, read while it runs.
+
+``--writers`` ``RunWriter``s (``--trainers`` of them trainers, the rest rollout workers), each watch()'s
+journal writer with its own background maintenance on (flushes append to a journal per table, a seal every
+``--seal-s``, the writer's own fold of its seals and its deletion windows), are hosted as threads of
+``--procs`` forked processes. Each writer records a step's four phase rows every ``--step-s`` of wall time
+for ``--steps`` steps (``--event-every`` steps, an ``events`` row too): an hours-long run compressed, with
+a seal every ``--seal-s`` standing for watch()'s 300 s. Nothing else is faked: the files, their names,
+seals, merges and deletions are the writers' own. The writers skip ``fsync`` (synthetic rows need not
+survive a power cut, and 1,280 writers' fsyncs would measure this machine's disk; the files are the same).
+
+While the run is live, at ``--reads`` evenly spaced steps, the writers' processes are stopped (SIGSTOP: on
+this machine their 1,280 threads would take the reader's cores, where a real reader has a node of its own;
+queries beside running writers are the tests' part) and a fresh process opens the run and counts
+``timings``, ``--rounds`` times: seconds and its peak RSS; then every row of every table the writers wrote
+against those they had flushed (none lost), and the timings rows read twice (none doubled).
+Every ~2 s the parent samples each writer directory: Parquet files and journals on disk, and live
+segments (the files a query counts). After the last writer closes, nothing else runs: the run must come to
+rest (a few files per table) by itself, with every row counted once.
+
+    python benchmarks/live_scale.py --writers 1280 --trainers 1024 --steps 500 --procs 4
+    python benchmarks/live_scale.py --writers 64 --trainers 64 --steps 5000 --procs 2 --step-s 0.05 --flush-s 1 --seal-s 2
+
+The first is watch()'s flush interval (10 s) with a seal a minute; the second seals every 2 s, 125 seals a
+writer, to show the files stay flat however many seals a writer makes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from write_side import COUNT, _open_count  # noqa: E402  (the same fresh-process open + count as write_side's)
+
+from dynascope.store import RunWriter  # noqa: E402
+from dynascope.store.layout import MARKER  # noqa: E402
+from dynascope.store.live import live_files  # noqa: E402
+
+PHASES = ["forward", "backward", "optimizer", "step"]
+DUR_US = [1000, 2000, 500, 3600]
+TABLES = ("timings", "events")
+# Beside the timed count: every row the writers wrote (none lost: at least those they had flushed), and
+# the timings rows read twice (none doubled: each rank's step and phase once).
+OPEN = "from dynascope.store import open_store; s = open_store({path!r}); "
+COUNT["live-all"] = OPEN + ("n = s.rows('SELECT (SELECT count(*) FROM timings) + (SELECT count(*) FROM events)"
+                            " + (SELECT count(*) FROM runs)')[0][0]")  # a writer's rows_written counts its runs row
+COUNT["live-twice"] = OPEN + "n = s.rows('SELECT count(*) - count(DISTINCT (rank, step, phase)) FROM timings')[0][0]"
+
+
+def _host(run: str, p: int, ranks: list[int], a: argparse.Namespace, go, done, flushed, cost_ns, paused) -> None:
+    """One process's writers: append each step's rows to every writer, paced by wall time; pause while the
+    parent reads (``go`` cleared); publish the rows flushed; close them all."""
+    os.fsync = lambda fd: None  # type: ignore[assignment]  (see the module's docstring)
+    writers = [RunWriter(run, rank=r, role="trainer" if r < a.trainers else "rollout", world_size=a.writers,
+                         flush_secs=a.flush_s, seal_secs=a.seal_s, fold=True) for r in ranks]
+    costs: list[int] = []
+    t_next = time.monotonic()
+    for step in range(a.steps):
+        if not go.is_set():
+            paused[p] = 1
+            go.wait()
+            paused[p] = 0
+        for w in writers:
+            t0 = time.perf_counter_ns()
+            w.append("timings", {"step": step, "phase": PHASES, "dur_us": DUR_US,
+                                 "category": ["phase", "phase", "phase", "step"]})
+            if step % a.event_every == 0:
+                w.append("events", {"step": [step], "event": ["bench"], "severity": ["info"], "message": ["live"]})
+            costs.append(time.perf_counter_ns() - t0)
+        flushed[p] = sum(w.rows_written for w in writers)  # every table's, the writer's own events too
+        done[p] = step + 1
+        t_next = max(t_next + a.step_s, time.monotonic() - a.step_s)  # a late step does not make a burst
+        time.sleep(max(t_next - time.monotonic(), 0))
+    closers = [threading.Thread(target=w.close, kwargs={"timeout_s": 120}) for w in writers]  # as ranks do: at once
+    for t in closers:
+        t.start()
+    for t in closers:
+        t.join(180)
+    cost_ns[p] = int(statistics.median(costs))
+    os._exit(0)
+
+
+def _sample(run: Path) -> dict[str, tuple[int, ...]]:
+    """Per table: the most Parquet files, journals and live segments any one writer holds now, and the
+    Parquet files and journals of all of them (what a query's glob lists and opens)."""
+    out = {}
+    for table in TABLES:
+        files: collections.Counter = collections.Counter()
+        journals: collections.Counter = collections.Counter()
+        for wdir in (run / table).glob("writer=*"):
+            if wdir.name in ("writer=_schema", "writer=_merged"):
+                continue
+            try:
+                names = os.listdir(wdir)
+            except FileNotFoundError:  # folded away at close
+                continue
+            files[wdir.name] = sum(n.endswith(".parquet") for n in names)
+            journals[wdir.name] = sum(n.endswith(".jsonl") for n in names)
+        live = collections.Counter(f.rsplit("/", 2)[-2] for f in live_files(run, table))
+        live.pop("writer=_schema", None)
+        live.pop("writer=_merged", None)
+        out[table] = (max(files.values(), default=0), max(journals.values(), default=0), max(live.values(), default=0),
+                      sum(files.values()), sum(journals.values()))
+    return out
+
+
+def _at_rest(run: Path) -> dict[str, int]:
+    return {t: sum(n.endswith((".parquet", ".jsonl")) for _, _, names in os.walk(run / t) for n in names)
+            for t in TABLES}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--writers", type=int, default=1280)
+    ap.add_argument("--trainers", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=500)
+    ap.add_argument("--procs", type=int, default=4)
+    ap.add_argument("--step-s", type=float, default=0.6)
+    ap.add_argument("--flush-s", type=float, default=10.0)
+    ap.add_argument("--seal-s", type=float, default=60.0)
+    ap.add_argument("--event-every", type=int, default=50)
+    ap.add_argument("--reads", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dir", type=Path, help="where the run goes (default: a temporary directory, removed)")
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    base = a.dir or Path(tempfile.mkdtemp(prefix="live-scale-"))
+    run = base / "run"
+    shutil.rmtree(run, ignore_errors=True)
+    ctx = mp.get_context("fork")
+    go, n = ctx.Event(), a.procs
+    done, flushed, cost_ns, paused = (ctx.Array("q", n, lock=False) for _ in range(4))
+    go.set()
+    chunks = [list(range(a.writers))[p::n] for p in range(n)]
+    procs = [ctx.Process(target=_host, args=(str(run), p, chunks[p], a, go, done, flushed, cost_ns, paused))
+             for p in range(n)]
+    t0 = time.monotonic()
+    for proc in procs:
+        proc.start()
+    at = [a.steps * (k + 1) // (a.reads + 1) for k in range(a.reads)]
+    peak: dict[str, list[int]] = {t: [0] * 5 for t in TABLES}
+    reads, samples, last = [], 0, 0.0
+    while any(proc.is_alive() for proc in procs) and min(done) < a.steps:
+        if time.monotonic() - last > 2 and (run / MARKER).exists():
+            for t, got in _sample(run).items():
+                peak[t] = [max(x, y) for x, y in zip(peak[t], got, strict=True)]
+            samples, last = samples + 1, time.monotonic()
+        if at and min(done) >= at[0]:
+            go.clear()
+            wait = time.monotonic() + 60
+            while not all(paused[p] or done[p] == a.steps for p in range(n)) and time.monotonic() < wait:
+                time.sleep(0.05)  # every host between two steps
+            for proc in procs:
+                os.kill(proc.pid, signal.SIGSTOP)
+            lo = sum(flushed)
+            try:
+                got = _open_count("dynascope", run, a.rounds)
+                rows, twice = (_open_count(arm, run, 1)[0]["rows"] for arm in ("live-all", "live-twice"))
+                files = _sample(run)
+            finally:
+                for proc in procs:
+                    os.kill(proc.pid, signal.SIGCONT)
+            reads.append({"step": at.pop(0), "s": [x["s"] for x in got], "rss_mb": [x["rss_mb"] for x in got],
+                          "timings": got[0]["rows"], "rows": rows, "flushed": lo, "twice": twice, "files": files})
+            print(json.dumps(reads[-1]), flush=True)
+            go.set()
+        time.sleep(0.2)
+    wall = time.monotonic() - t0
+    for proc in procs:
+        proc.join(timeout=900)
+    closed = time.monotonic()
+    total = a.writers * a.steps * len(PHASES)
+    rest = _at_rest(run)
+    while max(rest.values()) > 4 and time.monotonic() - closed < 600:  # the run folds itself at close
+        time.sleep(1)
+        rest = _at_rest(run)
+    rest_s = time.monotonic() - closed
+    final = _open_count("dynascope", run, 1)[0]
+    res = {"writers": a.writers, "steps": a.steps, "seal_s": a.seal_s, "flush_s": a.flush_s, "wall_s": wall,
+           "samples": samples, "peak": peak, "reads": reads, "append_us": [c / 1e3 for c in cost_ns],
+           "at_rest": rest, "rest_s": rest_s, "rows": final["rows"], "expected": total}
+    print(json.dumps(res))
+    if a.json:
+        a.json.write_text(json.dumps(res, indent=1))
+    bad = [r for r in reads if r["rows"] < r["flushed"] or r["twice"]]
+    print(f"\n{a.writers} writers × {a.steps} steps, {wall:.0f} s of writing, {samples} samples")
+    for t, (files, journals, live, all_files, all_journals) in peak.items():
+        print(f"  {t}: most per writer: {files} Parquet files and {journals} journals on disk, {live} live segments;"
+              f" most in all: {all_files:,} Parquet files, {all_journals:,} journals")
+    for r in reads:
+        print(f"  step {r['step']}: files {r['files']['timings']}; open + count {statistics.median(r['s']):.2f} s ({min(r['s']):.2f}–{max(r['s']):.2f}),"
+              f" {statistics.median(r['rss_mb']):.0f} MB; {r['timings']:,} timings rows; all tables {r['rows']:,}"
+              f" (flushed before: {r['flushed']:,}); read twice: {r['twice']}")
+    print(f"  append: {statistics.median(res['append_us']):.1f} µs (processes' medians)")
+    print(f"  at rest {rest_s:.0f} s after the last close: {rest}; rows {final['rows']:,} of {total:,}")
+    if a.dir is None:
+        shutil.rmtree(base, ignore_errors=True)
+    if bad or final["rows"] != total:
+        raise SystemExit(f"rows wrong: {bad or (final['rows'], total)}")
+
+
+if __name__ == "__main__":
+    main()
