@@ -43,11 +43,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from write_side import COUNT, _open_count  # noqa: E402  (the same fresh-process open + count as write_side's)
+from write_side import COUNT, _live_peak, _open_count  # noqa: E402  (write_side's open + count, live census)
 
 from dynascope.store import RunWriter  # noqa: E402
 from dynascope.store.layout import MARKER  # noqa: E402
-from dynascope.store.live import live_files  # noqa: E402
 
 PHASES = ["forward", "backward", "optimizer", "step"]
 DUR_US = [1000, 2000, 500, 3600]
@@ -96,6 +95,7 @@ def _host(run: str, p: int, ranks: list[int], a: argparse.Namespace, go, done, f
 def _sample(run: Path) -> dict[str, tuple[int, ...]]:
     """Per table: the most Parquet files, journals and live segments any one writer holds now, and the
     Parquet files and journals of all of them (what a query's glob lists and opens)."""
+    live = _live_peak(run)  # per table, the most live segments of one writer
     out = {}
     for table in TABLES:
         files: collections.Counter = collections.Counter()
@@ -109,10 +109,7 @@ def _sample(run: Path) -> dict[str, tuple[int, ...]]:
                 continue
             files[wdir.name] = sum(n.endswith(".parquet") for n in names)
             journals[wdir.name] = sum(n.endswith(".jsonl") for n in names)
-        live = collections.Counter(f.rsplit("/", 2)[-2] for f in live_files(run, table))
-        live.pop("writer=_schema", None)
-        live.pop("writer=_merged", None)
-        out[table] = (max(files.values(), default=0), max(journals.values(), default=0), max(live.values(), default=0),
+        out[table] = (max(files.values(), default=0), max(journals.values(), default=0), live[table],
                       sum(files.values()), sum(journals.values()))
     return out
 
