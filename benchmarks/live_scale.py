@@ -132,6 +132,8 @@ def main() -> None:
     ap.add_argument("--reads", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", type=Path, help="where the run goes (default: a temporary directory, removed)")
+    ap.add_argument("--baseline", type=Path, help="another checkout of dynascope: each read also opens and counts "
+                    "with its reader, the arms alternating round by round, on the same files")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     base = a.dir or Path(tempfile.mkdtemp(prefix="live-scale-"))
@@ -164,14 +166,20 @@ def main() -> None:
                 os.kill(proc.pid, signal.SIGSTOP)
             lo = sum(flushed)
             try:
-                got = _open_count("dynascope", run, a.rounds)
+                got, base = [], []
+                for r in range(a.rounds):  # the arms alternate, and which goes first
+                    arms = [(got, None)] + ([(base, {"PYTHONPATH": str(a.baseline)})] if a.baseline else [])
+                    for out, env in arms[::1 if r % 2 == 0 else -1]:
+                        out += _open_count("dynascope", run, 1, env)
                 rows, twice = (_open_count(arm, run, 1)[0]["rows"] for arm in ("live-all", "live-twice"))
                 files = _sample(run)
             finally:
                 for proc in procs:
                     os.kill(proc.pid, signal.SIGCONT)
             reads.append({"step": at.pop(0), "s": [x["s"] for x in got], "rss_mb": [x["rss_mb"] for x in got],
-                          "timings": got[0]["rows"], "rows": rows, "flushed": lo, "twice": twice, "files": files})
+                          "timings": got[0]["rows"], "rows": rows, "flushed": lo, "twice": twice, "files": files,
+                          "base_s": [x["s"] for x in base], "base_rss_mb": [x["rss_mb"] for x in base],
+                          "base_timings": [x["rows"] for x in base]})
             print(json.dumps(reads[-1]), flush=True)
             go.set()
         time.sleep(0.2)
@@ -192,7 +200,7 @@ def main() -> None:
     print(json.dumps(res))
     if a.json:
         a.json.write_text(json.dumps(res, indent=1))
-    bad = [r for r in reads if r["rows"] < r["flushed"] or r["twice"]]
+    bad = [r for r in reads if r["rows"] < r["flushed"] or r["twice"] or any(b != r["timings"] for b in r["base_timings"])]
     print(f"\n{a.writers} writers × {a.steps} steps, {wall:.0f} s of writing, {samples} samples")
     for t, (files, journals, live, all_files, all_journals) in peak.items():
         print(f"  {t}: most per writer: {files} Parquet files and {journals} journals on disk, {live} live segments;"
@@ -201,6 +209,10 @@ def main() -> None:
         print(f"  step {r['step']}: files {r['files']['timings']}; open + count {statistics.median(r['s']):.2f} s ({min(r['s']):.2f}–{max(r['s']):.2f}),"
               f" {statistics.median(r['rss_mb']):.0f} MB; {r['timings']:,} timings rows; all tables {r['rows']:,}"
               f" (flushed before: {r['flushed']:,}); read twice: {r['twice']}")
+        if r["base_s"]:
+            b = r["base_s"]
+            print(f"    baseline: {statistics.median(b):.2f} s ({min(b):.2f}–{max(b):.2f}),"
+                  f" {statistics.median(r['base_rss_mb']):.0f} MB; ratio {statistics.median(r['s']) / statistics.median(b):.2f}")
     print(f"  append: {statistics.median(res['append_us']):.1f} µs (processes' medians)")
     print(f"  at rest {rest_s:.0f} s after the last close: {rest}; rows {final['rows']:,} of {total:,}")
     if a.dir is None:

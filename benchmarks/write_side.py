@@ -108,9 +108,9 @@ def _open_count(arm: str, path: Path, rounds: int, env: dict | None = None) -> l
     code = "import json, time, re; t = time.perf_counter(); " + COUNT[arm].format(path=str(path)) + \
            "; s = time.perf_counter() - t; hwm = re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read())" + \
            "; print(json.dumps({'s': s, 'rows': n, 'rss_mb': int(hwm.group(1)) / 1024}))"
-    for _ in range(rounds):
-        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, cwd=REPO,
-                                env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+    child = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    for _ in range(rounds):  # run in the tree it imports: ``python -c`` puts its working directory first on sys.path
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, cwd=child["PYTHONPATH"], env=child)
         line = proc.stdout.read().decode() if proc.stdout else ""
         if proc.wait() != 0:
             raise SystemExit(f"{arm}: open + count failed")

@@ -27,6 +27,7 @@ import pyarrow as pa
 
 from dynascope.core.errors import StoreError, first_line
 from dynascope.store import at_rest, own_fold, views
+from dynascope.store.bind import Binding
 from dynascope.store.layout import StoreLocation, locate
 from dynascope.store.live import MAX_CLOCK_SKEW_US
 from dynascope.store.pooling import GLOBAL, global_sql
@@ -46,10 +47,13 @@ _EXPLAIN_PREFIX = re.compile(r"^\s*EXPLAIN\s+(?:ANALY[SZ]E\s+)?(?:\([^)]*\)\s*)?
 
 # How the engines say a listed file was gone when they opened it: DuckDB reading a glob ("No such file"), and
 # for a reader of an explicit file list (``engines``), DuckDB binding it ("No files found") and Spark
-# ("FileNotFoundException", "PATH_NOT_FOUND"). A glob of the store's own views always matches its schema
-# file, so only a user's query can get "No files found" there: that is bad input, answered at once.
+# ("FileNotFoundException", "PATH_NOT_FOUND").
 VANISHED = ("No such file",)
 VANISHED_FROM_LIST = (*VANISHED, "No files found", "FileNotFoundException", "PATH_NOT_FOUND")
+# The store's views bind the lists ``bind`` made: DuckDB says "No files found" of a segment or journal that
+# vanished since. Of any other path (a user's query naming a file that is not there) it is bad input,
+# answered at once.
+_LISTED_VANISHED = re.compile(r'No files found that match the pattern "[^"]*/\d{12}(?:-\d{12}(?:\.v\d+)?\.parquet|\.jsonl)"')
 
 
 WINDOW_SPILL_S = 0.5  # how long past its deletion window a loaded writer may still be unlinking
@@ -59,9 +63,10 @@ def retry_vanished(fetch: Callable[[], T], deadline_s: float = 60.0, vanished: S
     """Run ``fetch`` (a query and its fetch, or a listing and its queries), again if a segment vanished
     between listing and reading it.
 
-    DuckDB lists a query's files when it binds and opens them while it runs; a compaction that deletes a
-    merged-away segment in between fails that query with "No such file". Running it again lists the
-    files anew and reads the merged segment instead, so the rows are the same. Two folds at once (a
+    A query's files are listed before it runs (``bind``) and opened while it runs; a compaction that
+    deletes a merged-away segment in between fails that query with "No such file" (or, at bind, "No files
+    found"). Running it again lists the files anew and reads the merged segment instead, so the rows are
+    the same. Two folds at once (a
     writer's own and ``dynascope compact``) can delete twice in a row, so it retries until a deadline
     rather than a fixed number of times. Writers delete only in shared windows of the wall clock
     (``own_fold.DELETE_PERIOD_S``): a query that met one runs again once it is over, so a thousand writers
@@ -74,7 +79,8 @@ def retry_vanished(fetch: Callable[[], T], deadline_s: float = 60.0, vanished: S
         try:
             return fetch()
         except Exception as exc:
-            if not any(s in str(exc) for s in vanished) or time.monotonic() >= end:
+            text = str(exc)
+            if not (any(s in text for s in vanished) or _LISTED_VANISHED.search(text)) or time.monotonic() >= end:
                 raise
             attempt += 1
             time.sleep(_after_deletions(attempt))
@@ -101,10 +107,11 @@ class StoreConnection:
     """
 
     def __init__(self, con: duckdb.DuckDBPyConnection, location: StoreLocation, read_only: bool,
-                 widen: Callable[[], None] | None = None) -> None:
+                 widen: Callable[[], None] | None = None, binding: Binding | None = None) -> None:
         self._con = con
         self.location = location
         self.read_only = read_only
+        self._binding = binding  # the views' file lists, set on each query's connection (``bind``)
         self._widen = widen  # narrow views (``views``): how to bind them by name, once a file needs it
         self._widen_lock = threading.Lock()
 
@@ -130,6 +137,7 @@ class StoreConnection:
         def attempt() -> T:
             cur = self._con.cursor()
             try:
+                self._bind(cur, sql)
                 rel = cur.sql(sql, params=params)
                 if rel is None:
                     raise StoreError("SQL error: statement returned no result")
@@ -187,16 +195,23 @@ class StoreConnection:
                 raise StoreError(f"refused: {name} statements are not allowed on a read-only store (queries only)")
 
     def sql(self, query: str, params: Params = None) -> duckdb.DuckDBPyRelation:
-        """DuckDB's relation for ``query``, on the shared connection (one thread at a time)."""
+        """DuckDB's relation for ``query``, on the shared connection (one thread at a time). It reads the
+        files live when it was made, however late it is fetched."""
         self.check(query)
+        self._bind(self._con, query)
         return self._con.sql(query, params=params)
 
     def execute(self, query: str, params: Params = None) -> duckdb.DuckDBPyConnection:
         """Run ``query`` on the shared connection (one thread at a time) and return it for fetching."""
         self.check(query)
+        self._bind(self._con, query)
         return self._con.execute(query, params)
 
     query = sql
+
+    def _bind(self, con: duckdb.DuckDBPyConnection, query: str) -> None:
+        if self._binding is not None:
+            self._binding.bind(con, query)
 
     def close(self) -> None:
         self._con.close()
@@ -231,7 +246,10 @@ def open_store(path: str | os.PathLike, read_only: bool = True, threads: int | N
             con.execute(f"SET threads = {int(threads)}")
         # Binding reads file schemas: a compaction may delete one in between, so bind again (retry_vanished).
         wide = not views.narrow(loc)
-        views.create_views(con, loc, at, commit_at, wide, retry_vanished, journals=at_us is None)
+        tables = views.tables_of(loc, journals=at_us is None)
+        binding = Binding(loc, tables, at, commit_at)
+        binding.hold(con)
+        views.create_views(con, tables, wide, retry_vanished)
         # The canonical per-tensor view: one row per (run, role, stage, step, tensor), pooled by store.pooling's rule.
         retry_vanished(functools.partial(con.execute, f"CREATE OR REPLACE VIEW {GLOBAL} AS {global_sql()}"))
         if read_only:
@@ -250,9 +268,8 @@ def open_store(path: str | os.PathLike, read_only: bool = True, threads: int | N
         raise StoreError(explain_error(exc, f"{loc.path}: could not open store")) from None
     for run_dir in loc.run_dirs:  # a finished run left untidy is folded behind this reader, for the next one
         at_rest.settle_later(run_dir)
-    widen = None if wide else functools.partial(views.create_views, con, loc, at, commit_at, True, retry_vanished,
-                                                   journals=at_us is None)
-    return StoreConnection(con, loc, read_only, widen)
+    widen = None if wide else functools.partial(views.create_views, con, tables, True, retry_vanished)
+    return StoreConnection(con, loc, read_only, widen, binding)
 
 
 StoreLike = StoreConnection | str | os.PathLike  # what the toolkit's readers take: an open store or its path

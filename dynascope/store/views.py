@@ -1,10 +1,11 @@
-"""The tables' views: one per table, over every live segment of a run or a store root.
+"""The tables' views: one per table, over the live segments of a run or a store root.
 
-A view reads ``read_parquet(<the table's glob>)`` and keeps the rows of the files the live-segment rule
-(``live``) selects at the query's start. How DuckDB binds that glob decides what a query costs at scale:
+A view reads ``read_parquet(getvariable(...))``: the list of files that the live-segment rule (``live``)
+keeps at the query's start, which ``bind`` sets on the query's connection before the query runs. How
+DuckDB binds that list decides what a query costs at scale:
 
 - **narrow** (a run whose marker carries the current ``COLUMNS_ID``, and every run of a root likewise):
-  the files share one schema, so DuckDB binds the glob by its first file, the run's ``_schema`` segment
+  the files share one schema, so DuckDB binds the list by its first file, the runs' ``_schema`` segment
   (put first: it holds no rows and was written with the creator's full schema), and reads each other
   file's footer once, when the query scans it.
 - **wide** (``union_by_name``): every file's footer is read at bind time as well, so files written with
@@ -15,11 +16,8 @@ A view reads ``read_parquet(<the table's glob>)`` and keeps the rows of the file
   ignored by name and a missing one is an error, never a silent NULL.
 
 Views of the present also read the writers' journals (``journal``): ``read_json`` of the table's
-``*.jsonl`` files (``journal_scan``), those that ``live.live_ctes``'s ``jlive`` keeps, from the same listing as the
-segments'. A run whose ``_schema`` directory holds an empty journal may have them.
-
-Both open every file the table's glob lists, live or merged away: DuckDB prunes a file by a filter on its
-name only where the filter is a constant, and the rule's file list is a subquery.
+``*.jsonl`` files that ``live.live_ctes``'s ``jlive`` keeps (``journal_scan``), from the same listing as
+the segments'. A run whose ``_schema`` directory holds an empty journal may have them.
 """
 
 from __future__ import annotations
@@ -29,16 +27,16 @@ import hashlib
 import json
 from collections.abc import Callable
 from functools import partial
+from typing import NamedTuple
 
 import duckdb
 
 from dynascope.store import projection
 from dynascope.store.layout import JOURNAL, StoreLocation
-from dynascope.store.live import live_ctes
 from dynascope.store.projection import select_list
 from dynascope.store.schema import TABLES, sql_type
 
-__all__ = ["COLUMNS_ID", "MISMATCH", "create_views", "narrow", "typed_nulls"]
+__all__ = ["COLUMNS_ID", "MISMATCH", "Tables", "create_views", "narrow", "tables_of", "typed_nulls", "variable"]
 
 # The tables' columns and types, as one short id: a run's marker records its creator's, and readers of
 # the same id know every file of the run has these columns.
@@ -70,34 +68,29 @@ def narrow(loc: StoreLocation) -> bool:
     return loc.columns == {COLUMNS_ID}
 
 
-def view_sql(loc: StoreLocation, table: str, at: str, commit_at: str | None = None, wide: bool = True,
-             journals: bool = False) -> str:
-    pattern = quote_literal(loc.table_glob(table))
-    listed = [pattern, quote_literal(loc.commit_glob())] + ([quote_literal(loc.journal_glob(table))] if journals else [])
-    listing = "(" + " UNION ALL ".join(f"SELECT file FROM glob({g})" for g in listed) + ")"
-    # Narrow: the runs' schema segments first, so DuckDB binds the creator's columns (they hold no rows, so
-    # reading them twice adds none); wide: every file's footer, matched by name.
-    files = f"{pattern}, union_by_name = true" if wide else f"[{quote_literal(loc.schema_glob(table))}, {pattern}]"
-    # The journals' rows (``journal``) that no counted segment covers.
+def view_sql(table: str, wide: bool = True, journals: bool = False) -> str:
+    """``table``'s view: the segments (and, ``journals``, the journals) that ``bind`` lists for the query
+    that reads it, on the query's connection."""
+    files = f"getvariable({quote_literal(variable('segments', table))})"
+    # Narrow: the runs' schema segments first in the list, so DuckDB binds the creator's columns (they hold
+    # no rows, so reading them twice adds none); wide: every file's footer, matched by name.
+    segments = f"read_parquet({files}{', union_by_name = true' if wide else ''})"
     journal = f"""
         UNION ALL BY NAME
-        {journal_scan(listed[2], table, "filename = '_segment_file'")} AND _segment_file IN (SELECT file FROM jlive)""" \
-        if journals else ""
-    # The live-segment rule (``live``), over the query's own listing, at the query's start (or ``at_us``).
-    # The row of NULLs is for the join's planner, and the filter drops it: a narrow glob is estimated at its
-    # first file's rows, the schema segment's none, and a side estimated empty is the one a hash join
-    # builds on -- every row of the table held in memory, all its columns, to keep those of a few thousand
-    # files (~350 bytes a row for a count). With one row estimated, the live files are the build side.
+        {journal_scan(f"getvariable({quote_literal(variable('journals', table))})", table)}""" if journals else ""
     return f"""
     CREATE OR REPLACE VIEW {quote_ident(table)} AS
-    {live_ctes(listing, at, commit_at)}
     SELECT {select_list(table, quote_ident)} FROM (
-        SELECT * FROM (SELECT * FROM read_parquet({files}, filename = '_segment_file')
-                       UNION ALL BY NAME SELECT CAST(NULL AS VARCHAR) AS _segment_file)
-        WHERE _segment_file IN (SELECT file FROM live){journal}
+        SELECT * FROM {segments} WHERE getvariable({quote_literal(variable('rows', table))}){journal}
         UNION ALL BY NAME  -- columns added to the schema after a run's segments were written read as NULL
         SELECT {typed_nulls(table, with_old_names=True)} WHERE false)
     """
+
+
+def variable(kind: str, table: str) -> str:
+    """The name of the variable holding ``table``'s ``kind`` list (``bind``): ``segments`` or ``journals``,
+    or ``rows`` (false while no segment of the table is live: the list then holds only a file to bind by)."""
+    return f"dynascope_{kind}_{table}"
 
 
 def journal_scan(files: str, table: str, options: str = "") -> str:
@@ -110,13 +103,28 @@ def journal_scan(files: str, table: str, options: str = "") -> str:
             f"ignore_errors = true, hive_partitioning = false{', ' + options if options else ''}) WHERE _end IS NOT NULL")
 
 
-def create_views(con: duckdb.DuckDBPyConnection, loc: StoreLocation, at: str, commit_at: str | None, wide: bool,
-                 retry: Callable, journals: bool = True) -> None:
-    """One view per table on ``con``; ``retry`` runs a statement again if a segment vanished while it bound.
-    ``journals``: read the writers' journals too (a read of the present; the runs created with schema journals)."""
+class Tables(NamedTuple):
+    """What a store's views read: the tables with segments, those with schema segments (listed first, so a
+    narrow view binds its creator's columns) and those whose writers may keep journals."""
+
+    segments: frozenset[str]
+    schema: frozenset[str]
+    journals: frozenset[str]
+
+
+def tables_of(loc: StoreLocation, journals: bool = True) -> Tables:
+    """``loc``'s tables as ``Tables``; ``journals``: read the writers' journals too (a read of the present;
+    the runs created with schema journals)."""
+    segments = frozenset(t for t in TABLES if glob.glob(loc.table_glob(t)))
+    return Tables(segments, frozenset(t for t in segments if glob.glob(loc.schema_glob(t))),
+                  frozenset(t for t in segments if journals and glob.glob(loc.schema_glob(t, JOURNAL))))
+
+
+def create_views(con: duckdb.DuckDBPyConnection, tables: Tables, wide: bool, retry: Callable) -> None:
+    """One view per table on ``con``, whose lists (``bind.Binding.hold``) must be set; ``retry`` runs a
+    statement again if a segment vanished while it bound."""
     for table in TABLES:
-        if glob.glob(loc.table_glob(table)):
-            with_journals = journals and bool(glob.glob(loc.schema_glob(table, JOURNAL)))
-            retry(partial(con.execute, view_sql(loc, table, at, commit_at, wide, with_journals)))
+        if table in tables.segments:
+            retry(partial(con.execute, view_sql(table, wide, table in tables.journals)))
         else:  # runs written before this table existed: read_parquet would fail on an empty glob
             con.execute(f"CREATE OR REPLACE VIEW {quote_ident(table)} AS SELECT {typed_nulls(table)} WHERE false")
