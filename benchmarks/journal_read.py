@@ -79,17 +79,23 @@ def main() -> None:
     ap.add_argument("--flushes", type=int, nargs="+", default=[30, 300])
     ap.add_argument("--sealed", type=int, nargs="+", default=[own_fold.SEALED_LEAVE + own_fold.SEALED_EVERY])
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--baseline", type=Path, help="another checkout of dynascope: its reader opens and counts "
+                    "both runs too, in the same alternation")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    readers = {"": {"DYNASCOPE_FOLD": "0"}}
+    if args.baseline:
+        readers[" (baseline)"] = {"DYNASCOPE_FOLD": "0", "PYTHONPATH": str(args.baseline)}
     results = []
     for n, f, k in itertools.product(args.writers, args.flushes, args.sealed):
         d = Path(tempfile.mkdtemp(prefix="journal-read-"))
         try:
             rows = {arm: build(d / arm, n, f, arm == "sealed", k) for arm in ("journal", "sealed")}
-            arms: dict[str, list[dict]] = {"journal": [], "sealed": []}
+            order = [(run, who) for run in ("journal", "sealed") for who in readers]
+            arms: dict[str, list[dict]] = {run + who: [] for run, who in order}
             for r in range(args.rounds):
-                for arm in (("journal", "sealed") if r % 2 == 0 else ("sealed", "journal")):
-                    arms[arm] += _open_count("dynascope", d / arm, 1, {"DYNASCOPE_FOLD": "0"})
+                for run, who in order[::1 if r % 2 == 0 else -1]:
+                    arms[run + who] += _open_count("dynascope", d / run, 1, readers[who])
             for arm, runs in arms.items():
                 assert all(x["rows"] == n * (k + 1) * f * len(PHASES) for x in runs), (arm, runs, rows)
             res = {"writers": n, "flushes": f, "segments": k,
@@ -110,6 +116,12 @@ def main() -> None:
         print(f"| {r['writers']:,} | {r['segments']} | {r['flushes']} | {j:.2f} ({min(r['journal']['s']):.2f}–{max(r['journal']['s']):.2f})"
               f" | {statistics.median(r['journal']['rss_mb']):.0f} | {s:.2f} ({min(r['sealed']['s']):.2f}–"
               f"{max(r['sealed']['s']):.2f}) | {statistics.median(r['sealed']['rss_mb']):.0f} | {j / s:.2f} |")
+
+    for r in results if args.baseline else []:
+        b, n = r["journal (baseline)"], r["journal"]
+        print(f"{r['writers']:,} writers, {r['segments']} sealed, {r['flushes']} flushes, with journals: baseline "
+              f"{statistics.median(b['s']):.2f} s ({min(b['s']):.2f}–{max(b['s']):.2f}), {statistics.median(b['rss_mb']):.0f}"
+              f" MB; ratio {statistics.median(n['s']) / statistics.median(b['s']):.2f}")
 
 
 if __name__ == "__main__":

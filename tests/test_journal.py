@@ -192,6 +192,33 @@ def test_a_failing_seal_is_reported_once_and_tried_less_often(tmp_path: Path, mo
         assert s.rows("SELECT count(*) FROM events WHERE event = 'seal_error'") == [(1,)]
 
 
+def test_a_seal_renamed_late_has_longer_the_next_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a host loaded far past its cores a seal's rename can land after the 1 s in which the segment takes
+    effect: that seal is undone, and the next has twice as long."""
+    run = tmp_path / "r"
+    w = RunWriter(run, flush_secs=3600, seal_secs=0.01)  # a seal is due at every flush
+    real, seals = os.replace, set()
+
+    def slow(src, dst):  # each seal's renames, late by 1.2 s (its segments share their time .v<t>)
+        if ".seal-" in str(src) and (t := str(dst).rsplit(".v", 1)[-1]) not in seals:
+            seals.add(t)
+            time.sleep(1.2)
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", slow)
+    with pytest.warns(RuntimeWarning, match=r"renamed after they took effect \(1 s\)"):
+        w.append("scalars", _rows(0))
+        w.flush()
+    assert w.journal.failures == 1 and w.journal.base is not None  # undone: the journal still counts
+    w.journal.retry_at = 0.0
+    w.flush()
+    assert w.journal.failures == 0 and w.journal.base is None  # sealed, in 2 s
+    monkeypatch.setattr(os, "replace", real)
+    w.close()
+    with open_store(run) as s:
+        assert s.rows("SELECT count(*), count(DISTINCT step) FROM scalars") == [(7, 1)]
+
+
 _KILLED = """
 import sys, time
 from dynascope.store import RunWriter

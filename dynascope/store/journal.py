@@ -64,7 +64,10 @@ SEAL_SECS = 300.0  # watch()'s default: ~30 metadata operations a seal, ~400 a w
 SEAL_BYTES = 32 << 20  # a writer's journals are sealed once they hold this much: bounds what a query parses
 # A sealed segment counts this long after its file is written: time for its renames (a handful; a merge's
 # ``own_fold.SETTLE_S`` is 2 s), and the wait of a closing writer for its last seal (``writer_close``).
+# After a failed seal the next has twice as long, up to 4 s: on a host loaded far past its cores, renames
+# late by a second failed a quarter of 1,280 writers' seals, and each failure put off the next seal 10 s.
 SETTLE_S = 1.0
+SETTLE_MAX_S = 4.0
 ORPHAN_SETTLE_S = 5.0  # the same, for a dead or closed writer's journals sealed on its behalf (``seal_orphans``)
 SEAL_RETRY_S = 10.0  # the first wait after a failed seal (it doubles while seals keep failing)
 GRACE_S = 10.0  # a sealed journal is deleted this long after its segment took effect
@@ -153,7 +156,9 @@ class Journal:
         if not self.files:
             self.base = None
             return False
-        t = self.effective_us = seal_files([f.path for f in self.files.values()], self._connection(), self.compression)
+        settle_s = min(SETTLE_S * 2 ** min(self.failures, 8), SETTLE_MAX_S)
+        t = self.effective_us = seal_files([f.path for f in self.files.values()], self._connection(), self.compression,
+                                           settle_s)
         for f in self.files.values():
             _close(f.fd)
         self.sealed.append((t + int(GRACE_S * 1e6), [f.path for f in self.files.values()]))

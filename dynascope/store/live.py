@@ -14,10 +14,11 @@ A writer's journal ``<run>/<table>/<writer dir>/<n>.jsonl`` (``journal``) counts
 by the rule above covers its number ``n`` (``live_ctes``'s ``jlive``): its seal is the merged segment ``n-n.v<t>``.
 Only DuckDB's views of the present read journals; ``live_files`` lists segments.
 
-DuckDB's views evaluate ``live_sql`` over ``glob()``; ``live_files`` evaluates the same SQL over a listing
-made here or given by the caller (an object store's list call), so every engine reads the same files.
-``live_paths`` is the same rule in Python, for the small listings of compaction and a writer's own fold,
-where DuckDB's fixed cost per evaluation (~10 ms) outweighs the work; a test holds the two equal.
+``live_files`` evaluates ``live_sql`` over a listing made here or given by the caller (an object store's
+list call), so every engine reads the same files. ``live_paths`` and ``live_sets`` are the same rule in
+Python: for the small listings of compaction and a writer's own fold, where DuckDB's fixed cost per
+evaluation (~10 ms) outweighs the work, and for the lists DuckDB's views read (``bind``), where it took
+30 ms on 6,400 files against the SQL's 180 ms. A test holds the two equal, journals included.
 """
 
 from __future__ import annotations
@@ -128,14 +129,22 @@ def _counted_sql(listing: str, at: str, commit_at: str | None) -> str:
 
 _SEG = re.compile(SEGMENT_SQL_RE)
 _COMMIT = re.compile(COMMIT_SQL_RE)
+_JOURNAL = re.compile(JOURNAL_SQL_RE)
 
 
 def live_paths(paths: Iterable[str], at_us: int, commit_at_us: int | None = None) -> frozenset[str]:
     """The live segments among ``paths`` at ``at_us``: ``live_sql``'s rule, step by step, in Python."""
+    return live_sets(paths, at_us, commit_at_us)[0]
+
+
+def live_sets(paths: Iterable[str], at_us: int, commit_at_us: int | None = None) -> tuple[frozenset[str], frozenset[str]]:
+    """``live_ctes``'s ``live`` and ``jlive`` among ``paths`` at ``at_us``, in Python: the live segments,
+    and the journals whose rows count."""
     commit_at = at_us if commit_at_us is None else commit_at_us
     keeps: set[tuple[str, str]] = set()
     committed: dict[tuple[str, str], set[int]] = {}
     segs: dict[str, list[tuple[int, int, str, tuple[str, str], bool]]] = {}
+    journals: list[tuple[str, int, str]] = []
     for p in paths:
         if p.endswith(".json") and (c := _COMMIT.match(p)):
             keeps.add((c[1], c[2]))
@@ -143,16 +152,21 @@ def live_paths(paths: Iterable[str], at_us: int, commit_at_us: int | None = None
                 committed.setdefault((c[1], c[2]), set()).update(range(int(c[3]), int(c[4]) + 1))
         elif p.endswith(".parquet") and (m := _SEG.match(p)) and (m[6] is None or int(m[6]) <= at_us):
             segs.setdefault(f"{m[1]}/{m[2]}/{m[3]}", []).append((int(m[4]), int(m[5]), p, (m[1], m[3]), m[6] is not None))
+        elif p.endswith(".jsonl") and (j := _JOURNAL.match(p)):
+            journals.append((f"{j[1]}/{j[2]}/{j[3]}", int(j[4]), p))
     live: set[str] = set()
-    for entries in segs.values():
+    counted: dict[str, list[tuple[int, int]]] = {}
+    for d, entries in segs.items():
         reach = None  # the furthest segment so far in (lo, hi descending, name) order covers what it reaches
         for lo, hi, p, writer, merged in sorted(entries, key=lambda e: (e[0], -e[1], e[2])):
             if not (merged or writer not in keeps or (lo == hi and lo in committed.get(writer, ()))):
                 continue
+            counted.setdefault(d, []).append((lo, hi))
             if reach is None or reach < hi:
                 live.add(p)
             reach = hi if reach is None else max(reach, hi)
-    return frozenset(live)
+    jlive = {p for d, n, p in journals if not any(lo <= n <= hi for lo, hi in counted.get(d, ()))}
+    return frozenset(live), frozenset(jlive)
 
 
 _con: duckdb.DuckDBPyConnection | None = None

@@ -29,7 +29,6 @@ from dynascope.core.errors import StoreError, first_line
 from dynascope.store import at_rest, own_fold, views
 from dynascope.store.bind import Binding
 from dynascope.store.layout import StoreLocation, locate
-from dynascope.store.live import MAX_CLOCK_SKEW_US
 from dynascope.store.pooling import GLOBAL, global_sql
 from dynascope.store.views import quote_literal
 
@@ -236,9 +235,6 @@ def open_store(path: str | os.PathLike, read_only: bool = True, threads: int | N
     written with a newer schema.
     """
     loc = locate(path)
-    at = "epoch_us(get_current_timestamp())" if at_us is None else str(int(at_us))
-    # Read "now": a writer whose clock runs ahead (up to MAX_CLOCK_SKEW_US) has its flushes counted at once.
-    commit_at = f"({at} + {MAX_CLOCK_SKEW_US})" if at_us is None else at
     con = duckdb.connect(":memory:")
     try:
         con.execute("SET enable_progress_bar = false")  # it would interleave with CSV/JSON on stdout
@@ -247,7 +243,7 @@ def open_store(path: str | os.PathLike, read_only: bool = True, threads: int | N
         # Binding reads file schemas: a compaction may delete one in between, so bind again (retry_vanished).
         wide = not views.narrow(loc)
         tables = views.tables_of(loc, journals=at_us is None)
-        binding = Binding(loc, tables, at, commit_at)
+        binding = Binding(loc, tables, None if at_us is None else int(at_us))
         binding.hold(con)
         views.create_views(con, tables, wide, retry_vanished)
         # The canonical per-tensor view: one row per (run, role, stage, step, tensor), pooled by store.pooling's rule.
