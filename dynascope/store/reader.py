@@ -82,7 +82,7 @@ def retry_vanished(fetch: Callable[[], T], deadline_s: float = 60.0, vanished: S
             if not (any(s in text for s in vanished) or _LISTED_VANISHED.search(text)) or time.monotonic() >= end:
                 raise
             attempt += 1
-            time.sleep(_after_deletions(attempt))
+            time.sleep(min(_after_deletions(attempt), max(end - time.monotonic(), 0.0)))  # a last run at the deadline
 
 
 def _after_deletions(attempt: int) -> float:
