@@ -166,9 +166,9 @@ def main() -> None:
                 os.kill(proc.pid, signal.SIGSTOP)
             lo = sum(flushed)
             try:
-                got, base = [], []
+                got, before = [], []
                 for r in range(a.rounds):  # the arms alternate, and which goes first
-                    arms = [(got, None)] + ([(base, {"PYTHONPATH": str(a.baseline)})] if a.baseline else [])
+                    arms = [(got, None)] + ([(before, {"PYTHONPATH": str(a.baseline)})] if a.baseline else [])
                     for out, env in arms[::1 if r % 2 == 0 else -1]:
                         out += _open_count("dynascope", run, 1, env)
                 rows, twice = (_open_count(arm, run, 1)[0]["rows"] for arm in ("live-all", "live-twice"))
@@ -178,8 +178,8 @@ def main() -> None:
                     os.kill(proc.pid, signal.SIGCONT)
             reads.append({"step": at.pop(0), "s": [x["s"] for x in got], "rss_mb": [x["rss_mb"] for x in got],
                           "timings": got[0]["rows"], "rows": rows, "flushed": lo, "twice": twice, "files": files,
-                          "base_s": [x["s"] for x in base], "base_rss_mb": [x["rss_mb"] for x in base],
-                          "base_timings": [x["rows"] for x in base]})
+                          "base_s": [x["s"] for x in before], "base_rss_mb": [x["rss_mb"] for x in before],
+                          "base_timings": [x["rows"] for x in before]})
             print(json.dumps(reads[-1]), flush=True)
             go.set()
         time.sleep(0.2)
