@@ -9,7 +9,7 @@ JSON lines (DuckDB's ``to_json`` of each row, ending in ``"_end":1``) to one fil
 Every ``seal_secs`` (or once the journals hold ``seal_bytes``), and at close, the writer *seals* them: each
 journal's rows become a segment ``<n>-<n>.v<t>.parquet`` of its directory, a merged segment in ``live``'s
 terms, which counts from ``t`` (``SETTLE_S`` after it is written) and from then covers journal ``n``
-(``live.live_ctes``'s ``jlive``). A query that starts before ``t`` reads the journal, one that starts later reads
+(``live.live_sets``). A query that starts before ``t`` reads the journal, one that starts later reads
 the segment (whose file it listed, since it was renamed before ``t``): each row once, at every moment. The
 journal is deleted ``GRACE_S`` after ``t``; a query still reading it then runs again
 (``reader.retry_vanished``). Later folds merge the sealed segments like any others and cover ``n`` in turn.

@@ -11,7 +11,7 @@ At a query's start time ``at`` (µs since the epoch) a segment is read when
    ``hi' >= hi`` (ties between two merges of one range go to the smaller file name).
 
 A writer's journal ``<run>/<table>/<writer dir>/<n>.jsonl`` (``journal``) counts while no segment counted
-by the rule above covers its number ``n`` (``live_ctes``'s ``jlive``): its seal is the merged segment ``n-n.v<t>``.
+by the rule above covers its number ``n`` (``live_sets``): its seal is the merged segment ``n-n.v<t>``.
 Only DuckDB's views of the present read journals; ``live_files`` lists segments.
 
 ``live_files`` evaluates ``live_sql`` over a listing made here or given by the caller (an object store's
@@ -37,9 +37,10 @@ import pyarrow as pa
 from dynascope.store.layout import COMMITS, SEGMENT_RE, locate
 from dynascope.store.schema import TABLES
 
-# Regular expressions of the SQL below (RE2 in DuckDB): a segment, and a commit record or a writer's begin record.
+# Regular expressions of the SQL below (RE2 in DuckDB): a segment, and a commit record or a writer's begin record;
+# and a journal's, which only the Python rule (``live_sets``) reads.
 SEGMENT_SQL_RE = r"^(.*)/([^/]+)/([^/]+)/(\d{12})-(\d{12})(?:\.v(\d{1,20}))?\.parquet$"
-JOURNAL_SQL_RE = r"^(.*)/([^/]+)/([^/]+)/(\d{12})\.jsonl$"
+JOURNAL_RE = r"^(.*)/([^/]+)/([^/]+)/(\d{12})\.jsonl$"
 COMMIT_SQL_RE = r"^(.*)/" + COMMITS + r"/([^/]+)/(?:(\d{12})-(\d{12})\.v(\d{1,20})|begin)\.json$"
 FOREVER_US = 2**62
 
@@ -74,33 +75,18 @@ def live_sql(listing: str, at: str, commit_at: str | None = None) -> str:
     and per directory the furthest segment so far in (lo, hi descending, name) order says whether a
     segment is covered.
     """
-    return live_ctes(listing, at, commit_at) + " SELECT file FROM live"
-
-
-def live_ctes(listing: str, at: str, commit_at: str | None = None) -> str:
-    """``WITH`` clauses ending in ``live`` (``live_sql``'s files) and ``jlive``: the journals (``journal``)
-    whose rows count at ``at``, those no counted segment covers (a seal writes journal ``n``'s rows to a
-    merged segment ``n-n.v<t>``, and later merges and covers span ``n`` in turn). One listing for both: a
-    view that reads both reads them from the same moment's files."""
-    jre = _literal(JOURNAL_SQL_RE)
-    return _counted_sql(listing, at, commit_at) + f""", live AS (
+    return _counted_sql(listing, at, commit_at) + """, live AS (
         SELECT file FROM (
             SELECT file, hi, max(hi) OVER (PARTITION BY dir ORDER BY lo, hi DESC, file
                                            ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS reach
             FROM counted)
         WHERE reach IS NULL OR reach < hi
-    ), jr AS (
-        SELECT file, regexp_extract(file, {jre}, ['run', 'tbl', 'w', 'n']) AS j FROM listed WHERE file LIKE '%.jsonl'
-    ), jlive AS (
-        SELECT file FROM jr WHERE j.w <> '' AND NOT EXISTS (
-            SELECT 1 FROM counted c WHERE c.dir = j.run || '/' || j.tbl || '/' || j.w
-            AND c.lo <= CAST(j.n AS BIGINT) AND c.hi >= CAST(j.n AS BIGINT))
-    )"""
+    ) SELECT file FROM live"""
 
 
 def _counted_sql(listing: str, at: str, commit_at: str | None) -> str:
-    """The common part of ``live`` and ``jlive``: CTEs ending in ``counted``, the segments in
-    effect at ``at`` (``dir``, ``lo``, ``hi``), covered or not."""
+    """CTEs ending in ``counted``: the segments in effect at ``at`` (``dir``, ``lo``, ``hi``), covered or
+    not."""
     seg, com = _literal(SEGMENT_SQL_RE), _literal(COMMIT_SQL_RE)
     return f"""
     WITH listed AS MATERIALIZED (SELECT file FROM {listing}),  -- one listing, read by both parses below
@@ -129,7 +115,7 @@ def _counted_sql(listing: str, at: str, commit_at: str | None) -> str:
 
 _SEG = re.compile(SEGMENT_SQL_RE)
 _COMMIT = re.compile(COMMIT_SQL_RE)
-_JOURNAL = re.compile(JOURNAL_SQL_RE)
+_JOURNAL = re.compile(JOURNAL_RE)
 
 
 def live_paths(paths: Iterable[str], at_us: int, commit_at_us: int | None = None) -> frozenset[str]:
@@ -138,8 +124,8 @@ def live_paths(paths: Iterable[str], at_us: int, commit_at_us: int | None = None
 
 
 def live_sets(paths: Iterable[str], at_us: int, commit_at_us: int | None = None) -> tuple[frozenset[str], frozenset[str]]:
-    """``live_ctes``'s ``live`` and ``jlive`` among ``paths`` at ``at_us``, in Python: the live segments,
-    and the journals whose rows count."""
+    """The live segments among ``paths`` at ``at_us`` (``live_sql``'s rule, in Python), and the journals
+    whose rows count: those no counted segment of their directory covers."""
     commit_at = at_us if commit_at_us is None else commit_at_us
     keeps: set[tuple[str, str]] = set()
     committed: dict[tuple[str, str], set[int]] = {}

@@ -16,8 +16,8 @@ DuckDB binds that list decides what a query costs at scale:
   ignored by name and a missing one is an error, never a silent NULL.
 
 Views of the present also read the writers' journals (``journal``): ``read_json`` of the table's
-``*.jsonl`` files that ``live.live_ctes``'s ``jlive`` keeps (``journal_scan``), from the same listing as
-the segments'. A run whose ``_schema`` directory holds an empty journal may have them.
+``*.jsonl`` files that ``live.live_sets`` keeps (``journal_scan``), from the same listing as the
+segments'. A run whose ``_schema`` directory holds an empty journal may have them.
 """
 
 from __future__ import annotations
