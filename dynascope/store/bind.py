@@ -51,9 +51,12 @@ class Binding:
         # a read of the present counts the records of a writer whose clock runs ahead (``MAX_CLOCK_SKEW_US``)
         commit_at = at + MAX_CLOCK_SKEW_US if self.at_us is None else at
         live, journals = live_sets(self._listing(tables), at, commit_at)
+        by_table: dict[tuple[str, bool], list[str]] = {}
+        for p in sorted(live | journals):
+            by_table.setdefault((_table(p), p in journals), []).append(p)
         for table in tables:
-            self._set(con, table, sorted(p for p in live if _table(p) == table),
-                      sorted(p for p in journals if _table(p) == table) if table in self.journals else [])
+            self._set(con, table, by_table.get((table, False), []),
+                      by_table.get((table, True), []) if table in self.journals else [])
 
     def named(self, con: duckdb.DuckDBPyConnection, query: str) -> set[str]:
         """The tables ``query`` names, itself or through views; every table if it names none (a name
