@@ -13,6 +13,7 @@ import pytest
 
 from dynascope import analyses, open_store
 from dynascope.alerts import DEFAULT_RULES, Monitor
+from dynascope.alerts.quantities import series
 
 from helpers.demo_cli import run_cli
 
@@ -100,9 +101,24 @@ def test_torchrun_two_ranks_names_the_slow_rank(tmp_path: Path) -> None:
     fired = Monitor(run, rule).poll(final=True)
     slowed = [f for f in fired if f.part == "rollout"]
     assert slowed and {f.rank for f in slowed} == {1}, fired
-    with open_store(run) as con:  # the slowed work is the rollout: it fires within a window of the first
+    # It fires where the rank's rollout scores first stay under the threshold for a whole window: a streak
+    # re-counted here over the series the rule reads. On a loaded host one step's rollout on rank 0 can be
+    # descheduled enough to score rank 1 above 0.75 and restart the streak, so the streak is allowed to
+    # begin a few steps late, but the slow rank must read slow on most of its rollout steps.
+    with open_store(run) as con:
         first, last = one(con, "SELECT min(step), max(step) FROM timings WHERE rank = 1 AND phase = 'rollout'")
-    assert slowed and first <= min(f.step for f in slowed) <= first + rule[0].window < last, (fired, first, last)
+        scores = series(con, "straggler_score").filter((pl.col("rank") == 1) & (pl.col("part") == "rollout"))
+    window = rule[0].window
+    streak, expected = 0, None
+    for step, value in scores.sort("step").select("step", "value").iter_rows():
+        streak = streak + 1 if rule[0].holds(value) else 0
+        if streak >= window:
+            expected = step
+            break
+    below = scores.filter(pl.col("value") < 0.75).height / max(scores.height, 1)
+    assert below >= 0.8, scores
+    assert min(f.step for f in slowed) == expected, (fired, scores)
+    assert first + window - 1 <= expected <= first + 3 * window < last, (fired, first, last, scores)
 
 
 @pytest.mark.slow
