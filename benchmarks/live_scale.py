@@ -56,6 +56,7 @@ TABLES = ("timings", "events")
 OPEN = "from dynascope.store import open_store; s = open_store({path!r}); "
 COUNT["live-all"] = OPEN + ("n = s.rows('SELECT (SELECT count(*) FROM timings) + (SELECT count(*) FROM events)"
                             " + (SELECT count(*) FROM runs)')[0][0]")  # a writer's rows_written counts its runs row
+COUNT["live-fallback"] = OPEN + "n = s.rows(\"SELECT count(*) FROM events WHERE event = 'node_fallback'\")[0][0]"
 COUNT["live-twice"] = OPEN + "n = s.rows('SELECT count(*) - count(DISTINCT (rank, step, phase)) FROM timings')[0][0]"
 
 
@@ -64,7 +65,8 @@ def _host(run: str, p: int, ranks: list[int], a: argparse.Namespace, go, done, f
     parent reads (``go`` cleared); publish the rows flushed; close them all."""
     os.fsync = lambda fd: None  # type: ignore[assignment]  (see the module's docstring)
     writers = [RunWriter(run, rank=r, role="trainer" if r < a.trainers else "rollout", world_size=a.writers,
-                         flush_secs=a.flush_s, seal_secs=a.seal_s, fold=True) for r in ranks]
+                         flush_secs=a.flush_s, seal_secs=a.seal_s, fold=True,
+                         node=f"node{r // a.node}" if a.node > 1 else False) for r in ranks]
     costs: list[int] = []
     t_next = time.monotonic()
     for step in range(a.steps):
@@ -129,6 +131,7 @@ def main() -> None:
     ap.add_argument("--flush-s", type=float, default=10.0)
     ap.add_argument("--seal-s", type=float, default=60.0)
     ap.add_argument("--event-every", type=int, default=50)
+    ap.add_argument("--node", type=int, default=1, help="ranks a node writer (store.node); 1: a writer per rank")
     ap.add_argument("--reads", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", type=Path, help="where the run goes (default: a temporary directory, removed)")
@@ -194,7 +197,8 @@ def main() -> None:
         rest = _at_rest(run)
     rest_s = time.monotonic() - closed
     final = _open_count("dynascope", run, 1)[0]
-    res = {"writers": a.writers, "steps": a.steps, "seal_s": a.seal_s, "flush_s": a.flush_s, "wall_s": wall,
+    fallbacks = _open_count("live-fallback", run, 1)[0]["rows"]  # senders that wrote their own files
+    res = {"node": a.node, "fallbacks": fallbacks, "writers": a.writers, "steps": a.steps, "seal_s": a.seal_s, "flush_s": a.flush_s, "wall_s": wall,
            "samples": samples, "peak": peak, "reads": reads, "append_us": [c / 1e3 for c in cost_ns],
            "at_rest": rest, "rest_s": rest_s, "rows": final["rows"], "expected": total}
     print(json.dumps(res))
@@ -215,6 +219,8 @@ def main() -> None:
                   f" {statistics.median(r['base_rss_mb']):.0f} MB; ratio {statistics.median(r['s']) / statistics.median(b):.2f}")
     print(f"  append: {statistics.median(res['append_us']):.1f} µs (processes' medians)")
     print(f"  at rest {rest_s:.0f} s after the last close: {rest}; rows {final['rows']:,} of {total:,}")
+    if a.node > 1:
+        print(f"  {a.node} ranks a node writer: {fallbacks} senders fell back to their own files")
     if a.dir is None:
         shutil.rmtree(base, ignore_errors=True)
     if bad or final["rows"] != total:

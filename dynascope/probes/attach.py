@@ -69,7 +69,7 @@ def watch(model: Any, optimizer: Any = None, run: str | os.PathLike = "runs/defa
     own = writer is None
     if writer is None:
         writer = RunWriter(run, rank=r, role=role, world_size=ws, config=config, flush_secs=s.flush_secs,
-                           seal_secs=s.seal_secs, framework="pytorch" if deepspeed is None else "deepspeed")
+                           seal_secs=s.seal_secs, node=s.node_writer, framework="pytorch" if deepspeed is None else "deepspeed")
     schedule = as_schedule(s.every)
     built: list[Probe] = [TensorStats(s.memory_budget, s.grad_tol, time_budget=s.time_budget, schedule=schedule,
                                       bf16_k=s.bf16_k, run_dir=writer.run_dir, rank=writer.rank,

@@ -59,6 +59,9 @@ class WatchSettings:
         seal_secs: each flush appends to a journal per table (one file, not one per flush), which the
             writer seals into Parquet segments every ``seal_secs`` (default 300 s) and at close
             (``store.journal``; docs/scale.md). None: a segment per table per flush.
+        node_writer: the ranks of a node hand their flushes to one writer of the node, which writes
+            them with its own: a node's files are one writer's (``store.node``; docs/scale.md). True, or a
+            key naming the node (default: the host name); None: ``DYNASCOPE_NODE_WRITER``, off unless set.
         clock_sync: measure this rank's wall-clock offset from rank 0 in ``watch()`` (an ``events`` row
             ``clock_offset``, ``probes.clocks``) even where the probe makes no process group of its own
             (a sharded run's is used always): every rank of the default group must then run the probe.
@@ -82,6 +85,7 @@ class WatchSettings:
     system_interval_s: float | None = 5.0
     flush_secs: float = WRITER_FLUSH_S
     seal_secs: float | None = SEAL_SECS
+    node_writer: bool | str | None = None
     clock_sync: bool = False
     wandb: bool = False
 

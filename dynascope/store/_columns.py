@@ -90,7 +90,7 @@ def _strings(pieces: Sequence[Piece], typ: pa.DataType, total: int) -> pa.Array:
             dictionary.extend("" if v is None else v for v in words)
             if None in words:
                 remap[[j for j, v in enumerate(words) if v is None]] = -1
-            codes = remap[value.indices.to_numpy(zero_copy_only=False)]
+            codes = remap[value.indices.fill_null(0).to_numpy(zero_copy_only=False)]  # nulls masked below
             if value.null_count:
                 codes[~value.is_valid().to_numpy(zero_copy_only=False)] = -1
             indices[off:off + n] = codes

@@ -8,14 +8,19 @@ cannot be typed is dropped alone (``salvage``).
 
 from __future__ import annotations
 
+import json
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
+from dynascope.core.clock import now_us
 from dynascope.store._columns import build_column, classify
 from dynascope.store.schema import TABLES
+
+if TYPE_CHECKING:
+    from dynascope.store.writer import RunWriter
 
 
 class TableBuffer:
@@ -170,3 +175,28 @@ def _fill_default(given: list, default: Any, batches: Any) -> list:
         out.append(by_off.get(off, (off, "s", default, n)))
         off += n
     return out
+
+
+def take_all(w: RunWriter) -> dict[str, TableBuffer]:
+    """Everything a writer has buffered, emptied from it, with its pending events (drops, write errors) as
+    ``events`` rows."""
+    with w._lock:
+        taken = {t: b for t, b in w._buffers.items() if b.rows}
+        for t in taken:
+            w._buffers[t] = TableBuffer()
+        w._buffered -= sum(b.rows for b in taken.values())
+        w._buffered_bytes -= sum(b.nbytes for b in taken.values())
+        w._room.notify_all()
+        pending, w._pending_events = w._pending_events, []
+        drops, w._unreported_drops = w._unreported_drops, {}
+    for table, (n, b) in drops.items():
+        msg = (f"writer buffer full ({w.max_buffer_rows} rows or {w.max_buffer_bytes >> 20} MiB, "
+               f"buffered and awaiting a retry): dropped the oldest {n} {table} rows ({b >> 10} KiB)")
+        w._problem("rows_dropped", msg, emit_event=False)
+        pending.append({"event": "rows_dropped", "severity": "warning", "message": msg, "table": table,
+                        "dropped": n, "bytes": b})
+    for ev in pending:
+        taken.setdefault("events", TableBuffer()).add(1, {
+            "time_us": now_us(), "event": ev.pop("event"), "severity": ev.pop("severity"),
+            "message": ev.pop("message"), "fields_json": json.dumps(ev)})
+    return taken

@@ -35,7 +35,7 @@ from dynascope.core.version import __version__
 from dynascope.core.warn import warn
 from dynascope.store import at_rest, lineage, open_writers, own_fold, preempt, writer_close
 from dynascope.store.backlog import Backlog, Backoff
-from dynascope.store.buffer import TableBuffer, batch_len, drop_oldest, salvage, to_arrow
+from dynascope.store.buffer import TableBuffer, batch_len, drop_oldest, salvage, take_all, to_arrow
 from dynascope.store.flush import (
     Flushed,
     Group,
@@ -47,6 +47,8 @@ from dynascope.store.flush import (
 )
 from dynascope.store.journal import Journal
 from dynascope.store.layout import MARKER, create_run, heartbeat_path, read_marker, safe_id, touch_heartbeat
+from dynascope.store.node import attach as attach_node
+from dynascope.store.node import node_key
 from dynascope.store.rollup import ROLLUP_TABLES
 from dynascope.store.rollup_across import BY_TENSOR
 from dynascope.store.schema import SCHEMA_VERSION, TABLES
@@ -70,6 +72,8 @@ class RunWriter:
             environment sets ``DYNASCOPE_FOLD=0`` (``at_rest.auto_fold``).
         seal_secs: append each flush to a journal per table, sealed into segments this often and at close
             (``journal``: no file created per flush); None (the default here): a segment per flush.
+        node: share one writer per node (``node``): True, or a key naming the node (default: the host
+            name); None: ``DYNASCOPE_NODE_WRITER``, off unless set.
     """
 
     def __init__(
@@ -90,6 +94,7 @@ class RunWriter:
         compression: str = "auto",
         fold: bool | None = None,
         seal_secs: float | None = None,
+        node: bool | str | None = None,
     ) -> None:
         self.run_dir = Path(run_dir).expanduser().resolve()
         self.rank, self.role = int(rank), str(role)
@@ -122,6 +127,8 @@ class RunWriter:
         pa.array([0])
         self._heartbeat_path = heartbeat_path(self.run_dir, self.writer_id)
         self._heartbeat()
+        key = node_key(node)
+        self.node = None if key is None else attach_node(self, key)  # the node's writer, or a sender to it
         self._thread = threading.Thread(target=self._loop, name=f"dynascope-writer-{self.rank}", daemon=True)
         self._thread.start()
         open_writers.add(self)
@@ -258,7 +265,7 @@ class RunWriter:
                 groups = self._backlog.take()  # older than anything buffered: first in the commit
                 self._room.notify_all()
             # A backlog drops whole groups: a writer that fell behind writes its rows in flush_rows parts
-            groups += [g for table, buf in self._take().items() for part in buf.split(self.flush_rows)
+            groups += [g for table, buf in take_all(self).items() for part in buf.split(self.flush_rows)
                        if (g := self._group(table, part)) is not None]
             if not groups:
                 self._seal()  # a journal's seal falls due without new rows too
@@ -266,9 +273,6 @@ class RunWriter:
             try:
                 if not (self.run_dir / MARKER).exists():
                     self._recreate_run_dir()
-                if not self._begun:
-                    write_begin(self.run_dir, self.writer_id)
-                    self._begun = True
                 done = self._commit(groups)
             except Exception as exc:
                 done = Flushed(failed=[(g, exc) for g in groups], next_seq=self._seq)
@@ -302,33 +306,18 @@ class RunWriter:
             self.upkeep.flushes += self.journal.tend(force, self._problem)
 
     def _commit(self, groups: list[Group]) -> Flushed:
-        """Write the groups' segments and commit record, or journal them (the seam tests use to fail the disk)."""
+        """Write the groups' segments and commit record, or journal them, or hand them to the node's writer
+        (the seam tests use to fail the disk)."""
+        if self.node is not None and self.node.alive:
+            if (done := self.node.forward(groups)) is not None:
+                return done
+            groups = [self._rolled(g.table, g.parts[0][1], g.buffered) for g in groups]  # it fell back
+        if not self._begun:
+            write_begin(self.run_dir, self.writer_id)
+            self._begun = True
         if self.journal is not None:
             return self.journal.write(groups, self._seq)
         return write_flush(self.run_dir, self.writer_id, self._seq, groups, self.compression)
-
-    def _take(self) -> dict[str, TableBuffer]:
-        """Everything buffered, with the pending events (drops, write errors) as ``events`` rows."""
-        with self._lock:
-            taken = {t: b for t, b in self._buffers.items() if b.rows}
-            for t in taken:
-                self._buffers[t] = TableBuffer()
-            self._buffered -= sum(b.rows for b in taken.values())
-            self._buffered_bytes -= sum(b.nbytes for b in taken.values())
-            self._room.notify_all()
-            pending, self._pending_events = self._pending_events, []
-            drops, self._unreported_drops = self._unreported_drops, {}
-        for table, (n, b) in drops.items():
-            msg = (f"writer buffer full ({self.max_buffer_rows} rows or {self.max_buffer_bytes >> 20} MiB, "
-                   f"buffered and awaiting a retry): dropped the oldest {n} {table} rows ({b >> 10} KiB)")
-            self._problem("rows_dropped", msg, emit_event=False)
-            pending.append({"event": "rows_dropped", "severity": "warning", "message": msg, "table": table,
-                            "dropped": n, "bytes": b})
-        for ev in pending:
-            taken.setdefault("events", TableBuffer()).add(1, {
-                "time_us": now_us(), "event": ev.pop("event"), "severity": ev.pop("severity"),
-                "message": ev.pop("message"), "fields_json": json.dumps(ev)})
-        return taken
 
     def _group(self, table: str, buf: TableBuffer) -> Group | None:
         """A table's buffered rows as Arrow, with their rollups: one group of the commit."""
@@ -338,6 +327,11 @@ class RunWriter:
             arrow, buf = salvage(table, buf, self._to_arrow, lambda n, exc: self._bad_batch(table, n, exc))
             if arrow is None:
                 return None
+        if self.node is not None and self.node.alive:  # the node's writer computes rollups over all it writes
+            return Group(table, [(table, arrow)], buf)
+        return self._rolled(table, arrow, buf)
+
+    def _rolled(self, table: str, arrow: pa.Table, buf: TableBuffer) -> Group:
         return with_rollups(table, arrow, buf, lambda name, exc: self._problem(
             "rollup_error", f"{name}: rollup failed ({type(exc).__name__}: {exc})"))
 
@@ -393,6 +387,9 @@ class RunWriter:
         self._fresh_state()
         self._closed = self.forked = True
         self.journal = None  # the parent's files: not this process's to write or seal
+        if self.node is not None:
+            self.node.forget()  # the parent's sockets: closed here, still open there
+            self.node = None
 
 
 def _marker(run_id: str) -> dict[str, Any]:

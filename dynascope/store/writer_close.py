@@ -17,7 +17,7 @@ import time
 from typing import TYPE_CHECKING
 
 from dynascope.core.clock import now_us
-from dynascope.store import at_rest, open_writers
+from dynascope.store import at_rest, node, open_writers
 from dynascope.store.backlog import Backlog
 from dynascope.store.buffer import TableBuffer
 from dynascope.store.flush import release_arrow_memory
@@ -35,6 +35,8 @@ def close_writer(w: RunWriter, timeout_s: float) -> None:
     """``RunWriter.close``: flush, stop the thread, record ``run_end``, and settle the run if this writer was
     its last, all within ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
+    if w.node is not None:  # a node's writer first refuses further flushes and lets those answered land
+        w.node.before_close(min(2.0, timeout_s / 4))
     with w._lock:
         w._closed = True
         w._wake.notify_all()
@@ -54,6 +56,8 @@ def close_writer(w: RunWriter, timeout_s: float) -> None:
                    "comes back before the process exits", emit_event=False)
     else:  # the run's fold, if this writer is its last, bounded by the same deadline
         last.join(max(deadline - time.monotonic(), 0.0))
+    if w.node is not None:  # a sender's link, once its last flushes went through it
+        w.node.after_close()
     open_writers.discard(w)
 
 
@@ -89,7 +93,7 @@ def _final_flushes(w: RunWriter) -> bool:
                 w._pending_events.append({
                     "event": "run_end", "severity": "info", "message": "writer closed",
                     "writer_id": w.writer_id, "rows_written": w.rows_written,
-                    "rows_dropped": w.rows_dropped, "write_errors": w.write_errors})
+                    "rows_dropped": w.rows_dropped, "write_errors": w.write_errors, **node.describe(w.node)})
         try:
             w.flush()
         except Exception as exc:

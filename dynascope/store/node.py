@@ -1,0 +1,273 @@
+"""One writer per node: the ranks of a node hand their flushes to one of them, which writes them with its own.
+
+A run writes files per writer, so a node of 8 ranks has 8 writers' files, commit records and metadata
+operations, and a query of a live run opens them all. With a node writer (``RunWriter(node=True)``,
+``watch(node_writer=True)`` or ``DYNASCOPE_NODE_WRITER=1``) the first writer of the run on a node to start
+listens on a local socket and the others send it their flushes: the node has one writer's files.
+
+- **Where.** A Linux abstract socket named by the run directory and the node (``key``: the host name by
+  default), so it creates no file and needs no shared directory. The listener accepts only processes of
+  its own user (``SO_PEERCRED``) and reads Arrow IPC, never pickle.
+- **Off the training thread.** A rank's ``append`` is unchanged; its writer thread converts each flush to
+  Arrow as before and sends it instead of writing it. The node writer appends what it receives to its own
+  buffers, stamped with the sender's rank, role and generation, and writes them at its next flush.
+- **Handing over.** A flush is sent whole (``B``), the node writer answers that it has read it (``G``),
+  or refuses it while closing (``R``), and the sender then commits it (``C``); the node writer buffers it
+  only on ``C``. A sender that gets no ``G`` within ``TIMEOUT_S`` writes the flush itself: a flush is never
+  written twice. The rows a node writer has buffered are as safe as its own process's: a crash loses what
+  it had not flushed.
+- **Falling back.** A sender whose node writer is gone, refuses or does not answer writes its own files
+  from then on (an ``events`` row ``node_fallback`` says so): training never waits on another rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import struct
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+
+from dynascope.store.flush import Flushed, Group
+
+if TYPE_CHECKING:
+    from dynascope.store.writer import RunWriter
+
+__all__ = ["TIMEOUT_S", "NodeLink", "NodeServer", "attach", "node_key"]
+
+TIMEOUT_S = 5.0  # a sender's wait for the node writer's answer, on its writer thread
+_HEADER = struct.Struct("!I")
+_MAX_HEADER = 1 << 20
+
+
+def node_key(node: bool | str | None) -> str | None:
+    """The node a writer shares: ``node`` itself when a string, the host name when True; None: off
+    (``DYNASCOPE_NODE_WRITER``: ``1`` for the host name, or a key; unset or ``0``: off)."""
+    if node is None:
+        env = os.environ.get("DYNASCOPE_NODE_WRITER", "0")
+        node = False if env in ("", "0") else (True if env == "1" else env)
+    if node is False:
+        return None
+    return socket.gethostname() if node is True else str(node)
+
+
+def address(run_dir: os.PathLike, key: str) -> str:
+    """The abstract socket of a run's node writer on node ``key``."""
+    digest = hashlib.sha1(f"{os.fspath(run_dir)}\0{key}".encode()).hexdigest()[:24]
+    return f"\0dynascope-node-{digest}"
+
+
+def attach(w: RunWriter, key: str) -> NodeServer | NodeLink:
+    """Listen for the node's other writers, or, if one already does, send to it."""
+    try:
+        return NodeServer(w, address(w.run_dir, key))
+    except OSError:  # in use: another writer of this run on this node listens
+        return NodeLink(w, address(w.run_dir, key))
+
+
+def _recv_exact(s: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = s.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("peer closed")
+        buf += chunk
+    return bytes(buf)
+
+
+def _encode(groups: list[Group]) -> list[bytes]:
+    """A flush's source tables (rollups are the node writer's to compute) as a header and Arrow IPC streams."""
+    blobs, parts = [], []
+    for g in groups:
+        table, arrow = g.parts[0]
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, arrow.schema) as out:
+            out.write_table(arrow)
+        blob = sink.getvalue().to_pybytes()
+        parts.append([table, len(blob)])
+        blobs.append(blob)
+    header = json.dumps(parts).encode()
+    return [b"B", _HEADER.pack(len(header)), header, *blobs]
+
+
+class NodeLink:
+    """A sender: ``forward`` hands a flush to the node writer, or returns None for the writer to write it."""
+
+    def __init__(self, w: RunWriter, addr: str) -> None:
+        self.w, self.addr = w, addr
+        self.alive = True
+        self.rows_forwarded = 0
+        self._sock: socket.socket | None = None
+
+    def forward(self, groups: list[Group]) -> Flushed | None:
+        if not self.alive:
+            return None
+        try:
+            if self._sock is None:
+                self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                self._sock.settimeout(TIMEOUT_S)
+                self._sock.connect(self.addr)
+            self._sock.sendall(b"".join(_encode(groups)))
+            answer = _recv_exact(self._sock, 1)
+            if answer != b"G":
+                raise ConnectionError("the node writer is closing")
+            self._sock.sendall(b"C")
+        except Exception as exc:  # gone, closing, or not answering: this writer writes its own files
+            self.fall_back(f"{type(exc).__name__}: {exc}")
+            return None
+        self.rows_forwarded += sum(g.parts[0][1].num_rows for g in groups)
+        return Flushed(next_seq=self.w._seq)  # nothing committed here: the node writer's flush commits it
+
+    def fall_back(self, why: str) -> None:
+        self.alive = False
+        self.stop()
+        self.w._problem("node_fallback", f"node writer unavailable ({why}); this writer writes its own files")
+
+    def forget(self) -> None:
+        self.alive = False
+        self.stop()
+
+    def before_close(self, timeout_s: float) -> None:
+        pass
+
+    def after_close(self) -> None:
+        self.stop()
+
+    def stop(self, timeout_s: float = 0.0) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+            self._sock = None
+
+
+class NodeServer:
+    """The node writer's listener: a thread accepting senders, a thread per sender reading its flushes."""
+
+    def __init__(self, w: RunWriter, addr: str) -> None:
+        self.w, self.addr = w, addr
+        self.alive = False  # it never forwards: its own flushes it writes
+        self.rows_received = 0
+        self.senders = 0
+        self._closing = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._conns: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._sock.bind(addr)
+            self._sock.listen(64)
+        except OSError:
+            self._sock.close()
+            raise
+        self._sock.settimeout(0.5)  # wakes to see that it is closing
+        t = threading.Thread(target=self._accept, name="dynascope-node-accept", daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def forward(self, groups: list[Group]) -> Flushed | None:
+        return None
+
+    def _accept(self) -> None:
+        while not self._closing.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            if struct.unpack("3i", creds)[1] != os.getuid():  # another user's process: not a rank of ours
+                conn.close()
+                continue
+            conn.settimeout(0.5)
+            t = threading.Thread(target=self._serve, args=(conn,), name="dynascope-node-recv", daemon=True)
+            with self._lock:
+                self._conns.append(conn)
+                self._threads.append(t)
+                self.senders += 1
+            t.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            while True:
+                try:
+                    kind = conn.recv(1)
+                except TimeoutError:
+                    if self._closing.is_set():
+                        return
+                    continue
+                if kind != b"B":
+                    return  # closed by the sender (b"") or not our protocol
+                conn.settimeout(TIMEOUT_S)
+                (n,) = _HEADER.unpack(_recv_exact(conn, _HEADER.size))
+                if n > _MAX_HEADER:
+                    return
+                parts = json.loads(_recv_exact(conn, n))
+                tables = [(str(t), pa.ipc.open_stream(_recv_exact(conn, int(size))).read_all()) for t, size in parts]
+                if self._closing.is_set():
+                    conn.sendall(b"R")
+                    return
+                conn.sendall(b"G")
+                if _recv_exact(conn, 1) != b"C":
+                    return
+                for table, arrow in tables:  # the sender's own columns (rank, role, generation) travel in it
+                    self.w.append(table, {c: arrow.column(c).combine_chunks() for c in arrow.column_names})
+                    self.rows_received += arrow.num_rows
+                conn.settimeout(0.5)
+        except Exception:  # a sender that died or spoke garbage: its connection only
+            return
+        finally:
+            conn.close()
+
+    def before_close(self, timeout_s: float) -> None:
+        """Wait, up to ``timeout_s``, for the senders to close first (the ranks of a node close together), then
+        refuse further flushes and let those answered land within as long again."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not any(t.is_alive() for t in self._threads[1:]):
+                    break
+            time.sleep(0.02)
+        self.stop(timeout_s)
+
+    def after_close(self) -> None:
+        pass
+
+    def forget(self) -> None:
+        """In a forked child: close its copies of the sockets (the parent's stay open)."""
+        with self._lock:
+            socks = [self._sock, *self._conns]
+        for s in socks:
+            try:
+                s.close()
+            except OSError:
+                pass
+
+    def stop(self, timeout_s: float = 2.0) -> None:
+        """Refuse further flushes and let those already answered land, within ``timeout_s``."""
+        self._closing.set()
+        deadline = time.monotonic() + timeout_s
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+        with self._lock:
+            threads = list(self._threads)
+        for t in threads:
+            t.join(max(deadline - time.monotonic(), 0.0))
+
+
+def describe(link: Any) -> dict[str, Any]:
+    """What a writer's node link did, for its ``run_end`` event."""
+    if isinstance(link, NodeServer):
+        return {"node": "writer", "node_senders": link.senders, "node_rows_received": link.rows_received}
+    if isinstance(link, NodeLink):
+        return {"node": "sender" if link.alive else "fell back", "node_rows_forwarded": link.rows_forwarded}
+    return {}
