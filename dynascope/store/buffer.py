@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from dynascope.core.clock import now_us
 from dynascope.store._columns import build_column, classify
@@ -21,6 +22,9 @@ from dynascope.store.schema import TABLES
 
 if TYPE_CHECKING:
     from dynascope.store.writer import RunWriter
+
+
+ARROW = "__arrow__"  # a batch's only key when it is an Arrow table of the table's schema already (``to_arrow``)
 
 
 class TableBuffer:
@@ -123,7 +127,38 @@ def drop_oldest(buffers: dict[str, TableBuffer], rows: int, nbytes: int = 0) -> 
 
 def to_arrow(table: str, buf: TableBuffer, run_id: str, rank: int, role: str, generation: int | None = None) -> pa.Table:
     """The buffered batches of ``table`` as one Arrow table in its schema; the writer's own columns
-    (run_id always, rank, role and generation wherever a batch did not give them) filled in."""
+    (run_id always, rank, role and generation wherever a batch did not give them) filled in. A batch that
+    is an Arrow table already (``{ARROW: table}``: a flush a node writer received, ``store.node``) is
+    taken as it is, with its own rank, role and generation."""
+    received = [cols[ARROW] for _, cols in buf.batches if ARROW in cols]
+    if not received:
+        return _build(table, buf, run_id, rank, role, generation)
+    own = TableBuffer()
+    for n, cols in buf.batches:
+        if ARROW not in cols:
+            own.batches.append((n, cols))
+            own.rows += n
+    return concat(table, ([_build(table, own, run_id, rank, role, generation)] if own.rows else []) + received)
+
+
+def concat(table: str, parts: list[pa.Table]) -> pa.Table:
+    """Arrow tables of ``table`` as one in its schema, string columns dictionary-encoded as ``_build``
+    makes them (rebuilding them from their values cost ~9× as much)."""
+    if all(p.schema.equals(parts[0].schema) for p in parts[1:]):  # as the same writers' code made them
+        return pa.concat_tables(parts).unify_dictionaries().combine_chunks()
+    cols, have = [], [set(p.column_names) for p in parts]
+    for f in TABLES[table]:
+        chunks = [p.column(f.name) if f.name in h else pa.chunked_array([pa.nulls(p.num_rows, f.type)])
+                  for p, h in zip(parts, have, strict=True)]
+        typ = f.type
+        if any(pa.types.is_dictionary(c.type) for c in chunks):
+            typ = pa.dictionary(pa.int32(), f.type)
+            chunks = [c if pa.types.is_dictionary(c.type) else pc.dictionary_encode(c) for c in chunks]
+        cols.append(pa.chunked_array([a for c in chunks for a in (c if c.type == typ else c.cast(typ)).chunks], typ))
+    return pa.Table.from_arrays(cols, names=TABLES[table].names).unify_dictionaries().combine_chunks()
+
+
+def _build(table: str, buf: TableBuffer, run_id: str, rank: int, role: str, generation: int | None) -> pa.Table:
     schema = TABLES[table]
     parts: dict[str, list] = {name: [] for name in schema.names}
     off = 0

@@ -16,8 +16,10 @@ listens on a local socket and the others send it their flushes: the node has one
   only on ``C``. A sender that gets no ``G`` within ``TIMEOUT_S`` writes the flush itself: a flush is never
   written twice. The rows a node writer has buffered are as safe as its own process's: a crash loses what
   it had not flushed.
-- **Falling back.** A sender whose node writer is gone, refuses or does not answer writes its own files
-  from then on (an ``events`` row ``node_fallback`` says so): training never waits on another rank.
+- **Falling back.** A sender whose node writer refuses, is gone or does not answer in ``TIMEOUT_S``
+  writes that flush itself, and its own files for ``RETRY_S`` (doubling while it keeps failing), then
+  tries it again. An ``events`` row ``node_fallback`` says so each time; training never waits on another
+  rank.
 """
 
 from __future__ import annotations
@@ -27,12 +29,14 @@ import json
 import os
 import socket
 import struct
+import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
+from dynascope.store.buffer import ARROW
 from dynascope.store.flush import Flushed, Group
 
 if TYPE_CHECKING:
@@ -40,18 +44,19 @@ if TYPE_CHECKING:
 
 __all__ = ["TIMEOUT_S", "NodeLink", "NodeServer", "attach", "node_key"]
 
-TIMEOUT_S = 5.0  # a sender's wait for the node writer's answer, on its writer thread
+TIMEOUT_S = 10.0  # a sender's wait for the node writer's answer, on its writer thread (a flush interval of watch())
+RETRY_S, RETRY_MAX_S = 60.0, 3600.0  # after a failed hand-over, the sender writes its own files this long
 _HEADER = struct.Struct("!I")
 _MAX_HEADER = 1 << 20
 
 
 def node_key(node: bool | str | None) -> str | None:
     """The node a writer shares: ``node`` itself when a string, the host name when True; None: off
-    (``DYNASCOPE_NODE_WRITER``: ``1`` for the host name, or a key; unset or ``0``: off)."""
+    (``DYNASCOPE_NODE_WRITER``: ``1`` for the host name, or a key; unset or ``0``: off); off but on Linux."""
     if node is None:
         env = os.environ.get("DYNASCOPE_NODE_WRITER", "0")
         node = False if env in ("", "0") else (True if env == "1" else env)
-    if node is False:
+    if node is False or not sys.platform.startswith("linux"):  # abstract sockets are Linux's
         return None
     return socket.gethostname() if node is True else str(node)
 
@@ -100,9 +105,17 @@ class NodeLink:
 
     def __init__(self, w: RunWriter, addr: str) -> None:
         self.w, self.addr = w, addr
-        self.alive = True
+        self.gone = False  # in a forked child: the parent's link, never used
+        self.fallbacks = 0
+        self.retry_at = 0.0  # after a failed hand-over, when to try the node writer again (time.monotonic())
+        self.retry_s = RETRY_S
         self.rows_forwarded = 0
         self._sock: socket.socket | None = None
+
+    @property
+    def alive(self) -> bool:
+        """Whether the next flush goes to the node writer."""
+        return not self.gone and time.monotonic() >= self.retry_at
 
     def forward(self, groups: list[Group]) -> Flushed | None:
         if not self.alive:
@@ -117,19 +130,26 @@ class NodeLink:
             if answer != b"G":
                 raise ConnectionError("the node writer is closing")
             self._sock.sendall(b"C")
-        except Exception as exc:  # gone, closing, or not answering: this writer writes its own files
-            self.fall_back(f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # gone, closing, or not answering: this writer writes this flush itself
+            self.fall_back(exc)
             return None
+        self.retry_s = RETRY_S
         self.rows_forwarded += sum(g.parts[0][1].num_rows for g in groups)
         return Flushed(next_seq=self.w._seq)  # nothing committed here: the node writer's flush commits it
 
-    def fall_back(self, why: str) -> None:
-        self.alive = False
+    def fall_back(self, exc: Exception) -> None:
+        """This flush, and those of the next ``retry_s`` (doubling while it keeps failing), this writer writes
+        itself; then it tries the node writer again. A node writer that did not answer may be busy (a
+        checkpoint holding its process); one that is gone refuses the connection at once, at no cost."""
         self.stop()
-        self.w._problem("node_fallback", f"node writer unavailable ({why}); this writer writes its own files")
+        self.fallbacks += 1
+        self.retry_at = time.monotonic() + self.retry_s
+        self.w._problem("node_fallback", f"node writer unavailable ({type(exc).__name__}: {exc}); this writer "
+                                         f"writes its own files for {self.retry_s:g} s, then tries it again")
+        self.retry_s = min(self.retry_s * 2, RETRY_MAX_S)
 
     def forget(self) -> None:
-        self.alive = False
+        self.gone = True
         self.stop()
 
     def before_close(self, timeout_s: float) -> None:
@@ -157,8 +177,10 @@ class NodeServer:
         self.senders = 0
         self._closing = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._answered: set[threading.Thread] = set()  # answered a flush, waiting for its commit
         self._conns: list[socket.socket] = []
         self._lock = threading.Lock()
+        self._seal_bytes = w.journal.seal_bytes if w.journal is not None else 0
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._sock.bind(addr)
@@ -192,6 +214,9 @@ class NodeServer:
                 self._conns.append(conn)
                 self._threads.append(t)
                 self.senders += 1
+                ranks = 1 + sum(x.is_alive() for x in self._threads[1:]) + 1  # itself, the senders, this one
+            if self.w.journal is not None:  # a journal's size bound is per rank: it holds the node's rows
+                self.w.journal.seal_bytes = max(self.w.journal.seal_bytes, self._seal_bytes * ranks)
             t.start()
 
     def _serve(self, conn: socket.socket) -> None:
@@ -214,11 +239,16 @@ class NodeServer:
                 if self._closing.is_set():
                     conn.sendall(b"R")
                     return
-                conn.sendall(b"G")
-                if _recv_exact(conn, 1) != b"C":
-                    return
+                me = threading.current_thread()
+                self._answered.add(me)
+                try:
+                    conn.sendall(b"G")
+                    if _recv_exact(conn, 1) != b"C":
+                        return
+                finally:
+                    self._answered.discard(me)
                 for table, arrow in tables:  # the sender's own columns (rank, role, generation) travel in it
-                    self.w.append(table, {c: arrow.column(c).combine_chunks() for c in arrow.column_names})
+                    self.w.append(table, {ARROW: arrow})
                     self.rows_received += arrow.num_rows
                 conn.settimeout(0.5)
         except Exception:  # a sender that died or spoke garbage: its connection only
@@ -241,10 +271,9 @@ class NodeServer:
         pass
 
     def forget(self) -> None:
-        """In a forked child: close its copies of the sockets (the parent's stay open)."""
-        with self._lock:
-            socks = [self._sock, *self._conns]
-        for s in socks:
+        """In a forked child: close its copies of the sockets (the parent's stay open). No lock: a parent's
+        thread may have held it at the fork."""
+        for s in [self._sock, *self._conns]:
             try:
                 s.close()
             except OSError:
@@ -262,6 +291,8 @@ class NodeServer:
             threads = list(self._threads)
         for t in threads:
             t.join(max(deadline - time.monotonic(), 0.0))
+        for t in list(self._answered):  # a flush answered lands: its sender counts it written
+            t.join(TIMEOUT_S)
 
 
 def describe(link: Any) -> dict[str, Any]:
@@ -269,5 +300,5 @@ def describe(link: Any) -> dict[str, Any]:
     if isinstance(link, NodeServer):
         return {"node": "writer", "node_senders": link.senders, "node_rows_received": link.rows_received}
     if isinstance(link, NodeLink):
-        return {"node": "sender" if link.alive else "fell back", "node_rows_forwarded": link.rows_forwarded}
+        return {"node": "sender", "node_rows_forwarded": link.rows_forwarded, "node_fallbacks": link.fallbacks}
     return {}
