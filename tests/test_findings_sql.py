@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import random
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +23,7 @@ from dynascope.analyses.findings_text import SENTENCES
 from dynascope.store import RunWriter, open_store, run_sql
 
 from helpers.cluster_truth import planted_cluster
+from helpers.copy_run import copy_run
 from helpers.planted_cluster import T0, write_async_run, write_synthetic_run
 from helpers.planted_cluster import write_series as _write_series
 
@@ -105,7 +105,7 @@ def _write_phases(run_dir: Path, slow: dict[tuple[int, int], float], loss_spike_
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, quick_demo) -> list[Path]:
     root = tmp_path_factory.mktemp("findings_sql")
-    demo = Path(shutil.copytree(quick_demo[0], root / "demo"))  # the session's quick demo, copied: we write beside it
+    demo = copy_run(quick_demo[0], root / "demo")  # the session's quick demo, copied: we write beside it
     (demo / "demo_stdout.txt").write_text(quick_demo[1], encoding="utf-8")
     _write_series(root / "series")
     store = make_store(root / "store")

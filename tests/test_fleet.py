@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import shutil
+import time
 from pathlib import Path
 
 import polars as pl
@@ -23,10 +24,11 @@ from dynascope.analyses.rollouts import ROLLOUT_PHASES
 from dynascope.analyses.step_shares import phase_shares
 from dynascope.analyses.stragglers import straggler_scores
 from dynascope.cli import app
-from dynascope.store import open_store
+from dynascope.store import at_rest, open_store
 from dynascope.store.catalog import list_runs
 
 from helpers.fleet_runs import write_synthetic_run
+from helpers.waiting import wait_until
 
 V1 = Path(__file__).parent / "fixtures" / "v1run"
 
@@ -37,6 +39,10 @@ def fleet(tmp_path_factory) -> Path:
     write_synthetic_run(root / "multi", ranks=3, steps=24, seed=1, flush_every=5)
     write_synthetic_run(root / "single", ranks=1, steps=12, seed=2)
     shutil.copytree(V1, root / "v1run")
+    # At rest before any test reads or copies them: the last close leaves the fold's deletions to a process
+    # of its own (at_rest.settle_later), and a copy made meanwhile meets directories it is removing.
+    for run in ("multi", "single"):
+        wait_until(lambda r=run: at_rest.settle(root / r, time.monotonic() + 30), f"{run} to come to rest", 120)
     return root
 
 
