@@ -1,7 +1,7 @@
 """One writer per node (``store.node``): the node's ranks hand their flushes to one writer, which writes them
 with its own. Every rank's rows land once, stamped with that rank, and the rollups over them are exact; a
-node writer that closes, is killed or never answers leaves its senders writing their own files, with no
-row written twice."""
+node writer that closes or is killed leaves a sender to take its place, one that never answers leaves its
+senders writing their own files for a while, and no row is written twice."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +32,23 @@ from helpers.waiting import wait_until
 def _timing(w: RunWriter, step: int) -> None:
     w.append("timings", {"step": step, "phase": "fwd", "category": "compute", "start_us": step * 1000,
                          "dur_us": 10 + w.rank})
+
+
+def _train_until(ws: list[RunWriter], step: int, done: Callable[[], object], what: str) -> int:
+    """Training goes on, a step of every writer per poll, until ``done``; returns the next step."""
+    def one() -> object:
+        nonlocal step
+        for w in ws:
+            _timing(w, step)
+        step += 1
+        return done()
+    wait_until(one, what, interval_s=0.02)
+    return step
+
+
+def _taker(ws: list[RunWriter]) -> RunWriter | None:
+    """The sender that took the node writer's place, once one has."""
+    return next((w for w in ws if isinstance(w.node, NodeServer)), None)
 
 
 def _steps_by_rank(run: Path) -> dict[int, list[int]]:
@@ -87,20 +105,30 @@ def test_a_node_writes_one_writers_files_with_every_ranks_rows(tmp_path: Path) -
     assert [p.name for p in (run / "_commits").iterdir()] == [f"writer={ws[0].writer_id}"]
 
 
-def test_senders_write_their_own_files_once_the_node_writer_closes(tmp_path: Path) -> None:
+def test_a_sender_takes_the_place_of_a_node_writer_that_closes(tmp_path: Path, monkeypatch) -> None:
+    # The node writer's rank finishes first: a sender binds the name it freed and the others hand over to it.
+    monkeypatch.setattr(node, "RETRY_S", 0.5)  # a sender that fell back on a loaded host comes back soon
     run, key = tmp_path / "run", uuid.uuid4().hex
     ws = [RunWriter(run, rank=r, world_size=4, flush_secs=0.05, node=key) for r in range(4)]
-    for step in range(100):
-        if step == 50:
-            ws[0].close()  # it refuses further flushes; those it answered land before its own last flush
-        for w in ws[1:] if step >= 50 else ws:
+    for step in range(50):
+        for w in ws:
             _timing(w, step)
-    for w in ws[1:]:
+    wait_until(lambda: all(w.node.rows_forwarded >= 50 for w in ws[1:]), "the senders' first 50 steps")
+    ws[0].close()  # it refuses further flushes; those it answered land before its own last flush
+    end = _train_until(ws[1:], 50, lambda: (t := _taker(ws[1:])) and t.node.senders >= 2 and t.node.rows_received,
+                       "a sender to take over and the other two to hand over to it")
+    taker = _taker(ws[1:])
+    assert taker is not None
+    others = [w for w in ws[1:] if w is not taker]
+    for w in [*others, taker]:
         w.close()
     got = _steps_by_rank(run)
-    assert got == {0: list(range(50)), **{r: list(range(100)) for r in range(1, 4)}}
-    assert sorted(r for r, _ in _events(run, "node_fallback")) == [1, 2, 3]
-    assert all(e["node"] == "sender" and e["node_fallbacks"] == 1 for r, e in _events(run, "run_end") if r > 0)
+    assert got == {0: list(range(50)), **{r: list(range(end)) for r in range(1, 4)}}  # each row once
+    assert [r for r, _ in _events(run, "node_takeover")] == [taker.rank]
+    ends = dict(_events(run, "run_end"))
+    assert ends[taker.rank]["node"] == "writer" and ends[taker.rank]["node_took_over"] is True
+    assert ends[taker.rank]["node_rows_forwarded"] >= 50 and ends[taker.rank]["node_senders"] >= 2
+    assert all(ends[w.rank]["node"] == "sender" for w in others)
 
 
 KILLED = textwrap.dedent("""
@@ -113,29 +141,32 @@ KILLED = textwrap.dedent("""
 """)
 
 
-def test_a_killed_node_writer_loses_no_later_row_and_doubles_none(tmp_path: Path) -> None:
+def test_a_killed_node_writer_loses_no_later_row_and_doubles_none(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(node, "RETRY_S", 0.5)  # a sender that fell back on a loaded host comes back soon
     run, key = tmp_path / "run", uuid.uuid4().hex
-    node = subprocess.Popen([sys.executable, "-c", KILLED, str(run), key], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", KILLED, str(run), key], stdout=subprocess.PIPE, text=True)
     try:
-        assert node.stdout is not None and node.stdout.readline().strip() == "NodeServer"
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "NodeServer"
         ws = [RunWriter(run, rank=r, world_size=3, flush_secs=0.05, node=key) for r in (1, 2)]
         for step in range(40):
             for w in ws:
                 _timing(w, step)
         wait_until(lambda: all(w.node.rows_forwarded >= 40 for w in ws), "the senders to hand over 40 steps")
-        os.kill(node.pid, signal.SIGKILL)
-        node.wait(60)
-        for step in range(40, 80):
-            for w in ws:
-                _timing(w, step)
-        for w in ws:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(60)
+        end = _train_until(ws, 40, lambda: (t := _taker(ws)) and t.node.rows_received,
+                           "a sender to take over and the other to hand over to it")
+        (other,) = [w for w in ws if isinstance(w.node, NodeLink)]
+        for w in sorted(ws, key=lambda w: w is not other):  # the sender first, the node writer last
             w.close()
     finally:
-        node.kill()
+        proc.kill()
     got = _steps_by_rank(run)
     for r in (1, 2):  # nothing twice; every step after the kill (and those the node writer flushed) once
-        assert len(got[r]) == len(set(got[r])) and set(range(40, 80)) <= set(got[r]), got[r]
-    assert sorted(r for r, _ in _events(run, "node_fallback")) == [1, 2]
+        assert len(got[r]) == len(set(got[r])) and set(range(40, end)) <= set(got[r]), got[r]
+    (took,) = _events(run, "node_takeover")  # one of the two took the dead node writer's place
+    ends = dict(_events(run, "run_end"))
+    assert ends[took[0]]["node_took_over"] is True and ends[other.rank]["node"] == "sender"
 
 
 def test_a_node_writer_that_does_not_answer_is_tried_again_later(tmp_path: Path, monkeypatch) -> None:
@@ -199,9 +230,10 @@ def test_watch_under_torchrun_writes_one_writer_per_node(tmp_path: Path) -> None
         per_rank = dict(con.rows("SELECT rank, count(DISTINCT step) FROM tensor_stats GROUP BY rank"))
         tensors = dict(con.rows("SELECT rank, count(DISTINCT tensor) FROM tensor_stats GROUP BY rank"))
     assert per_rank == {0: 5, 1: 5, 2: 5} and tensors == {0: 4, 1: 4, 2: 4}
-    roles = sorted(e["node"] for _, e in _events(run, "run_end"))
-    assert roles == ["sender", "sender", "writer"]
-    assert len(list((run / "_commits").iterdir())) == 1
+    ends = [e for _, e in _events(run, "run_end")]
+    assert sorted(e["node"] for e in ends) == ["sender", "sender", "writer"]
+    # every flush of the senders went to the node writer (the run may be folded already: no files to count)
+    assert all(e["node_fallbacks"] == 0 and e["node_rows_forwarded"] > 0 for e in ends if e["node"] == "sender")
 
 
 def test_received_tables_join_the_writers_own_rows_as_they_are() -> None:

@@ -53,6 +53,17 @@ class TableBuffer:
         self.rows += later.rows
         self.nbytes += later.nbytes
 
+    def where(self, keep: Callable[[dict[str, Any]], bool]) -> TableBuffer:
+        """The batches whose columns ``keep`` holds for, in order, with their sizes."""
+        out = TableBuffer()
+        for (n, cols), b in zip(self.batches, self.sizes, strict=True):
+            if keep(cols):
+                out.batches.append((n, cols))
+                out.sizes.append(b)
+                out.rows += n
+                out.nbytes += b
+        return out
+
     def split(self, max_rows: int) -> list[TableBuffer]:
         """Whole batches in consecutive parts of about ``max_rows`` rows (one part when it holds fewer)."""
         if self.rows <= max_rows:
@@ -133,11 +144,7 @@ def to_arrow(table: str, buf: TableBuffer, run_id: str, rank: int, role: str, ge
     received = [cols[ARROW] for _, cols in buf.batches if ARROW in cols]
     if not received:
         return _build(table, buf, run_id, rank, role, generation)
-    own = TableBuffer()
-    for n, cols in buf.batches:
-        if ARROW not in cols:
-            own.batches.append((n, cols))
-            own.rows += n
+    own = buf.where(lambda cols: ARROW not in cols)
     return concat(table, ([_build(table, own, run_id, rank, role, generation)] if own.rows else []) + received)
 
 

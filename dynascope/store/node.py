@@ -16,10 +16,13 @@ listens on a local socket and the others send it their flushes: the node has one
   only on ``C``. A sender that gets no ``G`` within ``TIMEOUT_S`` writes the flush itself: a flush is never
   written twice. The rows a node writer has buffered are as safe as its own process's: a crash loses what
   it had not flushed.
-- **Falling back.** A sender whose node writer refuses, is gone or does not answer in ``TIMEOUT_S``
-  writes that flush itself, and its own files for ``RETRY_S`` (doubling while it keeps failing), then
-  tries it again. An ``events`` row ``node_fallback`` says so each time; training never waits on another
-  rank.
+- **Taking over.** A node writer that closes (its rank finished first) or dies frees the socket's name; the
+  first sender to find it so binds it and is the node writer from then on (an ``events`` row
+  ``node_takeover``), and the others hand their flushes to it.
+- **Falling back.** A sender whose node writer does not answer in ``TIMEOUT_S`` (busy, or stopped), or that
+  finds no node writer to take over from within ``TAKEOVER_S``, writes that flush itself, and its own files
+  for ``RETRY_S`` (doubling while it keeps failing), then tries it again. An ``events`` row
+  ``node_fallback`` says so each time; training never waits on another rank.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import struct
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import pyarrow as pa
 
@@ -42,10 +45,11 @@ from dynascope.store.flush import Flushed, Group
 if TYPE_CHECKING:
     from dynascope.store.writer import RunWriter
 
-__all__ = ["TIMEOUT_S", "NodeLink", "NodeServer", "attach", "node_key"]
+__all__ = ["TIMEOUT_S", "Node", "NodeLink", "NodeServer", "attach", "node_key"]
 
 TIMEOUT_S = 10.0  # a sender's wait for the node writer's answer, on its writer thread (a flush interval of watch())
 RETRY_S, RETRY_MAX_S = 60.0, 3600.0  # after a failed hand-over, the sender writes its own files this long
+TAKEOVER_S = 2.0  # a node writer that closed frees its name within this (its listener's wake-up: 0.5 s)
 _HEADER = struct.Struct("!I")
 _MAX_HEADER = 1 << 20
 
@@ -67,7 +71,20 @@ def address(run_dir: os.PathLike, key: str) -> str:
     return f"\0dynascope-node-{digest}"
 
 
-def attach(w: RunWriter, key: str) -> NodeServer | NodeLink:
+class Node(Protocol):
+    """What a writer asks of its place on the node (``RunWriter.node``)."""
+
+    @property
+    def alive(self) -> bool:
+        """Whether the next flush goes to the node writer (``forward``), not to this writer's own files."""
+        ...
+    def forward(self, groups: list[Group]) -> Flushed | None: ...
+    def before_close(self, timeout_s: float) -> None: ...
+    def after_close(self) -> None: ...
+    def forget(self) -> None: ...
+
+
+def attach(w: RunWriter, key: str) -> Node:
     """Listen for the node's other writers, or, if one already does, send to it."""
     try:
         return NodeServer(w, address(w.run_dir, key))
@@ -118,24 +135,68 @@ class NodeLink:
         return not self.gone and time.monotonic() >= self.retry_at
 
     def forward(self, groups: list[Group]) -> Flushed | None:
+        """Hand ``groups`` to the node writer; None: this writer writes them (fallen back, or the node writer
+        now)."""
         if not self.alive:
             return None
         try:
-            if self._sock is None:
-                self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                self._sock.settimeout(TIMEOUT_S)
-                self._sock.connect(self.addr)
-            self._sock.sendall(b"".join(_encode(groups)))
-            answer = _recv_exact(self._sock, 1)
-            if answer != b"G":
-                raise ConnectionError("the node writer is closing")
-            self._sock.sendall(b"C")
-        except Exception as exc:  # gone, closing, or not answering: this writer writes this flush itself
+            self._send(groups)
+        except TimeoutError as exc:  # busy or stopped, but there: not to be taken over
             self.fall_back(exc)
             return None
+        except Exception as exc:  # closing or gone: this writer takes its place, or another sender did
+            self.stop()
+            if not self._rejoin(groups, exc):
+                return None
         self.retry_s = RETRY_S
         self.rows_forwarded += sum(g.parts[0][1].num_rows for g in groups)
         return Flushed(next_seq=self.w._seq)  # nothing committed here: the node writer's flush commits it
+
+    def _send(self, groups: list[Group]) -> None:
+        if self._sock is None:
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._sock.settimeout(TIMEOUT_S)
+            self._sock.connect(self.addr)
+        self._sock.sendall(b"".join(_encode(groups)))
+        if _recv_exact(self._sock, 1) != b"G":
+            raise ConnectionRefusedError("the node writer is closing")
+        self._sock.sendall(b"C")
+
+    def _rejoin(self, groups: list[Group], exc: Exception) -> bool:
+        """After the node writer closed or died: bind its name and be the node writer (False: this writer
+        writes ``groups``), or hand them to the sender that did (True). Within ``TAKEOVER_S``, else it falls
+        back."""
+        deadline = time.monotonic() + TAKEOVER_S
+        while not self.w._closed:  # a closing writer takes nothing over: it writes its last flushes itself
+            try:
+                server = NodeServer(self.w, self.addr, before=self)
+            except OSError:  # the name is held: the old node writer's, not yet released, or a new one's
+                pass
+            else:
+                with self.w._lock:  # close_writer reads ``node`` under this lock when it marks the writer closed
+                    took = not self.w._closed
+                    if took:
+                        self.w.node = server
+                if not took:
+                    server.stop(0.0)
+                    break
+                self.w._problem("node_takeover", f"the node writer went away ({type(exc).__name__}: {exc}); "
+                                                 "this writer is the node writer from now on")
+                return False
+            try:
+                self._send(groups)
+                return True
+            except (ConnectionError, FileNotFoundError) as again:  # between two node writers
+                self.stop()
+                exc = again
+            except Exception as again:
+                exc = again
+                break
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
+        self.fall_back(exc)
+        return False
 
     def fall_back(self, exc: Exception) -> None:
         """This flush, and those of the next ``retry_s`` (doubling while it keeps failing), this writer writes
@@ -158,7 +219,7 @@ class NodeLink:
     def after_close(self) -> None:
         self.stop()
 
-    def stop(self, timeout_s: float = 0.0) -> None:
+    def stop(self) -> None:
         if self._sock is not None:
             try:
                 self._sock.close()
@@ -170,9 +231,9 @@ class NodeLink:
 class NodeServer:
     """The node writer's listener: a thread accepting senders, a thread per sender reading its flushes."""
 
-    def __init__(self, w: RunWriter, addr: str) -> None:
+    def __init__(self, w: RunWriter, addr: str, before: NodeLink | None = None) -> None:
         self.w, self.addr = w, addr
-        self.alive = False  # it never forwards: its own flushes it writes
+        self.before = before  # the sender this writer was, if it took the node writer's place
         self.rows_received = 0
         self.senders = 0
         self._closing = threading.Event()
@@ -189,9 +250,12 @@ class NodeServer:
             self._sock.close()
             raise
         self._sock.settimeout(0.5)  # wakes to see that it is closing
-        t = threading.Thread(target=self._accept, name="dynascope-node-accept", daemon=True)
-        t.start()
-        self._threads.append(t)
+        self._acceptor = threading.Thread(target=self._accept, name="dynascope-node-accept", daemon=True)
+        self._acceptor.start()
+
+    @property
+    def alive(self) -> bool:
+        return False  # it never forwards: its own flushes it writes
 
     def forward(self, groups: list[Group]) -> Flushed | None:
         return None
@@ -210,11 +274,11 @@ class NodeServer:
                 continue
             conn.settimeout(0.5)
             t = threading.Thread(target=self._serve, args=(conn,), name="dynascope-node-recv", daemon=True)
-            with self._lock:
-                self._conns.append(conn)
-                self._threads.append(t)
+            with self._lock:  # senders that left (one that fell back comes back on a new connection) are dropped
+                kept = [(c, x) for c, x in zip(self._conns, self._threads, strict=True) if x.is_alive()]
+                self._conns, self._threads = [c for c, _ in kept] + [conn], [x for _, x in kept] + [t]
                 self.senders += 1
-                ranks = 1 + sum(x.is_alive() for x in self._threads[1:]) + 1  # itself, the senders, this one
+                ranks = 1 + len(self._threads)  # itself and its senders
             if self.w.journal is not None:  # a journal's size bound is per rank: it holds the node's rows
                 self.w.journal.seal_bytes = max(self.w.journal.seal_bytes, self._seal_bytes * ranks)
             t.start()
@@ -236,7 +300,7 @@ class NodeServer:
                     return
                 parts = json.loads(_recv_exact(conn, n))
                 tables = [(str(t), pa.ipc.open_stream(_recv_exact(conn, int(size))).read_all()) for t, size in parts]
-                if self._closing.is_set():
+                if self._closing.is_set() or self.w._closed:
                     conn.sendall(b"R")
                     return
                 me = threading.current_thread()
@@ -262,7 +326,7 @@ class NodeServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             with self._lock:
-                if not any(t.is_alive() for t in self._threads[1:]):
+                if not any(t.is_alive() for t in self._threads):
                     break
             time.sleep(0.02)
         self.stop(timeout_s)
@@ -280,9 +344,15 @@ class NodeServer:
                 pass
 
     def stop(self, timeout_s: float = 2.0) -> None:
-        """Refuse further flushes and let those already answered land, within ``timeout_s``."""
+        """Refuse further flushes, free the name for a sender to take over, and let the flushes already
+        answered land, within ``timeout_s``."""
         self._closing.set()
         deadline = time.monotonic() + timeout_s
+        try:  # wakes the listener (Linux), whose socket then closes, releasing the name
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._acceptor.join(min(timeout_s, 1.0))
         try:
             self._sock.close()
         except OSError:
@@ -298,7 +368,8 @@ class NodeServer:
 def describe(link: Any) -> dict[str, Any]:
     """What a writer's node link did, for its ``run_end`` event."""
     if isinstance(link, NodeServer):
-        return {"node": "writer", "node_senders": link.senders, "node_rows_received": link.rows_received}
+        took = {} if link.before is None else {"node_took_over": True, **describe(link.before)}
+        return {**took, "node": "writer", "node_senders": link.senders, "node_rows_received": link.rows_received}
     if isinstance(link, NodeLink):
         return {"node": "sender", "node_rows_forwarded": link.rows_forwarded, "node_fallbacks": link.fallbacks}
     return {}

@@ -35,12 +35,17 @@ def close_writer(w: RunWriter, timeout_s: float) -> None:
     """``RunWriter.close``: flush, stop the thread, record ``run_end``, and settle the run if this writer was
     its last, all within ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
-    if w.node is not None:  # a node's writer first refuses further flushes and lets those answered land
-        w.node.before_close(min(2.0, timeout_s / 4))
-    with w._lock:
-        w._closed = True
-        w._wake.notify_all()
-        w._room.notify_all()
+    done: object = None
+    while True:  # a node's writer first refuses further flushes and lets those answered land
+        if w.node is not None and w.node is not done:
+            w.node.before_close(min(2.0, timeout_s / 4))
+        done = w.node
+        with w._lock:  # a sender taking the node writer's place does so under this lock, unless closed
+            if w.node is done:
+                w._closed = True
+                w._wake.notify_all()
+                w._room.notify_all()
+                break
     w._thread.join(timeout_s)
     flushed = threading.Event()
     last = threading.Thread(target=_last_work, args=(w, flushed, deadline),
