@@ -43,6 +43,7 @@ import time
 from typing import Any
 
 import probe_ab
+import probe_clock
 
 FULL = {"memory_budget": None, "time_budget": None, "reference": "init", "bf16_k": 2, "system_interval_s": None}
 MiB = 2**20
@@ -136,14 +137,14 @@ def block(w: Workload, args: argparse.Namespace, kind: str, tmp: str) -> dict[st
         copies += [p.detach().reshape(-1)[: p.numel() // 2].to(torch.bfloat16) for p in w.params]
     if kind == "probed":
         scope = dynascope.watch(w.model, w.opt, run=tempfile.mkdtemp(dir=tmp), **FULL)
-        acc, _ = probe_ab.instrument(scope, False)
-        stats = probe_ab.tensor_stats_of(scope)
-        probe_ab._wrap(stats, "schedule", acc, "probe")  # the wait for the previous step's pass
+        acc, _ = probe_clock.instrument(scope, False)
+        stats = probe_clock.tensor_stats_of(scope)
+        probe_clock._wrap(stats, "schedule", acc, "probe")  # the wait for the previous step's pass
     rows: dict[str, list[float]] = {k: [] for k in ("step", "opt", "opt_cpu", "probe", "probe_cpu", "floor", "rss")}
     for i in range(args.block):
         acc.clear()
-        threads = probe_ab._probe_threads()
-        cpu0 = probe_ab._thread_cpu(threads)
+        threads = probe_clock._probe_threads()
+        cpu0 = probe_clock._thread_cpu(threads)
         floor: list[float] = []
         dt = w.step(lambda floor=floor: floor.append(floor_pass(w, copies)) if kind == "floor" else None)
         if i < args.drop:
@@ -152,7 +153,7 @@ def block(w: Workload, args: argparse.Namespace, kind: str, tmp: str) -> dict[st
         rows["opt"].append(w.opt_s)
         rows["opt_cpu"].append(w.opt_cpu)
         rows["probe"].append(acc.get("probe", 0.0))
-        rows["probe_cpu"].append(probe_ab._thread_cpu(probe_ab._probe_threads()) - cpu0)
+        rows["probe_cpu"].append(probe_clock._thread_cpu(probe_clock._probe_threads()) - cpu0)
         rows["floor"].append(floor[0] if floor else 0.0)
         rows["rss"].append(_rss() - rss0)
     if scope is not None:

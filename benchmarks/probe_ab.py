@@ -34,10 +34,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable
 from typing import Any
+
+from probe_clock import FAMILIES, _probe_threads, _thread_cpu, instrument, minor_faults, tensor_stats_of
 
 # watch() keyword arguments per configuration. The per-statistic configurations each add one family:
 # timings alone (no tensor statistics), + ‖g‖ of every tensor every step and ‖W‖ every 8th (no window after the first),
@@ -62,34 +62,30 @@ AB_CONFIGS: dict[str, dict[str, Any]] = {
     # The journal (store/journal.py) at 200x its default rates against a segment per flush: a flush every
     # 50 ms appended to the journal, sealed every 1.5 s (the default 300 s / 200).
     "journal-50ms": {"flush_secs": 0.05, "seal_secs": 1.5},
+    # The same rates with a node writer (store/node.py) in a process of its own, started on the block's run
+    # before watch(): the probed rank's writer is a sender, as 7 of a node's 8 ranks are, and hands its
+    # flushes over instead of journaling them. Against journal-50ms, the pair differs in where flushes go.
+    "node-sender-50ms": {"flush_secs": 0.05, "seal_secs": 1.5, "node_writer": "ab"},
 }
+# Configurations whose block runs beside a node writer of its run (NODE_WRITER, a process of its own).
+AB_NODE = {"node-sender-50ms"}
+NODE_WRITER = """
+import sys
+from dynascope.store import RunWriter
+w = RunWriter(sys.argv[1], rank=1, flush_secs=0.05, seal_secs=1.5, node="ab")
+print(type(w.node).__name__, flush=True)
+sys.stdin.read()  # until the block ends
+w.close()
+"""
 # Environment a configuration's writer is made under (read when watch() makes it), restored after its block.
 AB_ENV: dict[str, dict[str, str]] = {"flush-50ms-nofold": {"DYNASCOPE_FOLD": "0"}}
 STAT_CONFIGS = ("timings", "norms", "window-all", "drift-all", "spectral-all")
-# In-step families: (label, where the callable lives, attribute); "pass:<key>" is the probe's pass of the
-# declared statistics with that key (tier:inputs, ``stats.engine.Pass``). Names missing in this version of
-# the probes are skipped, so the table shows what the installed probes have.
-FAMILIES = (
-    ("‖W‖/‖g‖", "pass:every:grad", "run_batched"), ("‖W‖/‖g‖", "pass:cadence:new", "run_batched"),
-    ("gradient sparsity", "pass:window:grad", "run"),
-    ("ΔW snapshot", "snapshot", "take"), ("ΔW, changed, sign flips", "pass:window:new,old", "run"),
-    ("drift", "pass:window:ref,new", "run"), ("S_k", "pass:every:new,k_snapshot", "run"),
-    ("spectral", "spectral", "before"), ("spectral", "spectral", "after"),
-)
-
 
 # ``--malloc-fixed``: glibc's trimming and mmap of large blocks off, so freed memory stays in the heap
 # and is reused without page faults. Under glibc's defaults the reference step faults thousands of pages
 # of activations back in at every step, and how many depends on where earlier allocations happened to
 # land: the count differs 2-3x between fresh processes of one configuration (figures in docs/benchmarks.md).
 FIXED_MALLOC = {"MALLOC_TRIM_THRESHOLD_": str(1 << 40), "MALLOC_MMAP_THRESHOLD_": str(1 << 40)}
-
-
-def minor_faults() -> int:
-    """Minor page faults of this process so far (every thread)."""
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def malloc_arg(ap: argparse.ArgumentParser) -> None:
@@ -100,76 +96,6 @@ def malloc_arg(ap: argparse.ArgumentParser) -> None:
 def child_env(args: argparse.Namespace, env: dict[str, str]) -> dict[str, str]:
     """``env`` for a timing child: with ``FIXED_MALLOC`` when ``--malloc-fixed`` asks for it."""
     return dict(env, **FIXED_MALLOC) if args.malloc_fixed else env
-
-
-def tensor_stats_of(scope: Any) -> Any:
-    """The scope's tensor-statistics probe (``scope.stats``, or the probe named ``tensor_stats``)."""
-    stats = getattr(scope, "stats", None)
-    if stats is not None:
-        return stats
-    for p in getattr(scope, "probes", ()):
-        if getattr(p, "name", "") == "tensor_stats":
-            return p
-    return None
-
-
-# The in-step clock: wall time by default; ``time.thread_time`` gives the training thread's CPU time,
-# which a loaded machine inflates far less (exact with one torch thread, which then does all the work).
-CLOCK = time.perf_counter
-
-
-def _wrap(owner: Any, attr: str, acc: dict[str, float], label: str) -> None:
-    fn = getattr(owner, attr, None)
-    if fn is None or not callable(fn):
-        return
-
-    def timed(*a: Any, **k: Any) -> Any:
-        t = CLOCK()
-        try:
-            return fn(*a, **k)
-        finally:
-            acc[label] = acc.get(label, 0.0) + CLOCK() - t
-    setattr(owner, attr, timed)
-
-
-def instrument(scope: Any, families: bool) -> tuple[dict[str, float], Callable[[], None]]:
-    """Per-step accumulators of in-step probe time: key "probe" (before + after) and, with ``families``,
-    one key per statistic family. Returns (accumulator, undo) — undo restores module-level functions (none
-    now: the wrapped callables belong to the scope's own probe objects)."""
-    acc: dict[str, float] = {}
-    stats = tensor_stats_of(scope)
-    undo: list[tuple[Any, str, Any]] = []
-    if families:
-        owners: dict[str, Any] = {"snapshot": getattr(stats, "snapshot", None),
-                                  "spectral": getattr(scope, "spectral", None)}
-        for p in [*getattr(stats, "grad_passes", ()), *getattr(stats, "weight_passes", ())]:
-            owners[f"pass:{p.key}"] = p
-        for label, where, attr in FAMILIES:
-            owner = owners.get(where)
-            if owner is not None and hasattr(owner, attr):
-                _wrap(owner, attr, acc, label)
-    if stats is not None:
-        for attr in ("before", "after"):
-            _wrap(stats, attr, acc, "probe")
-
-    def restore() -> None:
-        for owner, attr, fn in undo:
-            setattr(owner, attr, fn)
-    return acc, restore
-
-
-def _probe_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("dynascope") and t.ident is not None]
-
-
-def _thread_cpu(threads: list[threading.Thread]) -> float:
-    total = 0.0
-    for t in threads:
-        try:
-            total += time.clock_gettime(time.pthread_getcpuclockid(t.ident))  # type: ignore[arg-type]
-        except (OSError, ProcessLookupError, AttributeError):
-            pass  # the thread ended (its CPU time is then lost to this count) or the platform lacks it
-    return total
 
 
 class Loop:
@@ -211,6 +137,12 @@ def block(loop: Loop, config: str | None, steps: int, drop: int, tmp: str, famil
 
     scope, acc, restore = None, {}, (lambda: None)
     run = tempfile.mkdtemp(prefix="run-", dir=tmp)
+    node = None
+    if config in AB_NODE:
+        node = subprocess.Popen([sys.executable, "-c", NODE_WRITER, run], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True)
+        if node.stdout is None or node.stdout.readline().strip() != "NodeServer":
+            raise SystemExit(f"{config}: the node writer did not start")
     if config is not None:
         saved = {k: os.environ.get(k) for k in AB_ENV.get(config, {})}
         os.environ.update(AB_ENV.get(config, {}))
@@ -233,8 +165,14 @@ def block(loop: Loop, config: str | None, steps: int, drop: int, tmp: str, famil
     faults = minor_faults() - faults0
     inside = dict(acc)
     merged = _merged_files(run)  # before close: the fold's own merges, not the run's fold at close
+    link = getattr(getattr(scope, "writer", None), "node", None)
+    if node is not None and (type(link).__name__ != "NodeLink" or link.fallbacks or not link.rows_forwarded):
+        raise SystemExit(f"{config}: the probed writer did not hand its flushes to the node writer ({link!r})")
     if scope is not None:
         scope.close()
+    if node is not None and node.stdin is not None:
+        node.stdin.close()
+        node.wait(120)
     restore()
     shutil.rmtree(run, ignore_errors=True)
     kept = times[drop:]

@@ -85,7 +85,7 @@ def build_engine(name: str, args: argparse.Namespace) -> tuple[Any, Any, Any]:
 
 
 def block(watched: tuple[Any, Any], step: Any, probed: bool, args: argparse.Namespace, tmp: str) -> dict:
-    from probe_ab import instrument
+    from probe_clock import instrument
 
     import dynascope
 

@@ -72,6 +72,7 @@ import tempfile
 import time
 
 import probe_ab
+import probe_clock
 
 CONFIGS = ("none", "ds-default", "ds-noref", "ds-full", "wandb", "tensorboard")
 DS_KWARGS = {"ds-default": {}, "ds-noref": {"reference": None}, "ds-full": {"memory_budget": 2.0},
@@ -210,7 +211,7 @@ def child(args: argparse.Namespace) -> dict:
     faults0 = 0
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
-            faults0 = probe_ab.minor_faults()
+            faults0 = probe_clock.minor_faults()
             if dev.type == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
@@ -221,7 +222,7 @@ def child(args: argparse.Namespace) -> dict:
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
             probes.append(probe_s[0])
-    faults = (probe_ab.minor_faults() - faults0) / max(args.steps, 1)
+    faults = (probe_clock.minor_faults() - faults0) / max(args.steps, 1)
     if dev.type == "cuda":
         _note_cuda_peak(cuda_peak)
     peak = cuda_peak[0] if dev.type == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0

@@ -1,7 +1,8 @@
 """A finished run at rest with no manual command (``store.at_rest``): the last writer to close folds the
 run's writers together, a reader counting all the while sees every row once; a run whose last close did
-not fold is folded by the next open; a run with a writer still writing is left alone; kill -9 anywhere in
-the fold at close loses and doubles nothing, and the next open finishes what it left."""
+not fold is folded by the next open; a fold that finds the run held waits for it; a run with a writer
+still writing is left alone; kill -9 anywhere in the fold at close loses and doubles nothing, and the next
+open finishes what it left."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 
 import dynascope.store.at_rest as at_rest
-from dynascope.store import RunWriter, open_store
+from dynascope.store import RunWriter, lease_lock, open_store
 from dynascope.store.layout import MERGED
 from dynascope.store.schema import TABLES
 
@@ -118,6 +119,36 @@ def test_a_run_with_a_writer_still_writing_is_not_folded_by_an_open(tmp_path: Pa
     assert not any((run / tb / MERGED).exists() for tb in TABLES)
     ws[0].close()
     wait_until(lambda: _at_rest(run), "the last close to put the run at rest", timeout_s=120)
+
+
+def test_a_settle_that_finds_the_run_held_waits_for_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Writers that close together each make a pass under the run's lock; the process a closer leaves to
+    # finish the fold (settle_later) must wait for a pass in progress, not give up on meeting it.
+    run = tmp_path / "r"
+    with monkeypatch.context() as m:  # closed, nothing folded
+        m.setattr(at_rest, "settle", lambda *a, **k: False)
+        m.setattr(at_rest, "settle_later", lambda *a, **k: None)
+        for w in _write(run):
+            w.close()
+    held, release = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with lease_lock.run_lock(run) as locked:
+            assert locked
+            held.set()
+            release.wait(60)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    try:
+        held.wait(60)
+        assert at_rest.settle(run, time.monotonic() + 60, once=True) is False  # one pass: none while held
+        threading.Timer(0.5, release.set).start()
+        assert at_rest.settle(run, time.monotonic() + 60) is True and release.is_set()
+    finally:
+        release.set()
+        t.join(60)
+    assert _at_rest(run) and _counts(run) == EXPECTED
 
 
 def _close_then_linger(run: str, fd: int) -> None:

@@ -101,32 +101,39 @@ def settle(run_dir: Path, until: float, settle_s: float | None = None, grace_s: 
            once: bool = False) -> bool:
     """Fold the closed writers of ``run_dir`` together and delete what no query reads any more, passing
     again as grace periods end, until ``until`` (``time.monotonic()``; ``once``: one pass); True once the run
-    is at rest. Returns False at once while a writer may still write or another compactor holds the run."""
+    is at rest. Returns False at once while a writer may still write. While another compactor holds the run
+    (a closing writer's pass, ``dynascope compact``) it waits for it, passing when it can (``once``: False)."""
     settle_s = SETTLE_S if settle_s is None else settle_s
     grace_s = GRACE_S if grace_s is None else grace_s
     settle_us = max(int(settle_s * 1e6), 50_000)
     pause = max(min(grace_s, settle_s) / 2, 0.02)
     while True:
         with lease_lock.run_lock(run_dir) as locked:
-            writers = finished_writers(run_dir) if locked else None
-            if writers is None:
-                return False
-            closed = {w for w, c in writers.items() if c}
-            files = RunFiles.of(run_dir)
-            # journals of writers that will not seal them: sealed for them, or deleted once covered
-            if journal.seal_orphans(files, set(writers), grace_s):
-                files = RunFiles.of(run_dir)
-            done = remove_merged(files, grace_s, closed)
-            if done.segments or done.commits:
-                files = RunFiles.of(run_dir)
-            # Closed writers only: a crashed one (its segment 0 may lie under a cover's range) and writers
-            # without commit records (older runs, imports) wait for `dynascope compact`.
-            fold_writers(files, {w: True for w in closed if f"writer={w}" in files.keeps}, settle_us, TARGET_ROWS)
-            if not _untidy(run_dir, closed):
-                return True
+            if locked:
+                writers = finished_writers(run_dir)
+                if writers is None:
+                    return False
+                if _fold_pass(run_dir, writers, grace_s, settle_us):
+                    return True
         if once or time.monotonic() + pause > until:
             return False
         time.sleep(pause)
+
+
+def _fold_pass(run_dir: Path, writers: dict[str, bool], grace_s: float, settle_us: int) -> bool:
+    """One pass of ``settle``, under the run's lock; True if the run is at rest after it."""
+    closed = {w for w, c in writers.items() if c}
+    files = RunFiles.of(run_dir)
+    # journals of writers that will not seal them: sealed for them, or deleted once covered
+    if journal.seal_orphans(files, set(writers), grace_s):
+        files = RunFiles.of(run_dir)
+    done = remove_merged(files, grace_s, closed)
+    if done.segments or done.commits:
+        files = RunFiles.of(run_dir)
+    # Closed writers only: a crashed one (its segment 0 may lie under a cover's range) and writers
+    # without commit records (older runs, imports) wait for `dynascope compact`.
+    fold_writers(files, {w: True for w in closed if f"writer={w}" in files.keeps}, settle_us, TARGET_ROWS)
+    return not _untidy(run_dir, closed)
 
 
 def settle_later(run_dir: Path, seconds: float = 120.0) -> None:
