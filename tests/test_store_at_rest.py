@@ -1,8 +1,8 @@
 """A finished run at rest with no manual command (``store.at_rest``): the last writer to close folds the
 run's writers together, a reader counting all the while sees every row once; a run whose last close did
-not fold is folded by the next open; a fold that finds the run held waits for it; a run with a writer
-still writing is left alone; kill -9 anywhere in the fold at close loses and doubles nothing, and the next
-open finishes what it left."""
+not fold is folded by the next open; a fold that finds the run held waits for it; a temp file a killed
+pass left does not keep the run untidy; a run with a writer still writing is left alone; kill -9 anywhere
+in the fold at close loses and doubles nothing, and the next open finishes what it left."""
 
 from __future__ import annotations
 
@@ -149,6 +149,22 @@ def test_a_settle_that_finds_the_run_held_waits_for_it(tmp_path: Path, monkeypat
         release.set()
         t.join(60)
     assert _at_rest(run) and _counts(run) == EXPECTED
+
+
+def test_a_temp_file_left_by_a_killed_pass_does_not_keep_the_run_untidy(tmp_path: Path) -> None:
+    # A pass killed between staging a cover and renaming it into place leaves the cover's temp file; once
+    # the writer's segments have gone it is the directory's last file, and the run must still come to rest.
+    run = tmp_path / "r"
+    ws = _write(run)
+    for w in ws:
+        w.close()
+    wait_until(lambda: _at_rest(run), "the last close to put the run at rest", timeout_s=120)
+    left = run / "scalars" / f"writer={ws[1].writer_id}"
+    left.mkdir()
+    (left / ".cover-0123456789ab.tmp").write_bytes(b"PAR1")
+    assert at_rest._untidy(run, {ws[1].writer_id})
+    assert at_rest.settle(run, time.monotonic() + 60) is True
+    assert not left.exists() and _at_rest(run) and _counts(run) == EXPECTED
 
 
 def _close_then_linger(run: str, fd: int) -> None:

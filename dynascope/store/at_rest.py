@@ -44,7 +44,7 @@ CLOSED = ".closed"  # <run>/_writers/<writer_id>.closed: its run_end is committe
 SETTLE_S = 2.0  # the fold takes effect this long after it is written (compact's settle_s)
 GRACE_S = 1.0  # its sources, then its covers, go this long after they stop being read
 TARGET_ROWS = 4_000_000  # rows per merged file (compact's target_rows)
-_spawned: set[Path] = set()  # runs this process started a settling process for
+_spawned: dict[Path, subprocess.Popen] = {}  # the settling process this process started per run
 _spawned_lock = threading.Lock()
 
 
@@ -85,16 +85,21 @@ def finished_writers(run_dir: Path) -> dict[str, bool] | None:
     return {wid: wid in closed for wid in beats}
 
 
-def _untidy(run_dir: Path, writers: set[str] | dict[str, bool]) -> bool:
-    """Whether any table still holds a directory of one of ``writers``."""
+def _writer_dirs(run_dir: Path, writers: set[str] | dict[str, bool]) -> list[Path]:
+    """The directories of ``writers`` in the run's tables (one listing per table)."""
+    out = []
     for table in TABLES:
         try:
             names = os.listdir(run_dir / table)
         except OSError:
             continue
-        if any(is_writer_dir(n) and n.removeprefix("writer=") in writers for n in names):
-            return True
-    return False
+        out += [run_dir / table / n for n in names if is_writer_dir(n) and n.removeprefix("writer=") in writers]
+    return out
+
+
+def _untidy(run_dir: Path, writers: set[str] | dict[str, bool]) -> bool:
+    """Whether any table still holds a directory of one of ``writers``."""
+    return bool(_writer_dirs(run_dir, writers))
 
 
 def settle(run_dir: Path, until: float, settle_s: float | None = None, grace_s: float | None = None,
@@ -133,12 +138,31 @@ def _fold_pass(run_dir: Path, writers: dict[str, bool], grace_s: float, settle_u
     # Closed writers only: a crashed one (its segment 0 may lie under a cover's range) and writers
     # without commit records (older runs, imports) wait for `dynascope compact`.
     fold_writers(files, {w: True for w in closed if f"writer={w}" in files.keeps}, settle_us, TARGET_ROWS)
-    return not _untidy(run_dir, closed)
+    left = _writer_dirs(run_dir, closed)
+    # A pass killed between staging a cover and renaming it into place leaves its temp file, which can
+    # outlive every segment of the directory: the directory would then stay for good. Its writer is closed
+    # and this pass holds the run, so nothing writes there any more: a directory without segments loses its
+    # temp files, and goes once empty.
+    return all(d not in files.segs and _drop_if_only_temps(d) for d in left)
+
+
+def _drop_if_only_temps(wdir: Path) -> bool:
+    """Delete ``wdir``'s temp files and then ``wdir``; True if it is gone (False if anything else is in it)."""
+    try:
+        for name in os.listdir(wdir):
+            if name.startswith(".") and name.endswith(".tmp"):
+                (wdir / name).unlink(missing_ok=True)
+        wdir.rmdir()
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return False
+    return True
 
 
 def settle_later(run_dir: Path, seconds: float = 120.0) -> None:
     """If ``run_dir`` is finished and not at rest, settle it in a process of its own (``python -m
-    dynascope.store.at_rest``, detached, at low priority; at most one per run per process): the grace
+    dynascope.store.at_rest``, detached, at low priority; one at a time per run per process): the grace
     periods that end after this process has exited are its to wait out, and no thread of this process is
     left inside Arrow or DuckDB when it exits. Cheap when there is nothing to do (a listing of ``_writers``,
     and one of each table while a finished run is untidy); never raises."""
@@ -152,16 +176,18 @@ def settle_later(run_dir: Path, seconds: float = 120.0) -> None:
     except OSError:
         return
     with _spawned_lock:
+        for run, proc in list(_spawned.items()):
+            if proc.poll() is not None:  # exited (reaped here): at rest, or at its deadline and due a successor
+                del _spawned[run]
         if run_dir in _spawned:
             return
-        _spawned.add(run_dir)
-    try:
-        subprocess.Popen([sys.executable, "-m", "dynascope.store.at_rest", str(run_dir), str(seconds), str(SETTLE_S),
-                          str(GRACE_S)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
-    except OSError:  # no process to spare: the next open, or `dynascope compact`, does it
-        with _spawned_lock:
-            _spawned.discard(run_dir)
+        try:
+            _spawned[run_dir] = subprocess.Popen(
+                [sys.executable, "-m", "dynascope.store.at_rest", str(run_dir), str(seconds), str(SETTLE_S),
+                 str(GRACE_S)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True, close_fds=True)
+        except OSError:  # no process to spare: the next open, or `dynascope compact`, does it
+            pass
 
 
 if __name__ == "__main__":  # settle_later's process: RUN SECONDS SETTLE_S GRACE_S

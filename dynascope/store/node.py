@@ -361,8 +361,11 @@ class NodeServer:
             threads = list(self._threads)
         for t in threads:
             t.join(max(deadline - time.monotonic(), 0.0))
-        for t in list(self._answered):  # a flush answered lands: its sender counts it written
-            t.join(TIMEOUT_S)
+        # A flush answered lands: its sender counts it written. Each such thread gives up by itself within
+        # TIMEOUT_S of its answer (its wait for the sender's confirmation), so one shared deadline is enough.
+        answered_by = time.monotonic() + TIMEOUT_S
+        for t in list(self._answered):
+            t.join(max(answered_by - time.monotonic(), 0.0))
 
 
 def describe(link: Any) -> dict[str, Any]:
