@@ -10,6 +10,8 @@ import os
 import random
 import select
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -165,6 +167,20 @@ def test_a_temp_file_left_by_a_killed_pass_does_not_keep_the_run_untidy(tmp_path
     assert at_rest._untidy(run, {ws[1].writer_id})
     assert at_rest.settle(run, time.monotonic() + 60) is True
     assert not left.exists() and _at_rest(run) and _counts(run) == EXPECTED
+
+
+def test_a_forked_child_can_start_a_settling_process_whatever_its_parent_held() -> None:
+    # The parent's lock may be held by a thread starting a settling process at the moment of a fork (a
+    # DataLoader's workers, a launcher); the child must not inherit it held, nor the parent's processes.
+    at_rest._spawned[Path("/nonexistent-parent-run")] = subprocess.Popen([sys.executable, "-c", "pass"])
+    with at_rest._spawned_lock:
+        pid = os.fork()
+        if pid == 0:
+            ok = at_rest._spawned_lock.acquire(timeout=10) and not at_rest._spawned
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    at_rest._spawned.pop(Path("/nonexistent-parent-run")).wait(60)
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 def _close_then_linger(run: str, fd: int) -> None:

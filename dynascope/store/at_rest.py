@@ -190,6 +190,18 @@ def settle_later(run_dir: Path, seconds: float = 120.0) -> None:
             pass
 
 
+def _forget_spawned() -> None:
+    """In a forked child: the parent's settling processes are not the child's to wait for, and a thread of
+    the parent may have held the lock at the fork."""
+    global _spawned_lock
+    _spawned_lock = threading.Lock()
+    _spawned.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_spawned)
+
+
 if __name__ == "__main__":  # settle_later's process: RUN SECONDS SETTLE_S GRACE_S
     with contextlib.suppress(OSError):
         os.nice(10)  # housekeeping: behind the training and the readers on the machine
