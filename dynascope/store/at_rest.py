@@ -33,7 +33,7 @@ from pathlib import Path
 from dynascope.store import journal, lease_lock
 from dynascope.store.compact_across import fold_writers
 from dynascope.store.finished import CRASHED_MARGIN_S
-from dynascope.store.layout import HEARTBEATS, is_writer_dir
+from dynascope.store.layout import HEARTBEATS, is_temp, is_writer_dir
 from dynascope.store.merge import remove_merged
 from dynascope.store.runfiles import RunFiles
 from dynascope.store.schema import TABLES
@@ -150,7 +150,7 @@ def _drop_if_only_temps(wdir: Path) -> bool:
     """Delete ``wdir``'s temp files and then ``wdir``; True if it is gone (False if anything else is in it)."""
     try:
         for name in os.listdir(wdir):
-            if name.startswith(".") and name.endswith(".tmp"):
+            if is_temp(name):
                 (wdir / name).unlink(missing_ok=True)
         wdir.rmdir()
     except FileNotFoundError:

@@ -54,6 +54,12 @@ def safe_id(text: str) -> str:
     return _SAFE_ID.sub("_", text).strip("._") or "run"
 
 
+def is_temp(name: str) -> bool:
+    """Whether a file name is a temp file's (``.<name>.tmp``): a write in progress, renamed into place once
+    whole, or one left by a process that died mid-write. Never data."""
+    return name.startswith(".") and name.endswith(".tmp")
+
+
 def is_writer_dir(name: str) -> bool:
     """Whether a directory name is a writing process's (``writer=<id>``), not the toolkit's own
     (``writer=_schema``, ``writer=_merged``): writer ids never start with ``_`` (``safe_id``)."""

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 
 from dynascope.store._columns import codecs_like, parquet_options
 from dynascope.store.compact_across import remove_spent
-from dynascope.store.layout import segment_name, valid_from_us
+from dynascope.store.layout import is_temp, segment_name, valid_from_us
 from dynascope.store.repair import conform
 from dynascope.store.runfiles import RunFiles, Seg
 from dynascope.store.schema import TABLES
@@ -117,7 +117,7 @@ def _remove_expired(files: RunFiles, wdir: Path, segs: list[Seg], grace_s: float
             removed += 1
     now = time.time()
     try:
-        temps = [f for f in wdir.iterdir() if f.name.startswith(".") and f.name.endswith(".tmp")]
+        temps = [f for f in wdir.iterdir() if is_temp(f.name)]
     except FileNotFoundError:  # emptied and removed meanwhile (``remove_spent``)
         return removed
     for f in temps:
