@@ -1,8 +1,9 @@
 """A finished run at rest with no manual command (``store.at_rest``): the last writer to close folds the
 run's writers together, a reader counting all the while sees every row once; a run whose last close did
 not fold is folded by the next open; a fold that finds the run held waits for it; a temp file a killed
-pass left does not keep the run untidy; a run with a writer still writing is left alone; kill -9 anywhere
-in the fold at close loses and doubles nothing, and the next open finishes what it left."""
+pass left keeps the run untidy neither here nor under `dynascope compact`; a run with a writer still
+writing is left alone; kill -9 anywhere in the fold at close loses and doubles nothing, and the next open
+finishes what it left."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ import pytest
 
 import dynascope.store.at_rest as at_rest
 from dynascope.store import RunWriter, lease_lock, open_store
+from dynascope.store.compact import compact_store
+from dynascope.store.flush import commit_dir
 from dynascope.store.layout import MERGED
 from dynascope.store.schema import TABLES
 
@@ -167,6 +170,24 @@ def test_a_temp_file_left_by_a_killed_pass_does_not_keep_the_run_untidy(tmp_path
     assert at_rest._untidy(run, {ws[1].writer_id})
     assert at_rest.settle(run, time.monotonic() + 60) is True
     assert not left.exists() and _at_rest(run) and _counts(run) == EXPECTED
+
+
+def test_compact_clears_the_temp_file_a_killed_pass_left_in_a_closed_writers_directory(tmp_path: Path) -> None:
+    # The same leftover under `dynascope compact`: a temp file as a closed writer's directory's last file.
+    # The directory holds no segment, so a pass that walks segments never sees it: the run must still come
+    # to rest, the writer's begin.json gone with its last directory.
+    run = tmp_path / "r"
+    ws = _write(run, fold=False)
+    for w in ws:
+        w.close()
+    wid = ws[1].writer_id
+    compact_store(run, grace_s=0.1, settle_s=0.05, repair_after_s=0, wait=True)
+    left = run / "scalars" / f"writer={wid}"
+    left.mkdir()
+    (left / ".cover-0123456789ab.tmp").write_bytes(b"PAR1")
+    compact_store(run, grace_s=0.1, settle_s=0.05, repair_after_s=0, wait=True)
+    assert not left.exists() and not commit_dir(run, wid).exists()
+    assert _at_rest(run) and _counts(run) == EXPECTED
 
 
 def test_a_forked_child_can_start_a_settling_process_whatever_its_parent_held() -> None:

@@ -31,9 +31,9 @@ import time
 from pathlib import Path
 
 from dynascope.store import journal, lease_lock
-from dynascope.store.compact_across import fold_writers
+from dynascope.store.compact_across import drop_if_only_temps, fold_writers
 from dynascope.store.finished import CRASHED_MARGIN_S
-from dynascope.store.layout import HEARTBEATS, is_temp, is_writer_dir
+from dynascope.store.layout import HEARTBEATS, is_writer_dir
 from dynascope.store.merge import remove_merged
 from dynascope.store.runfiles import RunFiles
 from dynascope.store.schema import TABLES
@@ -139,25 +139,8 @@ def _fold_pass(run_dir: Path, writers: dict[str, bool], grace_s: float, settle_u
     # without commit records (older runs, imports) wait for `dynascope compact`.
     fold_writers(files, {w: True for w in closed if f"writer={w}" in files.keeps}, settle_us, TARGET_ROWS)
     left = _writer_dirs(run_dir, closed)
-    # A pass killed between staging a cover and renaming it into place leaves its temp file, which can
-    # outlive every segment of the directory: the directory would then stay for good. Its writer is closed
-    # and this pass holds the run, so nothing writes there any more: a directory without segments loses its
-    # temp files, and goes once empty.
-    return all(d not in files.segs and _drop_if_only_temps(d) for d in left)
-
-
-def _drop_if_only_temps(wdir: Path) -> bool:
-    """Delete ``wdir``'s temp files and then ``wdir``; True if it is gone (False if anything else is in it)."""
-    try:
-        for name in os.listdir(wdir):
-            if is_temp(name):
-                (wdir / name).unlink(missing_ok=True)
-        wdir.rmdir()
-    except FileNotFoundError:
-        pass
-    except OSError:
-        return False
-    return True
+    # A directory a killed pass left with only a temp file goes now, not one pass later (``remove_spent``).
+    return all(d not in files.segs and drop_if_only_temps(d) for d in left)
 
 
 def settle_later(run_dir: Path, seconds: float = 120.0) -> None:

@@ -45,7 +45,7 @@ from dynascope.core.errors import first_line
 from dynascope.store._columns import codecs_like, parquet_options
 from dynascope.store.flush import BEGIN, commit_dir
 from dynascope.store.journal import journals_in
-from dynascope.store.layout import MERGED, is_writer_dir, segment_name, valid_from_us
+from dynascope.store.layout import MERGED, is_temp, is_writer_dir, segment_name, valid_from_us
 from dynascope.store.repair import conform
 from dynascope.store.rollup import ROLLUPS
 from dynascope.store.runfiles import FOREVER_US, RunFiles, Seg
@@ -282,13 +282,21 @@ def remove_spent(files: RunFiles, grace_s: float, pinned: frozenset[str], closed
         for p in left:
             p.unlink(missing_ok=True)
             removed += 1
+        if wdir.name.removeprefix("writer=") in closed:
+            drop_if_only_temps(wdir)
+            continue
         try:
             wdir.rmdir()  # fails if a file arrived meanwhile (a temp file of a writer back from the dead)
         except OSError:
             pass
     for wid in closed:
         cdir = commit_dir(files.run_dir, wid)
-        if any(os.path.lexists(files.run_dir / t / f"writer={wid}") for t in TABLES):
+        wdirs = [files.run_dir / t / f"writer={wid}" for t in TABLES]
+        # A pass killed between staging a cover and renaming it leaves a temp file, which can outlive every
+        # segment of its directory; no listing of segments sees that directory again. The caller holds the
+        # run and the writer is closed, so nothing writes there: a directory without segments loses its
+        # temp files, and goes once empty.
+        if any(os.path.lexists(w) and (w in files.segs or not drop_if_only_temps(w)) for w in wdirs):
             continue
         try:
             if {p.name for p in cdir.iterdir()} != {BEGIN}:
@@ -299,6 +307,21 @@ def remove_spent(files: RunFiles, grace_s: float, pinned: frozenset[str], closed
         except OSError:
             continue
     return removed
+
+
+def drop_if_only_temps(wdir: Path) -> bool:
+    """Delete ``wdir``'s temp files and then ``wdir``; True if it is gone (False if anything else is in it).
+    Only for a closed writer's directory, by a caller that holds the run (``lease_lock.run_lock``)."""
+    try:
+        for name in os.listdir(wdir):
+            if is_temp(name):
+                (wdir / name).unlink(missing_ok=True)
+        wdir.rmdir()
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return False
+    return True
 
 
 def _drop_journals(wdir: Path, covers: list[tuple[int, int]]) -> bool:

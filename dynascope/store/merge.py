@@ -72,8 +72,8 @@ def merge_segments(table: str, group: list[Seg], settle_us: int) -> int:
 def remove_merged(files: RunFiles, grace_s: float, closed: set[str] | frozenset[str] = frozenset()) -> Removed:
     """Delete what no query reads any more (``_remove_expired`` per writer directory), then the commit
     records none of whose segments is left, then the covers of folded writers that hide nothing any more
-    (``compact_across.remove_spent``; ``closed``: writers whose ``begin.json`` may go with their last
-    directory). A segment live at a held lease's moment stays, covers included."""
+    (``compact_across.remove_spent``; ``closed``: writers whose temp files, and ``begin.json`` with their last
+    directory, may go: the caller holds the run). A segment live at a held lease's moment stays, covers included."""
     out = Removed()
     # The clock first, then the leases: a lease this pass cannot see was written after ``now_us``, and its
     # moment is at most ``snapshot.LEASE_SLACK_S`` before that, so what it pins was still live at
