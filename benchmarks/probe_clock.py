@@ -1,4 +1,5 @@
-"""What a probed block spends where: the probe's in-step time, by statistic family, and its threads' CPU.
+"""What a probed block spends where: the probe's in-step time, by statistic family, its threads' CPU, and the
+process's page faults and resident memory.
 
 Shared by the in-process A/B (``probe_ab.py``) and the benchmarks built on it.
 """
@@ -27,6 +28,23 @@ def minor_faults() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def rss() -> int:
+    """This process's resident bytes."""
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def rss_file() -> int:
+    """File-backed resident bytes (library code and data pages; Linux, else 0): shared between the
+    processes that map the same library, and dropped by the kernel under memory pressure."""
+    try:
+        with open("/proc/self/status") as fh:
+            return next((int(line.split()[1]) * 1024 for line in fh if line.startswith("RssFile:")), 0)
+    except OSError:
+        return 0
 
 
 def tensor_stats_of(scope: Any) -> Any:

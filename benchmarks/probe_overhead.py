@@ -121,29 +121,13 @@ def build(args: argparse.Namespace):
     return model, opt
 
 
-def _rss() -> int:
-    import psutil
-
-    return psutil.Process().memory_info().rss
-
-
-def _rss_file() -> int:
-    """File-backed resident bytes (library code and data pages; Linux, else 0): shared between the
-    processes that map the same library, and dropped by the kernel under memory pressure."""
-    try:
-        with open("/proc/self/status") as fh:
-            return next((int(line.split()[1]) * 1024 for line in fh if line.startswith("RssFile:")), 0)
-    except OSError:
-        return 0
-
-
 def child(args: argparse.Namespace) -> dict:
     import torch
     import torch.nn.functional as F
 
     torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
-    rss_start = _rss()
+    rss_start = probe_clock.rss()
     for lib in ("dynascope", "wandb", "torch.utils.tensorboard"):  # same import footprint everywhere
         try:
             __import__(lib)
@@ -151,11 +135,11 @@ def child(args: argparse.Namespace) -> dict:
             pass
     import pyarrow as pa
 
-    rss_imported = _rss()
+    rss_imported = probe_clock.rss()
     pa.array([0])  # pyarrow's one-time runtime init, paid by every configuration alike
-    rss_arrow = _rss()
+    rss_arrow = probe_clock.rss()
     model, opt = build(args)
-    rss0, file0 = _rss(), _rss_file()
+    rss0, file0 = probe_clock.rss(), probe_clock.rss_file()
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     tmp = tempfile.mkdtemp(prefix="ds-bench-")
     scope, tb, wb = None, None, None
@@ -226,7 +210,7 @@ def child(args: argparse.Namespace) -> dict:
     if dev.type == "cuda":
         _note_cuda_peak(cuda_peak)
     peak = cuda_peak[0] if dev.type == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0
-    code = _rss_file() - file0  # pages of code first run during the steps: part of the peak RSS above
+    code = probe_clock.rss_file() - file0  # pages of code first run during the steps: part of the peak RSS above
     held = None
     if scope is not None and args.memory_run:  # after the peak above was read: this pass perturbs it
         from probe_memory import held_peak
