@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from dynascope.store import journal, lease_lock
-from dynascope.store.compact_across import drop_if_only_temps, fold_writers
+from dynascope.store.compact_across import fold_writers
 from dynascope.store.finished import CRASHED_MARGIN_S
 from dynascope.store.layout import HEARTBEATS, is_writer_dir
 from dynascope.store.merge import remove_merged
@@ -85,21 +85,16 @@ def finished_writers(run_dir: Path) -> dict[str, bool] | None:
     return {wid: wid in closed for wid in beats}
 
 
-def _writer_dirs(run_dir: Path, writers: set[str] | dict[str, bool]) -> list[Path]:
-    """The directories of ``writers`` in the run's tables (one listing per table)."""
-    out = []
+def _untidy(run_dir: Path, writers: set[str] | dict[str, bool]) -> bool:
+    """Whether any table still holds a directory of one of ``writers`` (one listing per table)."""
     for table in TABLES:
         try:
             names = os.listdir(run_dir / table)
         except OSError:
             continue
-        out += [run_dir / table / n for n in names if is_writer_dir(n) and n.removeprefix("writer=") in writers]
-    return out
-
-
-def _untidy(run_dir: Path, writers: set[str] | dict[str, bool]) -> bool:
-    """Whether any table still holds a directory of one of ``writers``."""
-    return bool(_writer_dirs(run_dir, writers))
+        if any(is_writer_dir(n) and n.removeprefix("writer=") in writers for n in names):
+            return True
+    return False
 
 
 def settle(run_dir: Path, until: float, settle_s: float | None = None, grace_s: float | None = None,
@@ -138,9 +133,8 @@ def _fold_pass(run_dir: Path, writers: dict[str, bool], grace_s: float, settle_u
     # Closed writers only: a crashed one (its segment 0 may lie under a cover's range) and writers
     # without commit records (older runs, imports) wait for `dynascope compact`.
     fold_writers(files, {w: True for w in closed if f"writer={w}" in files.keeps}, settle_us, TARGET_ROWS)
-    left = _writer_dirs(run_dir, closed)
-    # A directory a killed pass left with only a temp file goes now, not one pass later (``remove_spent``).
-    return all(d not in files.segs and drop_if_only_temps(d) for d in left)
+    # A directory a killed pass left with only a temp file went above (``remove_spent``).
+    return not _untidy(run_dir, closed)
 
 
 def settle_later(run_dir: Path, seconds: float = 120.0) -> None:

@@ -283,7 +283,7 @@ def remove_spent(files: RunFiles, grace_s: float, pinned: frozenset[str], closed
             p.unlink(missing_ok=True)
             removed += 1
         if wdir.name.removeprefix("writer=") in closed:
-            drop_if_only_temps(wdir)
+            _drop_if_only_temps(wdir)
             continue
         try:
             wdir.rmdir()  # fails if a file arrived meanwhile (a temp file of a writer back from the dead)
@@ -296,7 +296,7 @@ def remove_spent(files: RunFiles, grace_s: float, pinned: frozenset[str], closed
         # segment of its directory; no listing of segments sees that directory again. The caller holds the
         # run and the writer is closed, so nothing writes there: a directory without segments loses its
         # temp files, and goes once empty.
-        if any(os.path.lexists(w) and (w in files.segs or not drop_if_only_temps(w)) for w in wdirs):
+        if any(os.path.lexists(w) and (w in files.segs or not _drop_if_only_temps(w)) for w in wdirs):
             continue
         try:
             if {p.name for p in cdir.iterdir()} != {BEGIN}:
@@ -309,7 +309,7 @@ def remove_spent(files: RunFiles, grace_s: float, pinned: frozenset[str], closed
     return removed
 
 
-def drop_if_only_temps(wdir: Path) -> bool:
+def _drop_if_only_temps(wdir: Path) -> bool:
     """Delete ``wdir``'s temp files and then ``wdir``; True if it is gone (False if anything else is in it).
     Only for a closed writer's directory, by a caller that holds the run (``lease_lock.run_lock``)."""
     try:
