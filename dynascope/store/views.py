@@ -93,7 +93,7 @@ def variable(kind: str, table: str) -> str:
     return f"dynascope_{kind}_{table}"
 
 
-def journal_scan(files: str, table: str, options: str = "") -> str:
+def journal_scan(files: str, table: str) -> str:
     """A query of the whole lines of ``table``'s journals ``files`` (a SQL expression), typed by the schema:
     a line cut short by a crash is not JSON, reads as NULLs and lacks the ``_end`` mark. Views and seals
     both read journals through it, so a sealed segment holds what queries read from its journal.
@@ -105,7 +105,7 @@ def journal_scan(files: str, table: str, options: str = "") -> str:
     cols = {f.name: sql_type(f.type) for f in TABLES[table]} | {"_end": "INTEGER"}
     return (f"SELECT * EXCLUDE (_end) FROM (SELECT unnest(json_transform(json, {quote_literal(json.dumps(cols))})) "
             f"FROM read_json_objects({files}, format = 'newline_delimited', ignore_errors = true, "
-            f"hive_partitioning = false{', ' + options if options else ''})) WHERE _end IS NOT NULL")
+            f"hive_partitioning = false)) WHERE _end IS NOT NULL")
 
 
 class Tables(NamedTuple):
