@@ -169,6 +169,13 @@ def test_stop_action_ends_a_plain_loop(tmp_path: Path) -> None:
     assert stop_seen_at is not None and stop_seen_at > SPIKE
     (alert,) = _alerts(run)
     assert alert["step"] == SPIKE
+    # the monitor's own account at close: its passes (the live ones and the last) and the slowest, which
+    # bounds the lag an alert saw
+    with open_store(run) as store:
+        (summary,), = store.rows("SELECT fields_json FROM events WHERE event = 'monitor_closed'")
+    summary = json.loads(summary)
+    assert summary["fired"] == 1 and summary["errors"] == 0 and summary["passes"] >= 2, summary
+    assert summary["slowest_pass_ms"] >= summary["mean_pass_ms"] > 0, summary
 
 
 def test_watch_run_follows_from_another_process(tmp_path: Path) -> None:

@@ -90,6 +90,7 @@ class Monitor:
         self.webhooks = Webhooks()
         self.fired: list[Firing] = []
         self.polls = self.errors = 0
+        self.busy_s = self.slowest_s = 0.0  # time spent in passes, and the longest one (the alerts' lag)
         self.stop_at: int | None = None
         self._state: dict[str, dict[Key, _Series]] = {r.label: {} for r in self.rules}
         self._stop_seen = False
@@ -100,6 +101,7 @@ class Monitor:
     def poll(self, final: bool = False) -> list[Firing]:
         """Judge what is new once; returns the firings (their actions are done)."""
         self.polls += 1
+        began = time.monotonic()
         new: list[Firing] = []
         newest: int | None = None
         if self.rules:
@@ -117,6 +119,8 @@ class Monitor:
                             self.errors += 1
                             self._report(f"alert rule {rule.label} failed: {type(exc).__name__}: {exc}")
                     newest = self._newest(store) if any("stop" in f.rule.actions for f in new) else None
+        took = time.monotonic() - began
+        self.busy_s, self.slowest_s = self.busy_s + took, max(self.slowest_s, took)
         for f in new:
             self._act(f, newest)
         self._check_stop_file()
@@ -239,7 +243,23 @@ class Monitor:
 
             threading.Thread(target=last, name="dynascope-alerts-final", daemon=True).start()
             done.wait(max(0.0, deadline - time.monotonic()))
+        self._summary()
         self.webhooks.close(max(0.0, min(1.0, deadline - time.monotonic())))
+
+    def _summary(self) -> None:
+        """One ``monitor_closed`` row: how many passes judged the rules and how long they took. An alert
+        reaches its events row at most a pass, the wait after it and the next pass after its step's rows
+        land, so the slowest pass bounds the lag a run saw (a host whose cores training fills slows them)."""
+        if not self.rules or self._event is None:
+            return
+        mean_ms = 1e3 * self.busy_s / self.polls if self.polls else None
+        try:
+            self._event("monitor_closed", f"alert monitor: {self.polls} passes (slowest {self.slowest_s:.2f} s), "
+                        f"{len(self.fired)} fired, {self.errors} failed", severity="info", passes=self.polls,
+                        fired=len(self.fired), errors=self.errors, slowest_pass_ms=1e3 * self.slowest_s,
+                        mean_pass_ms=mean_ms, interval_s=self.interval_s)
+        except Exception as exc:
+            warn(f"alert monitor summary not written: {type(exc).__name__}: {exc}")
 
     def frame(self) -> pl.DataFrame:
         """The firings so far, one row each."""
