@@ -65,7 +65,8 @@ def watch_run(
         signal.signal(signal.SIGINT, previous)
         monitor.webhooks.close()
         writer.close(timeout_s=10.0)
-    _out.print(f"{len(monitor.fired)} alerts from {len(chosen)} rules over {monitor.polls} passes")
+    _out.print(f"{len(monitor.fired)} alerts from {len(chosen)} rules over {monitor.polls} passes "
+               f"(slowest {monitor.slowest_s:.2f} s)")
 
 
 def metrics(

@@ -5,6 +5,7 @@ nothing; ``dynascope watch-run`` follows a run from another process."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -186,6 +187,7 @@ def test_watch_run_follows_from_another_process(tmp_path: Path) -> None:
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "[error] step 4: straggler_score < 0.75: straggler_score = 0.3333 at step 4 (trainer rank 2, train)" in done.stdout
+    assert re.search(r"^1 alerts from 1 rules over 1 passes \(slowest \d+\.\d\d s\)$", done.stdout, re.M), done.stdout
     assert [(a["step"], a["rank"]) for a in _alerts(run)] == [(4, 2)]
     rules.write_text("- {quantity: loss, condition: 'big'}\n")
     bad = subprocess.run([*CLI, "watch-run", str(run), "--rules", str(rules), "--once"], capture_output=True,
