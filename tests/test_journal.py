@@ -21,6 +21,7 @@ import dynascope.store.journal as journal
 import dynascope.store.own_fold as own_fold
 from dynascope.store import RunWriter, at_rest, open_store
 from dynascope.store.live import live_files
+from dynascope.store.reader import retry_vanished
 
 from helpers.waiting import wait_until
 
@@ -280,3 +281,26 @@ def test_a_closed_run_comes_to_rest_without_journals(tmp_path: Path, quick: None
     assert left == [], left
     with open_store(run) as s:
         assert s.rows("SELECT count(*), count(DISTINCT (step, key)) FROM scalars") == [(60, 60)]
+
+
+def test_a_journal_read_short_runs_the_query_again_and_a_parquet_file_read_short_fails_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read of a journal that its writer is appending to can come up short on FUSE and network file
+    systems (tests/test_faults_fuse.py grows one on a mount): the query runs again. A Parquet file read
+    short is corrupt, and says so at once."""
+    monkeypatch.setattr(own_fold, "DELETE_WINDOW_S", 0.0)  # no deletion window to wait out between runs
+    tries: list[int] = []
+
+    def query(path: str) -> str:
+        tries.append(1)
+        if len(tries) < 3:
+            raise duckdb.IOException(f'IO Error: Could not read enough bytes from file "{path}": attempted to '
+                                     'read 80772 bytes from location 19604604')
+        return "rows"
+
+    assert retry_vanished(lambda: query("/runs/a/scalars/writer=r0-x/000000000012.jsonl")) == "rows"
+    assert len(tries) == 3
+    tries.clear()
+    with pytest.raises(duckdb.IOException, match="Could not read enough bytes"):
+        retry_vanished(lambda: query("/runs/a/scalars/writer=r0-x/000000000001-000000000011.parquet"))
+    assert len(tries) == 1

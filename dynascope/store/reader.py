@@ -53,6 +53,10 @@ VANISHED_FROM_LIST = (*VANISHED, "No files found", "FileNotFoundException", "PAT
 # vanished since. Of any other path (a user's query naming a file that is not there) it is bad input,
 # answered at once.
 _LISTED_VANISHED = re.compile(r'No files found that match the pattern "[^"]*/\d{12}(?:-\d{12}(?:\.v\d+)?\.parquet|\.jsonl)"')
+# A journal is read while its writer appends to it (or cuts a failed flush's partial line). On FUSE and
+# network file systems a read can find fewer bytes than the size DuckDB planned its reads with, past the
+# first buffer it reads: the next run reads the journal as it is then. Of a Parquet file, short is corrupt.
+_JOURNAL_SHORT = re.compile(r'Could not read enough bytes from file "[^"]*/\d{12}\.jsonl"')
 
 
 WINDOW_SPILL_S = 0.5  # how long past its deletion window a loaded writer may still be unlinking
@@ -69,8 +73,8 @@ def retry_vanished(fetch: Callable[[], T], deadline_s: float = 60.0, vanished: S
     writer's own and ``dynascope compact``) can delete twice in a row, so it retries until a deadline
     rather than a fixed number of times. Writers delete only in shared windows of the wall clock
     (``own_fold.DELETE_PERIOD_S``): a query that met one runs again once it is over, so a thousand writers
-    deleting in the same window cost it one more run, not one per writer. ``vanished``: the error texts
-    that mean a file vanished.
+    deleting in the same window cost it one more run, not one per writer. A journal read short while its
+    writer appends to it runs again as well. ``vanished``: the error texts that mean a file vanished.
     """
     end = time.monotonic() + deadline_s
     attempt = 0
@@ -79,7 +83,8 @@ def retry_vanished(fetch: Callable[[], T], deadline_s: float = 60.0, vanished: S
             return fetch()
         except Exception as exc:
             text = str(exc)
-            if not (any(s in text for s in vanished) or _LISTED_VANISHED.search(text)) or time.monotonic() >= end:
+            again = any(s in text for s in vanished) or _LISTED_VANISHED.search(text) or _JOURNAL_SHORT.search(text)
+            if not again or time.monotonic() >= end:
                 raise
             attempt += 1
             time.sleep(min(_after_deletions(attempt), max(end - time.monotonic(), 0.0)))  # a last run at the deadline
