@@ -18,6 +18,7 @@ from conftest import CLI
 import dynascope
 from dynascope.alerts import DEFAULT_RULES, Monitor, Rule, load_rules
 from dynascope.alerts.actions import read_stop
+from dynascope.alerts.quantities import series
 from dynascope.store import RunWriter, open_store
 
 from helpers.planted_timings import plant
@@ -245,3 +246,28 @@ def test_a_phase_that_runs_every_few_steps_is_judged_live(tmp_path: Path) -> Non
     assert mon.poll(final=True) == []
     for w in writers:
         w.close()
+
+
+def test_a_pass_still_running_at_close_counts_in_the_monitors_account(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    run = tmp_path / "run"
+    _scalars(run, {s: 1.0 for s in range(10)})
+    release = threading.Event()
+
+    def slow_series(*args: object, **kwargs: object) -> object:
+        release.wait(30)  # a pass held up (a stalled file system, a host whose cores training fills)
+        return series(*args, **kwargs)
+
+    monkeypatch.setattr("dynascope.alerts.monitor.series", slow_series)
+    w = RunWriter(run, rank=0, role="monitor", flush_secs=60)
+    mon = Monitor(run, [Rule("loss", "> 100")], event=w.event, interval_s=0.01).start()
+    try:
+        wait_until(lambda: mon._began is not None, "a pass to begin")
+        mon.close(timeout_s=0.5)  # the pass outlives close's deadline: close returns, and says so
+    finally:
+        release.set()
+    w.close()
+    with open_store(run) as store:
+        (summary,), = store.rows("SELECT fields_json FROM events WHERE event = 'monitor_closed'")
+    summary = json.loads(summary)
+    assert summary["passes"] == 1 and summary["slowest_pass_ms"] >= 500 and summary["mean_pass_ms"] == 0, summary

@@ -91,6 +91,7 @@ class Monitor:
         self.fired: list[Firing] = []
         self.polls = self.errors = 0
         self.busy_s = self.slowest_s = 0.0  # time spent in passes, and the longest one (the alerts' lag)
+        self._began: float | None = None  # when the pass under way began
         self.stop_at: int | None = None
         self._state: dict[str, dict[Key, _Series]] = {r.label: {} for r in self.rules}
         self._stop_seen = False
@@ -101,7 +102,7 @@ class Monitor:
     def poll(self, final: bool = False) -> list[Firing]:
         """Judge what is new once; returns the firings (their actions are done)."""
         self.polls += 1
-        began = time.monotonic()
+        self._began = began = time.monotonic()
         new: list[Firing] = []
         newest: int | None = None
         if self.rules:
@@ -120,7 +121,7 @@ class Monitor:
                             self._report(f"alert rule {rule.label} failed: {type(exc).__name__}: {exc}")
                     newest = self._newest(store) if any("stop" in f.rule.actions for f in new) else None
         took = time.monotonic() - began
-        self.busy_s, self.slowest_s = self.busy_s + took, max(self.slowest_s, took)
+        self.busy_s, self.slowest_s, self._began = self.busy_s + took, max(self.slowest_s, took), None
         for f in new:
             self._act(f, newest)
         self._check_stop_file()
@@ -230,6 +231,7 @@ class Monitor:
         if self._thread is not None:
             self._thread.join(max(0.0, deadline - time.monotonic()))
             if self._thread.is_alive():
+                self._summary()
                 return
         if final:
             done = threading.Event()
@@ -253,10 +255,12 @@ class Monitor:
         if not self.rules or self._event is None:
             return
         mean_ms = 1e3 * self.busy_s / self.polls if self.polls else None
+        began = self._began  # a pass still under way at close counts for as long as it has run
+        slowest = max(self.slowest_s, time.monotonic() - began if began is not None else 0.0)
         try:
-            self._event("monitor_closed", f"alert monitor: {self.polls} passes (slowest {self.slowest_s:.2f} s), "
+            self._event("monitor_closed", f"alert monitor: {self.polls} passes (slowest {slowest:.2f} s), "
                         f"{len(self.fired)} fired, {self.errors} failed", severity="info", passes=self.polls,
-                        fired=len(self.fired), errors=self.errors, slowest_pass_ms=1e3 * self.slowest_s,
+                        fired=len(self.fired), errors=self.errors, slowest_pass_ms=1e3 * slowest,
                         mean_pass_ms=mean_ms, interval_s=self.interval_s)
         except Exception as exc:
             warn(f"alert monitor summary not written: {type(exc).__name__}: {exc}")
