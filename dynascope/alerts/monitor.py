@@ -254,8 +254,9 @@ class Monitor:
         land, so the slowest pass bounds the lag a run saw (a host whose cores training fills slows them)."""
         if not self.rules or self._event is None:
             return
-        mean_ms = 1e3 * self.busy_s / self.polls if self.polls else None
         began = self._began  # a pass still under way at close counts for as long as it has run
+        finished = self.polls - (began is not None)
+        mean_ms = 1e3 * self.busy_s / finished if finished else None  # of the passes that ended: none, NULL
         slowest = max(self.slowest_s, time.monotonic() - began if began is not None else 0.0)
         try:
             self._event("monitor_closed", f"alert monitor: {self.polls} passes (slowest {slowest:.2f} s), "
