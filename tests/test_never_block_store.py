@@ -105,3 +105,36 @@ def test_sigterm_under_torchrun_keeps_every_finished_step(tmp_path: Path) -> Non
         recorded = dict(store.rows("SELECT rank, count(DISTINCT step) FROM timings WHERE category = 'step' GROUP BY 1"))
     for r in (0, 1):  # every step whose optimizer.step() returned (one more may have, after its marker)
         assert recorded.get(r, 0) >= done[r] > 0, (r, recorded, done)
+
+
+HELD = textwrap.dedent("""
+    import os, signal, sys, time
+    from dynascope.store import RunWriter
+    signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))  # the user's handler, chained to after the flush
+    w = RunWriter(RUN, flush_secs=3600)
+    w.append("scalars", {"step": list(range(100)), "key": "loss", "value": 1.0, "time_us": 1})
+    commit = w._commit
+    def slow(groups):  # a shared file system's write: the process must not end while it lands
+        time.sleep(2)
+        return commit(groups)
+    w._commit = slow
+    with w._lock:  # the signal lands while the training thread is inside the writer's lock (an append)
+        os.kill(os.getpid(), signal.SIGTERM)
+        while True:
+            pass
+""")
+
+
+def test_sigterm_inside_the_writers_lock_still_writes_every_row(tmp_path: Path) -> None:
+    # The flush that SIGTERM starts cannot take the lock the interrupted thread holds, and waits out its
+    # deadline; the user's handler then exits, which unwinds and releases the lock. The exit's own close
+    # must wait for that flush to land, not find the writer "closing" and let the process end under it.
+    run = tmp_path / "run"
+    script = tmp_path / "held.py"
+    script.write_text(HELD.replace("RUN", repr(str(run))))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 143, proc.stderr
+    with open_store(run) as store:
+        assert store.rows("SELECT count(*) FROM scalars")[0][0] == 100
+        # one close: two racing closes each wrote their own run_end
+        assert store.rows("SELECT count(*) FROM events WHERE event = 'run_end'")[0][0] == 1

@@ -115,6 +115,7 @@ class RunWriter:
         self._fresh_state()
         self._backoff = Backoff(self.flush_secs)
         self._closed = False
+        self._close_once, self._close_done = threading.Lock(), threading.Event()  # the first close; its end
         self.forked = False  # a copy inherited through fork (``open_writers``): inert
         self.close_timed_out = False  # close() returned at its deadline with a flush still running
         self._failing = False  # inside a streak of failed segment writes
@@ -373,9 +374,12 @@ class RunWriter:
     def close(self, timeout_s: float = 30.0) -> None:
         """Flush what is buffered and stop the thread, within ``timeout_s`` whatever the disk does; the run's
         last writer to close also folds the run's writers together in what is left of it (``writer_close``,
-        ``at_rest``). Idempotent."""
-        if not self._closed:
+        ``at_rest``). Once: a close while another is under way (SIGTERM's, then the exit's) waits, within
+        ``timeout_s``, for that one's last work to end instead of letting the process end under it."""
+        if self._close_once.acquire(blocking=False):
             writer_close.close_writer(self, timeout_s)
+        else:
+            self._close_done.wait(timeout_s)
 
     def __enter__(self) -> RunWriter:
         return self
@@ -383,13 +387,8 @@ class RunWriter:
         self.close()
 
     def _forget(self) -> None:
-        """In a forked child (``open_writers``): fresh locks, no buffers, closed."""
-        self._fresh_state()
-        self._closed = self.forked = True
-        self.journal = None  # the parent's files: not this process's to write or seal
-        if self.node is not None:
-            self.node.forget()  # the parent's sockets: closed here, still open there
-            self.node = None
+        """In a forked child (``open_writers``): inert (``writer_close.forget``)."""
+        writer_close.forget(self)
 
 
 def _marker(run_id: str) -> dict[str, Any]:

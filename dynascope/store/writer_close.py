@@ -26,7 +26,7 @@ from dynascope.store.schema import TABLES
 if TYPE_CHECKING:
     from dynascope.store.writer import RunWriter
 
-__all__ = ["close_writer"]
+__all__ = ["close_writer", "forget"]
 
 _MARGIN_S = 0.5  # the fold at close stops passing this long before close's deadline
 
@@ -69,7 +69,15 @@ def close_writer(w: RunWriter, timeout_s: float) -> None:
 def _last_work(w: RunWriter, flushed: threading.Event, deadline: float) -> None:
     """The close thread: the last flushes, then (all written, the writer thread stopped) the closed mark and,
     if no writer of the run writes any more, the run's fold; the deletions that wait out its grace periods
-    go to a process of their own (``at_rest.settle_later``)."""
+    go to a process of their own (``at_rest.settle_later``). A close called meanwhile waits for the end of
+    this (``RunWriter.close``), so the process does not exit under it."""
+    try:
+        _last_flushes_and_fold(w, flushed, deadline)
+    finally:
+        w._close_done.set()
+
+
+def _last_flushes_and_fold(w: RunWriter, flushed: threading.Event, deadline: float) -> None:
     try:
         whole = _final_flushes(w)
         if w.journal is not None and (wait := (w.journal.effective_us - now_us()) / 1e6) > 0:
@@ -82,7 +90,10 @@ def _last_work(w: RunWriter, flushed: threading.Event, deadline: float) -> None:
         return  # a writer that may still write, whose rows did not all land, or that keeps its files as written
     try:
         at_rest.mark_closed(w.run_dir, w.writer_id)
-        if not at_rest.settle(w.run_dir, deadline - _MARGIN_S, once=True):
+        # A pass started after close's deadline (the flushes outlasted it) would run on while the process
+        # exits, a thread inside DuckDB or Arrow then: the fold goes to a process of its own instead.
+        late = time.monotonic() > deadline - _MARGIN_S
+        if late or not at_rest.settle(w.run_dir, deadline - _MARGIN_S, once=True):
             at_rest.settle_later(w.run_dir)
     except Exception as exc:  # housekeeping: the rows are committed; the next open or compact folds them
         w._problem("fold_error", f"folding the finished run failed ({type(exc).__name__}: {exc}); "
@@ -123,3 +134,17 @@ def _final_flushes(w: RunWriter) -> bool:
     w._heartbeat()
     release_arrow_memory()  # the final flushes ran on this thread: its heap kept their pages
     return not lost and not unsaid
+
+
+def forget(w: RunWriter) -> None:
+    """A forked child's copy of a writer: fresh locks, no buffers, closed, and a ``close`` that returns at
+    once (the parent's locks and events may have been held at the fork, by threads the child lacks)."""
+    w._fresh_state()
+    w._closed = w.forked = True
+    w._close_once, w._close_done = threading.Lock(), threading.Event()
+    w._close_once.acquire()
+    w._close_done.set()
+    w.journal = None  # the parent's files: not this process's to write or seal
+    if w.node is not None:
+        w.node.forget()  # the parent's sockets: closed here, still open there
+        w.node = None
