@@ -56,8 +56,10 @@ def test_a_slow_rank_fires_its_alert_while_the_demo_trains(tmp_path: Path) -> No
     slowest_s = summary["slowest_pass_ms"] / 1e3
     lag_s = max(PASS_S, max(INTERVAL_S, slowest_s * (1 - DUTY) / DUTY) + 2 * slowest_s)
     bound_us = (2 * FLUSH_S + lag_s) * 1e6
-    complete_us = max(ends[f["step"]], min(end for step, end in spans if step > f["step"]))
     assert fired_us < last_end, (fired_us, last_end)
+    later = [end for step, end in spans if step > f["step"]]
+    assert later, f"the alert names rank 1's last step, {f['step']}: not live"
+    complete_us = max(ends[f["step"]], min(later))
     assert fired_us - complete_us <= bound_us, ((fired_us - complete_us) / 1e6, summary)
     # the planted spike: the gradient-norm rule names its step within the same bound of the step's end (a
     # detector judges a step without waiting for a later one; this quick run's RL ends a few seconds after

@@ -31,7 +31,8 @@ from helpers.waiting import wait_until
 
 pytestmark = pytest.mark.skipif(not (os.path.exists("/dev/fuse") and shutil.which("fusermount")),
                                 reason="needs /dev/fuse and fusermount (Debian's fuse, installed by .ci/run)")
-pytest.importorskip("fuse", reason="needs fusepy (a dev extra)")
+# fusepy raises OSError, not ImportError, when libfuse itself is missing: both mean "skip", not "error".
+pytest.importorskip("fuse", reason="needs fusepy (a dev extra) and libfuse2", exc_type=(ImportError, OSError))
 from helpers.faultfs import Mount  # noqa: E402 - needs fusepy, checked just above
 
 
