@@ -138,3 +138,40 @@ def test_sigterm_inside_the_writers_lock_still_writes_every_row(tmp_path: Path) 
         assert store.rows("SELECT count(*) FROM scalars")[0][0] == 100
         # one close: two racing closes each wrote their own run_end
         assert store.rows("SELECT count(*) FROM events WHERE event = 'run_end'")[0][0] == 1
+
+
+INSIDE = textwrap.dedent("""
+    import os, signal, time
+    from dynascope.store import RunWriter
+    w = RunWriter(RUN, flush_secs=3600)  # no handler of the user's: the default, which ends the process
+    w.append("scalars", {"step": list(range(100)), "key": "loss", "value": 1.0, "time_us": 1})
+    real, sent = w._over_locked, []
+
+    def inside(extra_rows=0):  # runs within append, under the writer's lock
+        if not sent:
+            sent.append(time.monotonic())
+            os.kill(os.getpid(), signal.SIGTERM)
+            while time.monotonic() - sent[0] < 0.3:  # the append goes on a while, the signal pending
+                pass
+        return real(extra_rows)
+
+    w._over_locked = inside
+    w.append("scalars", {"step": list(range(100, 150)), "key": "loss", "value": 1.0, "time_us": 1})
+    open(RUN + ".appended", "w").write(repr(time.monotonic() - sent[0]))
+    while True:  # training goes on until the signal ends the process
+        pass
+""")
+
+
+def test_sigterm_during_an_append_is_put_off_until_the_lock_is_free(tmp_path: Path) -> None:
+    # Without the deferral the flush waits out its whole deadline on the lock the append holds, and the
+    # default action then ends the process with nothing written.
+    run = tmp_path / "run"
+    script = tmp_path / "inside.py"
+    script.write_text(INSIDE.replace("RUN", repr(str(run))))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGTERM, proc.stderr  # ended by the signal, as it would have been
+    assert float(Path(f"{run}.appended").read_text()) >= 0.3  # the append finished before the flush ran
+    with open_store(run) as store:
+        assert store.rows("SELECT count(*) FROM scalars")[0][0] == 150
+        assert store.rows("SELECT count(*) FROM events WHERE event = 'run_end'")[0][0] == 1

@@ -11,8 +11,12 @@ the launcher's, or the default):
 2. then the previous handler runs: a Python one is called; the default is restored and the signal sent
    again, so the process ends as it would have, with the signal's exit status; an ignored one stays ignored.
 
-The work runs off the interrupted thread and is waited for with a deadline: the signal may have arrived
-while that thread held a lock the flush needs, which then costs the deadline, never a hang.
+The work runs off the interrupted thread and is waited for with a deadline. The signal may arrive while
+that thread is inside the writer's or the probes' code, holding a lock the flush needs (during an append):
+the flush would wait out its deadline and the process end with nothing written. So a signal that finds
+the thread there is sent again ``RETRY_S`` later, when the thread has most likely left (it spends
+microseconds a step there), for up to ``DEFER_S``; after that the flush runs anyway, and a lock still
+held costs the deadline, never a hang.
 """
 
 from __future__ import annotations
@@ -27,6 +31,12 @@ from typing import Any
 __all__ = ["TERM_FLUSH_S", "install", "on_term"]
 
 TERM_FLUSH_S = 5.0  # the whole flush on SIGTERM; SLURM's and Kubernetes' default grace is 30 s
+DEFER_S = 1.0  # how long a signal that lands inside dynascope's code is put off, at most
+RETRY_S = 0.01  # the wait before it is sent again
+# Where the training thread can hold a lock the flush needs: the writer's (store) and the probes' hooks.
+_PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_LOCKING = tuple(os.path.join(_PKG, part) + os.sep for part in ("store", "probes"))
+_first_at: float | None = None  # when the first SIGTERM arrived
 _drains: list[Callable[[float], None]] = []
 _closers: list[Callable[[float], None]] = []
 _previous: Any = None
@@ -66,7 +76,24 @@ def _flush(deadline: float) -> None:
             pass
 
 
+def _inside_ours(frame: Any) -> bool:
+    """Whether the interrupted thread is in the writer's or the probes' code (any frame of its stack)."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(_LOCKING):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _handle(signum: int, frame: Any) -> None:
+    global _first_at
+    now = time.monotonic()
+    _first_at = now if _first_at is None else _first_at
+    if now - _first_at < DEFER_S and _inside_ours(frame):
+        again = threading.Timer(RETRY_S, os.kill, (os.getpid(), signum))
+        again.daemon = True
+        again.start()
+        return
     deadline = time.monotonic() + TERM_FLUSH_S
     worker = threading.Thread(target=_flush, args=(deadline,), name="dynascope-sigterm", daemon=True)
     worker.start()
