@@ -129,15 +129,22 @@ def test_sigterm_inside_the_writers_lock_still_writes_every_row(tmp_path: Path) 
     # The flush that SIGTERM starts cannot take the lock the interrupted thread holds, and waits out its
     # deadline; the user's handler then exits, which unwinds and releases the lock. The exit's own close
     # must wait for that flush to land, not find the writer "closing" and let the process end under it.
-    run = tmp_path / "run"
-    script = tmp_path / "held.py"
-    script.write_text(HELD.replace("RUN", repr(str(run))))
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    run, proc = _run_until_terminated(tmp_path, HELD)
     assert proc.returncode == 143, proc.stderr
+    assert _rows_and_ends(run) == (100, 1)  # one close: two racing closes each wrote their own run_end
+
+
+def _run_until_terminated(tmp_path: Path, script: str) -> tuple[Path, subprocess.CompletedProcess]:
+    run, path = tmp_path / "run", tmp_path / "script.py"
+    path.write_text(script.replace("RUN", repr(str(run))))
+    return run, subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=120)
+
+
+def _rows_and_ends(run: Path) -> tuple[int, int]:
+    """The scalars rows and the run_end events in ``run``."""
     with open_store(run) as store:
-        assert store.rows("SELECT count(*) FROM scalars")[0][0] == 100
-        # one close: two racing closes each wrote their own run_end
-        assert store.rows("SELECT count(*) FROM events WHERE event = 'run_end'")[0][0] == 1
+        return store.rows("SELECT (SELECT count(*) FROM scalars), "
+                          "(SELECT count(*) FROM events WHERE event = 'run_end')")[0]
 
 
 INSIDE = textwrap.dedent("""
@@ -166,12 +173,7 @@ INSIDE = textwrap.dedent("""
 def test_sigterm_during_an_append_is_put_off_until_the_lock_is_free(tmp_path: Path) -> None:
     # Without the deferral the flush waits out its whole deadline on the lock the append holds, and the
     # default action then ends the process with nothing written.
-    run = tmp_path / "run"
-    script = tmp_path / "inside.py"
-    script.write_text(INSIDE.replace("RUN", repr(str(run))))
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    run, proc = _run_until_terminated(tmp_path, INSIDE)
     assert proc.returncode == -signal.SIGTERM, proc.stderr  # ended by the signal, as it would have been
     assert float(Path(f"{run}.appended").read_text()) >= 0.3  # the append finished before the flush ran
-    with open_store(run) as store:
-        assert store.rows("SELECT count(*) FROM scalars")[0][0] == 150
-        assert store.rows("SELECT count(*) FROM events WHERE event = 'run_end'")[0][0] == 1
+    assert _rows_and_ends(run) == (150, 1)
