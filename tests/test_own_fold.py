@@ -176,3 +176,33 @@ def test_a_query_that_meets_a_deletion_window_runs_again_once_it_is_over(monkeyp
     assert retry_vanished(query) == "rows"
     assert len(phases) == 2, phases  # a back-off of 20 ms would have run it ~40 times in the window
     assert phases[1] >= 1.0 + reader.WINDOW_SPILL_S - 0.05, phases
+
+
+def _rewrites_per_row(every: int, leave: int, seals: int) -> float:
+    """The fold's rule over ``seals`` equal segments: rows its merges rewrote, per row written."""
+    rows: list[int] = []
+    rewritten = 0
+    for i in range(1, seals + 1):
+        rows.append(1000)
+        if i % every == 0 and len(rows) > leave:
+            start, n = own_fold.pick(rows, [True] * len(rows), len(rows) - leave + 1)
+            assert n == len(rows) - leave + 1  # the whole run: the fold leaves exactly `leave`
+            rows[start:start + n] = [sum(rows[start:start + n])]
+            rewritten += rows[start]
+        assert len(rows) <= leave + every
+    return rewritten / (1000 * seals)
+
+
+def test_a_fold_rewrites_rows_far_fewer_times_than_it_folds() -> None:
+    # Three days of seals at 5 minutes. The run with the fewest rows alone rewrote every row since the run's
+    # start at each fold: 215 and 107 times a row (docs/scale.md).
+    assert _rewrites_per_row(own_fold.SEALED_EVERY, own_fold.SEALED_LEAVE, 864) < 63
+    assert _rewrites_per_row(own_fold.EVERY, own_fold.LEAVE, 864) < 12
+
+
+def test_a_fold_merges_only_committed_segments_under_max_rows() -> None:
+    big = own_fold.MAX_ROWS - 10
+    assert own_fold.pick([5, 4, 3, 2], [True, True, False, True], 3) == (0, 2)  # never across an uncommitted one
+    assert own_fold.pick([big, 20, 4, 3], [True] * 4, 3) == (1, 3)  # the ordered run would pass MAX_ROWS
+    assert own_fold.pick([big, 20], [True] * 2, 2) is None
+    assert own_fold.pick([9, 5, 4, 1], [True] * 4, 2) == (2, 2)  # 9, 5, 5: ordered; 4 + 1 is fewest of those

@@ -1,10 +1,11 @@
 """A live writer folds its own segments, so it holds a bounded number of files however long it runs.
 
 Each flush adds a segment per table it wrote. Every ``EVERY`` (4) flushes the writer thread merges, in each
-table's directory, the run of adjacent live segments whose rows add up least and whose merge leaves ``LEAVE``
-(3), in one merge, so a table holds at most ``LEAVE + EVERY`` (7) live segments, and ``KEEP`` (8) with the one
-flush the writer lets land while the merge settles (``hold_s``): each new small segment joins its small
-neighbours first, so a row is rewritten a few times over a run rather than at every fold. A journal writer
+table's directory, a run of adjacent live segments whose merge leaves ``LEAVE`` (3), so a table holds at
+most ``LEAVE + EVERY`` (7) live segments, and ``KEEP`` (8) with the one flush the writer lets land while the
+merge settles (``hold_s``). Of the runs that leave the segments' sizes ordered, oldest largest, it takes
+the one with the fewest rows (``pick``): a segment joins its older neighbour once it has caught up with it,
+so a row is rewritten far fewer times than there are folds. A journal writer
 makes a segment per seal, not per flush, and folds every ``SEALED_EVERY`` (2) seals to ``SEALED_LEAVE`` (2):
 at most ``SEALED_KEEP`` (5). The merge is compaction's own (``merge``, which ``dynascope compact`` uses too: a
 merged file ``<lo>-<hi>.v<valid_from>`` takes effect ``SETTLE_S`` after it is written and covers its sources
@@ -23,6 +24,7 @@ a fold that fails leaves every file as it was (the merged file is renamed into p
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass
@@ -37,7 +39,7 @@ from dynascope.store.runfiles import RunFiles, Seg, num_rows
 from dynascope.store.schema import TABLES
 
 __all__ = ["DELETE_PERIOD_S", "DELETE_WINDOW_S", "EVERY", "GRACE_S", "KEEP", "LEAVE", "SEALED_EVERY", "SEALED_KEEP",
-           "SEALED_LEAVE", "SETTLE_S", "Upkeep", "fold_own", "hold_s", "tend", "wake_s"]
+           "SEALED_LEAVE", "SETTLE_S", "Upkeep", "fold_own", "hold_s", "pick", "tend", "wake_s"]
 
 KEEP = 8  # live segments per table a writer holds at most
 SETTLE_S = 2.0  # a merged file takes effect this long after it is written (compact's settle_s)
@@ -179,17 +181,34 @@ def fold_own(run_dir: Path, writer_id: str, keep: int = KEEP, settle_s: float = 
 
 
 def _cheapest_run(files: RunFiles, live: list[Seg], size: int) -> list[Seg] | None:
-    """The ``size`` adjacent committed live segments with the fewest rows together (under ``MAX_ROWS``), or
-    the largest shorter run that fits; None when no two fit. New small segments join their small neighbours
-    first, so a row is rewritten a few times over a run, not at every fold."""
+    """The ``size`` adjacent committed live segments to merge (``pick``), or the largest shorter run that
+    fits under ``MAX_ROWS``; None when no two fit."""
     rows = [num_rows(p) for _, _, p in live]
     ok = [not files.uncommitted(s[2].parent, s) for s in live]  # a flush in progress is not data yet
-    for n in range(min(size, len(live)), 1, -1):
-        best, best_rows = None, None
-        for i in range(len(live) - n + 1):
+    run = pick(rows, ok, size)
+    return None if run is None else live[run[0]:run[0] + run[1]]
+
+
+def pick(rows: list[int], ok: list[bool], size: int) -> tuple[int, int] | None:
+    """(start, length) of the run of ``size`` adjacent segments (oldest first) to merge: the fewest rows
+    together among the runs that leave the segments' rows non-increasing from oldest to newest, else the
+    fewest rows; only runs of segments marked ``ok`` and under ``MAX_ROWS``. Shorter runs when none fits.
+
+    The order keeps merges cheap. With the fewest rows alone, the segment after the oldest absorbed every
+    new one (a merge of 3 of 4 segments always holds one of the two oldest, and the younger was the
+    smaller), so each fold rewrote the run's rows since its start: over 864 seals a row was rewritten 215
+    times folding every 2 seals to 2, 107 every 4 to 3. Keeping sizes ordered, a segment grows into its
+    older neighbour once it has caught up with it, as in a size-tiered LSM tree: 62 and 12 times."""
+    for n in range(min(size, len(rows)), 1, -1):
+        best: tuple[tuple[bool, int], int] | None = None
+        for i in range(len(rows) - n + 1):
             total = sum(rows[i:i + n])
-            if all(ok[i:i + n]) and total <= MAX_ROWS and (best_rows is None or total < best_rows):
-                best, best_rows = live[i:i + n], total
+            if not all(ok[i:i + n]) or total > MAX_ROWS:
+                continue
+            after = [*rows[:i], total, *rows[i + n:]]
+            key = (any(a < b for a, b in itertools.pairwise(after)), total)  # ordered runs first, then fewest
+            if best is None or key < best[0]:
+                best = (key, i)
         if best is not None:
-            return best
+            return best[1], n
     return None
