@@ -92,8 +92,11 @@ def _handle(signum: int, frame: Any) -> None:
     if now - _first_at < DEFER_S and _inside_ours(frame):
         again = threading.Timer(RETRY_S, os.kill, (os.getpid(), signum))
         again.daemon = True
-        again.start()
-        return
+        try:
+            again.start()
+            return
+        except RuntimeError:  # no thread to be had (the interpreter is shutting down): flush now
+            pass
     deadline = time.monotonic() + TERM_FLUSH_S
     worker = threading.Thread(target=_flush, args=(deadline,), name="dynascope-sigterm", daemon=True)
     worker.start()
