@@ -194,9 +194,9 @@ def pick(rows: list[int], ok: list[bool], size: int) -> tuple[int, int] | None:
     together among the runs that leave the segments' rows non-increasing from oldest to newest, else the
     fewest rows; only runs of segments marked ``ok`` and under ``MAX_ROWS``. Shorter runs when none fits.
 
-    The order keeps merges cheap. With the fewest rows alone, the segment after the oldest absorbed every
-    new one (a merge of 3 of 4 segments always holds one of the two oldest, and the younger was the
-    smaller), so each fold rewrote the run's rows since its start: over 864 seals a row was rewritten 215
+    The order keeps merges cheap. With the fewest rows alone, the second oldest segment absorbed every
+    new one (a merge of 3 adjacent segments of 4 always holds it, and the run without the oldest had the
+    fewer rows), so each fold rewrote the run's rows since its start: over 864 seals a row was rewritten 215
     times folding every 2 seals to 2, 107 every 4 to 3. Keeping sizes ordered, a segment grows into its
     older neighbour once it has caught up with it, as in a size-tiered LSM tree: 62 and 12 times."""
     for n in range(min(size, len(rows)), 1, -1):

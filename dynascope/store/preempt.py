@@ -31,7 +31,7 @@ from typing import Any
 __all__ = ["TERM_FLUSH_S", "install", "on_term"]
 
 TERM_FLUSH_S = 5.0  # the whole flush on SIGTERM; SLURM's and Kubernetes' default grace is 30 s
-DEFER_S = 1.0  # how long a signal that lands inside dynascope's code is put off, at most
+DEFER_S = 1.0  # how long a signal that lands inside the writer's or the probes' code is put off, at most
 RETRY_S = 0.01  # the wait before it is sent again
 # Where the training thread can hold a lock the flush needs: the writer's (store) and the probes' hooks.
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
