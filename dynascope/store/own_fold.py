@@ -198,7 +198,7 @@ def pick(rows: list[int], ok: list[bool], size: int) -> tuple[int, int] | None:
     new one (a merge of 3 adjacent segments of 4 always holds it, and the run without the oldest had the
     fewer rows), so each fold rewrote the run's rows since its start: over 864 seals a row was rewritten 215
     times folding every 2 seals to 2, 107 every 4 to 3. Keeping sizes ordered, a segment grows into its
-    older neighbour once it has caught up with it, as in a size-tiered LSM tree: 62 and 12 times."""
+    older neighbour once it has caught up with it, as in a size-tiered LSM tree: 63 and 12 times."""
     for n in range(min(size, len(rows)), 1, -1):
         best: tuple[tuple[bool, int], int] | None = None
         for i in range(len(rows) - n + 1):
