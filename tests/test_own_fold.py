@@ -194,8 +194,9 @@ def _rewrites_per_row(every: int, leave: int, seals: int) -> float:
 
 
 def test_a_fold_rewrites_rows_far_fewer_times_than_it_folds() -> None:
-    # Three days of seals at 5 minutes. The run with the fewest rows alone rewrote every row since the run's
-    # start at each fold: 215 and 107 times a row (docs/scale.md).
+    # 864 segments: a journal writer's seals over three days at 5 minutes, and as many flushes of a writer
+    # without a journal. The run with the fewest rows alone rewrote every row since the run's start at each
+    # fold: 215 and 107 times a row (docs/scale.md).
     assert _rewrites_per_row(own_fold.SEALED_EVERY, own_fold.SEALED_LEAVE, 864) < 63
     assert _rewrites_per_row(own_fold.EVERY, own_fold.LEAVE, 864) < 12
 
