@@ -13,16 +13,22 @@ While the run is live, at ``--reads`` evenly spaced steps, the writers' processe
 this machine their 1,280 threads would take the reader's cores, where a real reader has a node of its own;
 queries beside running writers are the tests' part) and a fresh process opens the run and counts
 ``timings``, ``--rounds`` times: seconds and its peak RSS; then every row of every table the writers wrote
-against those they had flushed (none lost), and the timings rows read twice (none doubled).
+against those they had flushed (none lost), and the timings rows read twice (none doubled). With ``--cluster``
+each step's timings are the synthetic cluster's (``demo.synthetic``: start times, a slow node, the rollout
+workers' phases), and ``--calls`` times the timing analyses and ``dynascope report`` on the live files at each
+read, each in a fresh process (import, open and the call), as ``cluster_scale.py`` does on a finished run.
 Every ~2 s the parent samples each writer directory: Parquet files and journals on disk, and live
 segments (the files a query counts). After the last writer closes, nothing else runs: the run must come to
 rest (a few files per table) by itself, with every row counted once.
 
     python benchmarks/live_scale.py --writers 1280 --trainers 1024 --steps 500 --procs 4
     python benchmarks/live_scale.py --writers 64 --trainers 64 --steps 5000 --procs 2 --step-s 0.05 --flush-s 1 --seal-s 2
+    python benchmarks/live_scale.py --writers 1280 --trainers 1024 --steps 300 --procs 4 --seal-s 30 --reads 3 \
+        --cluster --calls straggler_scores what_if step_breakdown schedule_what_if report
 
 The first is watch()'s flush interval (10 s) with a seal a minute; the second seals every 2 s, 125 seals a
-writer, to show the files stay flat however many seals a writer makes.
+writer, to show the files stay flat however many seals a writer makes; the third reads a live run the way
+the timing analyses and the report do, at three points of the writers' fold cycles.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import os
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -45,6 +52,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from write_side import COUNT, _live_peak, _open_count  # noqa: E402  (write_side's open + count, live census)
 
+from dynascope.demo.synthetic import ClusterPlan, ClusterSpec  # noqa: E402
+from dynascope.demo.synthetic_write import trainer_timings, worker_timings  # noqa: E402
 from dynascope.store import RunWriter  # noqa: E402
 from dynascope.store.layout import MARKER  # noqa: E402
 
@@ -60,7 +69,9 @@ COUNT["live-fallback"] = OPEN + "n = s.rows(\"SELECT count(*) FROM events WHERE 
 COUNT["live-twice"] = OPEN + "n = s.rows('SELECT count(*) - count(DISTINCT (rank, step, phase)) FROM timings')[0][0]"
 
 
-def _host(run: str, p: int, ranks: list[int], a: argparse.Namespace, go, done, flushed, cost_ns, paused) -> None:
+
+def _host(run: str, p: int, ranks: list[int], a: argparse.Namespace, go, done, flushed, cost_ns, paused, appended,
+          plan: ClusterPlan | None) -> None:
     """One process's writers: append each step's rows to every writer, paced by wall time; pause while the
     parent reads (``go`` cleared); publish the rows flushed; close them all."""
     os.fsync = lambda fd: None  # type: ignore[assignment]  (see the module's docstring)
@@ -76,8 +87,13 @@ def _host(run: str, p: int, ranks: list[int], a: argparse.Namespace, go, done, f
             paused[p] = 0
         for w in writers:
             t0 = time.perf_counter_ns()
-            w.append("timings", {"step": step, "phase": PHASES, "dur_us": DUR_US,
-                                 "category": ["phase", "phase", "phase", "step"]})
+            if plan is None:
+                cols: dict = {"step": step, "phase": PHASES, "dur_us": DUR_US, "category": ["phase", "phase", "phase", "step"]}
+            else:  # the synthetic cluster's phases: what the timing analyses read
+                cols = trainer_timings(plan, w.rank, step) if w.rank < a.trainers else \
+                    worker_timings(plan, w.rank - a.trainers, step)
+            w.append("timings", cols)
+            appended[p] += len(cols["phase"])
             if step % a.event_every == 0:
                 w.append("events", {"step": [step], "event": ["bench"], "severity": ["info"], "message": ["live"]})
             costs.append(time.perf_counter_ns() - t0)
@@ -92,6 +108,25 @@ def _host(run: str, p: int, ranks: list[int], a: argparse.Namespace, go, done, f
         t.join(180)
     cost_ns[p] = int(statistics.median(costs))
     os._exit(0)
+
+
+def _call(name: str, run: Path, spec: dict) -> dict:
+    """One round of ``cluster_scale``'s call ``name`` (or ``report``: ``dynascope report``) in a fresh process:
+    its seconds (import, open and the call) and its peak MB."""
+    if name == "report":
+        hwm = "__import__('atexit').register(lambda: print('HWM', open('/proc/self/status').read().split('VmHWM:')[1].split()[0]))"
+        code = f"import sys; {hwm}; sys.argv = ['dynascope', 'report', {str(run)!r}]; from dynascope.cli import app; app()"
+        t = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+        if proc.returncode:
+            raise SystemExit(f"report failed: {proc.stderr[-2000:]}")
+        return {"s": time.perf_counter() - t, "rss_mb": int(proc.stdout.rsplit("HWM", 1)[1]) / 1024, "rows": 0}
+    from cluster_scale import CALLS
+    code = (f"import dynascope.analyses as A; from pathlib import Path; from dynascope.store import open_store; "
+            f"store = open_store({str(run)!r}); run = Path({str(run)!r}); SPEC = {spec!r}; PLANTED = {{}}; "
+            f"n = len(eval({CALLS[name]!r}))")
+    COUNT[f"call:{name}"] = code.replace("{", "{{").replace("}", "}}")  # _open_count formats it with the path
+    return _open_count(f"call:{name}", run, 1)[0]
 
 
 def _sample(run: Path) -> dict[str, tuple[int, ...]]:
@@ -137,17 +172,24 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, help="where the run goes (default: a temporary directory, removed)")
     ap.add_argument("--baseline", type=Path, help="another checkout of dynascope: each read also opens and counts "
                     "with its reader, the arms alternating round by round, on the same files")
+    ap.add_argument("--cluster", action="store_true", help="each step's timings from the synthetic cluster "
+                    "(demo.synthetic: start times, a slow node, rollout workers' phases), for --calls")
+    ap.add_argument("--calls", nargs="*", default=[], help="at each read, also time these calls of cluster_scale.py "
+                    "(open + call, a fresh process each, --rounds rounds), and 'report' (dynascope report)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
+    spec = ClusterSpec(ranks=a.trainers, rollout_workers=a.writers - a.trainers, steps=a.steps) if a.cluster else None
+    plan = ClusterPlan(spec) if spec else None
     base = a.dir or Path(tempfile.mkdtemp(prefix="live-scale-"))
     run = base / "run"
     shutil.rmtree(run, ignore_errors=True)
     ctx = mp.get_context("fork")
     go, n = ctx.Event(), a.procs
-    done, flushed, cost_ns, paused = (ctx.Array("q", n, lock=False) for _ in range(4))
+    done, flushed, cost_ns, paused, appended = (ctx.Array("q", n, lock=False) for _ in range(5))
     go.set()
     chunks = [list(range(a.writers))[p::n] for p in range(n)]
-    procs = [ctx.Process(target=_host, args=(str(run), p, chunks[p], a, go, done, flushed, cost_ns, paused))
+    procs = [ctx.Process(target=_host, args=(str(run), p, chunks[p], a, go, done, flushed, cost_ns, paused,
+                                                    appended, plan))
              for p in range(n)]
     t0 = time.monotonic()
     for proc in procs:
@@ -175,6 +217,8 @@ def main() -> None:
                     for out, env in arms[::1 if r % 2 == 0 else -1]:
                         out += _open_count("dynascope", run, 1, env)
                 rows, twice = (_open_count(arm, run, 1)[0]["rows"] for arm in ("live-all", "live-twice"))
+                calls = {name: [_call(name, run, spec.as_dict() if spec else {}) for _ in range(a.rounds)]
+                         for name in a.calls}
                 files = _sample(run)
             finally:
                 for proc in procs:
@@ -182,7 +226,7 @@ def main() -> None:
             reads.append({"step": at.pop(0), "s": [x["s"] for x in got], "rss_mb": [x["rss_mb"] for x in got],
                           "timings": got[0]["rows"], "rows": rows, "flushed": lo, "twice": twice, "files": files,
                           "base_s": [x["s"] for x in before], "base_rss_mb": [x["rss_mb"] for x in before],
-                          "base_timings": [x["rows"] for x in before]})
+                          "base_timings": [x["rows"] for x in before], "calls": calls})
             print(json.dumps(reads[-1]), flush=True)
             go.set()
         time.sleep(0.2)
@@ -190,7 +234,7 @@ def main() -> None:
     for proc in procs:
         proc.join(timeout=900)
     closed = time.monotonic()
-    total = a.writers * a.steps * len(PHASES)
+    total = sum(appended)
     rest = _at_rest(run)
     while max(rest.values()) > 4 and time.monotonic() - closed < 600:  # the run folds itself at close
         time.sleep(1)
@@ -213,6 +257,10 @@ def main() -> None:
         print(f"  step {r['step']}: files {r['files']['timings']}; open + count {statistics.median(r['s']):.2f} s ({min(r['s']):.2f}–{max(r['s']):.2f}),"
               f" {statistics.median(r['rss_mb']):.0f} MB; {r['timings']:,} timings rows; all tables {r['rows']:,}"
               f" (flushed before: {r['flushed']:,}); read twice: {r['twice']}")
+        for name, runs in r["calls"].items():
+            secs = [x["s"] for x in runs]
+            print(f"    {name}: {statistics.median(secs):.2f} s ({min(secs):.2f}–{max(secs):.2f}) open + call,"
+                  f" {statistics.median([x['rss_mb'] for x in runs]):.0f} MB")
         if r["base_s"]:
             b = r["base_s"]
             print(f"    baseline: {statistics.median(b):.2f} s ({min(b):.2f}–{max(b):.2f}),"

@@ -159,17 +159,24 @@ def _write_rank(run: Path, plan: ClusterPlan, model: ShardedModel, rank: int, fl
     return rows
 
 
-def _trainer_step(plan: ClusterPlan, model: ShardedModel, r: int, i: int, put) -> None:
-    spec = plan.spec
+def trainer_timings(plan: ClusterPlan, r: int, i: int) -> dict:
+    """Trainer rank ``r``'s ``timings`` rows of step ``i``, as columns for ``RunWriter.append``."""
     start, sync_end, done = int(plan.t_start[i, r]), int(plan.t_sync_end[i]), int(plan.t_rollout_done[i])
     fwd, bwd, opt, ckpt = (int(a[i, r]) for a in (plan.fwd_us, plan.bwd_us, plan.opt_us, plan.ckpt_us))
     arrive, coll_end, end = int(plan.t_arrive[i, r]), int(plan.t_coll_end[i]), int(plan.t_end[i, r])
     starts = [start, sync_end, done, done + fwd, arrive, coll_end, coll_end + opt, start]
     durs = [sync_end - start, done - sync_end, fwd, bwd, coll_end - arrive, opt, ckpt, end - start]
     keep = [k for k, d in enumerate(durs) if d > 0 or TRAINER_PHASES[k] != "checkpoint"]
-    put("timings", {"step": i, "phase": [TRAINER_PHASES[k] for k in keep], "category": [TRAINER_CATS[k] for k in keep],
-                    "start_us": np.array([starts[k] for k in keep], np.int64),
-                    "dur_us": np.array([durs[k] for k in keep], np.int64), "device": f"cuda:{r % spec.ranks_per_node}"})
+    return {"step": i, "phase": [TRAINER_PHASES[k] for k in keep], "category": [TRAINER_CATS[k] for k in keep],
+            "start_us": np.array([starts[k] for k in keep], np.int64),
+            "dur_us": np.array([durs[k] for k in keep], np.int64), "device": f"cuda:{r % plan.spec.ranks_per_node}"}
+
+
+def _trainer_step(plan: ClusterPlan, model: ShardedModel, r: int, i: int, put) -> None:
+    spec = plan.spec
+    ckpt, coll_end, opt = int(plan.ckpt_us[i, r]), int(plan.t_coll_end[i]), int(plan.opt_us[i, r])
+    end = int(plan.t_end[i, r])
+    put("timings", trainer_timings(plan, r, i))
     if ckpt:
         put("events", {"step": [i], "time_us": coll_end + opt + ckpt, "event": "checkpoint_save", "severity": "info",
                        "message": f"sharded checkpoint of step {i}", "dur_us": ckpt,
@@ -184,16 +191,22 @@ def _trainer_step(plan: ClusterPlan, model: ShardedModel, r: int, i: int, put) -
         put("scalars", {"step": i, "time_us": end, "stage": "rl", "key": SCALAR_KEYS, "value": np.array(values)})
 
 
-def _worker_step(plan: ClusterPlan, w: int, i: int, put) -> None:
-    spec = plan.spec
+def worker_timings(plan: ClusterPlan, w: int, i: int) -> dict:
+    """Rollout worker ``w``'s ``timings`` rows of step ``i``, as columns for ``RunWriter.append``."""
     start, sync_start, sync_end = int(plan.w_start[i, w]), int(plan.w_sync_start[i]), int(plan.t_sync_end[i])
     span, reward, end = int(plan.gen_span_us[i, w]), int(plan.reward_us[i, w]), int(plan.w_end[i, w])
     starts = [start, sync_start, sync_end, sync_end + span, start]
     durs = [sync_start - start, sync_end - sync_start, span, reward, end - start]
     keep = [k for k, d in enumerate(durs) if d > 0]
-    put("timings", {"step": i, "phase": [WORKER_PHASES[k] for k in keep], "category": [WORKER_CATS[k] for k in keep],
-                    "start_us": np.array([starts[k] for k in keep], np.int64),
-                    "dur_us": np.array([durs[k] for k in keep], np.int64), "device": f"cuda:{w % spec.ranks_per_node}"})
+    return {"step": i, "phase": [WORKER_PHASES[k] for k in keep], "category": [WORKER_CATS[k] for k in keep],
+            "start_us": np.array([starts[k] for k in keep], np.int64),
+            "dur_us": np.array([durs[k] for k in keep], np.int64), "device": f"cuda:{w % plan.spec.ranks_per_node}"}
+
+
+def _worker_step(plan: ClusterPlan, w: int, i: int, put) -> None:
+    spec = plan.spec
+    sync_end, span = int(plan.t_sync_end[i]), int(plan.gen_span_us[i, w])
+    put("timings", worker_timings(plan, w, i))
     n, groups = spec.samples_per_worker, spec.samples_per_worker // spec.group_size
     first = (i * spec.workers + w)
     gen_start = sync_end + plan.admit_us
