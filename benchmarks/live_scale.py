@@ -113,9 +113,11 @@ def _host(run: str, p: int, ranks: list[int], a: argparse.Namespace, go, done, f
 def _call(name: str, run: Path, spec: dict) -> dict:
     """One round of ``cluster_scale``'s call ``name`` (or ``report``: ``dynascope report``) in a fresh process:
     its seconds (import, open and the call) and its peak MB."""
-    if name == "report":
+    if name.startswith("report"):  # "report-per-query": the report with no table read once (``pin``), to compare
         hwm = "__import__('atexit').register(lambda: print('HWM', open('/proc/self/status').read().split('VmHWM:')[1].split()[0]))"
-        code = f"import sys; {hwm}; sys.argv = ['dynascope', 'report', {str(run)!r}]; from dynascope.cli import app; app()"
+        unpinned = "import dynascope.store.reader as r; r.PIN_MIN_FILES = 1 << 62; " if name == "report-per-query" else ""
+        code = (f"import sys; {hwm}; {unpinned}sys.argv = ['dynascope', 'report', {str(run)!r}]; "
+                "from dynascope.cli import app; app()")
         t = time.perf_counter()
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
         if proc.returncode:
@@ -175,7 +177,8 @@ def main() -> None:
     ap.add_argument("--cluster", action="store_true", help="each step's timings from the synthetic cluster "
                     "(demo.synthetic: start times, a slow node, rollout workers' phases), for --calls")
     ap.add_argument("--calls", nargs="*", default=[], help="at each read, also time these calls of cluster_scale.py "
-                    "(open + call, a fresh process each, --rounds rounds), and 'report' (dynascope report)")
+                    "(open + call, a fresh process each, --rounds rounds), 'report' (dynascope report) and "
+                    "'report-per-query' (the same with no table read once)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     spec = ClusterSpec(ranks=a.trainers, rollout_workers=a.writers - a.trainers, steps=a.steps) if a.cluster else None
@@ -217,8 +220,10 @@ def main() -> None:
                     for out, env in arms[::1 if r % 2 == 0 else -1]:
                         out += _open_count("dynascope", run, 1, env)
                 rows, twice = (_open_count(arm, run, 1)[0]["rows"] for arm in ("live-all", "live-twice"))
-                calls = {name: [_call(name, run, spec.as_dict() if spec else {}) for _ in range(a.rounds)]
-                         for name in a.calls}
+                calls: dict[str, list[dict]] = {name: [] for name in a.calls}
+                for r in range(a.rounds):  # round by round, which goes first alternating
+                    for name in a.calls[::1 if r % 2 == 0 else -1]:
+                        calls[name].append(_call(name, run, spec.as_dict() if spec else {}))
                 files = _sample(run)
             finally:
                 for proc in procs:

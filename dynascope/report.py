@@ -37,6 +37,11 @@ class Report:
     notes: list[str] = field(default_factory=list)
 
 
+# The tables the report reads once (``StoreConnection.pin``) when a run's live files are many: all but the
+# tensor statistics, which a long run holds in the tens of millions of rows.
+PINNED = ("runs", "timings", "samples", "scalars", "events", "system")
+
+
 def build_report(store: StoreLike, run: str | None = None, *, peak_tflops: float | None = None) -> Report:
     """Collect the summary, the ranked findings and the skipped-analysis notes for a run or a store.
 
@@ -158,4 +163,6 @@ def render_run(run: str | os.PathLike, format: str = "text", *, peak_tflops: flo
     from dynascope.store import open_store
 
     with open_store(run) as con:
+        # 37 queries, most of them over these: each would list and open every live file again (docs/scale.md)
+        con.pin(PINNED)
         return render(build_report(con, peak_tflops=peak_tflops), format)

@@ -36,6 +36,10 @@ class Binding:
         self.loc, self.at_us = loc, at_us
         self.tables, self.schema, self.journals = tables
 
+    def unbind(self, table: str) -> None:
+        """Stop listing ``table``: its view now reads a copy in the connection (``StoreConnection.pin``)."""
+        self.tables, self.schema, self.journals = (s - {table} for s in (self.tables, self.schema, self.journals))
+
     def hold(self, con: duckdb.DuckDBPyConnection) -> None:
         """Lists that bind every view and read no row: what a view is created with."""
         for table in self.tables:

@@ -30,7 +30,7 @@ from dynascope.store import at_rest, own_fold, views
 from dynascope.store.bind import Binding
 from dynascope.store.layout import StoreLocation, locate
 from dynascope.store.pooling import GLOBAL, global_sql
-from dynascope.store.views import quote_literal
+from dynascope.store.views import quote_ident, quote_literal
 
 if TYPE_CHECKING:  # polars is imported by DuckDB when a frame is asked for
     import polars as pl
@@ -59,6 +59,10 @@ _LISTED_VANISHED = re.compile(r'No files found that match the pattern "[^"]*/\d{
 _JOURNAL_SHORT = re.compile(r'Could not read enough bytes from file "[^"]*/\d{12}\.jsonl"')
 
 
+PINNED = "_pinned_"  # the prefix of a table read once into the connection (``StoreConnection.pin``)
+# From how many files a table is worth reading once: at 1,280 live writers a query opened ~6,000 files a table
+# and each report query paid 0.5-0.9 s for them (docs/scale.md); a run at rest holds a few.
+PIN_MIN_FILES = 256
 WINDOW_SPILL_S = 0.5  # how long past its deletion window a loaded writer may still be unlinking
 
 
@@ -118,6 +122,7 @@ class StoreConnection:
         self._binding = binding  # the views' file lists, set on each query's connection (``bind``)
         self._widen = widen  # narrow views (``views``): how to bind them by name, once a file needs it
         self._widen_lock = threading.Lock()
+        self._pinned: list[str] = []  # tables read once into the connection (``pin``)
 
     @property
     def path(self) -> Path:
@@ -159,6 +164,8 @@ class StoreConnection:
                 if self._widen is not None:
                     self._widen()
                     self._widen = None
+                    for table in self._pinned:  # widening made every view anew: the pinned read their copy
+                        self._con.execute(_pinned_view(table))
             return retry_vanished(attempt)
         except duckdb.Error as exc:  # narrow views open a table's files when a query scans them, not at open
             text = explain_error(exc, "SQL error")
@@ -168,6 +175,42 @@ class StoreConnection:
         except UnicodeDecodeError as exc:  # a string DuckDB read from a damaged file is not UTF-8
             raise StoreError(f"a value read is not UTF-8 ({exc.reason} at byte {exc.start}): a segment or "
                              "journal this query read is damaged") from None
+
+    def pin(self, tables: Sequence[str], min_files: int | None = None) -> list[str]:
+        """Read each of ``tables`` whose query would open at least ``min_files`` files once into this
+        connection, so later queries of it read that copy: one moment of the store for a reader that
+        queries it many times (``dynascope report``), instead of listing and opening every live file per
+        query. The copy may spill to the store's private temp directory. A table that fails to copy stays a
+        view (``min_files``: ``PIN_MIN_FILES``). Returns the tables pinned."""
+        least = PIN_MIN_FILES if min_files is None else min_files
+        done: list[str] = []
+        for table in tables:
+            if self._binding is None or table not in self._binding.tables:
+                continue
+            try:
+                if self._files(table) < least:
+                    continue
+                retry_vanished(functools.partial(self._copy, table))
+            except (duckdb.Error, StoreError):
+                continue
+            self._con.execute(_pinned_view(table))
+            self._binding.unbind(table)
+            self._pinned.append(table)
+            done.append(table)
+        return done
+
+    def _files(self, table: str) -> int:
+        """The files a query of ``table`` opens now (its lists set on the shared connection)."""
+        assert self._binding is not None
+        self._binding.bind(self._con, quote_ident(table))
+        kinds = ["segments", *(["journals"] if table in self._binding.journals else [])]
+        row = self._con.execute("SELECT " + " + ".join(
+            f"coalesce(len(getvariable({quote_literal(views.variable(k, table))})), 0)" for k in kinds)).fetchone()
+        return int(row[0]) if row else 0
+
+    def _copy(self, table: str) -> None:
+        self._files(table)  # listed again: a retry after a vanished file reads the lists of now
+        self._con.execute(f"CREATE OR REPLACE TABLE {quote_ident(PINNED + table)} AS SELECT * FROM {quote_ident(table)}")
 
     def check(self, query: str) -> None:
         """Raise ``StoreError`` unless every statement in ``query`` is a read-only query."""
@@ -271,6 +314,10 @@ def open_store(path: str | os.PathLike, read_only: bool = True, threads: int | N
         at_rest.settle_later(run_dir)
     widen = None if wide else functools.partial(views.create_views, con, tables, True, retry_vanished)
     return StoreConnection(con, loc, read_only, widen, binding)
+
+
+def _pinned_view(table: str) -> str:
+    return f"CREATE OR REPLACE VIEW {quote_ident(table)} AS SELECT * FROM {quote_ident(PINNED + table)}"
 
 
 StoreLike = StoreConnection | str | os.PathLike  # what the toolkit's readers take: an open store or its path
