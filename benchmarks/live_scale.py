@@ -41,7 +41,6 @@ import os
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -67,7 +66,6 @@ COUNT["live-all"] = OPEN + ("n = s.rows('SELECT (SELECT count(*) FROM timings) +
                             " + (SELECT count(*) FROM runs)')[0][0]")  # a writer's rows_written counts its runs row
 COUNT["live-fallback"] = OPEN + "n = s.rows(\"SELECT count(*) FROM events WHERE event = 'node_fallback'\")[0][0]"
 COUNT["live-twice"] = OPEN + "n = s.rows('SELECT count(*) - count(DISTINCT (rank, step, phase)) FROM timings')[0][0]"
-
 
 
 def _host(run: str, p: int, ranks: list[int], a: argparse.Namespace, go, done, flushed, cost_ns, paused, appended,
@@ -114,15 +112,10 @@ def _call(name: str, run: Path, spec: dict) -> dict:
     """One round of ``cluster_scale``'s call ``name`` (or ``report``: ``dynascope report``) in a fresh process:
     its seconds (import, open and the call) and its peak MB."""
     if name.startswith("report"):  # "report-per-query": the report with no table read once (``pin``), to compare
-        hwm = "__import__('atexit').register(lambda: print('HWM', open('/proc/self/status').read().split('VmHWM:')[1].split()[0]))"
         unpinned = "import dynascope.store.reader as r; r.PIN_MIN_FILES = 1 << 62; " if name == "report-per-query" else ""
-        code = (f"import sys; {hwm}; {unpinned}sys.argv = ['dynascope', 'report', {str(run)!r}]; "
-                "from dynascope.cli import app; app()")
-        t = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
-        if proc.returncode:
-            raise SystemExit(f"report failed: {proc.stderr[-2000:]}")
-        return {"s": time.perf_counter() - t, "rss_mb": int(proc.stdout.rsplit("HWM", 1)[1]) / 1024, "rows": 0}
+        # the CLI's own path; click returns instead of exiting, and the report's text precedes the figures' line
+        COUNT[name] = unpinned + "from dynascope.cli import app; n = app(['report', {path!r}], standalone_mode=False) or 0"
+        return _open_count(name, run, 1)[0]
     from cluster_scale import CALLS
     code = (f"import dynascope.analyses as A; from pathlib import Path; from dynascope.store import open_store; "
             f"store = open_store({str(run)!r}); run = Path({str(run)!r}); SPEC = {spec!r}; PLANTED = {{}}; "

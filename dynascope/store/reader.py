@@ -188,9 +188,8 @@ class StoreConnection:
             if self._binding is None or table not in self._binding.tables:
                 continue
             try:
-                if self._files(table) < least:
+                if not retry_vanished(functools.partial(self._copy, table, least)):
                     continue
-                retry_vanished(functools.partial(self._copy, table))
             except (duckdb.Error, StoreError):
                 continue
             self._con.execute(_pinned_view(table))
@@ -208,9 +207,13 @@ class StoreConnection:
             f"coalesce(len(getvariable({quote_literal(views.variable(k, table))})), 0)" for k in kinds)).fetchone()
         return int(row[0]) if row else 0
 
-    def _copy(self, table: str) -> None:
-        self._files(table)  # listed again: a retry after a vanished file reads the lists of now
+    def _copy(self, table: str, least: int) -> bool:
+        """Copy ``table`` if a query of it opens at least ``least`` files; whether it did. Each attempt lists
+        the files anew, so a retry after a vanished file reads the lists of now."""
+        if self._files(table) < least:
+            return False
         self._con.execute(f"CREATE OR REPLACE TABLE {quote_ident(PINNED + table)} AS SELECT * FROM {quote_ident(table)}")
+        return True
 
     def check(self, query: str) -> None:
         """Raise ``StoreError`` unless every statement in ``query`` is a read-only query."""
