@@ -16,7 +16,10 @@ queries beside running writers are the tests' part) and a fresh process opens th
 against those they had flushed (none lost), and the timings rows read twice (none doubled). With ``--cluster``
 each step's timings are the synthetic cluster's (``demo.synthetic``: start times, a slow node, the rollout
 workers' phases), and ``--calls`` times the timing analyses and ``dynascope report`` on the live files at each
-read, each in a fresh process (import, open and the call), as ``cluster_scale.py`` does on a finished run.
+read, each in a fresh process (import, open and the call), as ``cluster_scale.py`` does on a finished run;
+with ``--baseline`` also with another checkout's code, and with ``--at-rest`` also on a copy of the stopped
+run that ``dynascope compact`` brought to rest: the same rows in a few files, so what of a call's time is
+the live files and what the rows.
 Every ~2 s the parent samples each writer directory: Parquet files and journals on disk, and live
 segments (the files a query counts). After the last writer closes, nothing else runs: the run must come to
 rest (a few files per table) by itself, with every row counted once.
@@ -25,10 +28,14 @@ rest (a few files per table) by itself, with every row counted once.
     python benchmarks/live_scale.py --writers 64 --trainers 64 --steps 5000 --procs 2 --step-s 0.05 --flush-s 1 --seal-s 2
     python benchmarks/live_scale.py --writers 1280 --trainers 1024 --steps 300 --procs 4 --seal-s 30 --reads 3 \
         --cluster --calls straggler_scores what_if step_breakdown schedule_what_if report
+    python benchmarks/live_scale.py --writers 1280 --trainers 1024 --steps 300 --procs 4 --seal-s 30 --reads 3 \
+        --rounds 5 --cluster --calls what_if step_breakdown schedule_what_if straggler_scores --at-rest \
+        --baseline ../dynascope-before
 
 The first is watch()'s flush interval (10 s) with a seal a minute; the second seals every 2 s, 125 seals a
 writer, to show the files stay flat however many seals a writer makes; the third reads a live run the way
-the timing analyses and the report do, at three points of the writers' fold cycles.
+the timing analyses and the report do, at three points of the writers' fold cycles; the fourth times them
+against an earlier checkout on the same live files, and on the same rows at rest.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ import os
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -108,20 +116,44 @@ def _host(run: str, p: int, ranks: list[int], a: argparse.Namespace, go, done, f
     os._exit(0)
 
 
-def _call(name: str, run: Path, spec: dict) -> dict:
-    """One round of ``cluster_scale``'s call ``name`` (or ``report``: ``dynascope report``) in a fresh process:
-    its seconds (import, open and the call) and its peak MB."""
+def _call(name: str, run: Path, spec: dict, env: dict | None = None) -> dict:
+    """One round of ``cluster_scale``'s call ``name`` (or ``report``: ``dynascope report``) in a fresh process
+    (``env``: the baseline's), its seconds (import, open and the call) and its peak MB."""
     if name.startswith("report"):  # "report-per-query": the report with no table read once (``pin``), to compare
         unpinned = "import dynascope.store.reader as r; r.PIN_MIN_FILES = 1 << 62; " if name == "report-per-query" else ""
         # the CLI's own path; click returns instead of exiting, and the report's text precedes the figures' line
         COUNT[name] = unpinned + "from dynascope.cli import app; n = app(['report', {path!r}], standalone_mode=False) or 0"
-        return _open_count(name, run, 1)[0]
+        return _open_count(name, run, 1, env)[0]
     from cluster_scale import CALLS
     code = (f"import dynascope.analyses as A; from pathlib import Path; from dynascope.store import open_store; "
             f"store = open_store({str(run)!r}); run = Path({str(run)!r}); SPEC = {spec!r}; PLANTED = {{}}; "
             f"n = len(eval({CALLS[name]!r}))")
     COUNT[f"call:{name}"] = code.replace("{", "{{").replace("}", "}}")  # _open_count formats it with the path
-    return _open_count(f"call:{name}", run, 1)[0]
+    return _open_count(f"call:{name}", run, 1, env)[0]
+
+
+def _calls(a: argparse.Namespace, run: Path, spec: dict, arms: list[tuple[str, dict | None]]) -> dict[str, list[dict]]:
+    """``--rounds`` rounds of each of ``--calls`` in each arm (a suffix to its name, its environment), the
+    order of calls and arms alternating round by round."""
+    order = [(name, suffix, env) for name in a.calls for suffix, env in arms]
+    calls: dict[str, list[dict]] = {name + suffix: [] for name, suffix, _ in order}
+    for r in range(a.rounds):
+        for name, suffix, env in order[::1 if r % 2 == 0 else -1]:
+            calls[name + suffix].append(_call(name, run, spec, env))
+    return calls
+
+
+def _rested(run: Path, rest: Path) -> Path:
+    """A copy of the stopped run brought to rest by ``dynascope compact``: its writers will never write again,
+    so their heartbeats are dated an hour back and compaction folds them as finished."""
+    shutil.rmtree(rest, ignore_errors=True)
+    shutil.copytree(run, rest, symlinks=True)
+    old = time.time() - 3600
+    for beat in (rest / "_writers").glob("*.json"):
+        os.utime(beat, (old, old))
+    subprocess.run([sys.executable, "-c", "from dynascope.cli import app; app()", "compact", str(rest), "--grace-s", "0", "--wait"],
+                   check=True, stdout=subprocess.DEVNULL, cwd=REPO)
+    return rest
 
 
 def _sample(run: Path) -> dict[str, tuple[int, ...]]:
@@ -166,12 +198,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", type=Path, help="where the run goes (default: a temporary directory, removed)")
     ap.add_argument("--baseline", type=Path, help="another checkout of dynascope: each read also opens and counts "
-                    "with its reader, the arms alternating round by round, on the same files")
+                    "with its reader and times --calls with it, the arms alternating round by round, on the same files")
     ap.add_argument("--cluster", action="store_true", help="each step's timings from the synthetic cluster "
                     "(demo.synthetic: start times, a slow node, rollout workers' phases), for --calls")
     ap.add_argument("--calls", nargs="*", default=[], help="at each read, also time these calls of cluster_scale.py "
                     "(open + call, a fresh process each, --rounds rounds), 'report' (dynascope report) and "
                     "'report-per-query' (the same with no table read once)")
+    ap.add_argument("--at-rest", action="store_true", help="at each read, also time --calls on a compacted copy "
+                    "of the stopped run: the same rows at rest")
+    ap.add_argument("--keep", type=Path, help="at each read, copy the stopped run to KEEP/step-<n>: a mid-run "
+                    "layout to study or compact afterwards (its writers never close, so nothing folds it)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     spec = ClusterSpec(ranks=a.trainers, rollout_workers=a.writers - a.trainers, steps=a.steps) if a.cluster else None
@@ -213,18 +249,24 @@ def main() -> None:
                     for out, env in arms[::1 if r % 2 == 0 else -1]:
                         out += _open_count("dynascope", run, 1, env)
                 rows, twice = (_open_count(arm, run, 1)[0]["rows"] for arm in ("live-all", "live-twice"))
-                calls: dict[str, list[dict]] = {name: [] for name in a.calls}
-                for r in range(a.rounds):  # round by round, which goes first alternating
-                    for name in a.calls[::1 if r % 2 == 0 else -1]:
-                        calls[name].append(_call(name, run, spec.as_dict() if spec else {}))
+                arms = [("", None)] + ([(" (baseline)", {"PYTHONPATH": str(a.baseline)})] if a.baseline else [])
+                calls = _calls(a, run, spec.as_dict() if spec else {}, arms)
                 files = _sample(run)
+                if a.keep:
+                    shutil.copytree(run, a.keep / f"step-{at[0]}", symlinks=True, dirs_exist_ok=True)
+                rest: dict = {}
+                if a.at_rest and a.calls:  # the same rows at rest: what of each call's time is files, what rows
+                    rested = _rested(run, base / "rest")
+                    rest = {"files": _at_rest(rested), "timings": _open_count("dynascope", rested, 1)[0]["rows"]}
+                    calls.update(_calls(a, rested, spec.as_dict() if spec else {}, [(" (at rest)", None)]))
+                    shutil.rmtree(rested, ignore_errors=True)
             finally:
                 for proc in procs:
                     os.kill(proc.pid, signal.SIGCONT)
             reads.append({"step": at.pop(0), "s": [x["s"] for x in got], "rss_mb": [x["rss_mb"] for x in got],
                           "timings": got[0]["rows"], "rows": rows, "flushed": lo, "twice": twice, "files": files,
                           "base_s": [x["s"] for x in before], "base_rss_mb": [x["rss_mb"] for x in before],
-                          "base_timings": [x["rows"] for x in before], "calls": calls})
+                          "base_timings": [x["rows"] for x in before], "calls": calls, "rest": rest})
             print(json.dumps(reads[-1]), flush=True)
             go.set()
         time.sleep(0.2)
@@ -246,7 +288,8 @@ def main() -> None:
     print(json.dumps(res))
     if a.json:
         a.json.write_text(json.dumps(res, indent=1))
-    bad = [r for r in reads if r["rows"] < r["flushed"] or r["twice"] or any(b != r["timings"] for b in r["base_timings"])]
+    bad = [r for r in reads if r["rows"] < r["flushed"] or r["twice"] or any(b != r["timings"] for b in r["base_timings"])
+           or r["rest"].get("timings", r["timings"]) != r["timings"]]
     print(f"\n{a.writers} writers × {a.steps} steps, {wall:.0f} s of writing, {samples} samples")
     for t, (files, journals, live, all_files, all_journals) in peak.items():
         print(f"  {t}: most per writer: {files} Parquet files and {journals} journals on disk, {live} live segments;"
@@ -255,6 +298,8 @@ def main() -> None:
         print(f"  step {r['step']}: files {r['files']['timings']}; open + count {statistics.median(r['s']):.2f} s ({min(r['s']):.2f}–{max(r['s']):.2f}),"
               f" {statistics.median(r['rss_mb']):.0f} MB; {r['timings']:,} timings rows; all tables {r['rows']:,}"
               f" (flushed before: {r['flushed']:,}); read twice: {r['twice']}")
+        if r["rest"]:
+            print(f"    at rest (a compacted copy): files {r['rest']['files']}, {r['rest']['timings']:,} timings rows")
         for name, runs in r["calls"].items():
             secs = [x["s"] for x in runs]
             print(f"    {name}: {statistics.median(secs):.2f} s ({min(secs):.2f}–{max(secs):.2f}) open + call,"

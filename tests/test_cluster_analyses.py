@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import polars as pl
@@ -314,20 +315,17 @@ def test_imported_trace_rows_leave_step_analyses_unchanged(tmp_path, run):
         assert a.height and a.equals(b), fn.__name__
 
 
-def test_step_breakdown_reads_again_when_a_name_is_written_during_the_read(run, monkeypatch):
-    # A live run: a phase written between listing the names and reading the rows fails the ENUM cast; the
-    # names are listed and the rows read again, and the answer is the full one.
-    want = steps.step_breakdown(run).sort(pl.all())
-    calls = []
-    enum = steps.enum_sql
+def test_step_breakdown_scans_timings_once(run, monkeypatch):
+    # On a live run each scan of timings lists and opens every writer's files: the phases and the step rows
+    # come from one materialized scan, not one each (and no query to list the names first).
+    from dynascope.store.reader import StoreConnection
 
-    def late(values):  # the first listing of the phase names misses "backward"
-        calls.append(list(values))
-        return enum([v for v in values if v != "backward"] if len(calls) == 3 else values)
-
-    monkeypatch.setattr(steps, "enum_sql", late)
-    got = steps.step_breakdown(run).sort(pl.all())
-    assert len(calls) == 6 and "backward" in calls[2] and got.equals(want)
+    scans = []
+    frame = StoreConnection.frame
+    monkeypatch.setattr(StoreConnection, "frame", lambda self, sql, params=None: scans.append(
+        len(re.findall(r"\bFROM timings\b", sql))) or frame(self, sql, params))
+    got = steps.step_breakdown(run)
+    assert scans == [1] and got.height
 
 
 @pytest.mark.parametrize("n_ranks", [2, 3])

@@ -304,3 +304,39 @@ def test_a_journal_read_short_runs_the_query_again_and_a_parquet_file_read_short
     with pytest.raises(duckdb.IOException, match="Could not read enough bytes"):
         retry_vanished(lambda: query("/runs/a/scalars/writer=r0-x/000000000001-000000000011.parquet"))
     assert len(tries) == 1
+
+
+@pytest.mark.parametrize("failing", [1, 99])  # the seal at close fails once; every time (a full disk)
+def test_a_seal_that_fails_at_close_is_reported_and_the_writer_still_closed(
+        tmp_path: Path, quick: None, monkeypatch: pytest.MonkeyPatch, failing: int) -> None:
+    """On a loaded host the last seal's renames can land late. Its rows are committed (journals count), so
+    the writer is closed all the same, with the failure written as an event, and the run comes to rest on
+    its own: a writer left unmarked would read as crashed and keep its directory until ``dynascope compact``."""
+    monkeypatch.setattr(at_rest, "SETTLE_S", 0.3)
+    monkeypatch.setattr(at_rest, "GRACE_S", 0.5)
+    run = tmp_path / "r"
+    w = RunWriter(run, flush_secs=3600, seal_secs=3600)
+    for i in range(5):
+        w.append("scalars", _rows(i))
+        w.flush()
+    real, tries = journal.seal_files, []
+
+    def late(paths, *args, **kwargs):
+        tries.append(len(paths))
+        if len(tries) <= failing:
+            raise TimeoutError("sealed segments renamed after they took effect (0.3 s)")
+        return real(paths, *args, **kwargs)
+
+    monkeypatch.setattr(journal, "seal_files", late)
+    with pytest.warns(RuntimeWarning, match="sealing the journal failed"):
+        w.close()
+    # the seal at close, and again with the event it reported; one that keeps failing, once more by the fold
+    assert len(tries) == (2 if failing == 1 else 3)
+    assert (run / "_writers" / f"{w.writer_id}.closed").exists()
+    monkeypatch.setattr(journal, "seal_files", real)  # the run's fold seals what the writer could not
+    wait_until(lambda: at_rest.settle(run, time.monotonic() + 1.0, 0.3, 0.5), "the run at rest", timeout_s=120)
+    assert sorted(str(p.relative_to(run)) for p in run.glob("*/writer=r*/*")) == []
+    with open_store(run) as s:
+        assert s.rows("SELECT count(*), count(DISTINCT step) FROM scalars") == [(35, 5)]
+        assert s.rows("SELECT count(*) FROM events WHERE event = 'seal_error'") == [(1,)]
+        assert s.rows("SELECT count(*) FROM events WHERE event = 'run_end'") == [(1,)]

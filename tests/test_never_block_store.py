@@ -13,6 +13,7 @@ from pathlib import Path
 
 from dynascope.core.net import free_port
 from dynascope.store import RunWriter, open_store
+from dynascope.store.preempt import TERM_FLUSH_S
 
 from helpers.waiting import wait_until
 
@@ -179,4 +180,42 @@ def test_sigterm_during_an_append_is_put_off_until_the_lock_is_free(tmp_path: Pa
     run, proc = _run_until_terminated(tmp_path, INSIDE)
     assert proc.returncode == -signal.SIGTERM, proc.stderr  # ended by the signal, as it would have been
     assert float(Path(f"{run}.appended").read_text()) >= 0.3  # the process outlived the signal inside the append
+    assert _rows_and_ends(run) == (150, 1)
+
+
+AGAIN = textwrap.dedent("""
+    import os, signal, time
+    from dynascope.store import RunWriter
+    signal.signal(signal.SIGTERM, lambda *a: None)  # the user's handler goes on (a graceful stop at the next step)
+    first = RunWriter(RUN + "-first", flush_secs=3600)
+    os.kill(os.getpid(), signal.SIGTERM)  # handled at once: the first writer is closed
+    time.sleep(1.5)  # past the first signal's deferral window
+    w = RunWriter(RUN, flush_secs=3600)
+    w.append("scalars", {"step": list(range(100)), "key": "loss", "value": 1.0, "time_us": 1})
+    real, sent = w._over_locked, []
+
+    def inside(extra_rows=0):
+        if not sent:
+            sent.append(time.monotonic())
+            os.kill(os.getpid(), signal.SIGTERM)
+            while time.monotonic() - sent[0] < 0.3:
+                pass
+        return real(extra_rows)
+
+    w._over_locked = inside
+    w.append("scalars", {"step": list(range(100, 150)), "key": "loss", "value": 1.0, "time_us": 1})
+    deadline = time.monotonic() + 60
+    while not w._closed and time.monotonic() < deadline:  # the second signal's flush closes this writer
+        time.sleep(0.01)
+    with open(RUN + ".flushed", "w") as f:
+        f.write(repr(time.monotonic() - sent[0]))
+""")
+
+
+def test_a_second_sigterm_much_later_is_put_off_too(tmp_path: Path) -> None:
+    # The deferral window runs from the first signal of a burst, not of the process: a handled SIGTERM whose
+    # handler went on leaves the next one, landing inside an append, put off as the first was.
+    run, proc = _run_until_terminated(tmp_path, AGAIN)
+    assert proc.returncode == 0, proc.stderr
+    assert float(Path(f"{run}.flushed").read_text()) < TERM_FLUSH_S  # not a flush that waited out its deadline
     assert _rows_and_ends(run) == (150, 1)

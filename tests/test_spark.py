@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -324,3 +325,18 @@ def _wait_for_expiry(root: Path, planned: list[str], passes: list) -> list[str]:
 
     _wait_until(lambda: bool(expired()), passes)
     return expired()
+
+
+def test_a_local_session_leaves_no_warehouse_directory(spark, tmp_path):
+    # The session's warehouse directory goes with it (at the latest at exit); a call that finds a session
+    # running (getOrCreate) removes the one it made at once.
+    from dynascope.store.engines import local_spark
+
+    made = lambda: set(Path(tempfile.gettempdir()).glob("dynascope-spark-*"))  # noqa: E731
+    before = made()
+    assert local_spark() is spark and made() == before
+    code = ("from dynascope.store.engines import local_spark; "
+            "print(local_spark().conf.get('spark.sql.warehouse.dir'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    warehouse = Path(out.stdout.strip().splitlines()[-1].removeprefix("file:"))
+    assert warehouse.name.startswith("dynascope-spark-") and not warehouse.exists()

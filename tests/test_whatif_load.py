@@ -145,47 +145,36 @@ def test_a_measured_time_slice_efficiency_above_one_is_replayed_as_one(tmp_path)
         schedule_what_if(run, devices=2, target_background=-1)
 
 
-@pytest.mark.parametrize("listed", [64, 0])  # names coded by list_position; by an ENUM cast
-def test_a_name_written_during_the_read_reads_the_rows_again(tmp_path, monkeypatch, listed):
-    # A live run: a phase written between reading the names and the rows has no code (list_position's NULL,
-    # or a failed ENUM cast); the load reads both again.
+def test_names_and_codes_come_from_the_one_read(tmp_path, monkeypatch):
+    # One query of timings: on a live run a second one (to list the names first) lists and opens every
+    # writer's files again. Its codes are positions in the sorted names, with several runs (a run_id code),
+    # NULL roles (the empty role) and NULL phases of step rows (the remainder's name) among them.
     import dynascope.analyses._what_if_load as load
-
-    run = plant(tmp_path / "live", ranks=2)
-    monkeypatch.setattr(load, "_LISTED", listed)
-    calls = []
-    code_sql = load._code_sql
-
-    def late(expr: str, names: list[str]) -> str:  # the first read of the phase names misses "optimizer"
-        calls.append(names)
-        return code_sql(expr, [v for v in names if v != "optimizer"] if len(calls) == 2 else names)
-
-    monkeypatch.setattr(load, "_code_sql", late)
-    rs = load_rank_steps(open_store(run), None)
-    assert len(calls) == 4 and "optimizer" in rs.phases  # role and phase codes per read (one run), two reads
-
-
-def test_names_coded_by_position_or_enum_load_the_same(tmp_path, monkeypatch):
-    # Up to _LISTED names are coded by list_position, more by an ENUM cast: the same codes either way, with
-    # several runs (a run_id code), NULL roles and NULL phases of step rows among them.
-    import dynascope.analyses._what_if_load as load
+    from dynascope.store.reader import StoreConnection
 
     root = tmp_path / "root"
     for i in range(2):
         random_run(root / f"r{i}", 3, seed=i)
-    with RunWriter(root / "r1", rank=0, role=None) as w:
-        w.append("timings", {"phase": [None, "forward"], "category": ["step", "phase"], "step": [50, 50],
-                             "start_us": [10**9, 10**9], "dur_us": [500, 200]})
-    loaded = {}
-    for listed in (64, 0):
-        monkeypatch.setattr(load, "_LISTED", listed)
-        loaded[listed] = load_rank_steps(open_store(root), None)
-    a, b = loaded[64], loaded[0]
-    assert a.phases == b.phases and "(uninstrumented)" in a.phases and len(a.groups) == 3
-    assert a.groups.equals(b.groups)
-    for part in ("rows", "steps"):
-        for col, x in getattr(a, part).items():
-            assert np.array_equal(x, getattr(b, part)[col]), (part, col)
+    _write_rows(root / "r1", [("r1", None, 0, 50, None, "step", 10**9, 500),
+                              ("r1", None, 0, 50, "forward", "phase", 10**9, 200)], "raw")
+    queries = []
+    arrow = StoreConnection.arrow
+    monkeypatch.setattr(StoreConnection, "arrow", lambda self, sql, params=None: queries.append(sql) or arrow(self, sql, params))
+    store = open_store(root)
+    t, (runs, roles, phases), c = load._read(store, None)
+    assert len(queries) == 1 and "timings" in queries[0]
+    assert runs == ["r0", "r1"] and roles == ["", "trainer"] and "(uninstrumented)" in phases
+    assert phases == sorted(phases)
+    plain = store.frame("SELECT run_id, coalesce(role, '') AS role, coalesce(phase, '(uninstrumented)') AS phase, "
+                        "start_us, dur_us, rank, step FROM timings WHERE start_us IS NOT NULL AND dur_us IS NOT NULL")
+    got = {(runs[a], roles[b], phases[p], s, d, r, st) for a, b, p, s, d, r, st in zip(
+        c["run_id"], c["role"], c["phase"], t["start_us"].to_pylist(), t["dur_us"].to_pylist(), t["rank"].to_pylist(),
+        t["step"].to_pylist(), strict=True)}
+    assert got == set(plain.iter_rows())  # every row placed, its names decoded from their codes
+    rs = load_rank_steps(store, None)
+    assert rs.groups.rows() == [(0, "r0", "trainer"), (1, "r1", ""), (2, "r1", "trainer")]  # by (run, role) codes
+    one = load._read(store, "r0")
+    assert "run_id" not in one[2] and one[1][0] == ["r0"]
 
 
 def test_arrow_columns_read_from_their_buffers():

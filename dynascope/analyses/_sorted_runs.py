@@ -172,11 +172,3 @@ def as_numpy(col: pa.ChunkedArray | pa.Array) -> np.ndarray:
     if len(parts) == 1:
         return parts[0]
     return np.concatenate(parts) if parts else np.zeros(0, dtype=_NUMPY.get(col.type, np.float64))
-
-
-def codes(col: pa.ChunkedArray) -> tuple[np.ndarray, list[str]]:
-    """Indices and names of a column DuckDB returned as an ENUM (one dictionary for every chunk)."""
-    chunks = col.chunks
-    names = chunks[0].dictionary.to_pylist() if chunks else []
-    idx = [as_numpy(c.indices) for c in chunks]
-    return (np.concatenate(idx).astype(np.int64) if idx else np.zeros(0, dtype=np.int64)), names

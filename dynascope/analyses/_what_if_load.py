@@ -27,14 +27,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
-import duckdb
 import numpy as np
 import polars as pl
 import pyarrow as pa
 
 from dynascope.analyses._common import once, run_clause
-from dynascope.analyses._sorted_runs import Arrays, as_numpy, at_runs, codes, pack, runs_of, stable_order
-from dynascope.analyses.steps import REMAINDER, STEP_ROW, SYNC, TOP_LEVEL, enum_sql, with_names
+from dynascope.analyses._sorted_runs import Arrays, as_numpy, at_runs, pack, runs_of, stable_order
+from dynascope.analyses.steps import REMAINDER, STEP_ROW, SYNC, TOP_LEVEL
 from dynascope.store import StoreConnection, quote_literal
 
 
@@ -64,57 +63,41 @@ def step_ids(rs: RankSteps) -> tuple[np.ndarray, np.ndarray]:
     return at_runs(starts, len(rs)), starts
 
 
-# Up to this many names, a column's codes are DuckDB's list_position in the sorted names (half the CPU of a
-# cast to an ENUM at millions of rows); beyond, the ENUM's hash lookup beats a scan of the list per row.
-_LISTED = 64
-
-
-def _code_sql(expr: str, names: list[str]) -> str:
-    """SQL for ``expr``'s code among ``names`` (sorted, distinct): an ENUM, or a 1-based position (NULL for a
-    name not among them)."""
-    if len(names) > _LISTED:
-        return f"{expr}::{enum_sql(names)}"
-    return f"list_position([{', '.join(quote_literal(v) for v in names)}], {expr})"
-
-
-def _codes_of(col: pa.ChunkedArray) -> np.ndarray:
-    """The 0-based codes of a column ``_code_sql`` made."""
-    if pa.types.is_dictionary(col.type):
-        return codes(col)[0]
-    if col.null_count:  # a name written since they were listed: list them and read again
-        raise duckdb.ConversionException("a name not listed")
-    c = as_numpy(col).astype(np.int64)
-    c -= 1
-    return c
-
-
 Read = tuple[pa.Table, list[list[str]], Arrays]
 
 
+def _coded(col: pa.ChunkedArray, extra: Iterable[str] = ()) -> tuple[np.ndarray, list[str]]:
+    """The 0-based codes of a string column without NULLs in its sorted distinct names (with ``extra``), and
+    those names (through polars: pyarrow's compute functions import pandas, 0.4 s)."""
+    s = pl.from_arrow(col)
+    assert isinstance(s, pl.Series)
+    names = sorted({*s.unique().to_list(), *extra})
+    return s.cast(pl.Enum(names)).to_physical().to_numpy().astype(np.int64), names
+
+
 def _read(store: StoreConnection, run: str | None) -> Read:
-    """The rows with run_id, role and phase as codes of their names present, and those names (runs, roles,
-    phases), each sorted, and the codes as NumPy. A name written in between (a live run) makes ``with_names``
-    read them again. With one run there is no run_id column (its code is 0)."""
+    """The rows, the names of runs, roles and phases among them (each sorted), and their codes as NumPy.
+
+    One query: the names come from the rows read, coded here, not listed by a query of their own. On a
+    live run every query lists and opens each writer's files, which costs more than the rows (a second
+    query would double it), and a name written between two queries would have no code. With one run there
+    is no run_id column (its code is 0)."""
     placed = "rank IS NOT NULL AND start_us IS NOT NULL AND dur_us IS NOT NULL" + (
         " AND run_id IS NOT NULL" if run is None else run_clause(run))
-
-    def read() -> Read:
-        runs, roles, phases = store.rows(f"""
-            SELECT list(DISTINCT run_id), list(DISTINCT coalesce(role, '')),
-                   list(DISTINCT phase) FILTER (WHERE phase IS NOT NULL)
-            FROM timings WHERE step IS NOT NULL AND {placed}""")[0]
-        names = [[run] if run is not None else sorted(set(runs or [""])), sorted(set(roles or [""])),
-                 sorted({*(phases or []), REMAINDER})]
-        run_id = "" if len(names[0]) == 1 else f"{_code_sql('run_id', names[0])} AS run_id, "  # one run: code 0
-        t = store.arrow(f"""
-            SELECT {run_id}{_code_sql("coalesce(role, '')", names[1])} AS role, rank, step,
-                   {_code_sql(f"coalesce(phase, {quote_literal(REMAINDER)})", names[2])} AS phase,
-                   ({STEP_ROW}) AS is_step, {SYNC} AS sync, start_us, dur_us
-            FROM timings WHERE (({TOP_LEVEL}) OR ({STEP_ROW})) AND {placed}""")
-        columns = {c: _codes_of(t[c]) for c in ("run_id", "role", "phase") if c in t.column_names}
-        return t, names, columns
-
-    return with_names(read)
+    t = store.arrow(f"""
+        SELECT {"" if run is not None else "run_id, "}coalesce(role, '') AS role, rank, step,
+               coalesce(phase, {quote_literal(REMAINDER)}) AS phase,
+               ({STEP_ROW}) AS is_step, {SYNC} AS sync, start_us, dur_us
+        FROM timings WHERE (({TOP_LEVEL}) OR ({STEP_ROW})) AND {placed}""")
+    columns: Arrays = {}
+    names: list[list[str]] = [[run] if run is not None else [], [], []]
+    for i, (c, extra) in enumerate((("run_id", ()), ("role", ()), ("phase", (REMAINDER,)))):
+        if c in t.column_names:
+            columns[c], names[i] = _coded(t[c], extra)
+    if run is None and len(names[0]) == 1:  # one run: code 0, as with a run given
+        del columns["run_id"]
+    t = t.drop_columns([c for c in ("run_id", "role", "phase") if c in t.column_names])  # coded: the names' memory back
+    return t, [n or [""] for n in names], columns
 
 
 _GROUPS = {"grp": pl.Int64, "run_id": pl.String, "role": pl.String}

@@ -16,10 +16,6 @@ Definitions shared by the cluster analyses (stragglers, what-if, throughput impo
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import TypeVar
-
-import duckdb
 import polars as pl
 
 from dynascope.analyses._common import StoreLike, as_store, frame, run_clause
@@ -37,7 +33,6 @@ STEP_ROW = "step IS NOT NULL AND stream IS NULL AND (category = 'step' OR (categ
 SYNC = "coalesce(category, 'phase') IN ('wait', 'comm')"
 # The phase name of a step's time outside its top-level rows (what no row covers).
 REMAINDER = "(uninstrumented)"
-T = TypeVar("T")
 
 
 def _run_key(run: str | None, with_run: bool) -> str:
@@ -70,24 +65,6 @@ def step_rows_sql(run: str | None, with_run: bool = True) -> str:
         GROUP BY {r}coalesce(role, ''), rank, step"""
 
 
-def enum_sql(values: Iterable[str]) -> str:
-    """A DuckDB ENUM type of ``values`` (sorted, distinct): grouping and joining on its codes is cheaper than on
-    the names."""
-    return "ENUM(" + ", ".join(quote_literal(v) for v in sorted(set(values))) + ")"
-
-
-def with_names(read: Callable[[], T], attempts: int = 3) -> T:
-    """``read()``, which casts names it has just listed to an ENUM; a name written in between (a live run)
-    fails the cast, and the names are then listed and the rows read anew."""
-    for attempt in range(attempts):
-        try:
-            return read()
-        except duckdb.ConversionException:
-            if attempt == attempts - 1:
-                raise
-    raise AssertionError("unreachable")
-
-
 def step_breakdown(store: StoreLike, run: str | None = None) -> pl.DataFrame:
     """Time per top-level phase for every rank and step, plus the un-instrumented remainder.
 
@@ -96,38 +73,27 @@ def step_breakdown(store: StoreLike, run: str | None = None) -> pl.DataFrame:
     at 0, since overlapping rows could otherwise make it negative). ``step_ms``/``share_pct`` are NULL for
     steps without a step row. Rows come in no set order: sort them where order matters.
     """
-    con = as_store(store)
-
-    def read() -> pl.DataFrame:
-        # Grouped and joined on ENUM codes of the names, not the names (a fifth less work at millions of
-        # rows), and not sorted (a third of the time of the whole query at a thousand ranks).
-        runs, roles, phases = con.rows(f"""
-            SELECT list(DISTINCT run_id), list(DISTINCT coalesce(role, '')),
-                   list(DISTINCT phase) FILTER (WHERE phase IS NOT NULL)
-            FROM timings WHERE step IS NOT NULL{run_clause(run)}""")[0]
-        run_t, role_t, phase_t = (enum_sql(v or [""]) for v in (runs, roles, phases))
-        return frame(con, f"""
-            WITH ph AS (
-                SELECT run_id::{run_t} AS run_id, coalesce(role, '')::{role_t} AS role, rank, step,
-                       phase::{phase_t} AS phase, bool_or({SYNC}) AS sync, SUM(dur_us) AS dur_us
-                FROM timings WHERE {TOP_LEVEL}{run_clause(run)} GROUP BY ALL),
-            st AS (
-                SELECT run_id::{run_t} AS run_id, coalesce(role, '')::{role_t} AS role, rank, step,
-                       MAX(dur_us) AS step_us
-                FROM timings WHERE {STEP_ROW}{run_clause(run)} GROUP BY ALL),
-            tot AS (SELECT {KEYS}, SUM(dur_us) AS phases_us FROM ph GROUP BY ALL)
-            SELECT ph.run_id::VARCHAR AS run_id, ph.role::VARCHAR AS role, ph.rank, ph.step,
-                   ph.phase::VARCHAR AS phase, CASE WHEN ph.sync THEN 'wait' ELSE 'phase' END AS category,
-                   ph.dur_us / 1000.0 AS dur_ms, st.step_us / 1000.0 AS step_ms,
-                   100.0 * ph.dur_us / nullif(st.step_us, 0) AS share_pct
-            FROM ph LEFT JOIN st USING ({KEYS})
-            UNION ALL
-            SELECT st.run_id::VARCHAR, st.role::VARCHAR, st.rank, st.step, {quote_literal(REMAINDER)}, 'remainder',
-                   greatest(st.step_us - coalesce(tot.phases_us, 0), 0) / 1000.0, st.step_us / 1000.0,
-                   100.0 * greatest(st.step_us - coalesce(tot.phases_us, 0), 0) / nullif(st.step_us, 0)
-            FROM st LEFT JOIN tot USING ({KEYS})""")
-
-    return with_names(read)
+    # One scan of timings, materialized, feeds both the phases and the step rows: on a live run each scan lists
+    # and opens every writer's files, which costs more than the rows (at rest the two cost the same).
+    return frame(as_store(store), f"""
+        WITH t AS MATERIALIZED (
+            SELECT run_id, coalesce(role, '') AS role, rank, step, phase, ({STEP_ROW}) AS is_step,
+                   {SYNC} AS sync, dur_us
+            FROM timings WHERE (({TOP_LEVEL}) OR ({STEP_ROW})){run_clause(run)}),
+        ph AS (SELECT {KEYS}, phase, bool_or(sync) AS sync, SUM(dur_us) AS dur_us
+               FROM t WHERE NOT is_step GROUP BY ALL),
+        st AS (SELECT {KEYS}, MAX(dur_us) AS step_us FROM t WHERE is_step GROUP BY ALL),
+        tot AS (SELECT {KEYS}, SUM(dur_us) AS phases_us FROM ph GROUP BY ALL)
+        SELECT ph.run_id, ph.role, ph.rank, ph.step, ph.phase,
+               CASE WHEN ph.sync THEN 'wait' ELSE 'phase' END AS category,
+               ph.dur_us / 1000.0 AS dur_ms, st.step_us / 1000.0 AS step_ms,
+               100.0 * ph.dur_us / nullif(st.step_us, 0) AS share_pct
+        FROM ph LEFT JOIN st USING ({KEYS})
+        UNION ALL
+        SELECT st.run_id, st.role, st.rank, st.step, {quote_literal(REMAINDER)}, 'remainder',
+               greatest(st.step_us - coalesce(tot.phases_us, 0), 0) / 1000.0, st.step_us / 1000.0,
+               100.0 * greatest(st.step_us - coalesce(tot.phases_us, 0), 0) / nullif(st.step_us, 0)
+        FROM st LEFT JOIN tot USING ({KEYS})""")
 
 
 def idle_time(store: StoreLike, run: str | None = None) -> pl.DataFrame:

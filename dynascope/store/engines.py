@@ -12,7 +12,9 @@ the job (take a lease), never silently drop its rows.
 
 from __future__ import annotations
 
+import shutil
 import tempfile
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -94,4 +96,8 @@ def local_spark(memory: str = "1g", cores: int = 2) -> Any:
              .config("spark.sql.session.timeZone", "UTC")
              .getOrCreate())
     spark.sparkContext.setLogLevel("ERROR")
+    if warehouse in spark.conf.get("spark.sql.warehouse.dir", ""):  # removed with the session, at the latest at exit
+        weakref.finalize(spark, shutil.rmtree, warehouse, True)
+    else:  # a session already running (getOrCreate) keeps its own
+        shutil.rmtree(warehouse, ignore_errors=True)
     return spark

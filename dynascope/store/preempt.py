@@ -97,6 +97,7 @@ def _handle(signum: int, frame: Any) -> None:
             return
         except RuntimeError:  # no thread to be had (the interpreter is shutting down): flush now
             pass
+    _first_at = None  # handled: a later SIGTERM (a handler of the user's that went on) is put off anew
     deadline = time.monotonic() + TERM_FLUSH_S
     worker = threading.Thread(target=_flush, args=(deadline,), name="dynascope-sigterm", daemon=True)
     worker.start()

@@ -116,11 +116,23 @@ def _final_flushes(w: RunWriter) -> bool:
             w._problem("writer_error", f"final flush failed: {type(exc).__name__}: {exc}", emit_event=False)
         if attempt >= 1 and not w._pending_events and not w._buffered and not w._backlog.rows:
             break
-    try:  # the journal's rows into segments: other engines and reads of the past see segments only
-        with w._flush_lock:
-            w._seal(force=True)
-    except Exception as exc:
-        w._problem("writer_error", f"final seal failed: {type(exc).__name__}: {exc}", emit_event=False)
+    for attempt in range(2):  # the journal's rows into segments: other engines and reads of the past see segments only
+        try:
+            with w._flush_lock:
+                w._seal(force=True)
+        except Exception as exc:
+            w._problem("writer_error", f"final seal failed: {type(exc).__name__}: {exc}", emit_event=False)
+        with w._lock:
+            reported = bool(w._pending_events)
+        if not reported or attempt:
+            break
+        # A seal that failed (renames late on a loaded host, a full disk) reported it as an event: written, and
+        # sealed with the rest by a second try. The rows are committed either way (journals count), so the
+        # writer is still closed and the run still folded, the journals left sealed for it (``seal_orphans``).
+        try:
+            w.flush()
+        except Exception as exc:
+            w._problem("writer_error", f"final flush failed: {type(exc).__name__}: {exc}", emit_event=False)
     with w._lock:
         lost = w._buffered + w._backlog.rows
         unsaid = bool(w._pending_events)  # run_end among them, perhaps
