@@ -96,7 +96,7 @@ def local_spark(memory: str = "1g", cores: int = 2) -> Any:
              .config("spark.sql.session.timeZone", "UTC")
              .getOrCreate())
     spark.sparkContext.setLogLevel("ERROR")
-    if warehouse in spark.conf.get("spark.sql.warehouse.dir", ""):  # removed with the session, at the latest at exit
+    if warehouse in (spark.conf.get("spark.sql.warehouse.dir", "") or ""):  # removed with the session, at the latest at exit
         weakref.finalize(spark, shutil.rmtree, warehouse, True)
     else:  # a session already running (getOrCreate) keeps its own
         shutil.rmtree(warehouse, ignore_errors=True)
