@@ -128,7 +128,7 @@ def _final_flushes(w: RunWriter) -> bool:
             break
         # A seal that failed (renames late on a loaded host, a full disk) reported it as an event: written, and
         # sealed with the rest by a second try. The rows are committed either way (journals count), so the
-        # writer is still closed and the run still folded, the journals left sealed for it (``seal_orphans``).
+        # writer is still closed, and the run's fold seals whatever journals are left (``seal_orphans``).
         try:
             w.flush()
         except Exception as exc:
