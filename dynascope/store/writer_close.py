@@ -100,6 +100,13 @@ def _last_flushes_and_fold(w: RunWriter, flushed: threading.Event, deadline: flo
                                  "the next open or `dynascope compact` folds it", emit_event=False)
 
 
+def _flush(w: RunWriter) -> None:
+    try:
+        w.flush()
+    except Exception as exc:
+        w._problem("writer_error", f"final flush failed: {type(exc).__name__}: {exc}", emit_event=False)
+
+
 def _final_flushes(w: RunWriter) -> bool:
     """Flush until nothing is pending (``run_end`` included); True when every row landed."""
     for attempt in range(4):  # later passes write events produced by earlier ones, and retry failed writes
@@ -110,10 +117,7 @@ def _final_flushes(w: RunWriter) -> bool:
                     "event": "run_end", "severity": "info", "message": "writer closed",
                     "writer_id": w.writer_id, "rows_written": w.rows_written,
                     "rows_dropped": w.rows_dropped, "write_errors": w.write_errors, **node.describe(w.node)})
-        try:
-            w.flush()
-        except Exception as exc:
-            w._problem("writer_error", f"final flush failed: {type(exc).__name__}: {exc}", emit_event=False)
+        _flush(w)
         if attempt >= 1 and not w._pending_events and not w._buffered and not w._backlog.rows:
             break
     for attempt in range(2):  # the journal's rows into segments: other engines and reads of the past see segments only
@@ -129,10 +133,7 @@ def _final_flushes(w: RunWriter) -> bool:
         # A seal that failed (renames late on a loaded host, a full disk) reported it as an event: written, and
         # sealed with the rest by a second try. The rows are committed either way (journals count), so the
         # writer is still closed, and the run's fold seals whatever journals are left (``seal_orphans``).
-        try:
-            w.flush()
-        except Exception as exc:
-            w._problem("writer_error", f"final flush failed: {type(exc).__name__}: {exc}", emit_event=False)
+        _flush(w)
     with w._lock:
         lost = w._buffered + w._backlog.rows
         unsaid = bool(w._pending_events)  # run_end among them, perhaps
