@@ -51,6 +51,9 @@ CALLS = {
     # the report prices each slow node it names: one host's replay (every host is one replay each)
     "what_if_node": "A.what_if_node(store, hosts=[PLANTED.get('slow_node', {}).get('host', 'node-0000')])",
     "step_breakdown": "A.step_breakdown(store)",
+    "idle_time": "A.idle_time(store)",
+    "critical_path": "A.critical_path(store)",
+    "phase_shares": "A.phase_shares(store)",
     "rollout_long_tail": "A.rollout_long_tail(store)",
     "tail_wait_share": "A.tail_wait_share(store)",
     "delta_sync_summary": "A.delta_sync_summary(store)",

@@ -315,17 +315,50 @@ def test_imported_trace_rows_leave_step_analyses_unchanged(tmp_path, run):
         assert a.height and a.equals(b), fn.__name__
 
 
-def test_step_breakdown_scans_timings_once(run, monkeypatch):
+@pytest.mark.parametrize("analysis", ["step_breakdown", "idle_time", "critical_path", "phase_shares"])
+def test_step_analyses_scan_timings_once(run, monkeypatch, analysis):
     # On a live run each scan of timings lists and opens every writer's files: the phases and the step rows
     # come from one materialized scan, not one each (and no query to list the names first).
+    from dynascope.analyses import step_shares
     from dynascope.store.reader import StoreConnection
 
     scans = []
     frame = StoreConnection.frame
     monkeypatch.setattr(StoreConnection, "frame", lambda self, sql, params=None: scans.append(
         len(re.findall(r"\bFROM timings\b", sql))) or frame(self, sql, params))
-    got = steps.step_breakdown(run)
-    assert scans == [1] and got.height
+    got = getattr(steps if hasattr(steps, analysis) else step_shares, analysis)(run)
+    assert got.height and [n for n in scans if n] == [1]
+
+
+def test_findings_queries_scan_timings_once(run):
+    from dynascope.analyses import findings_sql, findings_steps
+
+    queries = [findings_sql.idle_sql("r"), findings_sql.uninstrumented_sql("r"),
+               findings_sql.probe_cost_sql("r", "dynascope"), findings_sql.schedule_sql("r", ("rollout",), ("sync",)),
+               findings_steps._per_rank_sql("r")]
+    assert [len(re.findall(r"\bFROM timings\b", sql)) for sql in queries] == [1] * 5
+
+
+def test_a_null_category_counts_as_a_phase_in_every_step_analysis(tmp_path):
+    # NULL category means 'phase' (trace imports and hand-written rows leave it out): the same run written
+    # with NULL and with 'phase' must give the same answers, row for row.
+    from dynascope.analyses import step_shares
+
+    for name, category in (("null", None), ("phase", "phase")):
+        for r in range(3):
+            with RunWriter(tmp_path / name, rank=r) as w:
+                for step in range(4):
+                    t = T0 + step * 10**6
+                    w.append("timings", {"phase": ["fwd", "bwd", "sync"], "step": step,
+                                         "category": [category, category, "wait"],
+                                         "start_us": [t, t + 1_000, t + 3_000 + 500 * r],
+                                         "dur_us": [1_000, 2_000 + 500 * r, 1_500 - 500 * r]})
+                    w.append("timings", {"phase": "step", "category": "step", "step": step, "start_us": t,
+                                         "dur_us": 5_000})
+    for f in (steps.step_breakdown, steps.idle_time, steps.critical_path, step_shares.phase_shares):
+        null, phase = (f(tmp_path / n).drop("run_id").sort(pl.all()) for n in ("null", "phase"))
+        assert null.height and null.equals(phase), f.__name__
+    assert set(steps.step_breakdown(tmp_path / "null")["phase"]) == {"fwd", "bwd", "sync", "(uninstrumented)"}
 
 
 @pytest.mark.parametrize("n_ranks", [2, 3])

@@ -105,3 +105,13 @@ def test_create_run_where_nothing_exists_renames_a_finished_directory(tmp_path: 
     assert seen == [(True, False)]  # populated elsewhere while the run did not exist
     assert (run / MARKER).exists() and (run / "scalars").is_dir()
     assert [p.name for p in run.parent.iterdir()] == ["run"]
+
+
+@pytest.mark.parametrize("role", [None, ""])
+def test_a_writer_given_no_role_records_the_default_not_the_word_none(tmp_path: Path, role) -> None:
+    # ``watch(role=None)`` means the default role; the writer takes it the same way, not as the string "None"
+    with RunWriter(tmp_path / "r", rank=0, role=role) as w:
+        w.append("timings", {"phase": "step", "category": "step", "step": 0, "start_us": 1, "dur_us": 2})
+    with open_store(tmp_path / "r") as con:
+        assert con.execute("SELECT DISTINCT role FROM timings UNION ALL SELECT DISTINCT role FROM runs").fetchall() \
+            == [("trainer",), ("trainer",)]

@@ -11,7 +11,7 @@ from typing import Any
 
 from dynascope.analyses.goodput import checkpoints_sql
 from dynascope.analyses.rollouts import weight_syncs_sql
-from dynascope.analyses.steps import STEP_ROW, TOP_LEVEL, step_rows_sql, top_level_sql
+from dynascope.analyses.steps import STEP_ROW, scan_sql
 from dynascope.store import quote_literal
 from dynascope.store.pooling import GLOBAL
 
@@ -67,7 +67,7 @@ def idle_sql(run: str) -> str:
     """Idle = the measured wait in collectives, or the wait implied by the slowest rank's busy time,
     whichever is more; worst rank (the one that waits most) first, beside the rank waited for
     (``waited_for_sql``)."""
-    return f"""WITH ph AS ({top_level_sql(run)}), st AS ({step_rows_sql(run)}),
+    return f"""WITH {scan_sql(run)},
         per AS (SELECT run_id, role, rank, step, coalesce(SUM(dur_us) FILTER (NOT sync), 0) AS busy,
         coalesce(SUM(dur_us) FILTER (sync), 0) AS wait FROM ph GROUP BY ALL),
         i AS (SELECT *, greatest(wait, MAX(busy) OVER (PARTITION BY run_id, role, step) - busy) AS idle
@@ -75,12 +75,12 @@ def idle_sql(run: str) -> str:
         USING (run_id, role, rank, step) GROUP BY rank)
         SELECT rank AS worst_rank, 100 * idle / step_us AS worst_rank_idle_pct,
         100 * SUM(idle) OVER () / SUM(step_us) OVER () AS idle_pct, cause.*
-        FROM r LEFT JOIN ({waited_for_sql(run)}) AS cause ON TRUE ORDER BY worst_rank_idle_pct DESC"""
+        FROM r LEFT JOIN ({_waited_for(run)}) AS cause ON TRUE ORDER BY worst_rank_idle_pct DESC"""
 
 
 def uninstrumented_sql(run: str) -> str:
     """Step time outside every top-level row, per rank and step (floored at 0), summed."""
-    return f"""WITH ph AS ({top_level_sql(run)}), st AS ({step_rows_sql(run)}),
+    return f"""WITH {scan_sql(run)},
         c AS (SELECT run_id, role, rank, step, SUM(dur_us) AS us FROM ph GROUP BY ALL),
         rem AS (SELECT greatest(step_us - us, 0) AS rem_us, step_us FROM st JOIN c USING
         (run_id, role, rank, step)) SELECT SUM(rem_us) / 1000.0 AS uninstrumented_ms,
@@ -90,8 +90,8 @@ def uninstrumented_sql(run: str) -> str:
 def probe_cost_sql(run: str, phase: str) -> str:
     """The probe's phase over the step time of the timed steps (every rank's, summed), and its coverage: the
     tensors carrying ``update_norm`` over all tensors of the recorded steps (``tensor_stats_global``)."""
-    return f"""WITH st AS ({step_rows_sql(run)}), pr AS (SELECT run_id, role, rank, step, SUM(dur_us) AS us
-        FROM ({top_level_sql(run)}) WHERE phase = {q(phase)} GROUP BY ALL)
+    return f"""WITH {scan_sql(run)}, pr AS (SELECT run_id, role, rank, step, SUM(dur_us) AS us
+        FROM ph WHERE phase = {q(phase)} GROUP BY ALL)
         SELECT COUNT(DISTINCT st.step) AS steps, SUM(pr.us) / 1000.0 AS probe_ms,
         100.0 * SUM(pr.us) / SUM(st.step_us) AS probe_pct,
         (SELECT COUNT(DISTINCT step) FROM {GLOBAL} WHERE run_id = {q(run)}) AS recorded_steps,
@@ -201,10 +201,9 @@ def schedule_sql(run: str, rollout_phases: tuple[str, ...], sync_phases: tuple[s
     wall-clock time per step, and the slowest rank's rollout and weight sync, averaged over those steps."""
     ro = ", ".join(q(p) for p in rollout_phases)
     ws = ", ".join(q(p) for p in sync_phases)
-    return f"""WITH t AS (SELECT coalesce(role, '') AS role, rank, step,
+    return f"""WITH {scan_sql(run, with_run=False)}, t AS (SELECT role, rank, step,
         SUM(dur_us) FILTER (WHERE phase IN ({ro})) AS ro, coalesce(SUM(dur_us) FILTER (WHERE phase IN ({ws})), 0) AS ws
-        FROM timings WHERE run_id = {q(run)} AND {TOP_LEVEL} GROUP BY ALL HAVING bool_or(phase IN ({ro}))),
-        st AS (SELECT role, rank, step, step_us, start_us FROM ({step_rows_sql(run)})),
+        FROM ph GROUP BY ALL HAVING bool_or(phase IN ({ro}))),
         k AS (SELECT * FROM t JOIN st USING (role, rank, step)),
         s AS (SELECT step, MAX(ro) AS ro, MAX(ws) AS ws FROM k GROUP BY step)
         SELECT (SELECT COUNT(*) FROM s) AS steps,
@@ -273,17 +272,19 @@ def node_ranks_sql(run: str, role: str, host: str) -> str:
 def waited_for_sql(run: str) -> str:
     """Per (role, step, waiting phase) the rank with the least wait arrived last; the others' wait beyond
     it is charged to that rank. The rank charged most, its host, and its share of the ranks' step time."""
-    return f"""WITH w AS (SELECT coalesce(role, '') AS role, rank, step, phase, SUM(dur_us) AS us FROM timings
-        WHERE run_id = {q(run)} AND step IS NOT NULL AND rank IS NOT NULL AND stream IS NULL
-        AND coalesce(parent, '') IN ('', 'step') AND category IN ('wait', 'comm') GROUP BY ALL),
-        c AS (SELECT role, step, phase, arg_min(rank, us) AS late, SUM(us) - COUNT(*) * MIN(us) AS charged_us,
-              COUNT(*) AS n FROM w GROUP BY ALL HAVING COUNT(*) >= 2),
-        t AS (SELECT SUM(dur_us) AS step_us, COUNT(DISTINCT (coalesce(role, ''), rank)) AS ranks FROM timings
-              WHERE run_id = {q(run)} AND {STEP_ROW}),
-        top AS (SELECT role, late AS waited_for_rank, SUM(charged_us) AS charged_us, arg_max(phase, charged_us) AS phase
-                FROM c GROUP BY ALL ORDER BY charged_us DESC LIMIT 1)
-        SELECT top.role AS waited_for_role, waited_for_rank, (SELECT any_value(host) FROM runs
+    return f"WITH {scan_sql(run, with_run=False)} {_waited_for(run)}"
+
+
+def _waited_for(run: str) -> str:
+    """``waited_for_sql`` over the ``ph`` and ``st`` of a ``scan_sql`` around it (``idle_sql`` shares its scan)."""
+    return f"""SELECT top.role AS waited_for_role, waited_for_rank, (SELECT any_value(host) FROM runs
                WHERE run_id = {q(run)} AND rank = waited_for_rank AND coalesce(role, '') = top.role) AS waited_for_host,
                phase AS waited_for_phase, charged_us / 1000.0 AS waited_for_ms,
                100.0 * charged_us / t.step_us AS waited_for_pct, t.ranks AS ranks
-        FROM top, t"""
+        FROM (SELECT role, late AS waited_for_rank, SUM(charged_us) AS charged_us,
+                     arg_max(phase, charged_us) AS phase
+              FROM (SELECT role, step, phase, arg_min(rank, dur_us) AS late,
+                           SUM(dur_us) - COUNT(*) * MIN(dur_us) AS charged_us
+                    FROM ph WHERE sync AND rank IS NOT NULL GROUP BY ALL HAVING COUNT(*) >= 2)
+              GROUP BY ALL ORDER BY charged_us DESC LIMIT 1) AS top,
+             (SELECT SUM(step_us) AS step_us, COUNT(DISTINCT (role, rank)) AS ranks FROM st) AS t"""

@@ -17,7 +17,7 @@ import polars as pl
 from dynascope.analyses import findings_sql as S
 from dynascope.analyses._common import frame, once
 from dynascope.analyses._findings import Finding, first_row, found, rnd
-from dynascope.analyses.steps import KEYS, step_rows_sql, top_level_sql
+from dynascope.analyses.steps import KEYS, scan_sql
 
 __all__: list[str] = []  # generators for ``findings.GENERATORS``, not public analyses
 
@@ -33,7 +33,7 @@ def _per_rank_sql(run: str) -> str:
     step µs summed over the rank-steps with a step row."""
     # one run's rows: grouped and joined without the run_id key
     return f"""
-        WITH ph AS ({top_level_sql(run, with_run=False)}), st AS ({step_rows_sql(run, with_run=False)}),
+        WITH {scan_sql(run, with_run=False)},
         per AS (
             SELECT {_KEYS}, SUM(CASE WHEN sync THEN 0 ELSE dur_us END) AS busy_us,
                    SUM(CASE WHEN sync THEN dur_us ELSE 0 END) AS wait_us, SUM(dur_us) AS phases_us, true AS top

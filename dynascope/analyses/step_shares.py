@@ -16,7 +16,7 @@ from __future__ import annotations
 import polars as pl
 
 from dynascope.analyses._common import StoreLike, as_store, frame, run_clause
-from dynascope.analyses.steps import KEYS, REMAINDER, TOP_LEVEL, step_rows_sql
+from dynascope.analyses.steps import KEYS, REMAINDER, scan_sql
 from dynascope.store import quote_literal
 
 __all__ = ["phase_shares"]
@@ -52,14 +52,12 @@ def phase_shares(store: StoreLike, run: str | None = None) -> pl.DataFrame:
     Rows come per (run, role, stage) in step order of the stage, largest share first.
     """
     con = as_store(store)
-    rc = run_clause(run)
     # Each phase row joined once to its step row with the step's stage; the remainder and the totals come
     # from the step rows (640k at 1,024 ranks) and the joined rows' per-step sums.
     df = frame(con, f"""
-        WITH st AS ({step_rows_sql(run)}),
+        WITH {scan_sql(run)},
         stages AS ({stages_sql(con, run)}),
         sts AS (SELECT st.*, s.stage FROM st LEFT JOIN stages s USING ({KEYS})),
-        ph AS (SELECT run_id, coalesce(role, '') AS role, rank, step, phase, dur_us FROM timings WHERE {TOP_LEVEL}{rc}),
         j AS (SELECT {KEYS}, sts.stage, ph.phase, ph.dur_us FROM ph JOIN sts USING ({KEYS})),
         per AS (SELECT run_id, role, stage, phase, sum(dur_us) AS dur_us FROM j GROUP BY ALL),
         tot AS (SELECT {KEYS}, sum(dur_us) AS phases_us FROM j GROUP BY ALL),

@@ -43,26 +43,47 @@ def _run_key(run: str | None, with_run: bool) -> str:
     return "run_id, " if with_run else ""
 
 
+# The columns every per-rank step query reads, the role NULL-coalesced so roles group and join as ''.
+_COLS = f"coalesce(role, '') AS role, rank, step, phase, {SYNC} AS sync, dur_us, start_us"
+
+
+def _phases(r: str, rows: str) -> str:
+    return f"""SELECT {r}role, rank, step, phase, bool_or(sync) AS sync, SUM(dur_us) AS dur_us,
+                      MIN(start_us) AS start_us
+               FROM {rows} GROUP BY {r}role, rank, step, phase"""
+
+
+def _steps(r: str, rows: str) -> str:
+    return f"""SELECT {r}role, rank, step, MAX(dur_us) AS step_us, MIN(start_us) AS start_us
+               FROM {rows} GROUP BY {r}role, rank, step"""
+
+
 def top_level_sql(run: str | None, with_run: bool = True) -> str:
     """Top-level phase rows summed per rank, step and phase (``dur_us``; ``sync`` marks wait/comm);
     ``with_run=False`` (``run`` given): without the run_id column."""
     r = _run_key(run, with_run)
-    return f"""
-        SELECT {r}coalesce(role, '') AS role, rank, step, phase,
-               bool_or({SYNC}) AS sync, SUM(dur_us) AS dur_us, MIN(start_us) AS start_us
-        FROM timings WHERE {TOP_LEVEL}{run_clause(run)}
-        GROUP BY {r}coalesce(role, ''), rank, step, phase"""
+    return _phases(r, f"(SELECT {r}{_COLS} FROM timings WHERE {TOP_LEVEL}{run_clause(run)})")
 
 
 def step_rows_sql(run: str | None, with_run: bool = True) -> str:
     """One row per rank and step: ``step_us`` (the probe's boundary-to-boundary span) and ``start_us``;
     ``with_run`` as in ``top_level_sql``."""
     r = _run_key(run, with_run)
+    return _steps(r, f"(SELECT {r}{_COLS} FROM timings WHERE {STEP_ROW}{run_clause(run)})")
+
+
+def scan_sql(run: str | None, with_run: bool = True) -> str:
+    """CTEs for a ``WITH``: ``ph`` (as ``top_level_sql``) and ``st`` (as ``step_rows_sql``), both from one
+    materialized scan of timings, ``scan``. A query that needs both uses these: on a live run each scan lists
+    and opens every writer's files, which costs more than the rows (at rest the two cost the same)."""
+    r = _run_key(run, with_run)
+    # IS TRUE: STEP_ROW is NULL, not false, on a top-level row whose category is NULL
     return f"""
-        SELECT {r}coalesce(role, '') AS role, rank, step,
-               MAX(dur_us) AS step_us, MIN(start_us) AS start_us
-        FROM timings WHERE {STEP_ROW}{run_clause(run)}
-        GROUP BY {r}coalesce(role, ''), rank, step"""
+        scan AS MATERIALIZED (
+            SELECT {r}{_COLS}, ({STEP_ROW}) IS TRUE AS is_step
+            FROM timings WHERE (({TOP_LEVEL}) OR ({STEP_ROW})){run_clause(run)}),
+        ph AS ({_phases(r, "scan WHERE NOT is_step")}),
+        st AS ({_steps(r, "scan WHERE is_step")})"""
 
 
 def step_breakdown(store: StoreLike, run: str | None = None) -> pl.DataFrame:
@@ -73,16 +94,8 @@ def step_breakdown(store: StoreLike, run: str | None = None) -> pl.DataFrame:
     at 0, since overlapping rows could otherwise make it negative). ``step_ms``/``share_pct`` are NULL for
     steps without a step row. Rows come in no set order: sort them where order matters.
     """
-    # One scan of timings, materialized, feeds both the phases and the step rows: on a live run each scan lists
-    # and opens every writer's files, which costs more than the rows (at rest the two cost the same).
     return frame(as_store(store), f"""
-        WITH t AS MATERIALIZED (
-            SELECT run_id, coalesce(role, '') AS role, rank, step, phase, ({STEP_ROW}) AS is_step,
-                   {SYNC} AS sync, dur_us
-            FROM timings WHERE (({TOP_LEVEL}) OR ({STEP_ROW})){run_clause(run)}),
-        ph AS (SELECT {KEYS}, phase, bool_or(sync) AS sync, SUM(dur_us) AS dur_us
-               FROM t WHERE NOT is_step GROUP BY ALL),
-        st AS (SELECT {KEYS}, MAX(dur_us) AS step_us FROM t WHERE is_step GROUP BY ALL),
+        WITH {scan_sql(run)},
         tot AS (SELECT {KEYS}, SUM(dur_us) AS phases_us FROM ph GROUP BY ALL)
         SELECT ph.run_id, ph.role, ph.rank, ph.step, ph.phase,
                CASE WHEN ph.sync THEN 'wait' ELSE 'phase' END AS category,
@@ -107,7 +120,7 @@ def idle_time(store: StoreLike, run: str | None = None) -> pl.DataFrame:
     """
     con = as_store(store)
     return frame(con, f"""
-        WITH ph AS ({top_level_sql(run)}), st AS ({step_rows_sql(run)}),
+        WITH {scan_sql(run)},
         per AS (
             SELECT {KEYS},
                    SUM(CASE WHEN sync THEN 0 ELSE dur_us END) AS busy_us,
@@ -135,7 +148,7 @@ def critical_path(store: StoreLike, run: str | None = None) -> pl.DataFrame:
     """
     con = as_store(store)
     return frame(con, f"""
-        WITH ph AS ({top_level_sql(run)}), st AS ({step_rows_sql(run)}),
+        WITH {scan_sql(run)},
         busy AS (
             SELECT {KEYS}, SUM(dur_us) AS busy_us FROM ph WHERE NOT sync GROUP BY ALL),
         bound AS (

@@ -61,7 +61,7 @@ class RunWriter:
 
     Args:
         run_dir: the run directory (created with its marker if missing).
-        rank, role: identify this process; every row carries them.
+        rank, role: identify this process; every row carries them (role None or "": ``trainer``).
         flush_rows / flush_secs: flush when either is reached.
         max_buffer_rows / max_buffer_bytes: rows and bytes held in memory at most (buffered and awaiting a
             retry); beyond either the oldest batches are dropped and counted.
@@ -81,7 +81,7 @@ class RunWriter:
         run_dir: str | os.PathLike,
         *,
         rank: int = 0,
-        role: str = "trainer",
+        role: str | None = "trainer",
         flush_rows: int = 200_000,
         flush_secs: float = 2.0,
         max_buffer_rows: int = 5_000_000,
@@ -97,7 +97,7 @@ class RunWriter:
         node: bool | str | None = None,
     ) -> None:
         self.run_dir = Path(run_dir).expanduser().resolve()
-        self.rank, self.role = int(rank), str(role)
+        self.rank, self.role = int(rank), str(role or "trainer")  # None: not given, as in ``watch``
         self.flush_rows, self.flush_secs = int(flush_rows), float(flush_secs)
         self.max_buffer_rows, self.max_buffer_bytes = int(max_buffer_rows), int(max_buffer_bytes)
         self.max_block_s = float(max_block_s)
