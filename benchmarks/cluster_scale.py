@@ -18,6 +18,10 @@ called by their public names (``dynascope.analyses.<name>``); one that fails or 
 others still run. The table goes to stdout and, with ``--doc``, between the markers of docs/scale.md.
 
     flock /tmp/dynascope-bench.lock python benchmarks/cluster_scale.py --ranks 8 64 256 1024 --rounds 3 --doc
+    python benchmarks/cluster_scale.py --ranks 256 --rounds 5 --only idle_time --baseline ../dynascope-before
+
+The second times each call against another checkout's code on the same files, alternating round by round,
+and prints the ratios.
 """
 
 from __future__ import annotations
@@ -96,13 +100,13 @@ def _limit_memory() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 
-def measure(cmd: list[str], timeout_s: float) -> dict:
-    """Run ``cmd`` (its address space capped at ``LIMITS["mem_gb"]``); wall seconds, peak RSS (MB, from wait4) and
-    its JSON line, or the error."""
+def measure(cmd: list[str], timeout_s: float, code: Path = REPO) -> dict:
+    """Run ``cmd`` with the dynascope of ``code`` (its address space capped at ``LIMITS["mem_gb"]``); wall
+    seconds, peak RSS (MB, from wait4) and its JSON line, or the error."""
     load = os.getloadavg()[0]
     with tempfile.TemporaryFile() as fout, tempfile.TemporaryFile() as ferr:  # files: a full pipe would stall it
         t = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=fout, stderr=ferr, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+        proc = subprocess.Popen(cmd, stdout=fout, stderr=ferr, cwd=REPO, env={**os.environ, "PYTHONPATH": str(code)},
                                 preexec_fn=_limit_memory)
         deadline = time.monotonic() + timeout_s
         while True:
@@ -241,6 +245,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per call before it counts as failed")
     ap.add_argument("--mem-limit-gb", type=float, default=LIMITS["mem_gb"], help="address space per call (it fails above)")
     ap.add_argument("--only", nargs="*", help="measure only these calls (names as in the table)")
+    ap.add_argument("--baseline", type=Path, help="another checkout of dynascope: each call also runs with its code, "
+                    "alternating, and the ratios are printed (nothing saved)")
     ap.add_argument("--dashboard", action="store_true", help="also time each dashboard page's first visit")
     ap.add_argument("--doc", nargs="?", const=REPO / "docs/scale.md", type=Path, help="write the tables into this file")
     ap.add_argument("--tables-only", action="store_true", help="print (and --doc) the tables of the saved results")
@@ -259,15 +265,20 @@ def main() -> None:
         if args.prepare_only:
             continue
         res: dict = {"prep": prep, "rows": rows_per_table(run), "calls": {c: [] for c in calls}}
+        arms = [("", REPO)] + ([(" (baseline)", args.baseline.resolve())] if args.baseline else [])
         for i in range(args.rounds):
             for name in calls if i % 2 == 0 else reversed(calls):
                 cmd = ([sys.executable, "-c", "from dynascope.cli import app; app()", "report", str(run)] if name == REPORT else
                        [sys.executable, __file__, "--child", name, str(run)])
-                r = measure(cmd, args.timeout)
-                res["calls"][name].append(r)
-                took = r.get("call_s", r["wall_s"])
-                print(f"r{ranks} round {i} {name}: {took:.2f} s, {r['rss_mb']:.0f} MB" +
-                      (f"  ERROR {r['error']}" if "error" in r else ""), flush=True)
+                for tag, code in arms if i % 2 == 0 else reversed(arms):
+                    r = measure(cmd, args.timeout, code)
+                    res["calls"].setdefault(name + tag, []).append(r)
+                    took = r.get("call_s", r["wall_s"])
+                    print(f"r{ranks} round {i} {name}{tag}: {took:.2f} s, {r['rss_mb']:.0f} MB" +
+                          (f"  ERROR {r['error']}" if "error" in r else ""), flush=True)
+        if args.baseline:
+            _ratios(res["calls"], calls)
+            continue  # the tables hold this checkout's figures only
         _save(args.dir, ranks, res)
         if args.dashboard:
             res["pages"] = pages(run, args.rounds)
@@ -281,6 +292,20 @@ def main() -> None:
         doc = args.doc.read_text() if args.doc.exists() else f"{DOC_BEGIN}\n{DOC_END}\n"
         head, rest = doc.split(DOC_BEGIN, 1)
         args.doc.write_text(f"{head}{DOC_BEGIN}\n{text}\n{DOC_END}{rest.split(DOC_END, 1)[1]}")
+
+
+def _ratios(got: dict, calls: list[str]) -> None:
+    """Each call against the baseline's: medians (min–max) of the call alone, peak MB, and the ratio."""
+    def call_s(rs: list[dict]) -> list[float]:
+        return [r.get("call_s", r["wall_s"]) for r in rs if "error" not in r]
+
+    for name in calls:
+        new, old = call_s(got[name]), call_s(got[name + " (baseline)"])
+        if new and old:
+            mb = [max(r["rss_mb"] for r in got[n]) for n in (name, name + " (baseline)")]
+            print(f"{name}: {statistics.median(new):.2f} s ({min(new):.2f}–{max(new):.2f}), {mb[0]:.0f} MB; "
+                  f"baseline {statistics.median(old):.2f} s ({min(old):.2f}–{max(old):.2f}), {mb[1]:.0f} MB; "
+                  f"ratio {statistics.median(new) / statistics.median(old):.2f}")
 
 
 def _save(d: Path, ranks: int, res: dict) -> None:

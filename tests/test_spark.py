@@ -26,7 +26,7 @@ import pytest
 from polars.testing import assert_frame_equal
 
 from dynascope.analyses.fleet import fleet_summary
-from dynascope.store import TABLES, open_store, snapshot
+from dynascope.store import TABLES, RunWriter, open_store, snapshot
 from dynascope.store.compact import compact_store
 from dynascope.store.engines import SparkTables
 from dynascope.store.layout import segment_name, valid_from_us
@@ -325,6 +325,39 @@ def _wait_for_expiry(root: Path, planned: list[str], passes: list) -> list[str]:
 
     _wait_until(lambda: bool(expired()), passes)
     return expired()
+
+
+def test_spark_reads_the_rows_a_live_writer_holds_in_journals(spark, tmp_path):
+    # Between seals a writer's rows sit in its journals, which Spark cannot read: the snapshot copies the rows
+    # that count at its moment, so Spark counts what DuckDB's views of the present count, each row once, and
+    # a seal after the moment (the writer closing) neither loses nor doubles any.
+    root = tmp_path / "runs"
+    writers = [RunWriter(root / "a", rank=r, flush_secs=3600, seal_secs=3600) for r in range(2)]
+    for step in range(40):
+        for w in writers:
+            w.append("scalars", {"step": step, "key": ["a", "b"], "value": [1.0, float(step)]})
+            w.append("timings", {"step": step, "phase": ["forward", "step"], "category": ["phase", "step"],
+                                 "start_us": 0, "dur_us": [1000 + step, 3000 + step]})
+    writers[0].close()  # its rows sealed into segments
+    writers[1].flush()  # its rows in journals
+    sql = {"scalars": "SELECT count(*), sum(value) FROM scalars", "timings": "SELECT count(*), sum(dur_us) FROM timings"}
+    with open_store(root) as con:
+        want = {t: tuple(con.rows(q)[0]) for t, q in sql.items()}
+    assert want["scalars"] == (160, 2 * (40 + sum(range(40))))
+    with snapshot(root, journals=False) as bare:
+        SparkTables(spark, bare, ["scalars"])
+        assert _count(spark, "scalars") == 80  # segments alone: rank 1's rows missing
+    with snapshot(root) as snap:
+        assert {"scalars", "timings"} <= set(snap.rows)
+        SparkTables(spark, snap, ["scalars", "timings"])
+        writers[1].close()  # seals: its segments take effect after the snapshot's moment
+        for table, q in sql.items():
+            assert tuple(spark.sql(q).collect()[0]) == want[table], table
+        rows_dir = snap.rows_dir
+    assert rows_dir is not None and not rows_dir.exists()
+    with snapshot(root) as snap:  # all sealed now: the same rows from segments, nothing copied
+        SparkTables(spark, snap, ["scalars", "timings"])
+        assert snap.rows == {} and all(tuple(spark.sql(q).collect()[0]) == want[t] for t, q in sql.items())
 
 
 def test_a_local_session_leaves_no_warehouse_directory(spark, tmp_path):

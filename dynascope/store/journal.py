@@ -25,8 +25,9 @@ journal is deleted ``GRACE_S`` after ``t``; a query still reading it then runs a
   fold (``at_rest``) seals them on its behalf once the writer is done (``seal_orphans``), and deletes
   journals that a segment covers.
 
-Live queries read journals (``open_store`` of the present); reads at a past ``at_us``, snapshots and other
-engines (``live_files``) read segments only, so they lack a live writer's last ``seal_secs`` of rows.
+Live queries read journals (``open_store`` of the present), and snapshots copy them for other engines
+(``snapshot_journals``); reads at a past ``at_us`` and ``live_files`` read segments only, so they lack a
+live writer's last ``seal_secs`` of rows.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ At a query's start time ``at`` (µs since the epoch) a segment is read when
 
 A writer's journal ``<run>/<table>/<writer dir>/<n>.jsonl`` (``journal``) counts while no segment counted
 by the rule above covers its number ``n`` (``live_sets``): its seal is the merged segment ``n-n.v<t>``.
-Only DuckDB's views of the present read journals; ``live_files`` lists segments.
+DuckDB's views of the present and snapshots (``snapshot_journals``) read journals; ``live_files`` lists segments.
 
 ``live_files`` evaluates ``live_sql`` over a listing made here or given by the caller (an object store's
 list call), so every engine reads the same files. ``live_paths`` and ``live_sets`` are the same rule in
@@ -35,6 +35,7 @@ import duckdb
 import pyarrow as pa
 
 from dynascope.store.layout import COMMITS, SEGMENT_RE, locate
+from dynascope.store.layout import JOURNAL_RE as JOURNAL_NAME_RE  # a name; JOURNAL_RE here is a path's
 from dynascope.store.schema import TABLES
 
 # Regular expressions of the SQL below (RE2 in DuckDB): a segment, and a commit record or a writer's begin record;
@@ -189,11 +190,13 @@ def live_files_in(listing: Iterable[str | Sequence], table: str | None = None, a
     return [e for _, e in sorted(out, key=lambda pe: pe[0])]
 
 
-def list_run(run_dir: Path, tables: Iterable[str] = TABLES) -> list[Entry]:
-    """Segments of ``tables`` and the commit records of one run directory (commit records first)."""
+def list_run(run_dir: Path, tables: Iterable[str] = TABLES, journals: bool = False) -> list[Entry]:
+    """Segments of ``tables`` and the commit records of one run directory (commit records first);
+    ``journals``: the writers' journals too."""
     out = _list_two_levels(run_dir / COMMITS, lambda n: n.endswith(".json") and not n.startswith("."))
     for table in tables:
-        out += _list_two_levels(run_dir / table, lambda n: SEGMENT_RE.match(n) is not None)
+        out += _list_two_levels(run_dir / table, lambda n: SEGMENT_RE.match(n) is not None
+                                or (journals and JOURNAL_NAME_RE.match(n) is not None))
     return out
 
 
