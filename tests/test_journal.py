@@ -23,6 +23,7 @@ from dynascope.store import RunWriter, at_rest, open_store
 from dynascope.store.live import live_files
 from dynascope.store.reader import retry_vanished
 
+from helpers import killed_writer
 from helpers.waiting import wait_until
 
 ODD = ["plain", "", None, 'quote " and \\ backslash', "new\nline", "ünïcode ✓", "x" * 300]
@@ -220,22 +221,13 @@ def test_a_seal_renamed_late_has_longer_the_next_time(tmp_path: Path, monkeypatc
         assert s.rows("SELECT count(*), count(DISTINCT step) FROM scalars") == [(7, 1)]
 
 
-_KILLED = """
-import sys, time
-from dynascope.store import RunWriter
-w = RunWriter(sys.argv[1], flush_secs=0.5, seal_secs=3600)
-for i in range(10_000):
-    w.append("scalars", {"step": i, "key": [f"m{k}" for k in range(20)], "value": [float(i)] * 20})
-    w.flush()
-    print(i, flush=True)
-"""
 
 
 def test_a_writer_killed_leaves_journals_that_count_and_are_sealed_for_it(
         tmp_path: Path, quick: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(at_rest, "CRASHED_MARGIN_S", 0.5)  # the dead writer is known dead a second after
     run = tmp_path / "r"
-    proc = subprocess.Popen([sys.executable, "-c", _KILLED, str(run)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", killed_writer.SCRIPT, str(run)], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     acked = -1
     while acked < 40:
@@ -246,7 +238,7 @@ def test_a_writer_killed_leaves_journals_that_count_and_are_sealed_for_it(
     acked = int(rest[-1]) if rest else acked
     with open_store(run) as s:
         n, steps = s.rows("SELECT count(*), count(DISTINCT step) FROM scalars")[0]
-    assert n == 20 * steps and acked + 1 <= steps <= acked + 2, (n, steps, acked)  # whole flushes, the last maybe
+    assert n == killed_writer.KEYS * steps and acked + 1 <= steps <= acked + 2, (n, steps, acked)  # whole flushes, the last maybe
     jfile = next((run / "scalars").glob("writer=r0-*/*.jsonl"))
     with open(jfile, "ab") as f:  # a line cut short by the kill
         f.write(b'{"run_id":"r","rank":0,"role":"trainer","step":99999,"key":"m0","val')

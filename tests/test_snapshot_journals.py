@@ -25,18 +25,10 @@ from dynascope.store.compact import compact_store
 from dynascope.store.engines import DuckDBTables
 from dynascope.store.snapshot import LEASES, open_snapshot
 
+from helpers import killed_writer
 from helpers.waiting import wait_until
 
 KEYS = 5
-_KILLED = """
-import sys
-from dynascope.store import RunWriter
-w = RunWriter(sys.argv[1], flush_secs=0.5, seal_secs=3600)
-for i in range(10_000):
-    w.append("scalars", {"step": i, "key": [f"m{k}" for k in range(5)], "value": [float(i)] * 5})
-    w.flush()
-    print(i, flush=True)
-"""
 
 
 def _count(snap, table: str = "scalars") -> tuple[int, int]:
@@ -51,7 +43,7 @@ def _count(snap, table: str = "scalars") -> tuple[int, int]:
 def test_a_killed_writers_journal_rows_are_in_the_snapshot_once(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(at_rest, "CRASHED_MARGIN_S", 0.5)
     run = tmp_path / "r"
-    proc = subprocess.Popen([sys.executable, "-c", _KILLED, str(run)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", killed_writer.SCRIPT, str(run)], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     while int(proc.stdout.readline()) < 30:
         pass
@@ -62,7 +54,7 @@ def test_a_killed_writers_journal_rows_are_in_the_snapshot_once(tmp_path: Path, 
         f.write(b'{"run_id":"r","rank":0,"role":"trainer","step":99999,"key":"m0","val')
     with open_store(run) as con:
         n = con.rows("SELECT count(*) FROM scalars")[0][0]
-    assert n >= 31 * KEYS and n % KEYS == 0
+    assert n >= 31 * killed_writer.KEYS and n % killed_writer.KEYS == 0
     with snapshot(run) as snap:
         assert "scalars" in snap.rows and _count(snap) == (n, n)
         rows_dir = snap.rows_dir
