@@ -5,6 +5,10 @@ instead of the journal). Both runs are written through ``store.journal`` (its en
 opened and counted in fresh processes, the two arms alternating round by round.
 
     python benchmarks/journal_read.py --writers 256 1280 --flushes 30 --sealed 4 7 --rounds 5
+    python benchmarks/journal_read.py --writers 1280 --flushes 30 --sealed 4 --rounds 5 --snapshot
+
+The second also times a snapshot of the journal run, counted as another engine reads it: with the copy of
+the journal rows (``snapshot_journals``) against its segments alone.
 
 A live journal writer holds at most ``own_fold.SEALED_LEAVE + SEALED_EVERY`` (4) sealed segments once its
 merges take effect; 7 is what it held when it folded every 4 seals to 3, as a writer without a journal does.
@@ -81,6 +85,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--baseline", type=Path, help="another checkout of dynascope: its reader opens and counts "
                     "both runs too, in the same alternation")
+    ap.add_argument("--snapshot", action="store_true", help="also take a snapshot of the run with journals "
+                    "and count it as another engine does: with the journal rows' copy, and segments alone")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     readers = {"": {"DYNASCOPE_FOLD": "0"}}
@@ -92,12 +98,15 @@ def main() -> None:
         try:
             rows = {arm: build(d / arm, n, f, arm == "sealed", k) for arm in ("journal", "sealed")}
             order = [(run, who) for run in ("journal", "sealed") for who in readers]
+            order += [("journal", f" {c}") for c in ("snapshot", "snapshot-segments") if args.snapshot]
             arms: dict[str, list[dict]] = {run + who: [] for run, who in order}
             for r in range(args.rounds):
                 for run, who in order[::1 if r % 2 == 0 else -1]:
-                    arms[run + who] += _open_count("dynascope", d / run, 1, readers[who])
-            for arm, runs in arms.items():
-                assert all(x["rows"] == n * (k + 1) * f * len(PHASES) for x in runs), (arm, runs, rows)
+                    how = who.strip() if who.startswith(" snapshot") else "dynascope"
+                    arms[run + who] += _open_count(how, d / run, 1, readers.get(who, readers[""]))
+            for arm, runs in arms.items():  # a snapshot without the copy lacks the journals' rows
+                want = n * (k + (not arm.endswith("segments"))) * f * len(PHASES)
+                assert all(x["rows"] == want for x in runs), (arm, runs, rows)
             res = {"writers": n, "flushes": f, "segments": k,
                    **{arm: {"s": [x["s"] for x in runs], "rss_mb": [x["rss_mb"] for x in runs]}
                       for arm, runs in arms.items()}}
@@ -117,6 +126,12 @@ def main() -> None:
               f" | {statistics.median(r['journal']['rss_mb']):.0f} | {s:.2f} ({min(r['sealed']['s']):.2f}–"
               f"{max(r['sealed']['s']):.2f}) | {statistics.median(r['sealed']['rss_mb']):.0f} | {j / s:.2f} |")
 
+    for r in results if args.snapshot else []:
+        a, b = r["journal snapshot"], r["journal snapshot-segments"]
+        print(f"{r['writers']:,} writers, {r['segments']} sealed, {r['flushes']} flushes: a snapshot counted with its "
+              f"journal rows {statistics.median(a['s']):.2f} s ({min(a['s']):.2f}–{max(a['s']):.2f}), "
+              f"{statistics.median(a['rss_mb']):.0f} MB; segments alone {statistics.median(b['s']):.2f} s "
+              f"({min(b['s']):.2f}–{max(b['s']):.2f}), {statistics.median(b['rss_mb']):.0f} MB")
     for r in results if args.baseline else []:
         b, n = r["journal (baseline)"], r["journal"]
         print(f"{r['writers']:,} writers, {r['segments']} sealed, {r['flushes']} flushes, with journals: baseline "

@@ -56,6 +56,11 @@ COUNT = {"dynascope": ("from dynascope.store import open_store; s = open_store({
                         "'/structured_logs/*.jsonl', format = 'newline_delimited', ignore_errors = true)\").fetchall()[0][0]")}
 # The same open with the views bound by every file's footer (``union_by_name``), as for runs of other columns.
 COUNT["dynascope-wide"] = "import dynascope.store.views as v; v.narrow = lambda loc: False; " + COUNT["dynascope"]
+# A snapshot (lease, listing, and the journal rows' copy, or segments alone) counted as another engine reads it.
+for _arm, _journals in (("snapshot", True), ("snapshot-segments", False)):
+    COUNT[_arm] = ("from dynascope.store.snapshot import open_snapshot; from dynascope.store.engines import DuckDBTables; "
+                   f"snap = open_snapshot({{path!r}}, journals={_journals}); "
+                   "n = DuckDBTables(snap, ['timings']).rows('SELECT count(*) FROM timings')[1][0][0]; snap.release()")
 
 
 def _dyn_rank(run: str, rank: int, ranks: int, steps: int, done, go, out) -> None:
