@@ -24,7 +24,7 @@ import time
 import duckdb
 
 from dynascope.store.layout import COMMITS, JOURNAL, StoreLocation
-from dynascope.store.live import MAX_CLOCK_SKEW_US, live_sets
+from dynascope.store.live import MAX_CLOCK_SKEW_US, entries, files_two_down, live_sets
 from dynascope.store.views import Tables, quote_ident, variable
 
 
@@ -89,14 +89,12 @@ class Binding:
         record before its first segment, so a segment listed is never taken for one of a writer that keeps
         no records (counted at once, committed or not)."""
         runs = [self.loc.path] if not self.loc.is_root else \
-            [e.path for e in _entries(str(self.loc.path)) if e.is_dir()]
+            [e.path for e in entries(str(self.loc.path)) if e.is_dir()]
         out: list[str] = []
         for run in runs:
             for top in [COMMITS, *tables]:
-                for wdir in _entries(os.path.join(run, top)):
-                    if wdir.is_dir():
-                        out += [f"{wdir.path}/{e.name}" for e in _entries(wdir.path)]
-            out += [f"{w.path}/begin.json" for w in _entries(os.path.join(run, COMMITS)) if w.is_dir()]
+                out += [e.path for e in files_two_down(os.path.join(run, top))]
+            out += [f"{w.path}/begin.json" for w in entries(os.path.join(run, COMMITS)) if w.is_dir()]
         return out
 
     def _set(self, con: duckdb.DuckDBPyConnection, table: str, segments: list[str], journals: list[str]) -> None:
@@ -112,12 +110,3 @@ class Binding:
 
 def _table(path: str) -> str:
     return path.rsplit("/", 3)[-3]  # <run>/<table>/<writer dir>/<file>
-
-
-def _entries(path: str) -> list[os.DirEntry]:
-    """A directory's entries; none if it is gone (a run or writer directory removed by a fold)."""
-    try:
-        with os.scandir(path) as it:
-            return list(it)
-    except (FileNotFoundError, NotADirectoryError):
-        return []

@@ -202,23 +202,32 @@ def list_run(run_dir: Path, tables: Iterable[str] = TABLES, journals: bool = Fal
 
 def _list_two_levels(top: Path, keep: Callable[[str], bool]) -> list[Entry]:
     out: list[Entry] = []
-    try:
-        subdirs = [d.path for d in os.scandir(top) if d.is_dir(follow_symlinks=False)]
-    except (FileNotFoundError, NotADirectoryError):
-        return out
-    for sub in sorted(subdirs):
-        try:
-            with os.scandir(sub) as it:
-                for f in it:
-                    if keep(f.name):
-                        try:
-                            st = f.stat(follow_symlinks=False)
-                        except FileNotFoundError:  # merged away since the directory was read
-                            continue
-                        out.append(Entry(f.path, st.st_size, st.st_mtime_ns // 1000))
-        except FileNotFoundError:
-            continue
+    for f in files_two_down(str(top)):
+        if keep(f.name):
+            try:
+                st = f.stat(follow_symlinks=False)
+            except FileNotFoundError:  # merged away since the directory was read
+                continue
+            out.append(Entry(f.path, st.st_size, st.st_mtime_ns // 1000))
     return out
+
+
+def files_two_down(top: str) -> list[os.DirEntry]:
+    """The entries of each directory in ``top`` (``<table>/<writer dir>/<file>``), directories in name order;
+    none of a directory that is gone (removed by a fold since ``top`` was read). Nothing is stat'ed."""
+    out: list[os.DirEntry] = []
+    for sub in sorted((d for d in entries(top) if d.is_dir(follow_symlinks=False)), key=lambda d: d.name):
+        out += entries(sub.path)
+    return out
+
+
+def entries(path: str) -> list[os.DirEntry]:
+    """A directory's entries; none if it is gone."""
+    try:
+        with os.scandir(path) as it:
+            return list(it)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
 
 def live_files(path: str | os.PathLike, table: str, at_us: int | None = None) -> list[str]:
