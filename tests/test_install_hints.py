@@ -115,10 +115,12 @@ def _fleet(root: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
 
 def test_fleet_spark_without_java_says_to_install_one(fleet_root, tmp_path):
     pytest.importorskip("pyspark")
-    done = _fleet(fleet_root, "--engine", "spark", JAVA_HOME=str(tmp_path / "no-java"))
+    (tmp := tmp_path / "tmp").mkdir()
+    done = _fleet(fleet_root, "--engine", "spark", JAVA_HOME=str(tmp_path / "no-java"), TMPDIR=str(tmp))
     assert done.returncode == 2, done.stderr
     last = done.stderr.strip().splitlines()[-1]  # above it, Spark's launcher script says what it could not run
     assert last == f"error: {JAVA_HINT}", done.stderr
+    assert not list(tmp.glob("dynascope-spark-*"))  # the session's warehouse directory goes with the failed start
 
 
 def test_fleet_through_a_pipe_writes_nothing_to_stderr(fleet_root):

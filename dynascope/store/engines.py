@@ -86,15 +86,19 @@ def local_spark(memory: str = "1g", cores: int = 2) -> Any:
     from pyspark.sql import SparkSession
 
     warehouse = tempfile.mkdtemp(prefix="dynascope-spark-")  # not ./spark-warehouse in the caller's directory
-    spark = (SparkSession.builder.master(f"local[{cores}]").appName("dynascope")
-             .config("spark.sql.warehouse.dir", warehouse)
-             .config("spark.driver.memory", memory)
-             .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
-             .config("spark.sql.shuffle.partitions", str(max(2, cores * 2)))
-             # list a job's files in the driver: a listing job per table costs more than it saves locally
-             .config("spark.sql.sources.parallelPartitionDiscovery.threshold", "100000")
-             .config("spark.sql.session.timeZone", "UTC")
-             .getOrCreate())
+    try:
+        spark = (SparkSession.builder.master(f"local[{cores}]").appName("dynascope")
+                 .config("spark.sql.warehouse.dir", warehouse)
+                 .config("spark.driver.memory", memory)
+                 .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
+                 .config("spark.sql.shuffle.partitions", str(max(2, cores * 2)))
+                 # list a job's files in the driver: a listing job per table costs more than it saves locally
+                 .config("spark.sql.sources.parallelPartitionDiscovery.threshold", "100000")
+                 .config("spark.sql.session.timeZone", "UTC")
+                 .getOrCreate())
+    except BaseException:  # no session (no Java, a JVM that would not start): nothing to keep the directory for
+        shutil.rmtree(warehouse, ignore_errors=True)
+        raise
     spark.sparkContext.setLogLevel("ERROR")
     if warehouse in (spark.conf.get("spark.sql.warehouse.dir", "") or ""):  # removed with the session, at the latest at exit
         weakref.finalize(spark, shutil.rmtree, warehouse, True)
