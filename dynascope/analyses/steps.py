@@ -75,7 +75,8 @@ def step_rows_sql(run: str | None, with_run: bool = True) -> str:
 def scan_sql(run: str | None, with_run: bool = True) -> str:
     """CTEs for a ``WITH``: ``ph`` (as ``top_level_sql``) and ``st`` (as ``step_rows_sql``), both from one
     materialized scan of timings, ``scan``. A query that needs both uses these: on a live run each scan lists
-    and opens every writer's files, which costs more than the rows (at rest the two cost the same)."""
+    and opens every writer's files, which costs more than the rows (at rest, holding the rows costs a few
+    percent; docs/scale.md)."""
     r = _run_key(run, with_run)
     # IS TRUE: STEP_ROW is NULL, not false, on a top-level row whose category is NULL
     return f"""
