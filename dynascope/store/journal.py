@@ -238,9 +238,10 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_connections)
 
 
-def read_journal(con: duckdb.DuckDBPyConnection, path: Path) -> pa.Table:
-    """A journal's whole lines as its table's rows, typed by the schema, read as queries read them."""
-    table = path.parent.parent.name
+def read_journal(con: duckdb.DuckDBPyConnection, path: Path, table: str | None = None) -> pa.Table:
+    """A journal's whole lines as its table's rows, typed by the schema, read as queries read them;
+    ``table``: for a file outside its table's directory (default: the directory it is in)."""
+    table = path.parent.parent.name if table is None else table
     cur = con.cursor()
     try:
         out: pa.Table = cur.sql(journal_scan("?", table), params=[str(path)]).to_arrow_table()

@@ -23,9 +23,8 @@ from pathlib import Path
 import duckdb
 
 from dynascope.store.flush import atomic_write
+from dynascope.store.journal import read_journal
 from dynascope.store.live import Entry
-from dynascope.store.schema import TABLES
-from dynascope.store.views import journal_scan, quote_literal
 
 ROWS = ".rows"  # a snapshot's directory of journal rows: ``_leases/<lease name>.rows/<table>.parquet``
 
@@ -52,7 +51,7 @@ def copy_journals(journals: Iterable[Entry], out_dir: Path) -> dict[str, str]:
             raw = out_dir / f".{table}.jsonl"  # one file: DuckDB reads it as the views read the journals
             raw.write_bytes(lines)
             try:
-                rows = con.sql(journal_scan(quote_literal(str(raw)), table)).to_arrow_table().cast(TABLES[table])
+                rows = read_journal(con, raw, table)
             finally:
                 raw.unlink(missing_ok=True)
             if rows.num_rows:
