@@ -6,9 +6,11 @@ opened and counted in fresh processes, the two arms alternating round by round.
 
     python benchmarks/journal_read.py --writers 256 1280 --flushes 30 --sealed 4 7 --rounds 5
     python benchmarks/journal_read.py --writers 1280 --flushes 30 --sealed 4 --rounds 5 --snapshot
+    python benchmarks/journal_read.py --writers 1280 --flushes 30 --sealed 4 --rounds 5 --filtered --baseline ../before
 
 The second also times a snapshot of the journal run, counted as another engine reads it: with the copy of
-the journal rows (``snapshot_journals``) against its segments alone.
+the journal rows (``snapshot_journals``) against its segments alone. The third also counts the journal run
+through the what-ifs' filter (the top-level and step rows), which names eight columns of each journal line.
 
 A live journal writer holds at most ``own_fold.SEALED_LEAVE + SEALED_EVERY`` (4) sealed segments once its
 merges take effect; 7 is what it held when it folded every 4 seals to 3, as a writer without a journal does.
@@ -44,7 +46,7 @@ PHASES = ["forward", "backward", "optimizer", "step"]
 
 def _rows(rank: int, steps: range) -> pa.Table:
     return pa.Table.from_pylist([{"run_id": "r", "rank": rank, "role": "trainer", "step": step, "phase": p,
-                                  "start_us": step * 10_000, "dur_us": d, "category": "phase"}
+                                  "start_us": step * 10_000, "dur_us": d, "category": "step" if p == "step" else "phase"}
                                  for step in steps for p, d in zip(PHASES, [1000, 2000, 500, 3600], strict=True)],
                                 schema=TABLES["timings"])
 
@@ -87,6 +89,8 @@ def main() -> None:
                     "both runs too, in the same alternation")
     ap.add_argument("--snapshot", action="store_true", help="also take a snapshot of the run with journals "
                     "and count it as another engine does: with the journal rows' copy, and segments alone")
+    ap.add_argument("--filtered", action="store_true", help="also count the run with journals through the "
+                    "what-ifs' filter")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     readers = {"": {"DYNASCOPE_FOLD": "0"}}
@@ -99,11 +103,14 @@ def main() -> None:
             rows = {arm: build(d / arm, n, f, arm == "sealed", k) for arm in ("journal", "sealed")}
             order = [(run, who) for run in ("journal", "sealed") for who in readers]
             order += [("journal", f" {c}") for c in ("snapshot", "snapshot-segments") if args.snapshot]
+            order += [("journal", f" filtered{who}") for who in readers if args.filtered]
             arms: dict[str, list[dict]] = {run + who: [] for run, who in order}
             for r in range(args.rounds):
                 for run, who in order[::1 if r % 2 == 0 else -1]:
-                    how = who.strip() if who.startswith(" snapshot") else "dynascope"
-                    arms[run + who] += _open_count(how, d / run, 1, readers.get(who, readers[""]))
+                    how = who.strip() if who.startswith(" snapshot") else \
+                        "dynascope-filtered" if who.startswith(" filtered") else "dynascope"
+                    env = readers.get(who.removeprefix(" filtered"), readers[""])
+                    arms[run + who] += _open_count(how, d / run, 1, env)
             for arm, runs in arms.items():  # a snapshot without the copy lacks the journals' rows
                 want = n * (k + (not arm.endswith("segments"))) * f * len(PHASES)
                 assert all(x["rows"] == want for x in runs), (arm, runs, rows)
@@ -132,6 +139,12 @@ def main() -> None:
               f"journal rows {statistics.median(a['s']):.2f} s ({min(a['s']):.2f}–{max(a['s']):.2f}), "
               f"{statistics.median(a['rss_mb']):.0f} MB; segments alone {statistics.median(b['s']):.2f} s "
               f"({min(b['s']):.2f}–{max(b['s']):.2f}), {statistics.median(b['rss_mb']):.0f} MB")
+    for r in results if args.filtered else []:
+        for who in readers:
+            a = r[f"journal filtered{who}"]
+            print(f"{r['writers']:,} writers, {r['segments']} sealed, {r['flushes']} flushes, with journals, the "
+                  f"what-ifs' filter{who}: {statistics.median(a['s']):.2f} s ({min(a['s']):.2f}–{max(a['s']):.2f}), "
+                  f"{statistics.median(a['rss_mb']):.0f} MB")
     for r in results if args.baseline else []:
         b, n = r["journal (baseline)"], r["journal"]
         print(f"{r['writers']:,} writers, {r['segments']} sealed, {r['flushes']} flushes, with journals: baseline "

@@ -332,3 +332,23 @@ def test_a_seal_that_fails_at_close_is_reported_and_the_writer_still_closed(
         assert s.rows("SELECT count(*), count(DISTINCT step) FROM scalars") == [(35, 5)]
         assert s.rows("SELECT count(*) FROM events WHERE event = 'seal_error'") == [(1,)]
         assert s.rows("SELECT count(*) FROM events WHERE event = 'run_end'") == [(1,)]
+
+
+def test_a_filtered_query_types_each_journal_line_once(tmp_path: Path) -> None:
+    """A filter pushed below the journal's typing would call ``json_transform`` once per column it names
+    (the what-ifs' filter names eight); the typed lines are read once, and the filter gives the same rows."""
+    run = tmp_path / "r"
+    with RunWriter(run, flush_secs=3600, seal_secs=3600) as w:
+        rows = [{"rank": 0, "step": s, "phase": p, "parent": par, "start_us": s * 100 + i, "dur_us": i + 1,
+                 "category": cat} for s in range(50) for i, (p, par, cat) in enumerate(
+                    [("fwd", None, "phase"), ("bwd", None, "phase"), ("k", "fwd", "kernel"), ("step", None, "step")])]
+        w.append("timings", {k: [r[k] for r in rows] for k in rows[0]})
+        w.flush()
+        assert all(n.endswith(".jsonl") for n in _files(run, w.writer_id)["timings"])  # the rows are in the journal
+        where = "step IS NOT NULL AND phase <> 'step' AND coalesce(parent, '') = '' AND category = 'phase'"
+        with open_store(run) as s:
+            plan = "".join(str(r[1]) for r in s.rows(f"EXPLAIN SELECT step, phase, dur_us FROM timings WHERE {where}"))
+            got = s.rows(f"SELECT step, phase, dur_us FROM timings WHERE {where} ORDER BY step, phase")
+    assert plan.count("json_transform") == 1, plan
+    want = sorted((r["step"], r["phase"], r["dur_us"]) for r in rows if r["category"] == "phase")
+    assert got == want and len(got) == 100

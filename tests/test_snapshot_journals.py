@@ -19,10 +19,12 @@ from pathlib import Path
 import pytest
 
 import dynascope.store.journal as journal
+import dynascope.store.merge as merge
 import dynascope.store.snapshot_journals as snapshot_journals
 from dynascope.store import RunWriter, at_rest, open_store, snapshot
 from dynascope.store.compact import compact_store
 from dynascope.store.engines import DuckDBTables
+from dynascope.store.runfiles import RunFiles
 from dynascope.store.snapshot import LEASES, open_snapshot
 
 from helpers import killed_writer
@@ -142,4 +144,33 @@ def test_compaction_removes_a_dead_drivers_rows_and_keeps_a_held_snapshots(tmp_p
         compact_store(run, grace_s=0.5, settle_s=0.1)
         assert held.rows_dir.exists() and not dead.rows_dir.exists()
         assert _count(held) == (1, 1)
+        held.release()
+
+
+def test_a_fold_pass_lists_each_lease_directory_once(tmp_path: Path, monkeypatch) -> None:
+    """The leases and the snapshots' rows come from one listing of each lease directory (the run's and
+    its store root's): on a shared file system every listing is a metadata operation, and a writer's fold
+    pass reads the leases each time."""
+    run = tmp_path / "r"
+    stale = tmp_path / LEASES / f"gone{snapshot_journals.ROWS}"  # a dead driver's rows at the store root
+    stale.mkdir(parents=True)
+    old = time.time() - 2 * 3600
+    os.utime(stale, (old, old))
+    with RunWriter(run, flush_secs=3600, seal_secs=3600) as w:
+        w.append("scalars", {"step": 0, "key": ["a"], "value": [1.0]})
+        w.flush()
+        held = open_snapshot(run)
+        listed: list[Path] = []
+        real = Path.iterdir
+
+        def iterdir(self: Path):
+            if self.name == LEASES:
+                listed.append(self)
+            return real(self)
+
+        monkeypatch.setattr(Path, "iterdir", iterdir)
+        merge.remove_merged(RunFiles.of(run), grace_s=0.5)
+        monkeypatch.undo()
+        assert sorted(listed) == sorted([run / LEASES, tmp_path / LEASES])
+        assert not stale.exists() and held.rows_dir and held.rows_dir.exists()
         held.release()

@@ -154,7 +154,7 @@ def test_expired_and_unreadable_leases_pin_nothing(fleet):
     before = [str(p) for p in run.glob("scalars/writer=r0-*/*.parquet")]
     take_lease(run, time.time_ns() // 1000, ttl_s=-1.0)  # already expired
     (run / LEASES / "broken.json").write_text("{not json")
-    held, problems = held_leases(run)
+    held, problems, _ = held_leases(run)
     assert held == [] and len(problems) == 1 and "broken.json: unreadable lease" in problems[0]
     stats = compact_store(run, grace_s=0.0, settle_s=0.05, wait=True)
     assert any("unreadable lease" in line for line in stats.skipped)

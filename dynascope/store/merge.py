@@ -24,7 +24,7 @@ from dynascope.store.layout import is_temp, segment_name, valid_from_us
 from dynascope.store.repair import conform
 from dynascope.store.runfiles import RunFiles, Seg
 from dynascope.store.schema import TABLES
-from dynascope.store.snapshot import DEFAULT_TTL_S, LEASES, held_leases
+from dynascope.store.snapshot import DEFAULT_TTL_S, held_leases
 from dynascope.store.snapshot_journals import remove_stale
 
 __all__ = ["Removed", "merge_segments", "remove_merged"]
@@ -81,9 +81,8 @@ def remove_merged(files: RunFiles, grace_s: float, closed: set[str] | frozenset[
     # ``now_us - grace_s`` and nothing below deletes it. (Read the other way round, a pause between the two
     # reads longer than the grace would delete a segment a new lease pins.)
     now_us = time.time_ns() // 1000  # one moment for the whole run: the rule is evaluated once, not per directory
-    leases, out.skipped = held_leases(files.run_dir, now_us)
-    for d in (files.run_dir / LEASES, files.run_dir.parent / LEASES):  # a dead driver's journal rows
-        remove_stale(d, [lease.path for lease in leases], DEFAULT_TTL_S)
+    leases, out.skipped, rows = held_leases(files.run_dir, now_us)
+    remove_stale(rows, [lease.path for lease in leases], DEFAULT_TTL_S)  # a dead driver's journal rows
     pinned = frozenset().union(*(files.live(lease.snapshot_us) for lease in leases))
     out.segments = sum(_remove_expired(files, wdir, segs, grace_s, pinned, now_us)
                        for wdir, _, segs in files.writer_dirs())

@@ -25,6 +25,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from dynascope.store.layout import JOURNAL, StoreLocation, locate, safe_id
 from dynascope.store.live import Entry, list_run, live_files_in, live_sets
@@ -65,28 +66,41 @@ def _write_lease(path: Path, snapshot_us: int, ttl_s: float, holder: str) -> Non
         tmp.unlink(missing_ok=True)
 
 
-def held_leases(run_dir: Path, now_us: int | None = None) -> tuple[list[Lease], list[str]]:
-    """Unexpired leases covering ``run_dir`` (its own and its store root's), and one line per lease file
-    that cannot be read (left alone, not honoured: a lease is written whole by a rename)."""
+class Held(NamedTuple):
+    """What one listing of a run's lease directories finds: the unexpired leases, one line per lease file
+    that cannot be read (left alone, not honoured: a lease is written whole by a rename), and the journal
+    rows copied for snapshots (``snapshot_journals.ROWS``), whose leases may be gone."""
+
+    leases: list[Lease]
+    problems: list[str]
+    rows: list[Path]
+
+
+def held_leases(run_dir: Path, now_us: int | None = None) -> Held:
+    """The leases covering ``run_dir`` (its own and its store root's), from one listing of each directory:
+    a fold pass reads them all, and on a shared file system every listing is a metadata operation."""
     now = time.time_ns() // 1000 if now_us is None else now_us
-    held, problems = [], []
+    out = Held([], [], [])
     for d in (run_dir / LEASES, run_dir.parent / LEASES):
         try:
-            names = sorted(p for p in d.iterdir() if p.suffix == ".json" and not p.name.startswith("."))
+            found = sorted(d.iterdir())
         except (FileNotFoundError, NotADirectoryError):
             continue
-        for p in names:
+        out.rows.extend(p for p in found if p.name.endswith(ROWS))
+        for p in found:
+            if p.suffix != ".json" or p.name.startswith("."):
+                continue
             try:
                 body = json.loads(p.read_text(encoding="utf-8"))
                 lease = Lease(p, int(body["snapshot_us"]), int(body["expires_us"]))
             except FileNotFoundError:
                 continue  # released meanwhile
             except (OSError, ValueError, TypeError, KeyError, UnicodeDecodeError) as exc:
-                problems.append(f"{p}: unreadable lease ({type(exc).__name__}); not honoured")
+                out.problems.append(f"{p}: unreadable lease ({type(exc).__name__}); not honoured")
                 continue
             if lease.expires_us > now:
-                held.append(lease)
-    return held, problems
+                out.leases.append(lease)
+    return out
 
 
 def list_location(loc: StoreLocation, tables: tuple[str, ...] = tuple(TABLES),

@@ -72,15 +72,14 @@ def _whole_lines(e: Entry) -> bytes:
     return data[:data.rfind(b"\n") + 1]
 
 
-def remove_stale(lease_dir: Path, held: Iterable[Path], max_age_s: float) -> int:
-    """Delete the rows directories in ``lease_dir`` that no held lease names and are ``max_age_s`` old."""
+def remove_stale(rows: Iterable[Path], held: Iterable[Path], max_age_s: float) -> int:
+    """Delete the rows directories ``rows`` (``snapshot.held_leases`` lists them) that no held lease names
+    and are ``max_age_s`` old."""
     names = {p.name.removesuffix(".json") + ROWS for p in held}
     removed = 0
-    try:
-        found = [d for d in lease_dir.iterdir() if d.name.endswith(ROWS) and d.name not in names]
-    except (FileNotFoundError, NotADirectoryError):
-        return 0
-    for d in found:
+    for d in rows:
+        if d.name in names:
+            continue
         try:
             if time.time() - d.stat().st_mtime >= max_age_s:
                 shutil.rmtree(d, ignore_errors=True)
