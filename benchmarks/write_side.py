@@ -57,9 +57,10 @@ COUNT = {"dynascope": ("from dynascope.store import open_store; s = open_store({
 # The same open with the views bound by every file's footer (``union_by_name``), as for runs of other columns.
 COUNT["dynascope-wide"] = "import dynascope.store.views as v; v.narrow = lambda loc: False; " + COUNT["dynascope"]
 # The what-ifs' filter (the top-level and step rows, placed): a count that types each journal column it names.
-COUNT["dynascope-filtered"] = ("from dynascope.analyses.steps import STEP_ROW, TOP_LEVEL; " + COUNT["dynascope"].replace(
-    "FROM timings'", "FROM timings WHERE ((' + TOP_LEVEL + ') OR (' + STEP_ROW + ')) AND rank IS NOT NULL AND "
-    "start_us IS NOT NULL AND dur_us IS NOT NULL'"))
+COUNT["dynascope-filtered"] = ("from dynascope.analyses.steps import STEP_ROW, TOP_LEVEL; "
+                               "from dynascope.store import open_store; s = open_store({path!r}); "
+                               "n = s.rows('SELECT count(*) FROM timings WHERE ((' + TOP_LEVEL + ') OR (' + STEP_ROW "
+                               "+ ')) AND rank IS NOT NULL AND start_us IS NOT NULL AND dur_us IS NOT NULL')[0][0]")
 # A snapshot (lease, listing, and the journal rows' copy, or segments alone) counted as another engine reads it.
 for _arm, _journals in (("snapshot", True), ("snapshot-segments", False)):
     COUNT[_arm] = ("from dynascope.store.snapshot import open_snapshot; from dynascope.store.engines import DuckDBTables; "
