@@ -11,14 +11,19 @@ from pathlib import Path
 
 import duckdb
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
+import dynascope.store.merge as merge
 import dynascope.store.own_fold as own_fold
 import dynascope.store.reader as reader
 from dynascope.store import RunWriter, open_store
 from dynascope.store.compact import compact_store
+from dynascope.store.layout import segment_name
 from dynascope.store.live import FOREVER_US, live_files
 from dynascope.store.reader import retry_vanished
+from dynascope.store.schema import TABLES
 
 from helpers.waiting import wait_until
 
@@ -207,3 +212,30 @@ def test_a_fold_merges_only_committed_segments_under_max_rows() -> None:
     assert own_fold.pick([big, 20, 4, 3], [True] * 4, 3) == (1, 3)  # the ordered run would pass MAX_ROWS
     assert own_fold.pick([big, 20], [True] * 2, 2) is None
     assert own_fold.pick([9, 5, 4, 1], [True] * 4, 2) == (2, 2)  # 9, 5, 5: ordered; 4 + 1 is fewest of those
+
+
+@pytest.mark.parametrize("per_group", [merge.ROW_GROUP_ROWS, 100])
+def test_a_merge_gathers_its_sources_into_full_row_groups(tmp_path: Path, per_group: int,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A merged file's row groups hold ``ROW_GROUP_ROWS`` rows each (the last the rest), not one per source:
+    a live query pays per row group, and a writer's folds merge seals of a few hundred rows. The rows stay
+    those of the sources, in their order."""
+    monkeypatch.setattr(merge, "ROW_GROUP_ROWS", per_group)
+    wdir = tmp_path / "scalars" / "writer=w"
+    wdir.mkdir(parents=True)
+    schema = TABLES["scalars"]
+    group = []
+    for i in range(3):  # three seals of 70 rows, one row group each
+        path = wdir / segment_name(i, i)
+        steps = np.arange(70 * i, 70 * (i + 1))
+        pq.write_table(pa.table({"step": steps, "key": ["m"] * 70, "value": steps * 0.5}).select(
+            ["step", "key", "value"]).cast(pa.schema([schema.field(c) for c in ("step", "key", "value")])), path)
+        group.append((i, i, path))
+    valid = merge.merge_segments("scalars", group, settle_us=0)
+    md = pq.ParquetFile(wdir / segment_name(0, 2, valid)).metadata
+    sizes = [md.row_group(g).num_rows for g in range(md.num_row_groups)]
+    assert sizes == ([210] if per_group > 210 else [100, 100, 10]), sizes
+    merged = pq.read_table(wdir / segment_name(0, 2, valid))
+    assert merged.schema.equals(schema)
+    assert merged["step"].to_pylist() == list(range(210))
+    assert merged["value"].to_pylist() == [s * 0.5 for s in range(210)]

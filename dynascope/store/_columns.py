@@ -153,6 +153,12 @@ def _generic(pieces: Sequence[Piece], typ: pa.DataType, total: int) -> pa.Array:
     return arrays[0] if len(arrays) == 1 else pa.concat_arrays(arrays)
 
 
+# Rows per row group of a merged file: its sources' small row groups are gathered up to it. A row group is
+# a unit of a scan's work (its footer entry, a read per column), so a merged file of one row group per
+# source cost a live query as many units as its sources did.
+ROW_GROUP_ROWS = 262_144
+
+
 def parquet_options(schema: pa.Schema, compression: str | dict[str, str] = "auto") -> dict[str, Any]:
     """``pq.write_table`` options for a segment of ``schema``: what readers scan fastest.
 

@@ -42,7 +42,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dynascope.core.errors import first_line
-from dynascope.store._columns import codecs_like, parquet_options
+from dynascope.store._columns import ROW_GROUP_ROWS, codecs_like, parquet_options
 from dynascope.store.flush import BEGIN, commit_dir
 from dynascope.store.journal import journals_in
 from dynascope.store.layout import MERGED, is_temp, is_writer_dir, segment_name, valid_from_us
@@ -51,7 +51,6 @@ from dynascope.store.rollup import ROLLUPS
 from dynascope.store.runfiles import FOREVER_US, RunFiles, Seg
 from dynascope.store.schema import TABLES
 
-ROW_GROUP_ROWS = 262_144  # rows per row group of a merged file (small segments are gathered up to it)
 _RENAME_US = 5_000  # time allowed per rename before the files take effect (a slow network file system)
 _RANK = re.compile(r"^writer=r(\d+)-")
 _SOURCE_OF = {name: source for source, rolls in ROLLUPS.items() for name, _ in rolls}

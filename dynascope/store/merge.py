@@ -18,7 +18,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dynascope.store._columns import codecs_like, parquet_options
+from dynascope.store._columns import ROW_GROUP_ROWS, codecs_like, parquet_options
 from dynascope.store.compact_across import remove_spent
 from dynascope.store.layout import is_temp, segment_name, valid_from_us
 from dynascope.store.repair import conform
@@ -53,11 +53,17 @@ def merge_segments(table: str, group: list[Seg], settle_us: int) -> int:
     try:
         # in the codecs its writer chose, as its first source has them
         with pq.ParquetWriter(tmp, schema, **parquet_options(schema, codecs_like(group[0][2], schema))) as writer:
+            # the sources' rows gathered into row groups of ROW_GROUP_ROWS, not one row group per source: a
+            # live writer's fold merges seals of a few hundred rows each, and a query pays per row group
+            pending: list[pa.Table] = []
             for _, _, src in group:
                 pf = pq.ParquetFile(src)
                 expected += pf.metadata.num_rows
-                for batch in pf.iter_batches(batch_size=262_144):
-                    writer.write_table(conform(pa.Table.from_batches([batch]), table))
+                for batch in pf.iter_batches(batch_size=ROW_GROUP_ROWS):
+                    pending.append(conform(pa.Table.from_batches([batch]), table))
+                    pending = _write_full(writer, pending)
+            if pending:
+                writer.write_table(pa.concat_tables(pending), row_group_size=ROW_GROUP_ROWS)
         got = pq.ParquetFile(tmp).metadata.num_rows
         if got != expected:
             raise OSError(f"merged file has {got} rows, its sources {expected}")
@@ -68,6 +74,17 @@ def merge_segments(table: str, group: list[Seg], settle_us: int) -> int:
     finally:
         tmp.unlink(missing_ok=True)
     return valid_from
+
+
+def _write_full(writer: pq.ParquetWriter, pending: list[pa.Table]) -> list[pa.Table]:
+    """Write the full row groups of ``pending``'s rows; the rest, fewer than ``ROW_GROUP_ROWS``, waits."""
+    rows = sum(t.num_rows for t in pending)
+    if rows < ROW_GROUP_ROWS:
+        return pending
+    whole = pa.concat_tables(pending)
+    full = rows - rows % ROW_GROUP_ROWS
+    writer.write_table(whole.slice(0, full), row_group_size=ROW_GROUP_ROWS)
+    return [whole.slice(full)] if full < rows else []
 
 
 def remove_merged(files: RunFiles, grace_s: float, closed: set[str] | frozenset[str] = frozenset()) -> Removed:
