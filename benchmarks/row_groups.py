@@ -29,11 +29,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cluster_scale import measure  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from cluster_scale import measure, rows_per_table  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
-from dynascope.store import open_store  # noqa: E402
 from dynascope.store._columns import ROW_GROUP_ROWS  # noqa: E402
-from dynascope.store.layout import SEGMENT_RE  # noqa: E402
+from dynascope.store.layout import SEGMENT_RE, segment_name  # noqa: E402
 from dynascope.store.merge import merge_segments  # noqa: E402
 from dynascope.store.schema import TABLES  # noqa: E402
 
@@ -61,18 +60,12 @@ def gather(run: Path) -> int:
                 continue
             lo, hi = int(m.group(1)), int(m.group(2))
             st = path.stat()
-            before = set(path.parent.iterdir())
-            merge_segments(table, [(lo, hi, path)], settle_us=0)
-            (made,) = set(path.parent.iterdir()) - before
-            os.replace(made, path)  # its own name: the live-segment rule sees the same files
+            valid = merge_segments(table, [(lo, hi, path)], settle_us=0)
+            # back onto its own name: the live-segment rule sees the same files
+            os.replace(path.parent / segment_name(lo, hi, valid), path)
             os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
             n += 1
     return n
-
-
-def rows(run: Path) -> dict[str, int]:
-    with open_store(run) as con:
-        return {t: con.rows(f"SELECT count(*) FROM {t}")[0][0] for t in TABLES}
 
 
 def main() -> None:
@@ -90,7 +83,7 @@ def main() -> None:
             shutil.copytree(a.run, d, symlinks=True)
         print(f"rewrote {gather(arms['gathered'])} segments; timings files, row groups:",
               {k: census(d) for k, d in arms.items()})
-        counted = {k: rows(d) for k, d in arms.items()}
+        counted = {k: rows_per_table(d) for k, d in arms.items()}
         assert counted["as written"] == counted["gathered"], counted
         print("rows per table, the same in both:", counted["gathered"])
         script = str(Path(__file__).parent / "cluster_scale.py")

@@ -228,8 +228,8 @@ def test_a_merge_gathers_its_sources_into_full_row_groups(tmp_path: Path, per_gr
     for i in range(3):  # three seals of 70 rows, one row group each
         path = wdir / segment_name(i, i)
         steps = np.arange(70 * i, 70 * (i + 1))
-        pq.write_table(pa.table({"step": steps, "key": ["m"] * 70, "value": steps * 0.5}).select(
-            ["step", "key", "value"]).cast(pa.schema([schema.field(c) for c in ("step", "key", "value")])), path)
+        pq.write_table(pa.table({"step": steps, "key": ["m"] * 70, "value": steps * 0.5},
+                                schema=pa.schema([schema.field(c) for c in ("step", "key", "value")])), path)
         group.append((i, i, path))
     valid = merge.merge_segments("scalars", group, settle_us=0)
     md = pq.ParquetFile(wdir / segment_name(0, 2, valid)).metadata
