@@ -31,11 +31,20 @@ rest (a few files per table) by itself, with every row counted once.
     python benchmarks/live_scale.py --writers 1280 --trainers 1024 --steps 300 --procs 4 --seal-s 30 --reads 3 \
         --rounds 5 --cluster --calls what_if step_breakdown schedule_what_if straggler_scores --at-rest \
         --baseline ../dynascope-before
+    python benchmarks/live_scale.py --writers 1280 --trainers 1024 --per-writer 8 --steps 300 --procs 4 --seal-s 6 \
+        --reads 3 --rounds 5 --cluster --calls what_if schedule_what_if step_breakdown straggler_scores --at-rest
+
+With ``--per-writer K`` each writer also writes the rows of the K - 1 ranks after its own, each row with
+its rank and role, as a node writer (``store.node``) writes its node's: the files, seals, folds and deletion
+windows a query meets are a node writer's, without the sockets (on this 2-core machine, beside 1,280 writer threads,
+node writers answer their senders too late and the senders fall back to their own files; ``--node`` runs
+the real thing).
 
 The first is watch()'s flush interval (10 s) with a seal a minute; the second seals every 2 s, 125 seals a
 writer, to show the files stay flat however many seals a writer makes; the third reads a live run the way
 the timing analyses and the report do, at three points of the writers' fold cycles; the fourth times them
-against an earlier checkout on the same live files, and on the same rows at rest.
+against an earlier checkout on the same live files, and on the same rows at rest; the fifth times them on
+a writer per node of 8's files.
 """
 
 from __future__ import annotations
@@ -84,6 +93,8 @@ def _host(run: str, p: int, ranks: list[int], a: argparse.Namespace, go, done, f
     writers = [RunWriter(run, rank=r, role="trainer" if r < a.trainers else "rollout", world_size=a.writers,
                          flush_secs=a.flush_s, seal_secs=a.seal_s, fold=True,
                          node=f"node{r // a.node}" if a.node > 1 else False) for r in ranks]
+    # with --per-writer, a writer also writes the rows of the ranks after its own, each with its rank and role
+    gathered = [range(w.rank, w.rank + a.per_writer) for w in writers]
     costs: list[int] = []
     t_next = time.monotonic()
     for step in range(a.steps):
@@ -91,15 +102,17 @@ def _host(run: str, p: int, ranks: list[int], a: argparse.Namespace, go, done, f
             paused[p] = 1
             go.wait()
             paused[p] = 0
-        for w in writers:
+        for w, own in zip(writers, gathered, strict=True):
             t0 = time.perf_counter_ns()
-            if plan is None:
-                cols: dict = {"step": step, "phase": PHASES, "dur_us": DUR_US, "category": ["phase", "phase", "phase", "step"]}
-            else:  # the synthetic cluster's phases: what the timing analyses read
-                cols = trainer_timings(plan, w.rank, step) if w.rank < a.trainers else \
-                    worker_timings(plan, w.rank - a.trainers, step)
-            w.append("timings", cols)
-            appended[p] += len(cols["phase"])
+            for r in own:
+                if plan is None:
+                    cols: dict = {"step": step, "phase": PHASES, "dur_us": DUR_US, "category": ["phase", "phase", "phase", "step"]}
+                else:  # the synthetic cluster's phases: what the timing analyses read
+                    cols = trainer_timings(plan, r, step) if r < a.trainers else worker_timings(plan, r - a.trainers, step)
+                if a.per_writer > 1:
+                    cols.update(rank=r, role="trainer" if r < a.trainers else "rollout")
+                w.append("timings", cols)
+                appended[p] += len(cols["phase"])
             if step % a.event_every == 0:
                 w.append("events", {"step": [step], "event": ["bench"], "severity": ["info"], "message": ["live"]})
             costs.append(time.perf_counter_ns() - t0)
@@ -194,6 +207,9 @@ def main() -> None:
     ap.add_argument("--seal-s", type=float, default=60.0)
     ap.add_argument("--event-every", type=int, default=50)
     ap.add_argument("--node", type=int, default=1, help="ranks a node writer (store.node); 1: a writer per rank")
+    ap.add_argument("--per-writer", type=int, default=1, help="ranks whose rows one writer writes, each with its own "
+                    "rank and role, as a node writer writes its node's (store.node) without its senders' sockets: the "
+                    "files, seals and folds a query meets are a node writer's (this machine cannot carry 1,280 senders)")
     ap.add_argument("--reads", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", type=Path, help="where the run goes (default: a temporary directory, removed)")
@@ -219,7 +235,9 @@ def main() -> None:
     go, n = ctx.Event(), a.procs
     done, flushed, cost_ns, paused, appended = (ctx.Array("q", n, lock=False) for _ in range(5))
     go.set()
-    chunks = [list(range(a.writers))[p::n] for p in range(n)]
+    if a.per_writer > 1 and (a.node > 1 or a.trainers % a.per_writer or a.writers % a.per_writer):
+        raise SystemExit("--per-writer: not with --node, and it must divide --trainers and --writers")
+    chunks = [list(range(0, a.writers, a.per_writer))[p::n] for p in range(n)]
     procs = [ctx.Process(target=_host, args=(str(run), p, chunks[p], a, go, done, flushed, cost_ns, paused,
                                                     appended, plan))
              for p in range(n)]
@@ -253,7 +271,10 @@ def main() -> None:
                 calls = _calls(a, run, spec.as_dict() if spec else {}, arms)
                 files = _sample(run)
                 if a.keep:
-                    shutil.copytree(run, a.keep / f"step-{at[0]}", symlinks=True, dirs_exist_ok=True)
+                    kept = a.keep / f"step-{at[0]}"
+                    shutil.copytree(run, kept, symlinks=True, dirs_exist_ok=True)
+                    if spec:  # what cluster_scale.py's calls read beside the run (row_groups.py, copies_ab.py)
+                        (kept / "planted.json").write_text(json.dumps({"spec": spec.as_dict(), "planted": {}}))
                 rest: dict = {}
                 if a.at_rest and a.calls:  # the same rows at rest: what of each call's time is files, what rows
                     rested = _rested(run, base / "rest")
@@ -282,7 +303,7 @@ def main() -> None:
     rest_s = time.monotonic() - closed
     final = _open_count("dynascope", run, 1)[0]
     fallbacks = _open_count("live-fallback", run, 1)[0]["rows"]  # senders that wrote their own files
-    res = {"node": a.node, "fallbacks": fallbacks, "writers": a.writers, "steps": a.steps, "seal_s": a.seal_s, "flush_s": a.flush_s, "wall_s": wall,
+    res = {"node": a.node, "per_writer": a.per_writer, "fallbacks": fallbacks, "writers": a.writers, "steps": a.steps, "seal_s": a.seal_s, "flush_s": a.flush_s, "wall_s": wall,
            "samples": samples, "peak": peak, "reads": reads, "append_us": [c / 1e3 for c in cost_ns],
            "at_rest": rest, "rest_s": rest_s, "rows": final["rows"], "expected": total}
     print(json.dumps(res))
@@ -290,7 +311,7 @@ def main() -> None:
         a.json.write_text(json.dumps(res, indent=1))
     bad = [r for r in reads if r["rows"] < r["flushed"] or r["twice"] or any(b != r["timings"] for b in r["base_timings"])
            or r["rest"].get("timings", r["timings"]) != r["timings"]]
-    print(f"\n{a.writers} writers × {a.steps} steps, {wall:.0f} s of writing, {samples} samples")
+    print(f"\n{a.writers} ranks, {a.writers // a.per_writer} writers × {a.steps} steps, {wall:.0f} s of writing, {samples} samples")
     for t, (files, journals, live, all_files, all_journals) in peak.items():
         print(f"  {t}: most per writer: {files} Parquet files and {journals} journals on disk, {live} live segments;"
               f" most in all: {all_files:,} Parquet files, {all_journals:,} journals")

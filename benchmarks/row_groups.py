@@ -21,7 +21,6 @@ import argparse
 import math
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -29,14 +28,13 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cluster_scale import measure, rows_per_table  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from cluster_scale import rows_per_table  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from copies_ab import CALLS, ab_calls  # noqa: E402
 
 from dynascope.store._columns import ROW_GROUP_ROWS  # noqa: E402
 from dynascope.store.layout import SEGMENT_RE, segment_name  # noqa: E402
 from dynascope.store.merge import merge_segments  # noqa: E402
 from dynascope.store.schema import TABLES  # noqa: E402
-
-CALLS = ["open + count(timings)", "what_if", "schedule_what_if", "step_breakdown", "straggler_scores"]
 
 
 def census(run: Path, table: str = "timings") -> tuple[int, int]:
@@ -86,25 +84,7 @@ def main() -> None:
         counted = {k: rows_per_table(d) for k, d in arms.items()}
         assert counted["as written"] == counted["gathered"], counted
         print("rows per table, the same in both:", counted["gathered"])
-        script = str(Path(__file__).parent / "cluster_scale.py")
-        for call in a.calls:
-            got: dict[str, list[dict]] = {k: [] for k in arms}
-            for _ in range(a.rounds):
-                for k, d in arms.items():
-                    got[k].append(measure([sys.executable, script, "--child", call, str(d)], a.timeout))
-            errors = [r["error"] for rs in got.values() for r in rs if "error" in r]
-            if errors:
-                print(f"{call}: failed: {errors[0]}")
-                continue
-            line = []
-            for k, rs in got.items():
-                s = [r["call_s"] for r in rs]
-                w = [r["wall_s"] for r in rs]
-                line.append(f"{k} call {statistics.median(s):.2f} s ({min(s):.2f}-{max(s):.2f}), "
-                            f"wall {statistics.median(w):.2f} s, {statistics.median(r['rss_mb'] for r in rs):.0f} MB")
-            ratio = [g["call_s"] / b["call_s"] for g, b in zip(got["gathered"], got["as written"], strict=True)]
-            print(f"{call}: " + "; ".join(line) + f"; ratio {statistics.median(ratio):.2f} "
-                  f"({min(ratio):.2f}-{max(ratio):.2f})", flush=True)
+        ab_calls(arms, a.calls, a.rounds, a.timeout)
 
 
 if __name__ == "__main__":
