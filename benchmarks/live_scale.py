@@ -329,7 +329,8 @@ def main() -> None:
             b = r["base_s"]
             print(f"    baseline: {statistics.median(b):.2f} s ({min(b):.2f}–{max(b):.2f}),"
                   f" {statistics.median(r['base_rss_mb']):.0f} MB; ratio {statistics.median(r['s']) / statistics.median(b):.2f}")
-    print(f"  append: {statistics.median(res['append_us']):.1f} µs (processes' medians)")
+    print(f"  append: {statistics.median(res['append_us']):.1f} µs (processes' medians"
+          + (f"; a writer's {a.per_writer} appends a step)" if a.per_writer > 1 else ")"))
     print(f"  at rest {rest_s:.0f} s after the last close: {rest}; rows {final['rows']:,} of {total:,}")
     if a.node > 1:
         print(f"  {a.node} ranks a node writer: {fallbacks} senders fell back to their own files")
