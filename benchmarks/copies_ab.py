@@ -71,12 +71,11 @@ def main() -> None:
     # the copies' writers never close and their heartbeats are stale: no open may fold or tidy them
     os.environ["DYNASCOPE_FOLD"] = "0"
     with tempfile.TemporaryDirectory(dir=a.runs[0].parent) as tmp:
-        arms = {}
-        for i, run in enumerate(a.runs):
-            arms[f"{run.parent.name}/{run.name}"] = d = Path(tmp) / str(i)
-            shutil.copytree(run, d, symlinks=True)
+        arms = {f"{run.parent.name}/{run.name}": Path(tmp) / str(i) for i, run in enumerate(a.runs)}
         if len(arms) < 2:
             raise SystemExit("--runs: two copies of different names (parent/name)")
+        for run, d in zip(a.runs, arms.values(), strict=True):
+            shutil.copytree(run, d, symlinks=True)
         for k, d in arms.items():
             parquet, journals = files_of(d)
             print(f"{k}: timings {parquet:,} Parquet files and {journals:,} journals; rows {rows_per_table(d)}")

@@ -90,11 +90,9 @@ def _host(run: str, p: int, ranks: list[int], a: argparse.Namespace, go, done, f
     """One process's writers: append each step's rows to every writer, paced by wall time; pause while the
     parent reads (``go`` cleared); publish the rows flushed; close them all."""
     os.fsync = lambda fd: None  # type: ignore[assignment]  (see the module's docstring)
-    writers = [RunWriter(run, rank=r, role="trainer" if r < a.trainers else "rollout", world_size=a.writers,
+    writers = [RunWriter(run, rank=r, role=_role(r, a), world_size=a.writers,
                          flush_secs=a.flush_s, seal_secs=a.seal_s, fold=True,
                          node=f"node{r // a.node}" if a.node > 1 else False) for r in ranks]
-    # with --per-writer, a writer also writes the rows of the ranks after its own, each with its rank and role
-    gathered = [range(w.rank, w.rank + a.per_writer) for w in writers]
     costs: list[int] = []
     t_next = time.monotonic()
     for step in range(a.steps):
@@ -102,15 +100,15 @@ def _host(run: str, p: int, ranks: list[int], a: argparse.Namespace, go, done, f
             paused[p] = 1
             go.wait()
             paused[p] = 0
-        for w, own in zip(writers, gathered, strict=True):
+        for w in writers:
             t0 = time.perf_counter_ns()
-            for r in own:
+            for r in range(w.rank, w.rank + a.per_writer):  # --per-writer: the ranks after its own too
                 if plan is None:
                     cols: dict = {"step": step, "phase": PHASES, "dur_us": DUR_US, "category": ["phase", "phase", "phase", "step"]}
                 else:  # the synthetic cluster's phases: what the timing analyses read
                     cols = trainer_timings(plan, r, step) if r < a.trainers else worker_timings(plan, r - a.trainers, step)
                 if a.per_writer > 1:
-                    cols.update(rank=r, role="trainer" if r < a.trainers else "rollout")
+                    cols.update(rank=r, role=_role(r, a))
                 w.append("timings", cols)
                 appended[p] += len(cols["phase"])
             if step % a.event_every == 0:
@@ -127,6 +125,10 @@ def _host(run: str, p: int, ranks: list[int], a: argparse.Namespace, go, done, f
         t.join(180)
     cost_ns[p] = int(statistics.median(costs))
     os._exit(0)
+
+
+def _role(rank: int, a: argparse.Namespace) -> str:
+    return "trainer" if rank < a.trainers else "rollout"
 
 
 def _call(name: str, run: Path, spec: dict, env: dict | None = None) -> dict:
@@ -235,8 +237,8 @@ def main() -> None:
     go, n = ctx.Event(), a.procs
     done, flushed, cost_ns, paused, appended = (ctx.Array("q", n, lock=False) for _ in range(5))
     go.set()
-    if a.per_writer > 1 and (a.node > 1 or a.trainers % a.per_writer or a.writers % a.per_writer):
-        raise SystemExit("--per-writer: not with --node, and it must divide --trainers and --writers")
+    if a.per_writer < 1 or (a.per_writer > 1 and (a.node > 1 or a.trainers % a.per_writer or a.writers % a.per_writer)):
+        raise SystemExit("--per-writer: at least 1, not with --node, and it must divide --trainers and --writers")
     chunks = [list(range(0, a.writers, a.per_writer))[p::n] for p in range(n)]
     procs = [ctx.Process(target=_host, args=(str(run), p, chunks[p], a, go, done, flushed, cost_ns, paused,
                                                     appended, plan))
